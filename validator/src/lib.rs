@@ -1,0 +1,1 @@
+//! The staleguard validator (work in progress: see issue 2).
