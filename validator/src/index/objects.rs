@@ -1,0 +1,416 @@
+//! Turns Kubernetes objects into the compact facts the index keeps.
+//!
+//! The index never stores a whole `Pod` or `EndpointSlice`: at 150k pods that
+//! would cost gigabytes. Each object is reduced here to what the rules need, with
+//! repeated strings (namespaces, label keys and values, service names) shared
+//! through an [`Interner`]. Anything malformed is reported as a [`Skip`] with a
+//! stable reason code, never a panic.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::ResourceExt;
+use staleguard_core::wire::{EndpointConditions, EndpointPort};
+use staleguard_core::ServiceKey;
+
+/// The label that ties an EndpointSlice to its Service.
+pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// A resource kind the index is fed with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// `v1/Pod`.
+    Pod,
+    /// `v1/Service`.
+    Service,
+    /// `discovery.k8s.io/v1/EndpointSlice`.
+    EndpointSlice,
+}
+
+impl Kind {
+    /// Every kind, in a fixed order.
+    pub const ALL: [Kind; 3] = [Kind::Pod, Kind::Service, Kind::EndpointSlice];
+
+    /// `pod`, `service` or `endpointslice`: stable, used as a metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Kind::Pod => "pod",
+            Kind::Service => "service",
+            Kind::EndpointSlice => "endpointslice",
+        }
+    }
+
+    pub(crate) const fn slot(self) -> usize {
+        match self {
+            Kind::Pod => 0,
+            Kind::Service => 1,
+            Kind::EndpointSlice => 2,
+        }
+    }
+}
+
+/// Why (part of) an object was not indexed. The codes are stable and few, so
+/// they can label a metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Skip {
+    /// No `metadata.name` or `metadata.namespace`: the object cannot be keyed.
+    MissingName,
+    /// An address that does not parse as an IP (the rest of the object is kept).
+    InvalidIp,
+    /// An EndpointSlice whose `addressType` is not `IPv4` or `IPv6` (`FQDN`,
+    /// or garbage): its entries are ignored.
+    UnknownAddressType,
+    /// An EndpointSlice without endpoints (kept: it lists nobody).
+    EmptySlice,
+    /// An EndpointSlice without the `kubernetes.io/service-name` label.
+    NoServiceLabel,
+    /// A slice port outside 1..=65535 (the port is dropped).
+    InvalidPort,
+}
+
+impl Skip {
+    /// The stable code.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Skip::MissingName => "missing_name",
+            Skip::InvalidIp => "invalid_ip",
+            Skip::UnknownAddressType => "unknown_address_type",
+            Skip::EmptySlice => "empty_slice",
+            Skip::NoServiceLabel => "no_service_label",
+            Skip::InvalidPort => "invalid_port",
+        }
+    }
+}
+
+/// Shares repeated strings. Entries nobody else holds are dropped when the set
+/// has doubled since the last sweep, so churning values (pod-template hashes of
+/// old ReplicaSets) do not accumulate.
+#[derive(Debug, Default)]
+pub(crate) struct Interner {
+    set: HashSet<Arc<str>>,
+    swept_len: usize,
+}
+
+impl Interner {
+    pub(crate) fn get(&mut self, s: &str) -> Arc<str> {
+        if let Some(found) = self.set.get(s) {
+            return found.clone();
+        }
+        if self.set.len() >= 1024 && self.set.len() >= 2 * self.swept_len {
+            self.set.retain(|a| Arc::strong_count(a) > 1);
+            self.swept_len = self.set.len();
+        }
+        let arc: Arc<str> = Arc::from(s);
+        self.set.insert(arc.clone());
+        arc
+    }
+
+    fn labels(&mut self, labels: &BTreeMap<String, String>) -> Labels {
+        labels
+            .iter()
+            .map(|(k, v)| (self.get(k), self.get(v)))
+            .collect()
+    }
+}
+
+/// Sorted `(key, value)` pairs.
+pub(crate) type Labels = Box<[(Arc<str>, Arc<str>)]>;
+
+/// A namespaced object's name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct ObjName {
+    pub(crate) namespace: Arc<str>,
+    pub(crate) name: Box<str>,
+}
+
+impl std::fmt::Display for ObjName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// What the index keeps of a Pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PodFacts {
+    pub(crate) name: Arc<ObjName>,
+    pub(crate) uid: Arc<str>,
+    pub(crate) labels: Labels,
+    /// The IPs the pod holds: empty for a pod without an IP yet, and for a
+    /// `Succeeded`/`Failed` pod, whose IP the node has released.
+    pub(crate) ips: Box<[IpAddr]>,
+    pub(crate) ready: bool,
+    pub(crate) terminating: bool,
+    pub(crate) host_network: bool,
+}
+
+/// What the index keeps of a Service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ServiceFacts {
+    pub(crate) key: Arc<ServiceKey>,
+    /// `None` for a service without a selector (its endpoints are hand-made).
+    pub(crate) selector: Option<Labels>,
+}
+
+/// Who an EndpointSlice entry says holds its addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Target {
+    /// No `targetRef`, or one that is not a Pod: a member without pod identity.
+    Bare,
+    /// A Pod, by uid when the reference has one, else by name.
+    Pod {
+        uid: Option<Arc<str>>,
+        name: Option<Arc<ObjName>>,
+    },
+}
+
+impl Target {
+    /// True when the entry names this pod.
+    pub(crate) fn is(&self, pod: &PodFacts) -> bool {
+        match self {
+            Target::Bare => false,
+            Target::Pod { uid: Some(uid), .. } => **uid == *pod.uid,
+            Target::Pod {
+                uid: None,
+                name: Some(name),
+            } => **name == *pod.name,
+            Target::Pod {
+                uid: None,
+                name: None,
+            } => false,
+        }
+    }
+}
+
+/// One endpoint of a slice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EntryFacts {
+    pub(crate) ips: Box<[IpAddr]>,
+    pub(crate) target: Target,
+    pub(crate) conditions: EndpointConditions,
+}
+
+/// What the index keeps of an EndpointSlice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SliceFacts {
+    pub(crate) name: Arc<ObjName>,
+    pub(crate) service: Arc<ServiceKey>,
+    pub(crate) ports: Arc<[EndpointPort]>,
+    pub(crate) entries: Vec<EntryFacts>,
+}
+
+/// Reads the namespace and name of any object.
+pub(crate) fn obj_name<K: ResourceExt>(obj: &K, interner: &mut Interner) -> Option<Arc<ObjName>> {
+    let meta = obj.meta();
+    let name = meta.name.as_deref().filter(|n| !n.is_empty())?;
+    let namespace = meta.namespace.as_deref().filter(|n| !n.is_empty())?;
+    Some(Arc::new(ObjName {
+        namespace: interner.get(namespace),
+        name: name.into(),
+    }))
+}
+
+/// Reduces a Pod; `skips` collects what was wrong with it.
+pub(crate) fn pod_facts(
+    pod: &Pod,
+    interner: &mut Interner,
+    skips: &mut Vec<Skip>,
+) -> Option<PodFacts> {
+    let Some(name) = obj_name(pod, interner) else {
+        skips.push(Skip::MissingName);
+        return None;
+    };
+    let meta = &pod.metadata;
+    let uid: Arc<str> = Arc::from(meta.uid.as_deref().unwrap_or(""));
+    let labels = meta
+        .labels
+        .as_ref()
+        .map(|l| interner.labels(l))
+        .unwrap_or_default();
+    let status = pod.status.as_ref();
+    let phase = status.and_then(|s| s.phase.as_deref());
+    let released = matches!(phase, Some("Succeeded" | "Failed"));
+    let mut ips: Vec<IpAddr> = Vec::new();
+    if !released {
+        let listed = status
+            .and_then(|s| s.pod_ips.as_ref())
+            .filter(|l| !l.is_empty());
+        let texts: Vec<&str> = match listed {
+            Some(list) => list.iter().map(|p| p.ip.as_str()).collect(),
+            None => status
+                .and_then(|s| s.pod_ip.as_deref())
+                .into_iter()
+                .collect(),
+        };
+        for text in texts {
+            match text.trim().parse::<IpAddr>() {
+                Ok(ip) if !ips.contains(&ip) => ips.push(canonical(ip)),
+                Ok(_) => {}
+                Err(_) => skips.push(Skip::InvalidIp),
+            }
+        }
+    }
+    ips.sort_unstable();
+    ips.dedup();
+    let ready = status
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    Some(PodFacts {
+        name,
+        uid,
+        labels,
+        ips: ips.into(),
+        ready,
+        terminating: meta.deletion_timestamp.is_some(),
+        host_network: pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.host_network)
+            .unwrap_or(false),
+    })
+}
+
+/// Reduces a Service.
+pub(crate) fn service_facts(
+    service: &Service,
+    interner: &mut Interner,
+    skips: &mut Vec<Skip>,
+) -> Option<ServiceFacts> {
+    let Some(name) = obj_name(service, interner) else {
+        skips.push(Skip::MissingName);
+        return None;
+    };
+    // An empty selector selects nothing, as the endpoints controller reads it.
+    let selector = service
+        .spec
+        .as_ref()
+        .and_then(|s| s.selector.as_ref())
+        .filter(|s| !s.is_empty())
+        .map(|s| interner.labels(s));
+    Some(ServiceFacts {
+        key: Arc::new(ServiceKey::new(&*name.namespace, &*name.name)),
+        selector,
+    })
+}
+
+/// Reduces an EndpointSlice. A slice with an unknown address type is kept with
+/// no entries, so that it replaces whatever an earlier version listed.
+pub(crate) fn slice_facts(
+    slice: &EndpointSlice,
+    interner: &mut Interner,
+    skips: &mut Vec<Skip>,
+) -> Option<SliceFacts> {
+    let Some(name) = obj_name(slice, interner) else {
+        skips.push(Skip::MissingName);
+        return None;
+    };
+    let Some(service_name) = slice
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        .filter(|n| !n.is_empty())
+    else {
+        skips.push(Skip::NoServiceLabel);
+        return None;
+    };
+    let service = Arc::new(ServiceKey::new(&*name.namespace, service_name.as_str()));
+    let want_v4 = match slice.address_type.as_str() {
+        "IPv4" => true,
+        "IPv6" => false,
+        _ => {
+            skips.push(Skip::UnknownAddressType);
+            return Some(SliceFacts {
+                name,
+                service,
+                ports: Arc::from(Vec::new()),
+                entries: Vec::new(),
+            });
+        }
+    };
+    if slice.endpoints.is_empty() {
+        skips.push(Skip::EmptySlice);
+    }
+    let mut ports: Vec<EndpointPort> = Vec::new();
+    for port in slice.ports.iter().flatten() {
+        // A port without a number means "all ports" in the API; there is nothing
+        // to list for it.
+        let Some(number) = port.port else { continue };
+        match u16::try_from(number) {
+            Ok(n) if n > 0 => ports.push(EndpointPort {
+                name: port.name.clone().filter(|n| !n.is_empty()),
+                port: n,
+                protocol: port.protocol.clone(),
+            }),
+            _ => skips.push(Skip::InvalidPort),
+        }
+    }
+    ports.sort();
+    ports.dedup();
+    let mut entries = Vec::with_capacity(slice.endpoints.len());
+    for endpoint in &slice.endpoints {
+        let mut ips: Vec<IpAddr> = Vec::with_capacity(endpoint.addresses.len());
+        for text in &endpoint.addresses {
+            match text.trim().parse::<IpAddr>().map(canonical) {
+                Ok(ip) if ip.is_ipv4() == want_v4 => ips.push(ip),
+                _ => skips.push(Skip::InvalidIp),
+            }
+        }
+        ips.sort_unstable();
+        ips.dedup();
+        if ips.is_empty() {
+            continue;
+        }
+        let target = match &endpoint.target_ref {
+            Some(r) if r.kind.as_deref().is_none_or(|k| k == "Pod") => Target::Pod {
+                uid: r.uid.as_deref().filter(|u| !u.is_empty()).map(Arc::from),
+                name: r.name.as_deref().filter(|n| !n.is_empty()).map(|n| {
+                    let ns = r
+                        .namespace
+                        .as_deref()
+                        .filter(|n| !n.is_empty())
+                        .map(|n| interner.get(n))
+                        .unwrap_or_else(|| name.namespace.clone());
+                    Arc::new(ObjName {
+                        namespace: ns,
+                        name: n.into(),
+                    })
+                }),
+            },
+            _ => Target::Bare,
+        };
+        let c = endpoint.conditions.as_ref();
+        // Unset conditions as the API defines them: ready unknown = ready,
+        // serving unset = ready, terminating unset = false.
+        let ready = c.and_then(|c| c.ready).unwrap_or(true);
+        let conditions = EndpointConditions {
+            ready,
+            serving: c.and_then(|c| c.serving).unwrap_or(ready),
+            terminating: c.and_then(|c| c.terminating).unwrap_or(false),
+        };
+        entries.push(EntryFacts {
+            ips: ips.into(),
+            target,
+            conditions,
+        });
+    }
+    Some(SliceFacts {
+        name,
+        service,
+        ports: ports.into(),
+        entries,
+    })
+}
+
+/// IPv4-mapped IPv6 addresses are IPv4 addresses: one IP, one key.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map(IpAddr::V4)
+            .unwrap_or(IpAddr::V6(v6)),
+        v4 => v4,
+    }
+}

@@ -1,0 +1,593 @@
+//! The orderings of the incident, and the rules one by one.
+
+use std::net::IpAddr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kube::runtime::watcher::Event;
+use staleguard_core::wire::Via;
+use staleguard_core::{decide, Freshness, Policy, Reason, ServiceKey};
+
+use super::fixtures::{pod, service, slice};
+use super::*;
+
+fn t(secs: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(1_800_000_000 + secs)
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn key(ns: &str, name: &str) -> ServiceKey {
+    ServiceKey::new(ns, name)
+}
+
+fn index() -> Index {
+    Index::new(7, IndexConfig::default())
+}
+
+/// The verdict the filter would reach for `service` and `addr`.
+fn verdict(index: &Index, service: &ServiceKey, addr: &str) -> Reason {
+    let record = index.record(ip(addr));
+    decide(
+        &Policy::default(),
+        true,
+        service,
+        index.knows_service(service),
+        record.as_ref(),
+    )
+    .reason
+}
+
+/// `shop/cart` (app=cart) with pod cart-1 on 10.0.0.1, listed by its slice.
+fn cart_world() -> Index {
+    let mut ix = index();
+    ix.apply_service(
+        Event::Apply(service("shop", "cart").selector(&[("app", "cart")]).build()),
+        t(0),
+    );
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-1")
+                .labels(&[("app", "cart")])
+                .ip("10.0.0.1")
+                .build(),
+        ),
+        t(0),
+    );
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "cart-abc", "cart")
+                .port("http", 8080)
+                .endpoint("10.0.0.1", Some("uid-cart-1"))
+                .build(),
+        ),
+        t(0),
+    );
+    ix
+}
+
+#[test]
+fn a_listed_pod_is_a_member_by_slice_and_selector_with_ports_and_conditions() {
+    let ix = cart_world();
+    let record = ix.record(ip("10.0.0.1")).unwrap();
+    assert_eq!(record.pods.len(), 1);
+    let holder = &record.pods[0];
+    assert_eq!(holder.uid, "uid-cart-1");
+    assert!(holder.ready);
+    let m = &holder.services[0];
+    assert_eq!(m.service, key("shop", "cart"));
+    assert_eq!(m.via, Via::Both);
+    assert_eq!(m.ports[0].port, 8080);
+    assert_eq!(m.ports[0].name.as_deref(), Some("http"));
+    assert!(m.conditions.unwrap().ready);
+    assert_eq!(
+        verdict(&ix, &key("shop", "cart"), "10.0.0.1"),
+        Reason::Member
+    );
+}
+
+#[test]
+fn slice_update_before_pod_delete_keeps_a_terminating_member_then_a_dead_ip() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-1")
+                .labels(&[("app", "cart")])
+                .ip("10.0.0.1")
+                .terminating()
+                .build(),
+        ),
+        t(1),
+    );
+    ix.apply_slice(
+        Event::Apply(slice("shop", "cart-abc", "cart").port("http", 8080).build()),
+        t(2),
+    );
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Terminating);
+    ix.apply_pod(Event::Delete(pod("shop", "cart-1").build()), t(3));
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Destroyed);
+    let tomb = ix.record(ip("10.0.0.1")).unwrap().tombstone.unwrap();
+    assert_eq!(tomb.pod, "shop/cart-1");
+    assert_eq!(tomb.uid, "uid-cart-1");
+    assert_eq!(tomb.services, vec![cart]);
+    assert_eq!(tomb.since_ms, unix_ms(t(3)));
+}
+
+#[test]
+fn pod_delete_before_slice_update_ignores_the_stale_entry() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_pod(Event::Delete(pod("shop", "cart-1").build()), t(1));
+    // The slice still lists 10.0.0.1 for uid-cart-1, but nobody holds it.
+    let record = ix.record(ip("10.0.0.1")).unwrap();
+    assert!(record.pods.is_empty());
+    assert!(record.bare_services.is_empty());
+    assert_eq!(record.tombstone.unwrap().services, vec![cart.clone()]);
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Destroyed);
+}
+
+#[test]
+fn an_ip_recycled_to_another_services_pod_within_a_second_is_recycled() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    let pay = key("bank", "pay");
+    ix.apply_service(
+        Event::Apply(service("bank", "pay").selector(&[("app", "pay")]).build()),
+        t(0),
+    );
+    ix.apply_pod(Event::Delete(pod("shop", "cart-1").build()), t(1));
+    ix.apply_pod(
+        Event::Apply(
+            pod("bank", "pay-9")
+                .labels(&[("app", "pay")])
+                .ip("10.0.0.1")
+                .build(),
+        ),
+        t(1),
+    );
+    // cart's slice has not caught up: it still lists the IP with the old uid.
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Recycled);
+    assert_eq!(verdict(&ix, &pay, "10.0.0.1"), Reason::Member);
+    let record = ix.record(ip("10.0.0.1")).unwrap();
+    assert!(record.tombstone.is_none(), "a held IP has no tombstone");
+    assert_eq!(record.pods[0].services[0].via, Via::Selector);
+}
+
+#[test]
+fn two_holders_overlap_and_the_live_one_decides() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_service(
+        Event::Apply(service("bank", "pay").selector(&[("app", "pay")]).build()),
+        t(0),
+    );
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-1")
+                .labels(&[("app", "cart")])
+                .ip("10.0.0.1")
+                .terminating()
+                .build(),
+        ),
+        t(1),
+    );
+    ix.apply_pod(
+        Event::Apply(
+            pod("bank", "pay-9")
+                .labels(&[("app", "pay")])
+                .ip("10.0.0.1")
+                .build(),
+        ),
+        t(1),
+    );
+    let record = ix.record(ip("10.0.0.1")).unwrap();
+    assert_eq!(record.pods.len(), 2);
+    assert_eq!(record.pods[0].name, "pay-9", "live holders first");
+    // The only cart member is terminating: allowed by policy, not "member".
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Terminating);
+    ix.apply_pod(Event::Delete(pod("shop", "cart-1").build()), t(2));
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Recycled);
+    assert!(ix.record(ip("10.0.0.1")).unwrap().tombstone.is_none());
+}
+
+#[test]
+fn succeeded_and_failed_pods_release_their_ip() {
+    for phase in ["Succeeded", "Failed"] {
+        let mut ix = cart_world();
+        ix.apply_pod(
+            Event::Apply(
+                pod("shop", "cart-1")
+                    .labels(&[("app", "cart")])
+                    .ip("10.0.0.1")
+                    .phase(phase)
+                    .build(),
+            ),
+            t(1),
+        );
+        let record = ix.record(ip("10.0.0.1")).unwrap();
+        assert!(record.pods.is_empty(), "{phase}");
+        assert!(record.tombstone.is_some(), "{phase}");
+        assert_eq!(ix.stats().pods, 1);
+    }
+}
+
+#[test]
+fn scale_up_is_a_member_by_selector_before_its_slice_arrives() {
+    let mut ix = cart_world();
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-2")
+                .labels(&[("app", "cart")])
+                .ip("10.0.0.2")
+                .not_ready()
+                .build(),
+        ),
+        t(1),
+    );
+    assert_eq!(
+        verdict(&ix, &key("shop", "cart"), "10.0.0.2"),
+        Reason::Member
+    );
+    let record = ix.record(ip("10.0.0.2")).unwrap();
+    assert_eq!(record.pods[0].services[0].via, Via::Selector);
+    assert!(!record.pods[0].ready);
+}
+
+#[test]
+fn a_selector_change_moves_every_pod_of_the_namespace() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-2")
+                .labels(&[("app", "cart"), ("track", "canary")])
+                .ip("10.0.0.2")
+                .build(),
+        ),
+        t(1),
+    );
+    let before = ix.generation();
+    ix.apply_service(
+        Event::Apply(
+            service("shop", "cart")
+                .selector(&[("app", "cart"), ("track", "canary")])
+                .build(),
+        ),
+        t(2),
+    );
+    assert_eq!(ix.generation(), before + 1, "one event, one generation");
+    // cart-1 is still listed by the slice, cart-2 now only by the selector.
+    assert_eq!(
+        ix.record(ip("10.0.0.1")).unwrap().pods[0].services[0].via,
+        Via::Slice
+    );
+    assert_eq!(verdict(&ix, &cart, "10.0.0.2"), Reason::Member);
+    ix.apply_service(Event::Delete(service("shop", "cart").build()), t(3));
+    assert!(!ix.knows_service(&cart));
+    assert_eq!(verdict(&ix, &cart, "10.0.0.2"), Reason::UnknownService);
+    assert!(ix.record(ip("10.0.0.2")).unwrap().pods[0]
+        .services
+        .is_empty());
+}
+
+#[test]
+fn bare_entries_are_members_without_pod_identity() {
+    let mut ix = index();
+    let ext = key("shop", "legacy");
+    ix.apply_service(Event::Apply(service("shop", "legacy").build()), t(0));
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "legacy-1", "legacy")
+                .endpoint("192.168.9.9", None)
+                .build(),
+        ),
+        t(0),
+    );
+    let record = ix.record(ip("192.168.9.9")).unwrap();
+    assert_eq!(record.bare_services, vec![ext.clone()]);
+    assert_eq!(verdict(&ix, &ext, "192.168.9.9"), Reason::Member);
+    assert_eq!(
+        verdict(&ix, &ext, "192.168.9.10"),
+        Reason::Destroyed,
+        "an IP nobody lists is not a member"
+    );
+}
+
+#[test]
+fn host_network_pods_share_a_node_ip_and_never_make_it_recycled() {
+    let mut ix = cart_world();
+    for name in ["node-exporter-a", "kube-proxy-a"] {
+        ix.apply_pod(
+            Event::Apply(
+                pod("kube-system", name)
+                    .host_network()
+                    .ip("172.16.0.5")
+                    .build(),
+            ),
+            t(1),
+        );
+    }
+    let record = ix.record(ip("172.16.0.5")).unwrap();
+    assert_eq!(record.pods.len(), 2);
+    assert!(record.pods.iter().all(|p| p.host_network));
+    assert_eq!(
+        verdict(&ix, &key("shop", "cart"), "172.16.0.5"),
+        Reason::HostNetwork
+    );
+    ix.apply_pod(
+        Event::Delete(pod("kube-system", "kube-proxy-a").build()),
+        t(2),
+    );
+    let record = ix.record(ip("172.16.0.5")).unwrap();
+    assert_eq!(record.pods.len(), 1);
+    assert!(record.tombstone.is_none());
+}
+
+#[test]
+fn dual_stack_pods_are_indexed_under_both_ips() {
+    let mut ix = index();
+    let web = key("shop", "web");
+    ix.apply_service(
+        Event::Apply(service("shop", "web").selector(&[("app", "web")]).build()),
+        t(0),
+    );
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "web-1")
+                .labels(&[("app", "web")])
+                .ips(&["10.0.0.3", "fd00::3"])
+                .build(),
+        ),
+        t(0),
+    );
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "web-v6", "web")
+                .address_type("IPv6")
+                .port("http", 80)
+                .endpoint("fd00::3", Some("uid-web-1"))
+                .build(),
+        ),
+        t(0),
+    );
+    assert_eq!(verdict(&ix, &web, "10.0.0.3"), Reason::Member);
+    assert_eq!(verdict(&ix, &web, "fd00::3"), Reason::Member);
+    let v6 = ix.record(ip("fd00::3")).unwrap();
+    assert_eq!(v6.pods[0].services[0].via, Via::Both);
+    let v4 = ix.record(ip("10.0.0.3")).unwrap();
+    assert_eq!(v4.pods[0].services[0].via, Via::Selector);
+    // An IPv4-mapped address is the IPv4 address.
+    assert_eq!(ix.record(ip("::ffff:10.0.0.3")), Some(v4));
+}
+
+#[test]
+fn an_expired_tombstone_never_makes_a_dead_ip_valid() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_pod(Event::Delete(pod("shop", "cart-1").build()), t(10));
+    ix.apply_slice(
+        Event::Apply(slice("shop", "cart-abc", "cart").build()),
+        t(10),
+    );
+    ix.expire_tombstones(t(10 + 599));
+    assert!(ix.record(ip("10.0.0.1")).unwrap().tombstone.is_some());
+    let before = ix.generation();
+    ix.expire_tombstones(t(10 + 600));
+    assert_eq!(ix.record(ip("10.0.0.1")), None);
+    assert_eq!(ix.generation(), before + 1);
+    assert_eq!(ix.stats().tombstones, 0);
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Destroyed);
+    let delta = ix.changes_since(before, Freshness::default()).unwrap();
+    assert_eq!(delta.removed, vec![ip("10.0.0.1")]);
+}
+
+#[test]
+fn a_relist_buffers_then_swaps_and_applies_deletions_missed_while_away() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-2")
+                .labels(&[("app", "cart")])
+                .ip("10.0.0.2")
+                .build(),
+        ),
+        t(0),
+    );
+    // Reconnect: cart-1 was deleted while the watch was down.
+    ix.apply_pod(Event::Init, t(5));
+    ix.apply_pod(
+        Event::InitApply(
+            pod("shop", "cart-2")
+                .labels(&[("app", "cart")])
+                .ip("10.0.0.2")
+                .build(),
+        ),
+        t(5),
+    );
+    // Nothing vanishes before the list is complete.
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Member);
+    assert_eq!(verdict(&ix, &cart, "10.0.0.2"), Reason::Member);
+    let before = ix.generation();
+    ix.apply_pod(Event::InitDone, t(6));
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Destroyed);
+    assert_eq!(verdict(&ix, &cart, "10.0.0.2"), Reason::Member);
+    assert_eq!(ix.generation(), before + 1);
+    let delta = ix.changes_since(before, Freshness::default()).unwrap();
+    assert_eq!(delta.upserts.len(), 1, "only the dropped pod's IP changed");
+    assert_eq!(delta.upserts[0].ip, ip("10.0.0.1"));
+}
+
+#[test]
+fn a_relist_of_services_and_slices_drops_what_is_gone() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_service(Event::Init, t(1));
+    ix.apply_service(Event::InitDone, t(1));
+    assert!(!ix.knows_service(&cart));
+    ix.apply_slice(Event::Init, t(1));
+    ix.apply_slice(Event::InitDone, t(1));
+    assert_eq!(ix.stats().slices, 0);
+    assert!(ix.record(ip("10.0.0.1")).unwrap().pods[0]
+        .services
+        .is_empty());
+}
+
+#[test]
+fn duplicate_and_replayed_events_change_nothing() {
+    let mut ix = cart_world();
+    let generation = ix.generation();
+    let snapshot = ix.snapshot(Freshness::default());
+    let cart_pod = pod("shop", "cart-1")
+        .labels(&[("app", "cart")])
+        .ip("10.0.0.1");
+    ix.apply_pod(Event::Apply(cart_pod.clone().build()), t(9));
+    ix.apply_pod(Event::Apply(cart_pod.clone().build()), t(9));
+    // A full replay as a relist.
+    ix.apply_pod(Event::Init, t(9));
+    ix.apply_pod(Event::InitApply(cart_pod.build()), t(9));
+    ix.apply_pod(Event::InitDone, t(9));
+    ix.apply_service(
+        Event::Apply(service("shop", "cart").selector(&[("app", "cart")]).build()),
+        t(9),
+    );
+    // Deleting what is not there.
+    ix.apply_pod(Event::Delete(pod("shop", "ghost").build()), t(9));
+    ix.apply_slice(Event::Delete(slice("shop", "ghost", "x").build()), t(9));
+    assert_eq!(ix.generation(), generation);
+    assert_eq!(ix.snapshot(Freshness::default()), snapshot);
+    assert!(ix
+        .changes_since(generation, Freshness::default())
+        .unwrap()
+        .is_empty());
+}
+
+#[test]
+fn readiness_needs_every_kind_listed() {
+    let mut ix = index();
+    assert!(!ix.synced());
+    ix.apply_pod(Event::Init, t(0));
+    ix.apply_pod(Event::InitDone, t(0));
+    ix.apply_service(Event::Init, t(0));
+    ix.apply_service(Event::InitDone, t(0));
+    assert!(ix.kind_synced(Kind::Pod));
+    assert!(!ix.synced());
+    ix.apply_slice(Event::Init, t(0));
+    ix.apply_slice(Event::InitDone, t(0));
+    assert!(ix.synced());
+    assert_eq!(ix.generation(), 0, "an empty cluster changes nothing");
+}
+
+#[test]
+fn malformed_objects_are_skipped_and_counted() {
+    let mut ix = cart_world();
+    let generation = ix.generation();
+    let mut nameless = pod("shop", "x").ip("10.9.9.9").build();
+    nameless.metadata.name = None;
+    ix.apply_pod(Event::Apply(nameless), t(1));
+    ix.apply_pod(
+        Event::Apply(pod("shop", "bad-ip").ip("10.0.0.300").build()),
+        t(1),
+    );
+    let mut no_label = slice("shop", "orphan", "x")
+        .endpoint("10.0.0.9", None)
+        .build();
+    no_label.metadata.labels = None;
+    ix.apply_slice(Event::Apply(no_label), t(1));
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "fqdn", "cart")
+                .address_type("FQDN")
+                .endpoint("example.com", None)
+                .build(),
+        ),
+        t(1),
+    );
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "mixed", "cart")
+                .endpoint("fd00::1", None)
+                .endpoint("not-an-ip", None)
+                .port("bad", 70000)
+                .build(),
+        ),
+        t(1),
+    );
+    ix.apply_slice(Event::Apply(slice("shop", "empty", "cart").build()), t(1));
+    let mut nameless = service("shop", "x").build();
+    nameless.metadata.namespace = None;
+    ix.apply_service(Event::Apply(nameless), t(1));
+    let skipped = ix.stats().skipped;
+    let count = |kind, skip| skipped.get(&(kind, skip)).copied().unwrap_or(0);
+    assert_eq!(count(Kind::Pod, Skip::MissingName), 1);
+    assert_eq!(count(Kind::Pod, Skip::InvalidIp), 1);
+    assert_eq!(count(Kind::EndpointSlice, Skip::NoServiceLabel), 1);
+    assert_eq!(count(Kind::EndpointSlice, Skip::UnknownAddressType), 1);
+    assert_eq!(count(Kind::EndpointSlice, Skip::InvalidIp), 2);
+    assert_eq!(count(Kind::EndpointSlice, Skip::InvalidPort), 1);
+    assert_eq!(count(Kind::EndpointSlice, Skip::EmptySlice), 1);
+    assert_eq!(count(Kind::Service, Skip::MissingName), 1);
+    // The pod with a bad IP is known, just holds nothing; nothing changed.
+    assert_eq!(ix.stats().pods, 2);
+    assert_eq!(ix.generation(), generation);
+}
+
+#[test]
+fn a_slice_that_turns_malformed_stops_listing_its_old_entries() {
+    let mut ix = index();
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "s", "cart")
+                .endpoint("10.0.0.8", None)
+                .build(),
+        ),
+        t(0),
+    );
+    assert!(ix.record(ip("10.0.0.8")).is_some());
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "s", "cart")
+                .address_type("FQDN")
+                .endpoint("a.example", None)
+                .build(),
+        ),
+        t(1),
+    );
+    assert_eq!(ix.record(ip("10.0.0.8")), None);
+}
+
+#[test]
+fn changes_since_compacts_and_resets_when_too_far_behind() {
+    let mut ix = Index::new(
+        1,
+        IndexConfig {
+            change_log_capacity: 2,
+            ..IndexConfig::default()
+        },
+    );
+    for i in 1..=3u8 {
+        ix.apply_pod(
+            Event::Apply(
+                pod("shop", &format!("p{i}"))
+                    .ip(&format!("10.0.1.{i}"))
+                    .build(),
+            ),
+            t(0),
+        );
+    }
+    assert_eq!(ix.generation(), 3);
+    assert!(ix.changes_since(0, Freshness::default()).is_none());
+    assert!(ix.changes_since(4, Freshness::default()).is_none());
+    let delta = ix.changes_since(1, Freshness::default()).unwrap();
+    assert_eq!(delta.since, 1);
+    assert_eq!(delta.generation, 3);
+    assert_eq!(delta.upserts.len(), 2);
+    assert!(ix
+        .changes_since(3, Freshness::default())
+        .unwrap()
+        .is_empty());
+    let s = ix.snapshot(Freshness::default());
+    assert_eq!((s.epoch, s.generation, s.records.len()), (1, 3, 3));
+}
