@@ -4,5 +4,18 @@
 //! Start with [`process`]: how a test finds a dependency (and why, with
 //! `CI=true`, a missing one fails instead of skipping) and how a child process
 //! is killed when the test ends, however it ends.
+//!
+//! The end-to-end scenarios play a stuck control plane with a simulated
+//! cluster: [`world`] keeps the truth and writes it for the validator and, late
+//! or never, for Envoy ([`eds`]); [`pods`] are servers on loopback addresses
+//! that count what reached them; [`traffic`] sends requests and counts what came
+//! back.
 
+pub mod eds;
+pub mod envoy;
+pub mod fake_validator;
+pub mod pods;
 pub mod process;
+pub mod tinyhttp;
+pub mod traffic;
+pub mod world;

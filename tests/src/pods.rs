@@ -1,0 +1,201 @@
+//! Simulated pods: small HTTP servers on distinct loopback addresses.
+//!
+//! A [`PodServer`] owns one address (`127.0.1.x:port`, standing for a pod IP)
+//! for the whole test. Who answers there is its [`Occupant`], which the harness
+//! switches as the simulated cluster changes: the pod the gateway was told
+//! about, a pod of another service after the IP was recycled, or a [`Ghost`]
+//! (whatever answers on a dead pod's address: in the incident, 200s from
+//! someone else). Keeping the listener bound across those switches is what lets
+//! the server count the requests that reached an address the gateway should no
+//! longer have used.
+//!
+//! Envoy tags each request with the service it meant (`x-sg-intended`) and the
+//! gateway path it took (`x-sg-via`: guarded, plain, audit...), so every
+//! request is classified *at the server*, where it landed, into a [`Tally`]:
+//! right service, wrong service, or a dead pod.
+//!
+//! [`Ghost`]: Occupant::Ghost
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use anyhow::{Context, Result};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, Response};
+use tokio::task::JoinHandle;
+
+/// The request header naming the service the gateway's cluster routes to.
+pub const INTENDED_HEADER: &str = "x-sg-intended";
+/// The request header naming the gateway path (guarded, plain, audit...).
+pub const VIA_HEADER: &str = "x-sg-via";
+/// The response header naming the service that answered (`ghost` for a dead pod).
+pub const SERVICE_HEADER: &str = "x-sg-service";
+/// The response header naming the pod that answered.
+pub const POD_HEADER: &str = "x-sg-pod";
+
+/// Who answers on an address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Occupant {
+    /// A pod of a service (`namespace/name`).
+    Pod {
+        /// `namespace/name` of the pod's service.
+        service: String,
+        /// The pod's name.
+        pod: String,
+    },
+    /// Nothing the cluster knows: the address of a destroyed pod, still
+    /// answering 200 as whatever took it over.
+    Ghost,
+}
+
+impl Occupant {
+    /// A pod of `service`.
+    pub fn pod(service: impl Into<String>, pod: impl Into<String>) -> Self {
+        Occupant::Pod {
+            service: service.into(),
+            pod: pod.into(),
+        }
+    }
+}
+
+/// Requests that reached one address (or many, summed), by where they landed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Answered by a pod of the service the gateway meant.
+    pub right: u64,
+    /// Answered by a pod of another service (a recycled IP).
+    pub wrong_service: u64,
+    /// Answered on a destroyed pod's address.
+    pub dead: u64,
+    /// Arrived without the `x-sg-intended` header (not through the gateway).
+    pub untagged: u64,
+}
+
+impl Tally {
+    /// Requests that reached a wrong or dead pod.
+    pub fn misrouted(&self) -> u64 {
+        self.wrong_service + self.dead
+    }
+
+    /// Every request counted.
+    pub fn total(&self) -> u64 {
+        self.right + self.wrong_service + self.dead + self.untagged
+    }
+
+    fn add(&mut self, other: &Tally) {
+        self.right += other.right;
+        self.wrong_service += other.wrong_service;
+        self.dead += other.dead;
+        self.untagged += other.untagged;
+    }
+}
+
+/// Tallies by gateway path (`x-sg-via`; `-` when absent).
+pub type Tallies = BTreeMap<String, Tally>;
+
+/// Adds `from` into `into`, path by path.
+pub fn merge(into: &mut Tallies, from: &Tallies) {
+    for (via, tally) in from {
+        into.entry(via.clone()).or_default().add(tally);
+    }
+}
+
+#[derive(Debug)]
+struct PodState {
+    occupant: Mutex<Occupant>,
+    tallies: Mutex<Tallies>,
+}
+
+/// One simulated pod address with a switchable occupant.
+#[derive(Debug)]
+pub struct PodServer {
+    addr: SocketAddr,
+    state: Arc<PodState>,
+    task: JoinHandle<()>,
+}
+
+impl PodServer {
+    /// Binds `addr` and starts answering as `occupant`. Needs a tokio runtime.
+    pub async fn start(addr: SocketAddr, occupant: Occupant) -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("bind pod address {addr}"))?;
+        let state = Arc::new(PodState {
+            occupant: Mutex::new(occupant),
+            tallies: Mutex::new(Tallies::new()),
+        });
+        let app = axum::Router::new()
+            .fallback(answer)
+            .with_state(state.clone());
+        let task = tokio::spawn(async move {
+            // The server only ends when the task is aborted.
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Self { addr, state, task })
+    }
+
+    /// The address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Who answers now.
+    pub fn occupant(&self) -> Occupant {
+        lock(&self.state.occupant).clone()
+    }
+
+    /// Switches who answers; requests already in flight finish as the old one.
+    pub fn set_occupant(&self, occupant: Occupant) {
+        *lock(&self.state.occupant) = occupant;
+    }
+
+    /// What reached this address so far, by gateway path.
+    pub fn tallies(&self) -> Tallies {
+        lock(&self.state.tallies).clone()
+    }
+}
+
+impl Drop for PodServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panicking test thread must not hide the counts from the report.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+async fn answer(State(state): State<Arc<PodState>>, headers: HeaderMap) -> Response<Body> {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let via = text(VIA_HEADER).unwrap_or("-").to_owned();
+    let intended = text(INTENDED_HEADER);
+    // One read of the occupant classifies and answers, so a switch mid-request
+    // can never count one occupant and answer as the other.
+    let occupant = lock(&state.occupant).clone();
+    {
+        let mut tallies = lock(&state.tallies);
+        let tally = tallies.entry(via).or_default();
+        match (&occupant, intended) {
+            (_, None) => tally.untagged += 1,
+            (Occupant::Ghost, Some(_)) => tally.dead += 1,
+            (Occupant::Pod { service, .. }, Some(want)) if service == want => tally.right += 1,
+            (Occupant::Pod { .. }, Some(_)) => tally.wrong_service += 1,
+        }
+    }
+    let (service, pod, body) = match &occupant {
+        Occupant::Pod { service, pod } => {
+            (service.clone(), pod.clone(), format!("{service} {pod}\n"))
+        }
+        Occupant::Ghost => ("ghost".into(), "-".into(), "ghost\n".into()),
+    };
+    let mut response = Response::new(Body::from(body));
+    for (name, value) in [(SERVICE_HEADER, service), (POD_HEADER, pod)] {
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            response.headers_mut().insert(name, value);
+        }
+    }
+    response
+}
