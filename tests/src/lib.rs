@@ -12,10 +12,7 @@
 //! back.
 
 pub mod eds;
-pub mod envoy;
-pub mod fake_validator;
 pub mod pods;
 pub mod process;
-pub mod tinyhttp;
 pub mod traffic;
 pub mod world;
