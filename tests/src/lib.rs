@@ -13,6 +13,9 @@
 
 pub mod eds;
 pub mod pods;
+pub mod envoy;
+pub mod fake_validator;
 pub mod process;
+pub mod tinyhttp;
 pub mod traffic;
 pub mod world;

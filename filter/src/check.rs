@@ -1,0 +1,364 @@
+//! One request's verdict: which service the cluster means, what the index
+//! says about the host, and what the filter does about it.
+
+use std::net::{IpAddr, SocketAddr};
+
+use staleguard_core::{decide, Action, Reason, ServiceKey, Verdict};
+
+use crate::config::{Config, Mode, RejectAction};
+use crate::store::{Entry, SharedData, View};
+
+/// What the host told us about the upstream request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Upstream {
+    /// `xds.cluster_name`.
+    pub cluster: Option<String>,
+    /// The first host of Istio's `filter_metadata.istio.services`, if present.
+    pub istio_service_host: Option<String>,
+    /// `upstream.address`, as `IP:port`.
+    pub address: Option<String>,
+}
+
+/// What the filter does with the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Effect {
+    /// Continue.
+    Allow,
+    /// Answer locally with this status and the reason header.
+    Reject {
+        /// HTTP status.
+        status: u32,
+    },
+    /// Reset the upstream request, so the router may retry elsewhere.
+    Retry,
+    /// The verdict rejects, but audit mode lets it through.
+    Audit,
+}
+
+impl Effect {
+    /// The metric label: `allow`, `reject`, `retry`, `audit`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Effect::Allow => "allow",
+            Effect::Reject { .. } => "reject",
+            Effect::Retry => "retry",
+            Effect::Audit => "audit",
+        }
+    }
+}
+
+/// The outcome for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The cluster maps to no service: untouched.
+    Unmapped,
+    /// The upstream address is missing or unreadable: untouched.
+    NoAddress,
+    /// Judged.
+    Judged {
+        /// The service the cluster routes to.
+        service: ServiceKey,
+        /// The host's IP.
+        ip: IpAddr,
+        /// The verdict.
+        verdict: Verdict,
+        /// What the filter does.
+        effect: Effect,
+    },
+}
+
+/// The service a cluster routes to: configured rules first, then (with
+/// `istio`) the cluster metadata, then the `outbound|PORT|SUBSET|FQDN` name.
+pub fn resolve_service(config: &Config, upstream: &Upstream) -> Option<ServiceKey> {
+    let cluster = upstream.cluster.as_deref().unwrap_or_default();
+    for rule in &config.raw.clusters {
+        let hit = match (&rule.name, &rule.prefix) {
+            (Some(name), _) => name == cluster,
+            (None, Some(prefix)) => cluster.starts_with(prefix.as_str()),
+            (None, None) => false,
+        };
+        if hit {
+            return Some(rule.service.clone());
+        }
+    }
+    if !config.raw.istio {
+        return None;
+    }
+    upstream
+        .istio_service_host
+        .as_deref()
+        .and_then(ServiceKey::from_fqdn)
+        .or_else(|| ServiceKey::from_istio_cluster(cluster))
+}
+
+/// Parses `IP:port` (`[v6]:port` too) or a bare IP.
+pub fn parse_ip(address: &str) -> Option<IpAddr> {
+    address
+        .parse::<SocketAddr>()
+        .map(|a| a.ip())
+        .or_else(|_| address.parse::<IpAddr>())
+        .ok()
+}
+
+/// Judges one request against the shared-data index at `now_ms`.
+pub fn judge(config: &Config, store: &dyn SharedData, upstream: &Upstream, now_ms: u64) -> Outcome {
+    let Some(service) = resolve_service(config, upstream) else {
+        return Outcome::Unmapped;
+    };
+    let Some(ip) = upstream.address.as_deref().and_then(parse_ip) else {
+        return Outcome::NoAddress;
+    };
+    let lookup = View::new(store).lookup(&service, &ip);
+    let mut fresh = lookup
+        .meta
+        .is_some_and(|m| m.is_fresh(now_ms, config.raw.max_staleness_ms));
+    // An entry the filter cannot read is no basis for a rejection: it counts
+    // as stale data, which the failure policy decides.
+    let known = match lookup.service {
+        Entry::Present(()) => true,
+        Entry::Absent => false,
+        Entry::Corrupt => {
+            fresh = false;
+            false
+        }
+    };
+    let record = match lookup.record {
+        Entry::Present(r) => Some(r),
+        Entry::Absent => None,
+        Entry::Corrupt => {
+            fresh = false;
+            None
+        }
+    };
+    let verdict = decide(&config.raw.policy, fresh, &service, known, record.as_ref());
+    let effect = match (verdict.action, config.raw.mode, config.raw.action) {
+        (Action::Allow, _, _) => Effect::Allow,
+        (Action::Reject, Mode::Audit, _) => Effect::Audit,
+        (Action::Reject, Mode::Enforce, RejectAction::Reject) => Effect::Reject {
+            status: config.raw.reject_status,
+        },
+        (Action::Reject, Mode::Enforce, RejectAction::Retry) => Effect::Retry,
+    };
+    Outcome::Judged {
+        service,
+        ip,
+        verdict,
+        effect,
+    }
+}
+
+/// The reason code the reject header carries: nothing else leaves Envoy.
+pub fn header_value(reason: Reason) -> &'static str {
+    reason.as_str()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{
+        encode_record, encode_service, ip_key, service_key, MemoryStore, Meta, META_KEY,
+    };
+    use staleguard_core::wire::{Membership, Via};
+    use staleguard_core::{IpRecord, PodHolder};
+
+    fn config(extra: &str) -> Config {
+        Config::parse(format!(r#"{{"validator_cluster":"sg"{extra}}}"#).as_bytes()).unwrap()
+    }
+
+    fn cart() -> ServiceKey {
+        ServiceKey::new("shop", "cart")
+    }
+
+    fn pod(services: &[ServiceKey], terminating: bool) -> PodHolder {
+        PodHolder {
+            namespace: "shop".into(),
+            name: "p".into(),
+            uid: "u".into(),
+            services: services
+                .iter()
+                .map(|s| Membership {
+                    service: s.clone(),
+                    via: Via::Slice,
+                    ports: vec![],
+                    conditions: None,
+                })
+                .collect(),
+            ready: true,
+            terminating,
+            host_network: false,
+        }
+    }
+
+    /// An index at load 1, synced at t=1000, with cart known.
+    fn store(records: &[IpRecord]) -> MemoryStore {
+        let mut s = MemoryStore::default();
+        let meta = Meta {
+            load: 1,
+            epoch: 1,
+            generation: 1,
+            synced_ms: 1_000,
+            fresh: true,
+            entries: records.len() as u64,
+        };
+        s.set(META_KEY, &meta.encode(), None).unwrap();
+        s.set(&service_key(&cart()), &encode_service(1), None)
+            .unwrap();
+        for r in records {
+            s.set(&ip_key(&r.ip), &encode_record(1, r), None).unwrap();
+        }
+        s
+    }
+
+    fn record(ip: &str, pods: Vec<PodHolder>) -> IpRecord {
+        IpRecord {
+            ip: ip.parse().unwrap(),
+            pods,
+            bare_services: vec![],
+            tombstone: None,
+        }
+    }
+
+    fn upstream(cluster: &str, address: &str) -> Upstream {
+        Upstream {
+            cluster: Some(cluster.into()),
+            istio_service_host: None,
+            address: Some(address.into()),
+        }
+    }
+
+    const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
+
+    fn effect(o: &Outcome) -> (Reason, Effect) {
+        match o {
+            Outcome::Judged {
+                verdict, effect, ..
+            } => (verdict.reason, *effect),
+            other => panic!("not judged: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn services_come_from_rules_metadata_and_istio_names() {
+        let c = config(
+            r#","clusters":[{"name":"plain","service":"a/b"},{"prefix":"pay-","service":"shop/pay"}]"#,
+        );
+        let up = |cluster: &str, host: Option<&str>| Upstream {
+            cluster: Some(cluster.into()),
+            istio_service_host: host.map(Into::into),
+            address: None,
+        };
+        assert_eq!(
+            resolve_service(&c, &up("plain", None)),
+            Some(ServiceKey::new("a", "b"))
+        );
+        assert_eq!(
+            resolve_service(&c, &up("pay-v2", None)),
+            Some(ServiceKey::new("shop", "pay"))
+        );
+        assert_eq!(resolve_service(&c, &up(CART, None)), Some(cart()));
+        assert_eq!(
+            resolve_service(&c, &up("whatever", Some("cart.shop.svc.cluster.local"))),
+            Some(cart())
+        );
+        assert_eq!(resolve_service(&c, &up("other", None)), None);
+        let no_istio = config(r#","istio":false"#);
+        assert_eq!(resolve_service(&no_istio, &up(CART, None)), None);
+    }
+
+    #[test]
+    fn addresses_parse_for_v4_and_v6() {
+        assert_eq!(parse_ip("10.0.0.1:80"), Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(parse_ip("[fd00::1]:80"), Some("fd00::1".parse().unwrap()));
+        assert_eq!(parse_ip("fd00::1"), Some("fd00::1".parse().unwrap()));
+        assert_eq!(parse_ip("nonsense"), None);
+    }
+
+    #[test]
+    fn verdicts_follow_the_index() {
+        let c = config("");
+        let s = store(&[
+            record("10.0.0.1", vec![pod(&[cart()], false)]),
+            record(
+                "10.0.0.2",
+                vec![pod(&[ServiceKey::new("shop", "pay")], false)],
+            ),
+            record("10.0.0.3", vec![pod(&[cart()], true)]),
+        ]);
+        let j = |addr: &str| effect(&judge(&c, &s, &upstream(CART, addr), 1_500));
+        assert_eq!(j("10.0.0.1:8080"), (Reason::Member, Effect::Allow));
+        assert_eq!(
+            j("10.0.0.2:8080"),
+            (Reason::Recycled, Effect::Reject { status: 503 })
+        );
+        assert_eq!(j("10.0.0.3:8080"), (Reason::Terminating, Effect::Allow));
+        assert_eq!(
+            j("10.0.0.9:8080"),
+            (Reason::Destroyed, Effect::Reject { status: 503 })
+        );
+        let unknown = upstream("outbound|80||x.other.svc.cluster.local", "10.0.0.9:80");
+        assert_eq!(
+            effect(&judge(&c, &s, &unknown, 1_500)),
+            (Reason::UnknownService, Effect::Allow)
+        );
+        assert_eq!(
+            judge(&c, &s, &upstream("plain", "10.0.0.1:80"), 0),
+            Outcome::Unmapped
+        );
+        let mut no_addr = upstream(CART, "");
+        no_addr.address = None;
+        assert_eq!(judge(&c, &s, &no_addr, 0), Outcome::NoAddress);
+    }
+
+    #[test]
+    fn stale_data_follows_the_failure_policy() {
+        let s = store(&[]);
+        let open = config(r#","max_staleness_ms":40000,"poll_wait_s":1"#);
+        let closed = config(
+            r#","max_staleness_ms":40000,"poll_wait_s":1,"policy":{"failure_policy":"closed"}"#,
+        );
+        let late = 1_000 + 40_001;
+        assert_eq!(
+            effect(&judge(&open, &s, &upstream(CART, "10.0.0.9:1"), late)),
+            (Reason::Stale, Effect::Allow)
+        );
+        assert_eq!(
+            effect(&judge(&closed, &s, &upstream(CART, "10.0.0.9:1"), late)),
+            (Reason::Stale, Effect::Reject { status: 503 })
+        );
+        // Never synced: stale too.
+        let empty = MemoryStore::default();
+        assert_eq!(
+            effect(&judge(&closed, &empty, &upstream(CART, "10.0.0.9:1"), 0)).0,
+            Reason::Stale
+        );
+    }
+
+    #[test]
+    fn corrupt_entries_count_as_stale_not_as_destroyed() {
+        let mut s = store(&[]);
+        s.set(&ip_key(&"10.0.0.7".parse().unwrap()), b"1 {broken", None)
+            .unwrap();
+        let c = config("");
+        assert_eq!(
+            effect(&judge(&c, &s, &upstream(CART, "10.0.0.7:1"), 1_000)),
+            (Reason::Stale, Effect::Allow)
+        );
+    }
+
+    #[test]
+    fn audit_and_retry_change_only_the_effect() {
+        let s = store(&[]);
+        let audit = config(r#","mode":"audit""#);
+        let retry = config(r#","action":"retry","reject_status":429"#);
+        let up = upstream(CART, "10.0.0.9:1");
+        assert_eq!(
+            effect(&judge(&audit, &s, &up, 1_000)),
+            (Reason::Destroyed, Effect::Audit)
+        );
+        assert_eq!(
+            effect(&judge(&retry, &s, &up, 1_000)),
+            (Reason::Destroyed, Effect::Retry)
+        );
+        assert_eq!(header_value(Reason::Destroyed), "destroyed");
+    }
+}

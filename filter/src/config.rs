@@ -1,0 +1,307 @@
+//! The plugin configuration: strict JSON, checked whole in `on_configure`.
+//!
+//! [`RawConfig`] is what operators write (unknown fields are refused, so a typo
+//! never silently falls back to a default); [`Config::parse`] checks it and
+//! reports every problem at once, so one reload fixes them all.
+
+use serde::Deserialize;
+use staleguard_core::{Policy, ServiceKey};
+
+/// Why a plugin configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Not JSON, not the expected shape, or an unknown field.
+    #[error("plugin configuration is not valid JSON for staleguard: {0}")]
+    Malformed(#[source] serde_json::Error),
+    /// Parsed, but some values are out of range.
+    #[error("plugin configuration refused: {}", .0.join("; "))]
+    Invalid(Vec<String>),
+}
+
+/// Enforce verdicts, or only count and log them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Reject (or retry) what the verdict rejects.
+    #[default]
+    Enforce,
+    /// Count and log, never block.
+    Audit,
+}
+
+/// What an enforced rejection does to the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectAction {
+    /// Answer locally with `reject_status` and the reason header.
+    #[default]
+    Reject,
+    /// Reset the upstream request so the router may retry on another host
+    /// (needs a route retry policy with `reset` and `previous_hosts`).
+    Retry,
+}
+
+/// A plain-Envoy mapping rule: a cluster name (exact or prefix) to a service.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterRule {
+    /// Exact cluster name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Cluster name prefix (used when `name` is absent).
+    #[serde(default)]
+    pub prefix: Option<String>,
+    /// The service the cluster routes to.
+    pub service: ServiceKey,
+}
+
+/// The plugin configuration as written (JSON in the Wasm filter's `configuration`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// The Envoy cluster that reaches the validator.
+    pub validator_cluster: String,
+    /// `:authority` of validator requests (default: the cluster name).
+    #[serde(default)]
+    pub validator_authority: Option<String>,
+    /// Bearer token sent to the validator.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// Long-poll wait in seconds (0..=60).
+    #[serde(default = "default_wait_s")]
+    pub poll_wait_s: u32,
+    /// No successful sync for longer than this makes the data stale.
+    #[serde(default = "default_max_staleness_ms")]
+    pub max_staleness_ms: u64,
+    /// Root-context tick period: lease renewal and poll scheduling.
+    #[serde(default = "default_tick_ms")]
+    pub tick_ms: u64,
+    /// How long a poller's lease lives without renewal.
+    #[serde(default = "default_lease_ttl_ms")]
+    pub lease_ttl_ms: u64,
+    /// First retry delay after a sync error.
+    #[serde(default = "default_backoff_initial_ms")]
+    pub backoff_initial_ms: u64,
+    /// Largest retry delay after sync errors.
+    #[serde(default = "default_backoff_max_ms")]
+    pub backoff_max_ms: u64,
+    /// `enforce` (default) or `audit`.
+    #[serde(default)]
+    pub mode: Mode,
+    /// `reject` (default) or `retry`.
+    #[serde(default)]
+    pub action: RejectAction,
+    /// HTTP status of a rejection (default 503).
+    #[serde(default = "default_reject_status")]
+    pub reject_status: u32,
+    /// Response header carrying the reason code (default `x-staleguard`).
+    #[serde(default = "default_reject_header")]
+    pub reject_header: String,
+    /// The verdict policy (failure policy, terminating, unknown services).
+    #[serde(default)]
+    pub policy: Policy,
+    /// Derive services from Istio cluster metadata and `outbound|...` names.
+    #[serde(default = "default_true")]
+    pub istio: bool,
+    /// Mapping rules for plain Envoy, tried first, in order.
+    #[serde(default)]
+    pub clusters: Vec<ClusterRule>,
+}
+
+fn default_wait_s() -> u32 {
+    30
+}
+fn default_max_staleness_ms() -> u64 {
+    60_000
+}
+fn default_tick_ms() -> u64 {
+    1_000
+}
+fn default_lease_ttl_ms() -> u64 {
+    5_000
+}
+fn default_backoff_initial_ms() -> u64 {
+    500
+}
+fn default_backoff_max_ms() -> u64 {
+    30_000
+}
+fn default_reject_status() -> u32 {
+    503
+}
+fn default_reject_header() -> String {
+    "x-staleguard".to_owned()
+}
+fn default_true() -> bool {
+    true
+}
+
+/// A checked configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The checked fields (same names as written).
+    pub raw: RawConfig,
+}
+
+impl Config {
+    /// Parses and checks a configuration, reporting every problem together.
+    pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let raw: RawConfig = serde_json::from_slice(bytes).map_err(ConfigError::Malformed)?;
+        let mut problems = Vec::new();
+        if raw.validator_cluster.is_empty() {
+            problems.push("validator_cluster must not be empty".to_owned());
+        }
+        if raw.poll_wait_s > 60 {
+            problems.push(format!("poll_wait_s {} exceeds 60", raw.poll_wait_s));
+        }
+        if raw.max_staleness_ms <= u64::from(raw.poll_wait_s) * 1000 {
+            // A healthy long poll answers only every poll_wait_s; a bound below
+            // that would call healthy data stale between answers.
+            problems.push(format!(
+                "max_staleness_ms {} must exceed poll_wait_s ({} s)",
+                raw.max_staleness_ms, raw.poll_wait_s
+            ));
+        }
+        if !(10..=60_000).contains(&raw.tick_ms) {
+            problems.push(format!("tick_ms {} not in 10..=60000", raw.tick_ms));
+        }
+        if raw.lease_ttl_ms < 2 * raw.tick_ms {
+            // The holder renews once per tick; a TTL under two ticks would let
+            // a healthy holder lose its lease to scheduling jitter.
+            problems.push(format!(
+                "lease_ttl_ms {} must be at least twice tick_ms {}",
+                raw.lease_ttl_ms, raw.tick_ms
+            ));
+        }
+        if raw.backoff_initial_ms == 0 || raw.backoff_max_ms < raw.backoff_initial_ms {
+            problems.push(format!(
+                "backoff needs 0 < backoff_initial_ms ({}) <= backoff_max_ms ({})",
+                raw.backoff_initial_ms, raw.backoff_max_ms
+            ));
+        }
+        if !(200..=599).contains(&raw.reject_status) {
+            problems.push(format!(
+                "reject_status {} not in 200..=599",
+                raw.reject_status
+            ));
+        }
+        if !is_header_name(&raw.reject_header) {
+            problems.push(format!(
+                "reject_header {:?} is not a lowercase header name",
+                raw.reject_header
+            ));
+        }
+        if let Some(token) = &raw.token {
+            if token.is_empty() || token.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
+                problems.push("token must be non-empty printable ASCII".to_owned());
+            }
+        }
+        for (i, rule) in raw.clusters.iter().enumerate() {
+            match (&rule.name, &rule.prefix) {
+                (Some(n), None) if !n.is_empty() => {}
+                (None, Some(p)) if !p.is_empty() => {}
+                _ => problems.push(format!(
+                    "clusters[{i}] needs exactly one non-empty `name` or `prefix`"
+                )),
+            }
+        }
+        if problems.is_empty() {
+            Ok(Self { raw })
+        } else {
+            Err(ConfigError::Invalid(problems))
+        }
+    }
+
+    /// The `:authority` of validator requests.
+    pub fn authority(&self) -> &str {
+        self.raw
+            .validator_authority
+            .as_deref()
+            .unwrap_or(&self.raw.validator_cluster)
+    }
+
+    /// The timeout of one validator request: the long-poll wait plus slack.
+    pub fn request_timeout_ms(&self) -> u64 {
+        u64::from(self.raw.poll_wait_s) * 1000 + 5_000
+    }
+}
+
+fn is_header_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use staleguard_core::verdict::FailurePolicy;
+
+    #[test]
+    fn minimal_config_takes_defaults() {
+        let c = Config::parse(br#"{"validator_cluster":"sg"}"#).unwrap();
+        assert_eq!(c.raw.poll_wait_s, 30);
+        assert_eq!(c.raw.reject_status, 503);
+        assert_eq!(c.raw.reject_header, "x-staleguard");
+        assert_eq!(c.raw.mode, Mode::Enforce);
+        assert_eq!(c.raw.action, RejectAction::Reject);
+        assert_eq!(c.raw.policy.failure_policy, FailurePolicy::Open);
+        assert!(c.raw.istio);
+        assert_eq!(c.authority(), "sg");
+        assert_eq!(c.request_timeout_ms(), 35_000);
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let c = Config::parse(
+            br#"{"validator_cluster":"sg","validator_authority":"v.sg.svc","token":"abc",
+            "poll_wait_s":1,"max_staleness_ms":3000,"tick_ms":100,"lease_ttl_ms":500,
+            "backoff_initial_ms":50,"backoff_max_ms":1000,"mode":"audit","action":"retry",
+            "reject_status":502,"reject_header":"x-sg","istio":false,
+            "policy":{"failure_policy":"closed","terminating":"reject"},
+            "clusters":[{"name":"cart","service":"shop/cart"},{"prefix":"pay-","service":"shop/pay"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.raw.mode, Mode::Audit);
+        assert_eq!(c.raw.action, RejectAction::Retry);
+        assert_eq!(c.raw.clusters.len(), 2);
+        assert_eq!(c.authority(), "v.sg.svc");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let err = Config::parse(br#"{"validator_cluster":"sg","mdoe":"audit"}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field `mdoe`"), "{err}");
+        let err =
+            Config::parse(br#"{"validator_cluster":"sg","policy":{"fail":"open"}}"#).unwrap_err();
+        assert!(matches!(err, ConfigError::Malformed(_)));
+    }
+
+    #[test]
+    fn every_problem_is_reported_together() {
+        let err = Config::parse(
+            br#"{"validator_cluster":"","poll_wait_s":61,"max_staleness_ms":1000,"tick_ms":5,
+            "reject_status":99,"reject_header":"X Bad","token":"",
+            "clusters":[{"service":"a/b"}]}"#,
+        )
+        .unwrap_err();
+        let ConfigError::Invalid(problems) = err else {
+            panic!("expected Invalid, got {err}");
+        };
+        assert_eq!(problems.len(), 8, "{problems:?}");
+    }
+
+    #[test]
+    fn garbage_is_refused() {
+        for bad in [
+            &b""[..],
+            b"null",
+            b"[]",
+            b"{",
+            b"\xff",
+            br#"{"validator_cluster":1}"#,
+        ] {
+            assert!(Config::parse(bad).is_err());
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! Metric names. Every name is built here, from bounded sets of labels, so the
+//! number of series is fixed by the code, never by traffic.
+//!
+//! Envoy shows them as `wasmcustom.<name>`; the `stats_tags` in
+//! `deploy/envoy/envoy.yaml` (documented in `docs/metrics.md`) turn the
+//! `.reason.X`, `.action.X` and `.kind.X` parts into Prometheus labels
+//! `staleguard_reason`, `staleguard_action` and `staleguard_error_kind`.
+
+use staleguard_core::Reason;
+
+use crate::check::Effect;
+
+/// Requests whose cluster maps to no service (passed untouched).
+pub const REQUESTS_UNMAPPED: &str = "staleguard.requests_unmapped";
+/// Requests whose upstream address could not be read (passed untouched).
+pub const REQUESTS_NO_ADDRESS: &str = "staleguard.requests_no_address";
+/// Validator requests sent.
+pub const SYNC_POLLS: &str = "staleguard.sync_polls";
+/// Full resyncs applied (snapshot or reset).
+pub const SYNC_RESETS: &str = "staleguard.sync_resets";
+/// Deltas applied (empty ones included).
+pub const SYNC_DELTAS: &str = "staleguard.sync_deltas";
+/// Bytes of validator answers read.
+pub const SYNC_BYTES: &str = "staleguard.sync_bytes";
+/// Times a context took the poller lease.
+pub const SYNC_LEASE_ACQUIRED: &str = "staleguard.sync_lease_acquired";
+/// Gauge: the generation applied last.
+pub const GAUGE_GENERATION: &str = "staleguard.index_generation";
+/// Gauge: milliseconds since the last successful sync.
+pub const GAUGE_DATA_AGE_MS: &str = "staleguard.index_age_ms";
+/// Gauge: IPs in the index.
+pub const GAUGE_ENTRIES: &str = "staleguard.index_entries";
+/// Gauge: 1 when the data is fresh enough to judge, else 0.
+pub const GAUGE_FRESH: &str = "staleguard.index_fresh";
+
+/// Sync error kinds (labels of [`sync_errors`]).
+pub const SYNC_ERROR_KINDS: [&str; 5] = ["status", "transport", "decode", "sequence", "store"];
+
+/// Per-request counter: `staleguard.requests.reason.<reason>.action.<action>`.
+pub fn requests(reason: Reason, effect: Effect) -> String {
+    format!(
+        "staleguard.requests.reason.{}.action.{}",
+        reason.as_str(),
+        effect.as_str()
+    )
+}
+
+/// Sync error counter: `staleguard.sync_errors.kind.<kind>`.
+pub fn sync_errors(kind: &str) -> String {
+    format!("staleguard.sync_errors.kind.{kind}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_dotted_and_bounded() {
+        assert_eq!(
+            requests(Reason::Destroyed, Effect::Reject { status: 503 }),
+            "staleguard.requests.reason.destroyed.action.reject"
+        );
+        assert_eq!(sync_errors("decode"), "staleguard.sync_errors.kind.decode");
+        let effects = [
+            Effect::Allow,
+            Effect::Reject { status: 1 },
+            Effect::Retry,
+            Effect::Audit,
+        ];
+        let mut names = std::collections::BTreeSet::new();
+        for r in Reason::ALL {
+            for e in effects {
+                names.insert(requests(r, e));
+            }
+        }
+        assert_eq!(names.len(), Reason::ALL.len() * effects.len());
+    }
+}

@@ -1,0 +1,439 @@
+//! The local index in Envoy shared data: layout, encoding, and the host trait.
+//!
+//! One poller writes, every worker reads, with a per-request cost that does not
+//! depend on the size of the index (three `get_shared_data` calls, each copying
+//! one small value):
+//!
+//! | key                          | value                                              |
+//! |------------------------------|----------------------------------------------------|
+//! | `staleguard/meta`            | [`Meta`]: `m1 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES` |
+//! | `staleguard/ip/<ip>`         | `LOAD <IpRecord JSON>`, or empty (absent)          |
+//! | `staleguard/svc/<ns>/<name>` | `LOAD`, or empty (absent)                          |
+//! | `staleguard/lease`           | `OWNER EXPIRES_MS` (see [`crate::lease`])          |
+//! | `staleguard/owners`          | last owner id handed out                           |
+//! | `staleguard/loads`           | last load id handed out                            |
+//!
+//! Shared data cannot delete keys, so "absent" is an empty value. Every entry
+//! carries the *load* (one per full snapshot) that wrote it; readers accept an
+//! entry only when its load is at least the load in `meta`. A full resync takes
+//! a fresh load id, writes every entry of the new snapshot, and then flips
+//! `meta`: entries the new snapshot does not have are invalid from that moment,
+//! even those the poller cannot clear (a poller that took over from a dead one
+//! does not know its key set).
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use staleguard_core::{IpRecord, ServiceKey};
+
+/// Why a shared-data operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// Someone else wrote the key since it was read.
+    #[error("compare-and-swap mismatch")]
+    CasMismatch,
+    /// The host refused the operation.
+    #[error("host refused shared-data access: {0}")]
+    Host(String),
+}
+
+/// Shared data as the host offers it: values with a compare-and-swap token.
+pub trait SharedData {
+    /// Reads a key: its value (if any) and its cas token (0 if unknown).
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError>;
+    /// Writes a key; with `cas` set, only if the key is unchanged since read.
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+/// An in-memory [`SharedData`] with Envoy's cas semantics, for tests and fuzzing.
+#[derive(Debug, Default, Clone)]
+pub struct MemoryStore {
+    entries: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+}
+
+impl MemoryStore {
+    /// Number of keys ever written (shared data never forgets a key).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when nothing was ever written.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+impl SharedData for MemoryStore {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
+        Ok(match self.entries.get(key) {
+            Some((v, cas)) => (Some(v.clone()), *cas),
+            None => (None, 0),
+        })
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        let current = self.entries.get(key).map_or(0, |(_, c)| *c);
+        if let Some(cas) = cas {
+            if cas != 0 && cas != current {
+                return Err(StoreError::CasMismatch);
+            }
+        }
+        self.next_cas = self.next_cas.wrapping_add(1).max(1);
+        self.entries
+            .insert(key.to_owned(), (value.to_vec(), self.next_cas));
+        Ok(())
+    }
+}
+
+/// Key of the sync state.
+pub const META_KEY: &str = "staleguard/meta";
+/// Key of the poller lease.
+pub const LEASE_KEY: &str = "staleguard/lease";
+/// Key of the owner id counter.
+pub const OWNERS_KEY: &str = "staleguard/owners";
+/// Key of the load id counter.
+pub const LOADS_KEY: &str = "staleguard/loads";
+
+/// Key of one IP's entry.
+pub fn ip_key(ip: &IpAddr) -> String {
+    format!("staleguard/ip/{ip}")
+}
+
+/// Key of one service's entry.
+pub fn service_key(service: &ServiceKey) -> String {
+    format!("staleguard/svc/{service}")
+}
+
+/// What the poller last achieved, as workers read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Meta {
+    /// The load (full snapshot) the index belongs to.
+    pub load: u64,
+    /// The validator epoch.
+    pub epoch: u64,
+    /// The validator generation applied.
+    pub generation: u64,
+    /// When the last successful answer arrived (ms since the Unix epoch).
+    pub synced_ms: u64,
+    /// The validator called its data fresh in that answer.
+    pub fresh: bool,
+    /// IPs in the index.
+    pub entries: u64,
+}
+
+impl Meta {
+    /// Encodes as `m1 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES`.
+    pub fn encode(&self) -> Vec<u8> {
+        format!(
+            "m1 {} {} {} {} {} {}",
+            self.load,
+            self.epoch,
+            self.generation,
+            self.synced_ms,
+            u8::from(self.fresh),
+            self.entries
+        )
+        .into_bytes()
+    }
+
+    /// Decodes [`Meta::encode`]'s output; anything else is `None`.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut parts = text.split(' ');
+        if parts.next()? != "m1" {
+            return None;
+        }
+        let mut num = || parts.next()?.parse::<u64>().ok();
+        let meta = Self {
+            load: num()?,
+            epoch: num()?,
+            generation: num()?,
+            synced_ms: num()?,
+            fresh: match num()? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
+            entries: num()?,
+        };
+        parts.next().is_none().then_some(meta)
+    }
+
+    /// True when the data may be trusted at `now_ms`.
+    pub fn is_fresh(&self, now_ms: u64, max_staleness_ms: u64) -> bool {
+        self.fresh && now_ms.saturating_sub(self.synced_ms) <= max_staleness_ms
+    }
+}
+
+/// Encodes an IP entry: `LOAD <record JSON>`; a vacant record is empty.
+pub fn encode_record(load: u64, record: &IpRecord) -> Vec<u8> {
+    if record.is_vacant() {
+        return Vec::new();
+    }
+    let mut out = format!("{load} ").into_bytes();
+    // Serializing a plain data struct cannot fail; an empty value (absent) is
+    // the safe reading if it ever did.
+    match serde_json::to_writer(&mut out, record) {
+        Ok(()) => out,
+        Err(_) => Vec::new(),
+    }
+}
+
+/// What an entry's value says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry<T> {
+    /// Absent: never written, cleared, or from an older load.
+    Absent,
+    /// Present and valid for the current load.
+    Present(T),
+    /// Not decodable: the reader cannot judge.
+    Corrupt,
+}
+
+/// Splits `LOAD rest` and checks the load against `meta_load`.
+fn split_load(bytes: &[u8], meta_load: u64) -> Entry<&[u8]> {
+    if bytes.is_empty() {
+        return Entry::Absent;
+    }
+    let Some(space) = bytes.iter().position(|b| *b == b' ') else {
+        // A service entry is the bare load.
+        return match std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            Some(load) if load >= meta_load => Entry::Present(&[]),
+            Some(_) => Entry::Absent,
+            None => Entry::Corrupt,
+        };
+    };
+    let (load, rest) = bytes.split_at(space);
+    match std::str::from_utf8(load)
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        Some(load) if load >= meta_load => Entry::Present(rest.get(1..).unwrap_or_default()),
+        Some(_) => Entry::Absent,
+        None => Entry::Corrupt,
+    }
+}
+
+/// Decodes an IP entry written by [`encode_record`].
+pub fn decode_record(bytes: &[u8], meta_load: u64) -> Entry<IpRecord> {
+    match split_load(bytes, meta_load) {
+        Entry::Present(json) => match serde_json::from_slice::<IpRecord>(json) {
+            Ok(record) => Entry::Present(record),
+            Err(_) => Entry::Corrupt,
+        },
+        Entry::Absent => Entry::Absent,
+        Entry::Corrupt => Entry::Corrupt,
+    }
+}
+
+/// Encodes a service entry (present).
+pub fn encode_service(load: u64) -> Vec<u8> {
+    load.to_string().into_bytes()
+}
+
+/// Decodes a service entry: is the service known?
+pub fn decode_service(bytes: &[u8], meta_load: u64) -> Entry<()> {
+    match split_load(bytes, meta_load) {
+        Entry::Present([]) => Entry::Present(()),
+        Entry::Present(_) | Entry::Corrupt => Entry::Corrupt,
+        Entry::Absent => Entry::Absent,
+    }
+}
+
+/// Takes the next value of a counter key with compare-and-swap (ids that are
+/// unique across every VM sharing the data).
+pub fn next_id(store: &mut dyn SharedData, key: &str) -> Result<u64, StoreError> {
+    for _ in 0..64 {
+        let (value, cas) = store.get(key)?;
+        let current = value
+            .as_deref()
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|s| s.parse::<u64>().ok())
+            .unwrap_or(0);
+        let next = current.saturating_add(1);
+        match store.set(key, next.to_string().as_bytes(), Some(cas)) {
+            Ok(()) => return Ok(next),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+/// A worker's view: reads only the keys one request needs.
+#[derive(Debug)]
+pub struct View<'a, S: ?Sized> {
+    store: &'a S,
+}
+
+/// What a worker reads for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    /// The sync state, `None` before the first sync.
+    pub meta: Option<Meta>,
+    /// Whether the service is known.
+    pub service: Entry<()>,
+    /// The IP's record.
+    pub record: Entry<IpRecord>,
+}
+
+impl<'a, S: SharedData + ?Sized> View<'a, S> {
+    /// A view over `store`.
+    pub fn new(store: &'a S) -> Self {
+        Self { store }
+    }
+
+    /// Reads the sync state.
+    pub fn meta(&self) -> Option<Meta> {
+        let (value, _) = self.store.get(META_KEY).ok()?;
+        Meta::decode(&value?)
+    }
+
+    /// Reads what one request needs: meta, the service, the IP.
+    pub fn lookup(&self, service: &ServiceKey, ip: &IpAddr) -> Lookup {
+        let Some(meta) = self.meta() else {
+            return Lookup {
+                meta: None,
+                service: Entry::Absent,
+                record: Entry::Absent,
+            };
+        };
+        let read = |key: String| match self.store.get(&key) {
+            Ok((value, _)) => Ok(value.unwrap_or_default()),
+            Err(_) => Err(()),
+        };
+        let service = match read(service_key(service)) {
+            Ok(v) => decode_service(&v, meta.load),
+            Err(()) => Entry::Corrupt,
+        };
+        let record = match read(ip_key(ip)) {
+            Ok(v) => decode_record(&v, meta.load),
+            Err(()) => Entry::Corrupt,
+        };
+        Lookup {
+            meta: Some(meta),
+            service,
+            record,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use staleguard_core::PodHolder;
+
+    fn record(ip: &str) -> IpRecord {
+        IpRecord {
+            ip: ip.parse().unwrap(),
+            pods: vec![PodHolder {
+                namespace: "shop".into(),
+                name: "cart-1".into(),
+                uid: "u1".into(),
+                services: vec![],
+                ready: true,
+                terminating: false,
+                host_network: false,
+            }],
+            bare_services: vec![],
+            tombstone: None,
+        }
+    }
+
+    #[test]
+    fn meta_round_trips_and_rejects_garbage() {
+        let m = Meta {
+            load: 3,
+            epoch: u64::MAX,
+            generation: 9,
+            synced_ms: 1_700_000_000_000,
+            fresh: true,
+            entries: 12,
+        };
+        assert_eq!(Meta::decode(&m.encode()), Some(m));
+        for bad in [
+            &b""[..],
+            b"m1",
+            b"m2 1 1 1 1 1 1",
+            b"m1 1 1 1 1 2 1",
+            b"m1 1 1 1 1 1 1 1",
+        ] {
+            assert_eq!(
+                Meta::decode(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn freshness_needs_the_flag_and_a_recent_sync() {
+        let m = Meta {
+            synced_ms: 10_000,
+            fresh: true,
+            ..Meta::default()
+        };
+        assert!(m.is_fresh(12_000, 3_000));
+        assert!(!m.is_fresh(13_001, 3_000));
+        assert!(
+            m.is_fresh(5_000, 3_000),
+            "a clock step back is not staleness"
+        );
+        assert!(!Meta { fresh: false, ..m }.is_fresh(10_000, 3_000));
+    }
+
+    #[test]
+    fn records_are_valid_from_their_load_on() {
+        let r = record("10.0.0.1");
+        let bytes = encode_record(5, &r);
+        assert_eq!(decode_record(&bytes, 5), Entry::Present(r.clone()));
+        assert_eq!(decode_record(&bytes, 4), Entry::Present(r));
+        assert_eq!(decode_record(&bytes, 6), Entry::Absent);
+        assert_eq!(decode_record(b"", 0), Entry::Absent);
+        assert_eq!(decode_record(b"x {}", 0), Entry::Corrupt);
+        assert_eq!(decode_record(b"1 {", 0), Entry::Corrupt);
+        let vacant = IpRecord {
+            pods: vec![],
+            ..record("10.0.0.2")
+        };
+        assert!(encode_record(5, &vacant).is_empty());
+    }
+
+    #[test]
+    fn services_are_valid_from_their_load_on() {
+        assert_eq!(decode_service(&encode_service(2), 2), Entry::Present(()));
+        assert_eq!(decode_service(&encode_service(2), 3), Entry::Absent);
+        assert_eq!(decode_service(b"", 3), Entry::Absent);
+        assert_eq!(decode_service(b"zz", 0), Entry::Corrupt);
+    }
+
+    #[test]
+    fn memory_store_honours_cas() {
+        let mut s = MemoryStore::default();
+        let (_, cas0) = s.get("k").unwrap();
+        s.set("k", b"a", Some(cas0)).unwrap();
+        let (v, cas1) = s.get("k").unwrap();
+        assert_eq!(v.as_deref(), Some(&b"a"[..]));
+        s.set("k", b"b", Some(cas1)).unwrap();
+        assert_eq!(s.set("k", b"c", Some(cas1)), Err(StoreError::CasMismatch));
+    }
+
+    #[test]
+    fn ids_are_unique() {
+        let mut s = MemoryStore::default();
+        assert_eq!(next_id(&mut s, OWNERS_KEY).unwrap(), 1);
+        assert_eq!(next_id(&mut s, OWNERS_KEY).unwrap(), 2);
+    }
+
+    #[test]
+    fn lookup_before_any_sync_has_no_meta() {
+        let s = MemoryStore::default();
+        let l = View::new(&s).lookup(&ServiceKey::new("a", "b"), &"10.0.0.1".parse().unwrap());
+        assert_eq!(l.meta, None);
+    }
+}

@@ -1,0 +1,680 @@
+//! The poller: keeps the shared-data index in step with the validator.
+//!
+//! A pure state machine, driven by the glue: [`Poller::next_request`] on every
+//! tick (and right after an answer) says what to ask the validator, if
+//! anything; [`Poller::on_response`] applies an answer to shared data;
+//! [`Poller::on_failure`] schedules a retry with exponential backoff and
+//! jitter. The cursor (epoch, generation, load) is taken from `meta` when the
+//! poller starts, so a context that takes the lease over from a dead poller
+//! continues with deltas instead of reloading everything.
+//!
+//! A reset, an epoch that is not ours (a restarted validator, or another
+//! replica behind the same Service), or a delta that does not start at our
+//! generation all lead to a full snapshot under a new load id (see
+//! [`crate::store`]).
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+
+use staleguard_core::wire::{Delta, WireError};
+use staleguard_core::{Changes, ServiceKey, Snapshot};
+
+use crate::store::{
+    encode_record, encode_service, ip_key, next_id, service_key, Meta, SharedData, StoreError,
+    LOADS_KEY, META_KEY,
+};
+
+/// Why an answer could not be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// The validator answered with a non-200 status (503 also covers Envoy's
+    /// own answer when it cannot reach the validator).
+    #[error("validator answered HTTP {0}")]
+    Status(u32),
+    /// The request could not be sent or got no answer.
+    #[error("validator request failed: {0}")]
+    Transport(String),
+    /// The body is not a document of the expected kind or version.
+    #[error("validator answer unreadable: {0}")]
+    Decode(#[source] WireError),
+    /// A delta that does not continue from our generation.
+    #[error("delta from generation {since} does not continue ours ({ours})")]
+    Sequence {
+        /// Where the delta starts.
+        since: u64,
+        /// Where we are.
+        ours: u64,
+    },
+    /// Shared data refused a write.
+    #[error("shared data: {0}")]
+    Store(#[from] StoreError),
+}
+
+impl SyncError {
+    /// A bounded label for the sync error counter.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SyncError::Status(_) => "status",
+            SyncError::Transport(_) => "transport",
+            SyncError::Decode(_) => "decode",
+            SyncError::Sequence { .. } => "sequence",
+            SyncError::Store(_) => "store",
+        }
+    }
+}
+
+/// Knobs of the sync loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncConfig {
+    /// Long-poll wait in seconds.
+    pub wait_s: u32,
+    /// First retry delay.
+    pub backoff_initial_ms: u64,
+    /// Largest retry delay.
+    pub backoff_max_ms: u64,
+}
+
+/// A request to the validator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Request {
+    /// `GET /v1/snapshot?v=1`.
+    Snapshot,
+    /// `GET /v1/changes?v=1&epoch=E&since=G&wait=S`.
+    Changes {
+        /// Our epoch.
+        epoch: u64,
+        /// Our generation.
+        since: u64,
+        /// Long-poll wait in seconds.
+        wait_s: u32,
+    },
+}
+
+impl Request {
+    /// The request path.
+    pub fn path(&self) -> String {
+        match self {
+            Request::Snapshot => "/v1/snapshot?v=1".to_owned(),
+            Request::Changes {
+                epoch,
+                since,
+                wait_s,
+            } => format!("/v1/changes?v=1&epoch={epoch}&since={since}&wait={wait_s}"),
+        }
+    }
+}
+
+/// What an applied answer did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// A full snapshot replaced the index.
+    Reset {
+        /// IPs in the index now.
+        entries: u64,
+    },
+    /// A delta was applied (possibly empty).
+    Delta {
+        /// IPs written or cleared.
+        changed: u64,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cursor {
+    load: u64,
+    epoch: u64,
+    generation: u64,
+}
+
+/// The poller's state.
+#[derive(Debug, Clone)]
+pub struct Poller {
+    config: SyncConfig,
+    cursor: Option<Cursor>,
+    /// Adopt the cursor from `meta` before the first request.
+    adopted: bool,
+    in_flight: Option<Request>,
+    next_at_ms: u64,
+    failures: u32,
+    rng: u64,
+    entries: u64,
+    /// Keys this poller wrote non-empty, to clear them on a reset.
+    known_ips: HashSet<IpAddr>,
+    known_services: HashSet<ServiceKey>,
+}
+
+impl Poller {
+    /// A poller; `seed` feeds the backoff jitter.
+    pub fn new(config: SyncConfig, seed: u64) -> Self {
+        Self {
+            config,
+            cursor: None,
+            adopted: false,
+            in_flight: None,
+            next_at_ms: 0,
+            failures: 0,
+            rng: seed | 1,
+            entries: 0,
+            known_ips: HashSet::new(),
+            known_services: HashSet::new(),
+        }
+    }
+
+    /// The request to send now, if one is due and none is in flight. The
+    /// caller must report its fate through `on_response` or `on_failure`.
+    pub fn next_request(&mut self, now_ms: u64, store: &dyn SharedData) -> Option<Request> {
+        if self.in_flight.is_some() || now_ms < self.next_at_ms {
+            return None;
+        }
+        if !self.adopted {
+            self.adopted = true;
+            if let Ok((Some(value), _)) = store.get(META_KEY) {
+                if let Some(meta) = Meta::decode(&value) {
+                    self.cursor = Some(Cursor {
+                        load: meta.load,
+                        epoch: meta.epoch,
+                        generation: meta.generation,
+                    });
+                    self.entries = meta.entries;
+                }
+            }
+        }
+        let request = match self.cursor {
+            None => Request::Snapshot,
+            Some(c) => Request::Changes {
+                epoch: c.epoch,
+                since: c.generation,
+                wait_s: self.config.wait_s,
+            },
+        };
+        self.in_flight = Some(request);
+        Some(request)
+    }
+
+    /// True while a request is out.
+    pub fn in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// Forgets the request in flight without judging it (the lease was lost:
+    /// its answer will be ignored) and the adopted cursor (a later holder
+    /// re-reads `meta`).
+    pub fn stand_down(&mut self) {
+        self.in_flight = None;
+        self.adopted = false;
+        self.cursor = None;
+        self.failures = 0;
+        self.next_at_ms = 0;
+    }
+
+    /// The generation applied last, if any.
+    pub fn generation(&self) -> Option<u64> {
+        self.cursor.map(|c| c.generation)
+    }
+
+    /// IPs in the index.
+    pub fn entries(&self) -> u64 {
+        self.entries
+    }
+
+    /// Applies an answer (`status`, `body`) to the request in flight.
+    pub fn on_response(
+        &mut self,
+        now_ms: u64,
+        status: u32,
+        body: &[u8],
+        store: &mut dyn SharedData,
+    ) -> Result<Applied, SyncError> {
+        let request = self.in_flight.take();
+        let result = self.apply(now_ms, request, status, body, store);
+        match &result {
+            Ok(_) => {
+                self.failures = 0;
+                self.next_at_ms = now_ms;
+            }
+            Err(e) => self.fail(now_ms, e),
+        }
+        result
+    }
+
+    /// Records that the request in flight failed without an answer.
+    pub fn on_failure(&mut self, now_ms: u64, error: &SyncError) {
+        self.in_flight = None;
+        self.fail(now_ms, error);
+    }
+
+    fn fail(&mut self, now_ms: u64, error: &SyncError) {
+        if matches!(error, SyncError::Sequence { .. } | SyncError::Decode(_)) {
+            // We may be out of step: the next attempt starts over.
+            self.cursor = None;
+        }
+        self.failures = self.failures.saturating_add(1);
+        self.next_at_ms = now_ms.saturating_add(self.backoff_ms());
+    }
+
+    /// The delay before the next attempt: exponential in the failures so far,
+    /// capped, with "equal jitter" (half fixed, half random) so a fleet of
+    /// gateways does not retry in lockstep.
+    fn backoff_ms(&mut self) -> u64 {
+        let exp = self.failures.saturating_sub(1).min(32);
+        let base = self
+            .config
+            .backoff_initial_ms
+            .saturating_mul(1u64 << exp)
+            .min(self.config.backoff_max_ms);
+        let half = base / 2;
+        half + self.random() % (base - half + 1)
+    }
+
+    fn random(&mut self) -> u64 {
+        // xorshift64: jitter needs spread, not secrecy.
+        let mut x = self.rng;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.rng = x;
+        x
+    }
+
+    fn apply(
+        &mut self,
+        now_ms: u64,
+        request: Option<Request>,
+        status: u32,
+        body: &[u8],
+        store: &mut dyn SharedData,
+    ) -> Result<Applied, SyncError> {
+        if status != 200 {
+            return Err(SyncError::Status(status));
+        }
+        match request {
+            Some(Request::Snapshot) | None => {
+                let snapshot = Snapshot::from_json(body).map_err(SyncError::Decode)?;
+                self.load_snapshot(now_ms, snapshot, store)
+            }
+            Some(Request::Changes { .. }) => {
+                match Changes::from_json(body).map_err(SyncError::Decode)? {
+                    Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
+                    Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
+                }
+            }
+        }
+    }
+
+    fn load_snapshot(
+        &mut self,
+        now_ms: u64,
+        snapshot: Snapshot,
+        store: &mut dyn SharedData,
+    ) -> Result<Applied, SyncError> {
+        let load = next_id(store, LOADS_KEY)?;
+        let Snapshot {
+            v: _,
+            epoch,
+            generation,
+            freshness,
+            services,
+            records,
+        } = snapshot;
+        let mut ips = HashSet::with_capacity(records.len());
+        for record in &records {
+            let value = encode_record(load, record);
+            store.set(&ip_key(&record.ip), &value, None)?;
+            if !value.is_empty() {
+                ips.insert(record.ip);
+            }
+        }
+        let services: HashSet<ServiceKey> = services.into_iter().collect();
+        for service in &services {
+            store.set(&service_key(service), &encode_service(load), None)?;
+        }
+        // Entries the new snapshot lacks would be invalid anyway once meta
+        // names the new load; clearing them gives their memory back.
+        for ip in self.known_ips.difference(&ips) {
+            store.set(&ip_key(ip), b"", None)?;
+        }
+        for service in self.known_services.difference(&services) {
+            store.set(&service_key(service), b"", None)?;
+        }
+        self.known_ips = ips;
+        self.known_services = services;
+        let entries = self.known_ips.len() as u64;
+        let meta = Meta {
+            load,
+            epoch,
+            generation,
+            synced_ms: now_ms,
+            fresh: freshness.fresh,
+            entries,
+        };
+        store.set(META_KEY, &meta.encode(), None)?;
+        self.cursor = Some(Cursor {
+            load,
+            epoch,
+            generation,
+        });
+        self.entries = entries;
+        Ok(Applied::Reset { entries })
+    }
+
+    fn apply_delta(
+        &mut self,
+        now_ms: u64,
+        delta: Delta,
+        store: &mut dyn SharedData,
+    ) -> Result<Applied, SyncError> {
+        let Delta {
+            v: _,
+            epoch,
+            since,
+            generation,
+            freshness,
+            services_added,
+            services_removed,
+            upserts,
+            removed,
+        } = delta;
+        let Some(cursor) = self.cursor else {
+            return Err(SyncError::Sequence { since, ours: 0 });
+        };
+        if epoch != cursor.epoch || since != cursor.generation || generation < since {
+            return Err(SyncError::Sequence {
+                since,
+                ours: cursor.generation,
+            });
+        }
+        let load = cursor.load;
+        let mut changed = 0u64;
+        for service in &services_added {
+            store.set(&service_key(service), &encode_service(load), None)?;
+            self.known_services.insert(service.clone());
+        }
+        for service in &services_removed {
+            store.set(&service_key(service), b"", None)?;
+            self.known_services.remove(service);
+        }
+        for record in &upserts {
+            let value = encode_record(load, record);
+            store.set(&ip_key(&record.ip), &value, None)?;
+            changed += 1;
+            if value.is_empty() {
+                self.remove_entry(&record.ip);
+            } else if self.known_ips.insert(record.ip) {
+                self.entries += 1;
+            }
+        }
+        for ip in &removed {
+            store.set(&ip_key(ip), b"", None)?;
+            changed += 1;
+            self.remove_entry(ip);
+        }
+        let meta = Meta {
+            load,
+            epoch,
+            generation,
+            synced_ms: now_ms,
+            fresh: freshness.fresh,
+            entries: self.entries,
+        };
+        store.set(META_KEY, &meta.encode(), None)?;
+        self.cursor = Some(Cursor {
+            generation,
+            ..cursor
+        });
+        Ok(Applied::Delta { changed })
+    }
+
+    fn remove_entry(&mut self, ip: &IpAddr) {
+        // After a takeover the poller does not know every key; `entries` is
+        // then an estimate that the next reset corrects.
+        if self.known_ips.remove(ip) {
+            self.entries = self.entries.saturating_sub(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Entry, MemoryStore, View};
+    use staleguard_core::wire::{Membership, Via};
+    use staleguard_core::{Freshness, IpRecord, PodHolder};
+
+    const CFG: SyncConfig = SyncConfig {
+        wait_s: 5,
+        backoff_initial_ms: 100,
+        backoff_max_ms: 1_000,
+    };
+
+    fn cart() -> ServiceKey {
+        ServiceKey::new("shop", "cart")
+    }
+
+    fn rec(ip: &str) -> IpRecord {
+        IpRecord {
+            ip: ip.parse().unwrap(),
+            pods: vec![PodHolder {
+                namespace: "shop".into(),
+                name: format!("cart-{ip}"),
+                uid: ip.into(),
+                services: vec![Membership {
+                    service: cart(),
+                    via: Via::Selector,
+                    ports: vec![],
+                    conditions: None,
+                }],
+                ready: true,
+                terminating: false,
+                host_network: false,
+            }],
+            bare_services: vec![],
+            tombstone: None,
+        }
+    }
+
+    fn snapshot(epoch: u64, generation: u64, ips: &[&str]) -> Snapshot {
+        Snapshot {
+            v: 1,
+            epoch,
+            generation,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(5),
+            },
+            services: vec![cart()],
+            records: ips.iter().map(|ip| rec(ip)).collect(),
+        }
+    }
+
+    fn delta(epoch: u64, since: u64, generation: u64) -> Delta {
+        Delta {
+            v: 1,
+            epoch,
+            since,
+            generation,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: None,
+            },
+            services_added: vec![],
+            services_removed: vec![],
+            upserts: vec![],
+            removed: vec![],
+        }
+    }
+
+    fn present(store: &MemoryStore, ip: &str) -> bool {
+        matches!(
+            View::new(store)
+                .lookup(&cart(), &ip.parse().unwrap())
+                .record,
+            Entry::Present(_)
+        )
+    }
+
+    fn json<T: serde::Serialize>(t: &T) -> Vec<u8> {
+        serde_json::to_vec(t).unwrap()
+    }
+
+    #[test]
+    fn starts_with_a_snapshot_then_long_polls() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        assert_eq!(p.next_request(0, &store), Some(Request::Snapshot));
+        assert_eq!(p.next_request(0, &store), None, "one request at a time");
+        let applied = p
+            .on_response(10, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
+            .unwrap();
+        assert_eq!(applied, Applied::Reset { entries: 1 });
+        assert!(present(&store, "10.0.0.1"));
+        let req = p.next_request(10, &store).unwrap();
+        assert_eq!(req.path(), "/v1/changes?v=1&epoch=9&since=3&wait=5");
+        let meta = View::new(&store).meta().unwrap();
+        assert_eq!((meta.epoch, meta.generation, meta.synced_ms), (9, 3, 10));
+        assert!(meta.fresh);
+    }
+
+    #[test]
+    fn deltas_upsert_and_remove() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
+            .unwrap();
+        p.next_request(0, &store);
+        let mut d = delta(9, 3, 5);
+        d.upserts = vec![rec("10.0.0.2")];
+        d.removed = vec!["10.0.0.1".parse().unwrap()];
+        let applied = p
+            .on_response(20, 200, &json(&Changes::Delta(d)), &mut store)
+            .unwrap();
+        assert_eq!(applied, Applied::Delta { changed: 2 });
+        assert!(!present(&store, "10.0.0.1"));
+        assert!(present(&store, "10.0.0.2"));
+        assert_eq!(p.generation(), Some(5));
+        assert_eq!(p.entries(), 1);
+        // An empty answer to a long poll still proves the validator is alive.
+        p.next_request(20, &store);
+        p.on_response(90, 200, &json(&Changes::Delta(delta(9, 5, 5))), &mut store)
+            .unwrap();
+        assert_eq!(View::new(&store).meta().unwrap().synced_ms, 90);
+    }
+
+    #[test]
+    fn a_reset_invalidates_what_the_new_snapshot_lacks() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(
+            0,
+            200,
+            &json(&snapshot(9, 3, &["10.0.0.1", "10.0.0.2"])),
+            &mut store,
+        )
+        .unwrap();
+        p.next_request(0, &store);
+        let reset = Changes::Reset(snapshot(11, 1, &["10.0.0.2", "10.0.0.3"]));
+        assert_eq!(
+            p.on_response(5, 200, &json(&reset), &mut store).unwrap(),
+            Applied::Reset { entries: 2 }
+        );
+        assert!(!present(&store, "10.0.0.1"));
+        assert!(present(&store, "10.0.0.2"));
+        assert!(present(&store, "10.0.0.3"));
+        assert_eq!(
+            p.next_request(5, &store).unwrap().path(),
+            "/v1/changes?v=1&epoch=11&since=1&wait=5"
+        );
+    }
+
+    #[test]
+    fn a_successor_continues_from_meta_and_a_reset_hides_unknown_leftovers() {
+        let mut store = MemoryStore::default();
+        let mut first = Poller::new(CFG, 1);
+        first.next_request(0, &store);
+        first
+            .on_response(0, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
+            .unwrap();
+        // `first` dies; `second` adopts its cursor and asks for changes.
+        let mut second = Poller::new(CFG, 2);
+        assert_eq!(
+            second.next_request(1, &store).unwrap().path(),
+            "/v1/changes?v=1&epoch=9&since=3&wait=5"
+        );
+        let reset = Changes::Reset(snapshot(12, 1, &["10.0.0.5"]));
+        second
+            .on_response(2, 200, &json(&reset), &mut store)
+            .unwrap();
+        // second never knew 10.0.0.1's key, but the new load hides it.
+        assert!(!present(&store, "10.0.0.1"));
+        assert!(present(&store, "10.0.0.5"));
+    }
+
+    #[test]
+    fn out_of_step_deltas_force_a_snapshot() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &[])), &mut store)
+            .unwrap();
+        for bad in [delta(9, 2, 4), delta(8, 3, 4), delta(9, 3, 2)] {
+            p.next_request(u64::MAX / 2, &store);
+            let err = p
+                .on_response(0, 200, &json(&Changes::Delta(bad)), &mut store)
+                .unwrap_err();
+            assert_eq!(err.kind(), "sequence");
+            assert_eq!(
+                p.next_request(u64::MAX / 2, &store),
+                Some(Request::Snapshot)
+            );
+            p.on_response(0, 200, &json(&snapshot(9, 3, &[])), &mut store)
+                .unwrap();
+        }
+    }
+
+    #[test]
+    fn errors_back_off_exponentially_with_jitter_and_keep_the_data() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
+            .unwrap();
+        let mut now = 0;
+        let mut delays = vec![];
+        for status in [503, 500, 401, 503, 503, 503] {
+            assert!(p.next_request(now, &store).is_some());
+            let err = p.on_response(now, status, b"", &mut store).unwrap_err();
+            assert_eq!(err.kind(), "status");
+            let before = now;
+            while p.next_request(now, &store).is_none() {
+                now += 1;
+            }
+            p.in_flight = None;
+            delays.push(now - before);
+        }
+        assert!((50..=100).contains(&delays[0]), "{delays:?}");
+        assert!((100..=200).contains(&delays[1]), "{delays:?}");
+        assert!(delays[5] <= 1_000 && delays[5] >= 500, "{delays:?}");
+        assert!(present(&store, "10.0.0.1"), "errors never clear data");
+        // Garbage is an error too, and the next attempt starts over.
+        p.next_request(now, &store);
+        let err = p
+            .on_response(now, 200, b"{not json", &mut store)
+            .unwrap_err();
+        assert_eq!(err.kind(), "decode");
+        p.on_failure(now, &SyncError::Transport("x".into()));
+        now += 10_000;
+        assert_eq!(p.next_request(now, &store), Some(Request::Snapshot));
+    }
+
+    #[test]
+    fn unfresh_answers_are_recorded_as_not_fresh() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        let mut s = snapshot(1, 1, &[]);
+        s.freshness.fresh = false;
+        p.on_response(0, 200, &json(&s), &mut store).unwrap();
+        assert!(!View::new(&store).meta().unwrap().fresh);
+    }
+}

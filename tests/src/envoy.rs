@@ -1,0 +1,302 @@
+//! Real Envoy with the staleguard filter, for the filter tests.
+//!
+//! [`Gateway`] describes a gateway: clusters (each one upstream host, with or
+//! without the filter and its own plugin configuration) and the validator
+//! cluster; [`Gateway::start`] writes the bootstrap (JSON) and runs Envoy. A
+//! request picks its cluster with the `x-cluster` header, so one Envoy serves
+//! every scenario of a test. The bootstrap carries the same `stats_tags` as
+//! `deploy/envoy/envoy.yaml` (see `docs/metrics.md`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::process::{free_port, require, wait_for_port, Guard};
+use crate::tinyhttp::{self, Response};
+
+/// The Envoy binary and the filter module, or `None` (after a SKIP line)
+/// outside CI when they are missing.
+pub fn dependencies() -> Option<(PathBuf, PathBuf)> {
+    let hint = "run `. scripts/setup.sh && sg_setup_all` (installs Envoy, builds the filter)";
+    let envoy = require("STALEGUARD_ENVOY", "Envoy 1.40", hint)?;
+    let wasm = require("STALEGUARD_WASM", "the staleguard filter module", hint)?;
+    Some((envoy, wasm))
+}
+
+/// The `stats_tags` that turn staleguard metric names into labels.
+pub fn stats_tags() -> Value {
+    json!([
+        {"tag_name": "staleguard_reason",
+         "regex": "^wasmcustom\\.staleguard\\.requests(\\.reason\\.([a-z_]+))"},
+        {"tag_name": "staleguard_action",
+         "regex": "^wasmcustom\\.staleguard\\.requests\\.reason\\.[a-z_]+(\\.action\\.([a-z_]+))$"},
+        {"tag_name": "staleguard_error_kind",
+         "regex": "^wasmcustom\\.staleguard\\.sync_errors(\\.kind\\.([a-z_]+))$"}
+    ])
+}
+
+/// One cluster with one upstream host.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    /// Cluster name (an Istio `outbound|...` name, or anything).
+    pub name: String,
+    /// The host.
+    pub host: SocketAddr,
+    /// The plugin configuration, or `None` for no filter.
+    pub plugin: Option<Value>,
+    /// Istio-style `filter_metadata` for the cluster.
+    pub metadata: Option<Value>,
+}
+
+/// A gateway to start.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    /// Worker threads.
+    pub concurrency: u32,
+    /// The validator's address (cluster `staleguard-validator`).
+    pub validator: SocketAddr,
+    /// Clusters.
+    pub clusters: Vec<Cluster>,
+    /// A retry policy on the route: `retry_on: reset` with `previous_hosts`.
+    pub retry_on_reset: bool,
+}
+
+/// A plugin configuration for tests: fast ticks, short polls, short staleness.
+pub fn test_plugin(extra: Value) -> Value {
+    let mut base = json!({
+        "validator_cluster": "staleguard-validator",
+        "poll_wait_s": 1,
+        "max_staleness_ms": 3000,
+        "tick_ms": 100,
+        "lease_ttl_ms": 1000,
+        "backoff_initial_ms": 100,
+        "backoff_max_ms": 500
+    });
+    if let (Some(b), Some(e)) = (base.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    base
+}
+
+fn wasm_filter(wasm: &Path, plugin: &Value) -> Value {
+    json!({
+        "name": "envoy.filters.http.wasm",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "staleguard",
+                "root_id": "staleguard",
+                "vm_config": {
+                    "vm_id": "staleguard",
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": {"local": {"filename": wasm.display().to_string()}}
+                },
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": plugin.to_string()
+                }
+            }
+        }
+    })
+}
+
+fn static_cluster(name: &str, host: SocketAddr) -> Value {
+    json!({
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+                "address": host.ip().to_string(), "port_value": host.port()}}}}]}]
+        }
+    })
+}
+
+impl Cluster {
+    /// A cluster to `host`, guarded by `plugin` if given.
+    pub fn new(name: &str, host: SocketAddr, plugin: Option<Value>) -> Self {
+        Self {
+            name: name.into(),
+            host,
+            plugin,
+            metadata: None,
+        }
+    }
+
+    fn to_json(&self, wasm: &Path) -> Value {
+        let mut c = static_cluster(&self.name, self.host);
+        if let Some(plugin) = &self.plugin {
+            c["typed_extension_protocol_options"] = json!({
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http_protocol_options": {}},
+                    "http_filters": [
+                        wasm_filter(wasm, plugin),
+                        {"name": "envoy.filters.http.upstream_codec",
+                         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
+                    ]
+                }
+            });
+        }
+        if let Some(m) = &self.metadata {
+            c["metadata"] = json!({"filter_metadata": m});
+        }
+        c
+    }
+}
+
+/// A running Envoy.
+#[derive(Debug)]
+pub struct Envoy {
+    guard: Guard,
+    /// The gateway listener.
+    pub listener: SocketAddr,
+    /// The admin listener.
+    pub admin: SocketAddr,
+}
+
+impl Gateway {
+    /// The bootstrap for this gateway.
+    pub fn bootstrap(&self, wasm: &Path, listener: SocketAddr, admin: SocketAddr) -> Value {
+        let mut route = json!({"cluster_header": "x-cluster", "timeout": "5s"});
+        if self.retry_on_reset {
+            route["retry_policy"] = json!({
+                "retry_on": "reset",
+                "num_retries": 3,
+                "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+                "host_selection_retry_max_attempts": 5
+            });
+        }
+        let mut clusters: Vec<Value> = self.clusters.iter().map(|c| c.to_json(wasm)).collect();
+        clusters.push(static_cluster("staleguard-validator", self.validator));
+        json!({
+            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
+            "stats_config": {"stats_tags": stats_tags()},
+            "static_resources": {
+                "listeners": [{
+                    "name": "gateway",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener.port()}},
+                    "filter_chains": [{"filters": [{
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "gateway",
+                            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                                "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+                            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+                        }
+                    }]}]
+                }],
+                "clusters": clusters
+            }
+        })
+    }
+
+    /// Starts Envoy; `None` (after a SKIP line) when Envoy or the module is
+    /// missing outside CI.
+    pub fn start(&self) -> Result<Option<Envoy>> {
+        let Some((envoy, wasm)) = dependencies() else {
+            return Ok(None);
+        };
+        let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let config = self.bootstrap(&wasm, listener, admin);
+        let path = std::env::temp_dir().join(format!(
+            "staleguard-envoy-{}-{}.json",
+            std::process::id(),
+            listener.port()
+        ));
+        std::fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
+        let mut cmd = Command::new(envoy);
+        cmd.arg("-c")
+            .arg(&path)
+            .args(["--concurrency", &self.concurrency.to_string()])
+            .args(["--disable-hot-restart", "-l", "info"]);
+        let mut guard = Guard::spawn("envoy", cmd)?;
+        wait_for_port(&mut guard, listener, Duration::from_secs(30))?;
+        let envoy = Envoy {
+            guard,
+            listener,
+            admin,
+        };
+        Ok(Some(envoy))
+    }
+}
+
+impl Envoy {
+    /// Sends `GET /` through the gateway to `cluster`.
+    pub fn get(&mut self, cluster: &str) -> Result<Response> {
+        self.guard.check_alive()?;
+        tinyhttp::get(self.listener, "/", &[("x-cluster", cluster)])
+    }
+
+    /// An admin page.
+    pub fn admin(&self, target: &str) -> Result<String> {
+        Ok(tinyhttp::get(self.admin, target, &[])?.body)
+    }
+
+    /// A counter or gauge from `/stats` (full name, e.g.
+    /// `wasmcustom.staleguard.sync_polls`); `0` when not defined yet.
+    pub fn stat(&self, name: &str) -> Result<u64> {
+        let stats = self.admin(&format!("/stats?filter=^{}$", name.replace('|', "\\|")))?;
+        for line in stats.lines() {
+            if let Some((k, v)) = line.split_once(": ") {
+                if k == name {
+                    return v
+                        .trim()
+                        .parse()
+                        .with_context(|| format!("stat {name}: {v:?}"));
+                }
+            }
+        }
+        Ok(0)
+    }
+
+    /// What Envoy has logged so far.
+    pub fn log(&self) -> String {
+        self.guard.output()
+    }
+
+    /// Polls `f` until it returns `Ok(true)` or `timeout` passes.
+    pub fn eventually(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        mut f: impl FnMut(&mut Self) -> Result<bool>,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.guard.check_alive()?;
+            if f(self)? {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "timed out after {timeout:?} waiting for: {what}\n--- envoy log (tail) ---\n{}",
+                    tail(&self.log(), 60)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills Envoy.
+    pub fn stop(&mut self) {
+        self.guard.kill();
+    }
+}
+
+/// The last `n` lines of `text`.
+pub fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}

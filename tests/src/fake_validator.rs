@@ -1,0 +1,329 @@
+//! A fake validator for the filter tests: serves canned `staleguard_core::wire`
+//! documents on the real API's paths, and can be told to go down, answer
+//! garbage, restart with a new epoch, or call its data stale.
+//!
+//! `GET /v1/snapshot?v=1` answers the whole index; `GET /v1/changes` answers a
+//! reset for a foreign epoch or a generation it has no history for, the
+//! compacted delta when it has one, and otherwise holds the request until
+//! something changes or `wait` seconds pass (then an empty delta), like the
+//! real one. Every request is recorded, with how many were open at once.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use staleguard_core::wire::{Delta, WIRE_VERSION};
+use staleguard_core::{Changes, Freshness, IpRecord, ServiceKey, Snapshot};
+
+use crate::tinyhttp::{Answer, Request, Server};
+
+/// How the fake answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Behaviour {
+    /// Like the real validator.
+    Normal,
+    /// Closes every connection without answering.
+    Down,
+    /// Answers every request with this status.
+    Status(u16),
+    /// Answers 200 with a body that is not a wire document.
+    Garbage,
+}
+
+#[derive(Debug)]
+struct State {
+    epoch: u64,
+    generation: u64,
+    /// Oldest generation deltas can start from.
+    floor: u64,
+    services: Vec<ServiceKey>,
+    records: BTreeMap<IpAddr, IpRecord>,
+    /// (generation, record or removal) in order.
+    history: Vec<(u64, IpAddr, Option<IpRecord>)>,
+    fresh: bool,
+    behaviour: Behaviour,
+    token: Option<String>,
+    log: Vec<String>,
+    open: u32,
+    max_open: u32,
+}
+
+type Shared = Arc<(Mutex<State>, Condvar)>;
+
+fn lock(shared: &Shared) -> MutexGuard<'_, State> {
+    shared.0.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The fake; stops when dropped.
+#[derive(Debug)]
+pub struct FakeValidator {
+    shared: Shared,
+    server: Server,
+}
+
+impl FakeValidator {
+    /// Starts on a free port of 127.0.0.1 with an empty index at `epoch`.
+    pub fn start(epoch: u64) -> Result<Self> {
+        let shared: Shared = Arc::new((
+            Mutex::new(State {
+                epoch,
+                generation: 1,
+                floor: 1,
+                services: vec![],
+                records: BTreeMap::new(),
+                history: vec![],
+                fresh: true,
+                behaviour: Behaviour::Normal,
+                token: None,
+                log: vec![],
+                open: 0,
+                max_open: 0,
+            }),
+            Condvar::new(),
+        ));
+        let handler_state = shared.clone();
+        let server = Server::start("127.0.0.1:0".parse()?, move |req| {
+            handle(&handler_state, req)
+        })?;
+        Ok(Self { shared, server })
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.server.addr()
+    }
+
+    fn change(&self, f: impl FnOnce(&mut State)) {
+        let mut s = lock(&self.shared);
+        f(&mut s);
+        self.shared.1.notify_all();
+    }
+
+    /// Replaces the whole index (clients will get a reset).
+    pub fn set_index(&self, services: Vec<ServiceKey>, records: Vec<IpRecord>) {
+        self.change(|s| {
+            s.generation += 1;
+            s.floor = s.generation;
+            s.history.clear();
+            s.services = services;
+            s.records = records.into_iter().map(|r| (r.ip, r)).collect();
+        });
+    }
+
+    /// Adds or replaces one IP's record (clients get a delta).
+    pub fn upsert(&self, record: IpRecord) {
+        self.change(|s| {
+            s.generation += 1;
+            let g = s.generation;
+            s.history.push((g, record.ip, Some(record.clone())));
+            s.records.insert(record.ip, record);
+        });
+    }
+
+    /// Forgets one IP (clients get a delta).
+    pub fn remove(&self, ip: IpAddr) {
+        self.change(|s| {
+            s.generation += 1;
+            let g = s.generation;
+            s.history.push((g, ip, None));
+            s.records.remove(&ip);
+        });
+    }
+
+    /// Plays a validator restart: a new epoch, generations start over.
+    pub fn restart(&self, epoch: u64) {
+        self.change(|s| {
+            s.epoch = epoch;
+            s.generation = 1;
+            s.floor = 1;
+            s.history.clear();
+        });
+    }
+
+    /// Sets the `fresh` flag of every answer.
+    pub fn set_fresh(&self, fresh: bool) {
+        self.change(|s| s.fresh = fresh);
+    }
+
+    /// Sets how it answers.
+    pub fn set_behaviour(&self, behaviour: Behaviour) {
+        self.change(|s| s.behaviour = behaviour);
+    }
+
+    /// Requires `Authorization: Bearer <token>`.
+    pub fn set_token(&self, token: Option<&str>) {
+        self.change(|s| s.token = token.map(Into::into));
+    }
+
+    /// Every request target so far.
+    pub fn requests(&self) -> Vec<String> {
+        lock(&self.shared).log.clone()
+    }
+
+    /// The most requests that were open at the same time.
+    pub fn max_open(&self) -> u32 {
+        lock(&self.shared).max_open
+    }
+
+    /// Waits until `pred` holds for the request log, or `timeout` passes.
+    pub fn wait_for(&self, timeout: Duration, pred: impl Fn(&[String]) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if pred(&lock(&self.shared).log) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        pred(&lock(&self.shared).log)
+    }
+}
+
+impl Drop for FakeValidator {
+    fn drop(&mut self) {
+        // Wake held long polls so their threads end with the server.
+        self.set_behaviour(Behaviour::Down);
+    }
+}
+
+fn snapshot(s: &State) -> Snapshot {
+    Snapshot {
+        v: WIRE_VERSION,
+        epoch: s.epoch,
+        generation: s.generation,
+        freshness: Freshness {
+            fresh: s.fresh,
+            age_ms: Some(1),
+        },
+        services: s.services.clone(),
+        records: s.records.values().cloned().collect(),
+    }
+}
+
+/// The compacted delta after `since`, if history covers it.
+fn delta(s: &State, since: u64) -> Option<Delta> {
+    if since < s.floor || since > s.generation {
+        return None;
+    }
+    let mut latest: BTreeMap<IpAddr, Option<IpRecord>> = BTreeMap::new();
+    for (g, ip, rec) in &s.history {
+        if *g > since {
+            latest.insert(*ip, rec.clone());
+        }
+    }
+    let mut upserts = vec![];
+    let mut removed = vec![];
+    for (ip, rec) in latest {
+        match rec {
+            Some(r) => upserts.push(r),
+            None => removed.push(ip),
+        }
+    }
+    Some(Delta {
+        v: WIRE_VERSION,
+        epoch: s.epoch,
+        since,
+        generation: s.generation,
+        freshness: Freshness {
+            fresh: s.fresh,
+            age_ms: Some(1),
+        },
+        services_added: vec![],
+        services_removed: vec![],
+        upserts,
+        removed,
+    })
+}
+
+fn json<T: serde::Serialize>(t: &T) -> Answer {
+    Answer::json(serde_json::to_vec(t).unwrap_or_default())
+}
+
+fn handle(shared: &Shared, req: &Request) -> Answer {
+    let mut s = lock(shared);
+    s.log.push(req.target.clone());
+    s.open += 1;
+    s.max_open = s.max_open.max(s.open);
+    let answer = answer(shared, s, req);
+    lock(shared).open -= 1;
+    answer
+}
+
+fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answer {
+    match s.behaviour.clone() {
+        Behaviour::Normal => {}
+        Behaviour::Down => return Answer::Hangup,
+        Behaviour::Status(code) => return Answer::status(code, "fake failure"),
+        Behaviour::Garbage => return Answer::json(b"{\"kind\":\"delta\",\"v\":1,\"oops".to_vec()),
+    }
+    if let Some(token) = &s.token {
+        if req.headers.get("authorization") != Some(&format!("Bearer {token}")) {
+            return Answer::status(401, "unauthorized");
+        }
+    }
+    match req.path() {
+        "/v1/snapshot" => json(&snapshot(&s)),
+        "/v1/changes" => {
+            let num = |k: &str| req.query(k).and_then(|v| v.parse::<u64>().ok());
+            let (Some(epoch), Some(since)) = (num("epoch"), num("since")) else {
+                return Answer::status(400, "need epoch and since");
+            };
+            let wait = Duration::from_secs(num("wait").unwrap_or(0).min(60));
+            let deadline = Instant::now() + wait;
+            loop {
+                if s.behaviour != Behaviour::Normal {
+                    return Answer::Hangup;
+                }
+                if epoch != s.epoch {
+                    return json(&Changes::Reset(snapshot(&s)));
+                }
+                let Some(d) = delta(&s, since) else {
+                    return json(&Changes::Reset(snapshot(&s)));
+                };
+                let now = Instant::now();
+                if s.generation != since || now >= deadline {
+                    return json(&Changes::Delta(d));
+                }
+                s = shared
+                    .1
+                    .wait_timeout(s, deadline - now)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+        }
+        _ => Answer::status(404, "no such path"),
+    }
+}
+
+/// Builders for index records.
+pub mod records {
+    use staleguard_core::wire::{Membership, Via};
+    use staleguard_core::{IpRecord, PodHolder, ServiceKey};
+
+    /// A pod named `pod` holding `ip`, member of `services`.
+    pub fn pod(ip: &str, pod: &str, services: &[&ServiceKey], terminating: bool) -> IpRecord {
+        IpRecord {
+            ip: ip.parse().unwrap_or(std::net::IpAddr::from([0, 0, 0, 0])),
+            pods: vec![PodHolder {
+                namespace: "shop".into(),
+                name: pod.into(),
+                uid: format!("uid-{pod}"),
+                services: services
+                    .iter()
+                    .map(|s| Membership {
+                        service: (*s).clone(),
+                        via: Via::Both,
+                        ports: vec![],
+                        conditions: None,
+                    })
+                    .collect(),
+                ready: !terminating,
+                terminating,
+                host_network: false,
+            }],
+            bare_services: vec![],
+            tombstone: None,
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! The filter in real Envoy judges each upstream host against the index the
+//! fake validator serves: allow, destroyed, recycled, terminating, unknown,
+//! unmapped, a plain-Envoy mapping rule, audit mode, and a delta that changes
+//! the verdicts while Envoy runs.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use serde_json::json;
+use staleguard_core::ServiceKey;
+use staleguard_tests::envoy::{tail, test_plugin, Cluster, Gateway};
+use staleguard_tests::fake_validator::{records::pod, FakeValidator};
+use staleguard_tests::tinyhttp::named_host;
+
+const CART: &str = "cart.shop.svc.cluster.local";
+
+fn istio(subset: &str) -> String {
+    format!("outbound|8080|{subset}|{CART}")
+}
+
+#[test]
+fn verdicts_in_real_envoy() -> Result<()> {
+    let cart = ServiceKey::new("shop", "cart");
+    let pay = ServiceKey::new("shop", "pay");
+    let live = named_host("127.0.1.1", "cart-live")?;
+    let gone = named_host("127.0.1.2", "ghost")?;
+    let recycled = named_host("127.0.1.3", "pay-1")?;
+    let draining = named_host("127.0.1.4", "cart-draining")?;
+    let external = named_host("127.0.1.5", "external")?;
+
+    let validator = FakeValidator::start(41)?;
+    validator.set_index(
+        vec![cart.clone(), pay.clone()],
+        vec![
+            pod("127.0.1.1", "cart-live", &[&cart], false),
+            pod("127.0.1.3", "pay-1", &[&pay], false),
+            pod("127.0.1.4", "cart-draining", &[&cart], true),
+        ],
+    );
+
+    let guarded = Some(test_plugin(json!({})));
+    let gateway = Gateway {
+        concurrency: 1,
+        validator: validator.addr(),
+        retry_on_reset: false,
+        clusters: vec![
+            Cluster::new(&istio("live"), live.addr(), guarded.clone()),
+            Cluster::new(&istio("gone"), gone.addr(), guarded.clone()),
+            Cluster::new(&istio("recycled"), recycled.addr(), guarded.clone()),
+            Cluster::new(&istio("draining"), draining.addr(), guarded.clone()),
+            Cluster::new(
+                &istio("draining-strict"),
+                draining.addr(),
+                Some(test_plugin(json!({"policy": {"terminating": "reject"}}))),
+            ),
+            Cluster::new(
+                "outbound|80||ext.other.svc.cluster.local",
+                external.addr(),
+                guarded.clone(),
+            ),
+            Cluster::new("plain-unmapped", gone.addr(), guarded.clone()),
+            Cluster::new(
+                "legacy-cart",
+                gone.addr(),
+                Some(test_plugin(
+                    json!({"clusters": [{"name": "legacy-cart", "service": "shop/cart"}]}),
+                )),
+            ),
+            Cluster::new(
+                &istio("audit"),
+                gone.addr(),
+                Some(test_plugin(json!({"mode": "audit"}))),
+            ),
+            Cluster::new(
+                &istio("custom"),
+                gone.addr(),
+                Some(test_plugin(
+                    json!({"reject_status": 421, "reject_header": "x-sg-verdict"}),
+                )),
+            ),
+        ],
+    };
+    let Some(mut envoy) = gateway.start()? else {
+        return Ok(());
+    };
+    // The first sync: the allowed host answers once the index is loaded.
+    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+    })?;
+
+    let ok = |e: &mut staleguard_tests::envoy::Envoy, cluster: &str, host: &str| -> Result<()> {
+        let r = e.get(cluster)?;
+        assert_eq!(r.status, 200, "{cluster}: {r:?}\n{}", tail(&e.log(), 40));
+        assert_eq!(r.header("x-host"), host, "{cluster}");
+        assert_eq!(r.header("x-staleguard"), "", "{cluster}");
+        Ok(())
+    };
+    let rejected =
+        |e: &mut staleguard_tests::envoy::Envoy, cluster: &str, reason: &str| -> Result<()> {
+            let r = e.get(cluster)?;
+            assert_eq!(r.status, 503, "{cluster}: {r:?}\n{}", tail(&e.log(), 40));
+            assert_eq!(r.header("x-staleguard"), reason, "{cluster}");
+            assert_eq!(r.header("x-host"), "", "{cluster}: reached the host");
+            // Nothing but the reason code leaves Envoy: no pod, namespace or IP.
+            for secret in ["127.0.1", "shop", "pay-1", "ghost", "cart"] {
+                assert!(
+                    !r.body.contains(secret),
+                    "{cluster}: body leaks {secret}: {}",
+                    r.body
+                );
+            }
+            Ok(())
+        };
+
+    ok(&mut envoy, &istio("live"), "cart-live")?;
+    rejected(&mut envoy, &istio("gone"), "destroyed")?;
+    rejected(&mut envoy, &istio("recycled"), "recycled")?;
+    ok(&mut envoy, &istio("draining"), "cart-draining")?;
+    rejected(&mut envoy, &istio("draining-strict"), "terminating")?;
+    ok(
+        &mut envoy,
+        "outbound|80||ext.other.svc.cluster.local",
+        "external",
+    )?;
+    ok(&mut envoy, "plain-unmapped", "ghost")?;
+    rejected(&mut envoy, "legacy-cart", "destroyed")?;
+    ok(&mut envoy, &istio("audit"), "ghost")?;
+    let r = envoy.get(&istio("custom"))?;
+    assert_eq!(
+        (r.status, r.header("x-sg-verdict")),
+        (421, "destroyed"),
+        "{r:?}"
+    );
+
+    let stat = |e: &staleguard_tests::envoy::Envoy, reason: &str, action: &str| {
+        e.stat(&format!(
+            "wasmcustom.staleguard.requests.reason.{reason}.action.{action}"
+        ))
+    };
+    assert_eq!(stat(&envoy, "member", "allow")?, 1);
+    assert_eq!(stat(&envoy, "destroyed", "reject")?, 3);
+    assert_eq!(stat(&envoy, "recycled", "reject")?, 1);
+    assert_eq!(stat(&envoy, "terminating", "allow")?, 1);
+    assert_eq!(stat(&envoy, "terminating", "reject")?, 1);
+    assert_eq!(stat(&envoy, "unknown_service", "allow")?, 1);
+    assert_eq!(stat(&envoy, "destroyed", "audit")?, 1);
+    assert_eq!(envoy.stat("wasmcustom.staleguard.requests_unmapped")?, 1);
+    // No host of a rejected request was reached.
+    assert_eq!(
+        gone.hits(),
+        2,
+        "only the unmapped and the audited request reach the ghost"
+    );
+    assert_eq!(recycled.hits(), 0);
+
+    // A delta while Envoy runs: the ghost's IP gets a cart pod, the live pod goes.
+    validator.upsert(pod("127.0.1.2", "cart-new", &[&cart], false));
+    validator.remove("127.0.1.1".parse()?);
+    envoy.eventually("the delta to apply", Duration::from_secs(10), |e| {
+        Ok(e.get(&istio("gone"))?.status == 200)
+    })?;
+    rejected(&mut envoy, &istio("live"), "destroyed")?;
+    assert!(envoy.stat("wasmcustom.staleguard.sync_deltas")? >= 1);
+    assert_eq!(
+        envoy.stat("wasmcustom.staleguard.sync_resets")?,
+        1,
+        "deltas, not resets"
+    );
+    assert!(
+        validator
+            .requests()
+            .iter()
+            .any(|r| r.starts_with("/v1/changes?v=1&epoch=41&since=")),
+        "{:?}",
+        validator.requests()
+    );
+    Ok(())
+}
