@@ -12,9 +12,9 @@
 //! back.
 
 pub mod eds;
-pub mod pods;
 pub mod envoy;
 pub mod fake_validator;
+pub mod pods;
 pub mod process;
 pub mod tinyhttp;
 pub mod traffic;
