@@ -84,7 +84,8 @@ pub fn test_plugin(extra: Value) -> Value {
     base
 }
 
-fn wasm_filter(wasm: &Path, plugin: &Value) -> Value {
+/// The Wasm HTTP filter entry running the staleguard module with `plugin`.
+pub fn wasm_filter(wasm: &Path, plugin: &Value) -> Value {
     json!({
         "name": "envoy.filters.http.wasm",
         "typed_config": {

@@ -14,8 +14,11 @@
 pub mod eds;
 pub mod envoy;
 pub mod fake_validator;
+pub mod gateway;
 pub mod pods;
 pub mod process;
+pub mod scene;
 pub mod tinyhttp;
 pub mod traffic;
+pub mod validator;
 pub mod world;

@@ -1,0 +1,296 @@
+//! An ingress gateway as the incident had it: real Envoy routing to services
+//! whose endpoints come from file-based EDS (see [`crate::eds`]), with or
+//! without the staleguard filter.
+//!
+//! Each service gets an Istio-style cluster, `outbound|80||<svc>.shop.svc.cluster.local`,
+//! so the filter maps clusters to services the way it does under Istio. A
+//! request picks its service with the `host` header. The route tags every
+//! request with the service it means (`x-sg-intended`) and the gateway's name
+//! (`x-sg-via`), which lets the pods classify what reaches them
+//! (see [`crate::pods`]). Several gateways may read the same EDS files: they then
+//! see the same (stale) control plane, and differ only in the filter.
+//!
+//! The filter's counters carry no cluster label, so tests compare metrics and
+//! server counts per gateway: one Envoy per configuration.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::envoy::{stats_tags, tail, wasm_filter};
+use crate::pods::{INTENDED_HEADER, VIA_HEADER};
+use crate::process::{free_port, wait_for_port, Guard};
+use crate::traffic::{Http, Target};
+use crate::world::{World, NAMESPACE};
+
+/// The Envoy cluster name of a service (Istio's outbound form).
+pub fn cluster_name(service: &str) -> String {
+    format!("outbound|80||{service}.{NAMESPACE}.svc.cluster.local")
+}
+
+/// A gateway to start.
+#[derive(Debug, Clone)]
+pub struct GatewaySpec {
+    /// The gateway's name, sent to the pods in `x-sg-via`.
+    pub name: String,
+    /// The plugin configuration, or `None` for an unguarded gateway.
+    pub plugin: Option<Value>,
+    /// Envoy worker threads.
+    pub concurrency: u32,
+}
+
+/// A running gateway.
+#[derive(Debug)]
+pub struct Gateway {
+    guard: Guard,
+    /// Its name.
+    pub name: String,
+    /// True when the filter runs.
+    pub guarded: bool,
+    /// The listener.
+    pub listener: SocketAddr,
+    /// The admin listener.
+    pub admin: SocketAddr,
+    config: PathBuf,
+}
+
+impl GatewaySpec {
+    /// The bootstrap for the world's services, EDS read from the world's files.
+    pub fn bootstrap(
+        &self,
+        world: &World,
+        wasm: &Path,
+        validator: SocketAddr,
+        listener: SocketAddr,
+        admin: SocketAddr,
+    ) -> Result<Value> {
+        let mut clusters = Vec::new();
+        let mut vhosts = Vec::new();
+        for service in world.services() {
+            let eds = world.eds(service)?;
+            let name = cluster_name(service);
+            let mut cluster = json!({
+                "name": name,
+                "type": "EDS",
+                "connect_timeout": "1s",
+                "eds_cluster_config": {
+                    "service_name": eds.resource(),
+                    "eds_config": {
+                        "resource_api_version": "V3",
+                        "path_config_source": {"path": eds.path().display().to_string()},
+                    },
+                },
+            });
+            if let Some(plugin) = &self.plugin {
+                cluster["typed_extension_protocol_options"] = json!({
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http_protocol_options": {}},
+                        "http_filters": [
+                            wasm_filter(wasm, plugin),
+                            {"name": "envoy.filters.http.upstream_codec",
+                             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
+                        ]
+                    }
+                });
+            }
+            clusters.push(cluster);
+            vhosts.push(json!({
+                "name": service,
+                "domains": [service, format!("{service}:*")],
+                "routes": [{
+                    "match": {"prefix": "/"},
+                    "route": {"cluster": name, "timeout": "5s"},
+                    "request_headers_to_add": [
+                        {"header": {"key": INTENDED_HEADER, "value": World::key(service)},
+                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+                        {"header": {"key": VIA_HEADER, "value": self.name},
+                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+                    ],
+                }],
+            }));
+        }
+        clusters.push(json!({
+            "name": "staleguard-validator",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {
+                "cluster_name": "staleguard-validator",
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+                    "address": validator.ip().to_string(), "port_value": validator.port()}}}}]}]
+            }
+        }));
+        Ok(json!({
+            // File-based EDS needs a node identity, as any xDS subscription.
+            "node": {"id": format!("staleguard-{}", self.name), "cluster": "staleguard-gateway"},
+            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
+            "stats_config": {"stats_tags": stats_tags()},
+            "static_resources": {
+                "listeners": [{
+                    "name": "gateway",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener.port()}},
+                    "filter_chains": [{"filters": [{
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "gateway",
+                            "route_config": {"virtual_hosts": vhosts},
+                            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+                        }
+                    }]}]
+                }],
+                "clusters": clusters
+            }
+        }))
+    }
+
+    /// Starts Envoy with `envoy` and `wasm` and waits until every cluster has
+    /// its EDS endpoints and, when guarded, the filter has synced.
+    pub async fn start(
+        &self,
+        http: &Http,
+        world: &World,
+        envoy: &Path,
+        wasm: &Path,
+        validator: SocketAddr,
+    ) -> Result<Gateway> {
+        let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let bootstrap = self.bootstrap(world, wasm, validator, listener, admin)?;
+        let config = world.dir().join(format!("envoy-{}.json", self.name));
+        std::fs::write(&config, serde_json::to_vec_pretty(&bootstrap)?)?;
+        let mut cmd = Command::new(envoy);
+        cmd.arg("-c")
+            .arg(&config)
+            .args(["--concurrency", &self.concurrency.to_string()])
+            .args(["--disable-hot-restart", "-l", "warning"])
+            .args(["--base-id", &free_port()?.to_string()]);
+        let mut guard = Guard::spawn(&format!("envoy-{}", self.name), cmd)?;
+        wait_for_port(&mut guard, listener, Duration::from_secs(60))?;
+        let gateway = Gateway {
+            guard,
+            name: self.name.clone(),
+            guarded: self.plugin.is_some(),
+            listener,
+            admin,
+            config,
+        };
+        for service in world.services() {
+            let want = world.pods_of(service).len() as u64;
+            let stat = format!("cluster.{}.membership_total", cluster_name(service));
+            gateway
+                .wait_stat(
+                    http,
+                    &format!("{stat} = {want}"),
+                    Duration::from_secs(30),
+                    |s| s.get(&stat).copied() == Some(want),
+                )
+                .await?;
+        }
+        if gateway.guarded {
+            gateway
+                .wait_stat(
+                    http,
+                    "filter synced (index_fresh = 1)",
+                    Duration::from_secs(30),
+                    |s| s.get(STAT_FRESH).copied() == Some(1),
+                )
+                .await?;
+        }
+        Ok(gateway)
+    }
+}
+
+/// The filter's generation gauge, as Envoy names it.
+pub const STAT_GENERATION: &str = "wasmcustom.staleguard.index_generation";
+/// The filter's freshness gauge.
+pub const STAT_FRESH: &str = "wasmcustom.staleguard.index_fresh";
+/// The filter's full-resync counter.
+pub const STAT_RESETS: &str = "wasmcustom.staleguard.sync_resets";
+
+/// The filter's request counter for a reason and action.
+pub fn stat_requests(reason: &str, action: &str) -> String {
+    format!("wasmcustom.staleguard.requests.reason.{reason}.action.{action}")
+}
+
+impl Gateway {
+    /// A load-generator target for a service through this gateway.
+    pub fn target(&self, service: &str) -> Target {
+        Target {
+            url: format!("http://{}/", self.listener),
+            headers: vec![("host".into(), service.into())],
+            service: World::key(service),
+        }
+    }
+
+    /// Every counter and gauge from `/stats` (text form, `name: value`).
+    pub async fn stats(&self, http: &Http) -> Result<BTreeMap<String, u64>> {
+        let reply = http
+            .get(&format!("http://{}/stats", self.admin))
+            .await
+            .with_context(|| format!("gateway {} admin", self.name))?;
+        Ok(reply
+            .text()
+            .lines()
+            .filter_map(|line| {
+                let (k, v) = line.split_once(": ")?;
+                Some((k.to_owned(), v.trim().parse().ok()?))
+            })
+            .collect())
+    }
+
+    /// `/stats/prometheus`.
+    pub async fn prometheus(&self, http: &Http) -> Result<String> {
+        Ok(http
+            .get(&format!("http://{}/stats/prometheus", self.admin))
+            .await?
+            .text())
+    }
+
+    /// Polls `/stats` until `ok` holds, failing with Envoy's log after `timeout`.
+    pub async fn wait_stat(
+        &self,
+        http: &Http,
+        what: &str,
+        timeout: Duration,
+        ok: impl Fn(&BTreeMap<String, u64>) -> bool,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(stats) = self.stats(http).await {
+                if ok(&stats) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "gateway {}: timed out after {timeout:?} waiting for {what}\n--- envoy log (tail) ---\n{}",
+                    self.name,
+                    tail(&self.guard.output(), 40)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Envoy's log so far.
+    pub fn log(&self) -> String {
+        self.guard.output()
+    }
+
+    /// The bootstrap file.
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
+    /// Fails with the log if Envoy exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        self.guard.check_alive()
+    }
+}

@@ -1,0 +1,150 @@
+//! A whole stuck-control-plane setup, wired: a [`World`], the validator on its
+//! file source, and gateways (guarded, unguarded, audit...) on its EDS files.
+//!
+//! [`Scene::sync`] is the one honest way to move the world forward: it
+//! publishes the truth, waits until the validator says what the test expects
+//! about the changed IPs, waits until every guarded gateway's filter has
+//! applied at least the validator's generation, and only then changes what
+//! answers on the pods' addresses (see [`crate::world`] for why that order).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+
+use crate::envoy::dependencies;
+use crate::gateway::{Gateway, GatewaySpec, STAT_GENERATION, STAT_RESETS};
+use crate::traffic::Http;
+use crate::validator::{self, Validator};
+use crate::world::World;
+
+/// How long a sync may take before the test fails.
+pub const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The binaries a scene runs.
+#[derive(Debug, Clone)]
+pub struct Deps {
+    /// Envoy 1.40.
+    pub envoy: PathBuf,
+    /// The filter module.
+    pub wasm: PathBuf,
+    /// `staleguard-validator`.
+    pub validator: PathBuf,
+}
+
+/// The binaries, or `None` after SKIP lines outside CI (a failure under CI).
+pub fn deps() -> Option<Deps> {
+    let (envoy, wasm) = dependencies()?;
+    let validator = validator::binary()?;
+    Some(Deps {
+        envoy,
+        wasm,
+        validator,
+    })
+}
+
+/// What the validator must say about one IP before a sync is complete:
+/// `(service "namespace/name", ip, reason)`.
+pub type Expect = (String, IpAddr, &'static str);
+
+/// The running setup.
+#[derive(Debug)]
+pub struct Scene {
+    /// The client every helper uses.
+    pub http: Http,
+    /// The simulated cluster.
+    pub world: World,
+    /// The validator.
+    pub validator: Validator,
+    /// The gateways, in the order given.
+    pub gateways: Vec<Gateway>,
+}
+
+impl Scene {
+    /// Publishes the world, starts the validator (with `validator_args`) and
+    /// the gateways, and waits until all have the initial state.
+    pub async fn start(
+        deps: &Deps,
+        mut world: World,
+        validator_args: &[&str],
+        specs: &[GatewaySpec],
+    ) -> Result<Self> {
+        let http = Http::new();
+        world.publish()?;
+        let validator =
+            Validator::start(&http, &deps.validator, world.truth_path(), validator_args).await?;
+        let mut gateways = Vec::new();
+        for spec in specs {
+            gateways.push(
+                spec.start(&http, &world, &deps.envoy, &deps.wasm, validator.listen)
+                    .await?,
+            );
+        }
+        Ok(Self {
+            http,
+            world,
+            validator,
+            gateways,
+        })
+    }
+
+    /// The gateway named `name`.
+    pub fn gateway(&self, name: &str) -> Result<&Gateway> {
+        match self.gateways.iter().find(|g| g.name == name) {
+            Some(g) => Ok(g),
+            None => bail!("no gateway {name}"),
+        }
+    }
+
+    /// Publishes the world's changes, waits until the validator and every
+    /// guarded gateway have them, then settles the pods' addresses.
+    pub async fn sync(&mut self, expect: &[Expect]) -> Result<()> {
+        self.world.publish()?;
+        self.validator
+            .wait_verdicts(&self.http, expect, SYNC_TIMEOUT)
+            .await?;
+        self.wait_filters_caught_up().await?;
+        self.world.settle();
+        Ok(())
+    }
+
+    /// Waits until every guarded gateway's filter applied the validator's
+    /// current generation.
+    pub async fn wait_filters_caught_up(&self) -> Result<()> {
+        let (_, generation) = self.validator.generation(&self.http).await?;
+        for gateway in self.gateways.iter().filter(|g| g.guarded) {
+            gateway
+                .wait_stat(
+                    &self.http,
+                    &format!("{STAT_GENERATION} >= {generation}"),
+                    SYNC_TIMEOUT,
+                    |s| s.get(STAT_GENERATION).copied().unwrap_or(0) >= generation,
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Restarts the validator (a new epoch) and waits until every guarded
+    /// gateway has resynced from it.
+    pub async fn restart_validator(&mut self) -> Result<()> {
+        let mut resets = Vec::new();
+        for gateway in self.gateways.iter().filter(|g| g.guarded) {
+            let stats = gateway.stats(&self.http).await?;
+            resets.push(stats.get(STAT_RESETS).copied().unwrap_or(0));
+        }
+        self.validator.restart(&self.http).await?;
+        for (gateway, before) in self.gateways.iter().filter(|g| g.guarded).zip(resets) {
+            gateway
+                .wait_stat(
+                    &self.http,
+                    &format!("{STAT_RESETS} > {before}"),
+                    SYNC_TIMEOUT,
+                    |s| s.get(STAT_RESETS).copied().unwrap_or(0) > before,
+                )
+                .await?;
+        }
+        self.wait_filters_caught_up().await
+    }
+}
