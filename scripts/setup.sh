@@ -6,6 +6,7 @@
 #                       (default: ${XDG_CACHE_HOME:-$HOME/.cache}/staleguard)
 #   STALEGUARD_ENVOY    the Envoy binary the tests run (exported)
 #   STALEGUARD_WASM     the built filter module (exported)
+#   STALEGUARD_VALIDATOR the built validator binary (exported by sg_build_validator)
 
 ENVOY_VERSION=1.40.0
 STALEGUARD_CACHE=${STALEGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/staleguard}
@@ -38,6 +39,13 @@ sg_build_filter() {
   cargo build --quiet -p staleguard-filter --target wasm32-wasip1 --profile wasm-release >&2
   STALEGUARD_WASM="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/wasm32-wasip1/wasm-release/staleguard_filter.wasm"
   export STALEGUARD_WASM
+}
+
+sg_build_validator() {
+  sg_step "building the validator (staleguard-validator, debug profile)"
+  cargo build --quiet -p staleguard-validator --bin staleguard-validator >&2
+  STALEGUARD_VALIDATOR="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/staleguard-validator"
+  export STALEGUARD_VALIDATOR
 }
 
 sg_setup_all() {
