@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 
 /// A parsed request.
 #[derive(Debug, Clone, Default)]
@@ -236,26 +236,44 @@ pub fn get(addr: SocketAddr, target: &str, headers: &[(&str, &str)]) -> Result<R
     }
     req.push_str("\r\n");
     stream.write_all(req.as_bytes())?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let Some((head, body)) = text.split_once("\r\n\r\n") else {
-        bail!("no HTTP head in answer from {addr}: {text:?}");
-    };
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
+    // Read the head, then exactly content-length bytes: waiting for EOF would
+    // wait out Envoy's delayed close (1 s) on every request.
+    let mut reader = BufReader::new(stream);
+    let mut status_line = String::new();
+    reader.read_line(&mut status_line)?;
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
         .and_then(|s| s.parse().ok())
-        .with_context(|| format!("bad status line from {addr}: {head:?}"))?;
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
+        .with_context(|| format!("bad status line from {addr}: {status_line:?}"))?;
+    let mut headers = BTreeMap::new();
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_owned());
+        }
+    }
+    let mut raw = Vec::new();
+    match headers
+        .get("content-length")
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        Some(len) => {
+            raw.resize(len, 0);
+            reader.read_exact(&mut raw)?;
+        }
+        None => {
+            reader.read_to_end(&mut raw)?;
+        }
+    }
+    let body = String::from_utf8_lossy(&raw).into_owned();
     Ok(Response {
         status,
         headers,
-        body: body.to_owned(),
+        body,
     })
 }
 

@@ -145,6 +145,24 @@ fn verdicts_in_real_envoy() -> Result<()> {
     assert_eq!(stat(&envoy, "unknown_service", "allow")?, 1);
     assert_eq!(stat(&envoy, "destroyed", "audit")?, 1);
     assert_eq!(envoy.stat("wasmcustom.staleguard.requests_unmapped")?, 1);
+
+    // The stats_tags turn the names into Prometheus labels.
+    let prom = envoy.admin("/stats/prometheus")?;
+    for line in [
+        r#"staleguard_requests{staleguard_reason="destroyed",staleguard_action="reject"} 3"#,
+        r#"staleguard_requests{staleguard_reason="destroyed",staleguard_action="audit"} 1"#,
+        r#"staleguard_requests{staleguard_reason="member",staleguard_action="allow"} 1"#,
+        "staleguard_requests_unmapped{} 1",
+    ] {
+        assert!(
+            prom.lines().any(|l| l == line),
+            "/stats/prometheus lacks {line}:\n{}",
+            prom.lines()
+                .filter(|l| l.contains("staleguard"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
     // No host of a rejected request was reached.
     assert_eq!(
         gone.hits(),

@@ -1,0 +1,77 @@
+//! Exactly one poller per Envoy process: with two workers (two VMs, each with
+//! a root context per guarded cluster, plus the main thread's), the validator
+//! sees one snapshot request and never two requests at once, and every worker
+//! judges from the one shared index.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use serde_json::json;
+use staleguard_core::ServiceKey;
+use staleguard_tests::envoy::{test_plugin, Cluster, Gateway};
+use staleguard_tests::fake_validator::{records::pod, FakeValidator};
+use staleguard_tests::tinyhttp::named_host;
+
+#[test]
+fn one_poller_per_process_with_two_workers() -> Result<()> {
+    let cart = ServiceKey::new("shop", "cart");
+    let live = named_host("127.0.1.31", "cart-1")?;
+    let gone = named_host("127.0.1.32", "ghost")?;
+    let validator = FakeValidator::start(5)?;
+    validator.set_index(
+        vec![cart.clone()],
+        vec![pod("127.0.1.31", "cart-1", &[&cart], false)],
+    );
+    let plugin = Some(test_plugin(json!({})));
+    let names: Vec<String> = (0..3)
+        .map(|i| format!("outbound|8080|s{i}|cart.shop.svc.cluster.local"))
+        .collect();
+    let gateway = Gateway {
+        concurrency: 2,
+        validator: validator.addr(),
+        retry_on_reset: false,
+        clusters: vec![
+            Cluster::new(&names[0], live.addr(), plugin.clone()),
+            Cluster::new(&names[1], gone.addr(), plugin.clone()),
+            // Same config as s0: a third root context per VM, same lease.
+            Cluster::new(&names[2], live.addr(), plugin.clone()),
+        ],
+    };
+    let Some(mut envoy) = gateway.start()? else {
+        return Ok(());
+    };
+    envoy.eventually("first sync", Duration::from_secs(20), |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+    })?;
+    // Requests on many connections land on both workers; all judge alike.
+    for _ in 0..20 {
+        assert_eq!(envoy.get(&names[0])?.status, 200);
+        assert_eq!(envoy.get(&names[1])?.status, 503);
+        assert_eq!(envoy.get(&names[2])?.status, 200);
+    }
+    // Several long-poll rounds (wait=1s).
+    std::thread::sleep(Duration::from_secs(4));
+    let requests = validator.requests();
+    let snapshots = requests
+        .iter()
+        .filter(|r| r.starts_with("/v1/snapshot"))
+        .count();
+    assert_eq!(snapshots, 1, "{requests:#?}");
+    assert_eq!(
+        validator.max_open(),
+        1,
+        "two pollers overlapped: {requests:#?}"
+    );
+    assert!(requests.len() >= 4, "long polls continue: {requests:#?}");
+    assert!(
+        requests.len() <= 8,
+        "one poller, ~1 request/s: {requests:#?}"
+    );
+    assert_eq!(envoy.stat("wasmcustom.staleguard.sync_lease_acquired")?, 1);
+    assert_eq!(
+        envoy.stat("wasmcustom.staleguard.sync_polls")?,
+        requests.len() as u64
+    );
+    assert_eq!(envoy.stat("wasmcustom.staleguard.index_entries")?, 1);
+    Ok(())
+}

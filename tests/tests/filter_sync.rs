@@ -1,0 +1,123 @@
+//! The filter's sync in real Envoy: the validator goes down (stale data under
+//! both failure policies), restarts with a new epoch (full resync), answers
+//! garbage, calls its own data stale, and requires a bearer token.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use serde_json::json;
+use staleguard_core::ServiceKey;
+use staleguard_tests::envoy::{test_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
+use staleguard_tests::tinyhttp::named_host;
+
+const OPEN: &str = "outbound|8080|open|cart.shop.svc.cluster.local";
+const CLOSED: &str = "outbound|8080|closed|cart.shop.svc.cluster.local";
+const WAIT: Duration = Duration::from_secs(15);
+
+fn verdict(envoy: &mut Envoy, cluster: &str) -> Result<(u16, String)> {
+    let r = envoy.get(cluster)?;
+    Ok((r.status, r.header("x-staleguard").to_owned()))
+}
+
+fn expect(envoy: &mut Envoy, what: &str, cluster: &str, status: u16, reason: &str) -> Result<()> {
+    envoy.eventually(what, WAIT, |e| {
+        Ok(verdict(e, cluster)? == (status, reason.to_owned()))
+    })
+}
+
+#[test]
+fn sync_failures_restarts_and_freshness_in_real_envoy() -> Result<()> {
+    let cart = ServiceKey::new("shop", "cart");
+    let host = named_host("127.0.1.21", "host")?;
+    let validator = FakeValidator::start(41)?;
+    validator.set_token(Some("s3cret"));
+    validator.set_index(vec![cart.clone()], vec![]);
+
+    let plugin = |policy: &str| {
+        Some(test_plugin(json!({
+            "token": "s3cret",
+            "policy": {"failure_policy": policy}
+        })))
+    };
+    let gateway = Gateway {
+        concurrency: 1,
+        validator: validator.addr(),
+        retry_on_reset: false,
+        clusters: vec![
+            Cluster::new(OPEN, host.addr(), plugin("open")),
+            Cluster::new(CLOSED, host.addr(), plugin("closed")),
+        ],
+    };
+    let Some(mut envoy) = gateway.start()? else {
+        return Ok(());
+    };
+
+    // Synced (so the token was sent): the host's IP is not in the index.
+    expect(&mut envoy, "first sync", CLOSED, 503, "destroyed")?;
+    assert_eq!(verdict(&mut envoy, OPEN)?, (503, "destroyed".into()));
+
+    // Validator down: once the data is older than max_staleness (3 s), the
+    // failure policy decides: open lets through, closed rejects.
+    validator.set_behaviour(Behaviour::Down);
+    expect(&mut envoy, "stale under closed", CLOSED, 503, "stale")?;
+    assert_eq!(verdict(&mut envoy, OPEN)?, (200, String::new()));
+    assert!(envoy.stat("wasmcustom.staleguard.requests.reason.stale.action.allow")? >= 1);
+    assert!(envoy.stat("wasmcustom.staleguard.requests.reason.stale.action.reject")? >= 1);
+    // Envoy answers a hung-up request itself with a 503.
+    let errors = envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?
+        + envoy.stat("wasmcustom.staleguard.sync_errors.kind.transport")?;
+    assert!(errors >= 1, "{}", envoy.admin("/stats?filter=staleguard")?);
+    assert_eq!(envoy.stat("wasmcustom.staleguard.index_fresh")?, 0);
+
+    // The validator comes back after a restart: new epoch, the IP is now a
+    // cart pod. The filter's old epoch gets a reset.
+    let resets = envoy.stat("wasmcustom.staleguard.sync_resets")?;
+    validator.restart(77);
+    validator.set_index(
+        vec![cart.clone()],
+        vec![pod("127.0.1.21", "cart-1", &[&cart], false)],
+    );
+    validator.set_behaviour(Behaviour::Normal);
+    expect(&mut envoy, "resync after restart", CLOSED, 200, "")?;
+    assert!(envoy.stat("wasmcustom.staleguard.sync_resets")? > resets);
+    assert!(validator.wait_for(WAIT, |log| log
+        .iter()
+        .any(|r| r.starts_with("/v1/changes?v=1&epoch=77&"))));
+    envoy.eventually("index_fresh gauge", WAIT, |e| {
+        Ok(e.stat("wasmcustom.staleguard.index_fresh")? == 1)
+    })?;
+
+    // Garbage answers are decode errors; the data stays until it is stale.
+    validator.set_behaviour(Behaviour::Garbage);
+    envoy.eventually("decode errors", WAIT, |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_errors.kind.decode")? >= 1)
+    })?;
+    assert_eq!(verdict(&mut envoy, CLOSED)?, (200, String::new()), "kept");
+    expect(&mut envoy, "stale after garbage", CLOSED, 503, "stale")?;
+
+    // The validator says its own data is not fresh: stale as well.
+    validator.set_behaviour(Behaviour::Normal);
+    expect(&mut envoy, "recovery", CLOSED, 200, "")?;
+    validator.set_fresh(false);
+    validator.upsert(pod("127.0.1.99", "nudge", &[&cart], false));
+    expect(&mut envoy, "fresh=false is stale", CLOSED, 503, "stale")?;
+    validator.set_fresh(true);
+    validator.upsert(pod("127.0.1.98", "nudge-2", &[&cart], false));
+    expect(&mut envoy, "fresh again", CLOSED, 200, "")?;
+
+    // A wrong token: 401s are status errors, and the data goes stale.
+    validator.set_token(Some("rotated"));
+    let status_errors = envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?;
+    envoy.eventually("401 counted", WAIT, |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_errors.kind.status")? > status_errors)
+    })?;
+    expect(&mut envoy, "stale after 401", CLOSED, 503, "stale")?;
+    let log = envoy.log();
+    assert!(
+        log.contains("staleguard: sync failed: validator answered HTTP 401"),
+        "{log}"
+    );
+    assert!(log.contains("[ctx "), "log lines carry the context id");
+    Ok(())
+}
