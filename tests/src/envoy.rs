@@ -63,6 +63,9 @@ pub struct Gateway {
     pub clusters: Vec<Cluster>,
     /// A retry policy on the route: `retry_on: reset` with `previous_hosts`.
     pub retry_on_reset: bool,
+    /// Clusters served by CDS from a file, replaceable with
+    /// [`Envoy::update_clusters`] while Envoy runs.
+    pub dynamic: Vec<Cluster>,
 }
 
 /// A plugin configuration for tests: fast ticks, short polls, short staleness.
@@ -157,6 +160,8 @@ impl Cluster {
 #[derive(Debug)]
 pub struct Envoy {
     guard: Guard,
+    wasm: PathBuf,
+    cds: PathBuf,
     /// The gateway listener.
     pub listener: SocketAddr,
     /// The admin listener.
@@ -165,7 +170,13 @@ pub struct Envoy {
 
 impl Gateway {
     /// The bootstrap for this gateway.
-    pub fn bootstrap(&self, wasm: &Path, listener: SocketAddr, admin: SocketAddr) -> Value {
+    pub fn bootstrap(
+        &self,
+        wasm: &Path,
+        listener: SocketAddr,
+        admin: SocketAddr,
+        cds: &Path,
+    ) -> Value {
         let mut route = json!({"cluster_header": "x-cluster", "timeout": "5s"});
         if self.retry_on_reset {
             route["retry_policy"] = json!({
@@ -179,6 +190,11 @@ impl Gateway {
         let mut clusters: Vec<Value> = self.clusters.iter().map(|c| c.to_json(wasm)).collect();
         clusters.push(static_cluster("staleguard-validator", self.validator));
         json!({
+            "node": {"id": "staleguard-test", "cluster": "staleguard-test"},
+            "dynamic_resources": {"cds_config": {
+                "path_config_source": {"path": cds.display().to_string()},
+                "resource_api_version": "V3"
+            }},
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
             "stats_config": {"stats_tags": stats_tags()},
             "static_resources": {
@@ -210,12 +226,16 @@ impl Gateway {
         };
         let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let config = self.bootstrap(&wasm, listener, admin);
-        let path = std::env::temp_dir().join(format!(
-            "staleguard-envoy-{}-{}.json",
+        let dir = std::env::temp_dir().join(format!(
+            "staleguard-envoy-{}-{}",
             std::process::id(),
             listener.port()
         ));
+        std::fs::create_dir_all(&dir)?;
+        let cds = dir.join("cds.json");
+        write_cds(&cds, &wasm, &self.dynamic)?;
+        let config = self.bootstrap(&wasm, listener, admin, &cds);
+        let path = dir.join("envoy.json");
         std::fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
         let mut cmd = Command::new(envoy);
         cmd.arg("-c")
@@ -226,6 +246,8 @@ impl Gateway {
         wait_for_port(&mut guard, listener, Duration::from_secs(30))?;
         let envoy = Envoy {
             guard,
+            wasm,
+            cds,
             listener,
             admin,
         };
@@ -290,10 +312,34 @@ impl Envoy {
         }
     }
 
+    /// Replaces the CDS clusters (written aside, then renamed, as Envoy's
+    /// file watch expects).
+    pub fn update_clusters(&self, clusters: &[Cluster]) -> Result<()> {
+        write_cds(&self.cds, &self.wasm, clusters)
+    }
+
     /// Kills Envoy.
     pub fn stop(&mut self) {
         self.guard.kill();
     }
+}
+
+fn write_cds(path: &Path, wasm: &Path, clusters: &[Cluster]) -> Result<()> {
+    let resources: Vec<Value> = clusters
+        .iter()
+        .map(|c| {
+            let mut v = c.to_json(wasm);
+            v["@type"] = json!("type.googleapis.com/envoy.config.cluster.v3.Cluster");
+            v
+        })
+        .collect();
+    let tmp = path.with_extension("tmp");
+    std::fs::write(
+        &tmp,
+        serde_json::to_vec_pretty(&json!({"resources": resources}))?,
+    )?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
 }
 
 /// The last `n` lines of `text`.

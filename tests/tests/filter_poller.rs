@@ -30,6 +30,7 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
         concurrency: 2,
         validator: validator.addr(),
         retry_on_reset: false,
+        dynamic: vec![],
         clusters: vec![
             Cluster::new(&names[0], live.addr(), plugin.clone()),
             Cluster::new(&names[1], gone.addr(), plugin.clone()),

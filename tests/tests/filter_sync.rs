@@ -44,6 +44,7 @@ fn sync_failures_restarts_and_freshness_in_real_envoy() -> Result<()> {
         concurrency: 1,
         validator: validator.addr(),
         retry_on_reset: false,
+        dynamic: vec![],
         clusters: vec![
             Cluster::new(OPEN, host.addr(), plugin("open")),
             Cluster::new(CLOSED, host.addr(), plugin("closed")),

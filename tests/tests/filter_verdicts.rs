@@ -43,6 +43,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
         concurrency: 1,
         validator: validator.addr(),
         retry_on_reset: false,
+        dynamic: vec![],
         clusters: vec![
             Cluster::new(&istio("live"), live.addr(), guarded.clone()),
             Cluster::new(&istio("gone"), gone.addr(), guarded.clone()),

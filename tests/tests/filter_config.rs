@@ -1,0 +1,74 @@
+//! A bad plugin configuration is refused with a clear log line, and Envoy
+//! keeps serving with the configuration it had.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use serde_json::json;
+use staleguard_core::ServiceKey;
+use staleguard_tests::envoy::{test_plugin, Cluster, Gateway};
+use staleguard_tests::fake_validator::FakeValidator;
+use staleguard_tests::tinyhttp::named_host;
+
+const DYN: &str = "outbound|8080|dyn|cart.shop.svc.cluster.local";
+
+#[test]
+fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
+    let gone = named_host("127.0.1.41", "ghost")?;
+    let validator = FakeValidator::start(3)?;
+    validator.set_index(vec![ServiceKey::new("shop", "cart")], vec![]);
+    let good = Cluster::new(DYN, gone.addr(), Some(test_plugin(json!({}))));
+    let gateway = Gateway {
+        concurrency: 1,
+        validator: validator.addr(),
+        retry_on_reset: false,
+        clusters: vec![],
+        dynamic: vec![good],
+    };
+    let Some(mut envoy) = gateway.start()? else {
+        return Ok(());
+    };
+    envoy.eventually("guarded cluster rejects", Duration::from_secs(20), |e| {
+        Ok(e.get(DYN)?.header("x-staleguard") == "destroyed")
+    })?;
+
+    let rejected = envoy.stat("cluster_manager.cds.update_rejected")?;
+    let typo = test_plugin(json!({"mdoe": "audit"}));
+    envoy.update_clusters(&[Cluster::new(DYN, gone.addr(), Some(typo))])?;
+    envoy.eventually("the update to be rejected", Duration::from_secs(20), |e| {
+        Ok(e.stat("cluster_manager.cds.update_rejected")? > rejected)
+    })?;
+    let log = envoy.log();
+    assert!(
+        log.contains("plugin configuration is not valid JSON for staleguard: unknown field `mdoe`"),
+        "no clear log line:\n{log}"
+    );
+    // Still serving, still guarding, with the old configuration.
+    let r = envoy.get(DYN)?;
+    assert_eq!((r.status, r.header("x-staleguard")), (503, "destroyed"));
+
+    // Out-of-range values are refused too, all reported in one line.
+    let bad = test_plugin(json!({"reject_status": 42, "poll_wait_s": 99}));
+    let rejected = envoy.stat("cluster_manager.cds.update_rejected")?;
+    envoy.update_clusters(&[Cluster::new(DYN, gone.addr(), Some(bad))])?;
+    envoy.eventually(
+        "the second update to be rejected",
+        Duration::from_secs(20),
+        |e| Ok(e.stat("cluster_manager.cds.update_rejected")? > rejected),
+    )?;
+    let log = envoy.log();
+    assert!(
+        log.contains("poll_wait_s 99 exceeds 60")
+            && log.contains("reject_status 42 not in 200..=599"),
+        "{log}"
+    );
+    assert_eq!(envoy.get(DYN)?.status, 503);
+
+    // A good update is taken: audit mode now lets the request through.
+    let audit = test_plugin(json!({"mode": "audit"}));
+    envoy.update_clusters(&[Cluster::new(DYN, gone.addr(), Some(audit))])?;
+    envoy.eventually("the audit config to apply", Duration::from_secs(20), |e| {
+        Ok(e.get(DYN)?.status == 200)
+    })?;
+    Ok(())
+}
