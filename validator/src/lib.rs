@@ -1,8 +1,155 @@
 //! The staleguard validator: watches Pods, Services and EndpointSlices and keeps
 //! a fresh pod IP -> identity index.
 //!
-//! Start with [`index`], the pure state machine that turns watch events into
-//! records.
+//! Where to start: [`index`] is the pure state machine that turns watch events
+//! into per-IP records (its rules are in `docs/index.md`); [`shared`] puts it
+//! behind a lock with freshness and watch health; [`source`] feeds it from the
+//! Kubernetes API or a file; [`config`] reads flags and environment; [`run`]
+//! wires them together.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod config;
 pub mod index;
+pub mod shared;
+pub mod source;
+pub mod summary;
+
+use std::time::{Duration, SystemTime};
+
+use crate::config::Config;
+use crate::index::Index;
+use crate::shared::SharedIndex;
+use crate::source::SourceError;
+
+/// Why the validator stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The source could not start.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// `--once` gave up waiting for the initial sync.
+    #[error("the initial sync did not finish within {0:?} (watch health: {1})")]
+    SyncTimeout(Duration, String),
+}
+
+/// Builds the shared index for `config`, with a random epoch.
+pub fn shared_index(config: &Config) -> SharedIndex {
+    let epoch = rand::random::<u64>();
+    SharedIndex::new(
+        Index::new(epoch, config.index.clone()),
+        config.max_staleness,
+    )
+}
+
+/// Runs the validator: starts the source, waits for the initial sync, then
+/// either prints a summary and returns (`--once`) or keeps the index current and
+/// logs a summary whenever it changes, until SIGINT/SIGTERM.
+pub async fn run(config: Config) -> Result<(), RunError> {
+    let shared = shared_index(&config);
+    let source_name = source::describe(&config.source);
+    tracing::info!(source = %source_name, epoch = shared.read().epoch(), "starting");
+    let tasks = source::start(&config.source, shared.clone()).await?;
+    let expiry = tokio::spawn(expire_tombstones(shared.clone()));
+    let result = if config.once {
+        let synced = wait_for_sync(&shared, config.sync_timeout).await;
+        if synced {
+            print!("{}", summary::Summary::of(&shared, &source_name));
+            Ok(())
+        } else {
+            Err(RunError::SyncTimeout(
+                config.sync_timeout,
+                summary::watch_line(&shared),
+            ))
+        }
+    } else {
+        // The API server (validator/src/api) is started here too, once wired in.
+        log_changes(&shared, &source_name).await;
+        Ok(())
+    };
+    for task in tasks {
+        task.abort();
+    }
+    expiry.abort();
+    result
+}
+
+/// Waits until every kind finished its initial list; false after `timeout`.
+pub async fn wait_for_sync(shared: &SharedIndex, timeout: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if shared.read().synced() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Drops expired tombstones once a second.
+pub async fn expire_tombstones(shared: SharedIndex) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        shared.expire_tombstones(SystemTime::now());
+    }
+}
+
+/// Logs a summary on every change (at most once a second) until shutdown.
+async fn log_changes(shared: &SharedIndex, source_name: &str) {
+    let mut generations = shared.subscribe();
+    let mut last_logged = None;
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        let generation = *generations.borrow_and_update();
+        if last_logged != Some(generation) && shared.read().synced() {
+            summary::Summary::of(shared, source_name).log();
+            last_logged = Some(generation);
+        }
+        tokio::select! {
+            _ = &mut shutdown => {
+                tracing::info!("shutting down");
+                return;
+            }
+            changed = generations.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            // Also re-check when nothing changes: the initial sync of an empty
+            // source moves no generation.
+            _ = tokio::time::sleep(Duration::from_secs(1)), if last_logged.is_none() => {}
+        }
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::error!(%error, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

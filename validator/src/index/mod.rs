@@ -24,7 +24,7 @@ mod log;
 mod objects;
 
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;
 #[cfg(test)]
 mod model;
 #[cfg(test)]
@@ -46,6 +46,7 @@ use staleguard_core::wire::{
 use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
 
 use self::log::{ChangeKey, ChangeLog};
+pub(crate) use self::objects::SERVICE_NAME_LABEL;
 use self::objects::{
     obj_name, pod_facts, service_facts, slice_facts, Interner, Labels, ObjName, PodFacts,
     ServiceFacts, SliceFacts, Target,

@@ -1,0 +1,382 @@
+//! Configuration from flags and `STALEGUARD_*` environment variables.
+//!
+//! [`Args`] is what clap parses: values that need checking stay text there, so
+//! that [`Config::from_args`] can check them all and report every problem at
+//! once instead of the first one.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+use crate::index::IndexConfig;
+
+/// Where the objects come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SourceKind {
+    /// A YAML/JSON file or directory of objects (`--file`), re-read when it
+    /// changes; without `--file`, the sample built into the binary.
+    File,
+    /// The Kubernetes API (in-cluster config or KUBECONFIG), list and watch.
+    Kube,
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Command-line flags (each also readable from the environment variable shown).
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "staleguard-validator",
+    version,
+    about = "Watches Pods, Services and EndpointSlices and keeps a fresh pod IP -> identity index"
+)]
+pub struct Args {
+    /// Where objects come from.
+    #[arg(long, env = "STALEGUARD_SOURCE", value_enum, default_value_t = SourceKind::File)]
+    pub source: SourceKind,
+
+    /// With `--source file`: a YAML or JSON file, or a directory of them, holding
+    /// Pods, Services and EndpointSlices (`kubectl get -o yaml` output works).
+    /// [default: the demo sample built into the binary]
+    #[arg(long, env = "STALEGUARD_FILE")]
+    pub file: Option<PathBuf>,
+
+    /// How often `--file` is checked for changes.
+    #[arg(long, env = "STALEGUARD_FILE_POLL", default_value = "500ms")]
+    pub file_poll: String,
+
+    /// With `--source kube`: watch only this namespace. [default: all namespaces]
+    #[arg(long, env = "STALEGUARD_NAMESPACE")]
+    pub namespace: Option<String>,
+
+    /// With `--source kube`: a label selector for Pods (e.g. `app in (a,b)`).
+    /// [default: all pods]
+    #[arg(long, env = "STALEGUARD_POD_SELECTOR")]
+    pub pod_selector: Option<String>,
+
+    /// With `--source kube`: a label selector for Services and, through their
+    /// `kubernetes.io/service-name` label, nothing else. [default: all services]
+    #[arg(long, env = "STALEGUARD_SERVICE_SELECTOR")]
+    pub service_selector: Option<String>,
+
+    /// How long an IP that lost its last pod keeps a tombstone (`90s`, `10m`,
+    /// `1h`).
+    #[arg(long, env = "STALEGUARD_TOMBSTONE_TTL", default_value = "10m")]
+    pub tombstone_ttl: String,
+
+    /// A watch silent for longer than this makes the data stale (filters then
+    /// follow their failure policy).
+    #[arg(long, env = "STALEGUARD_MAX_STALENESS", default_value = "5m")]
+    pub max_staleness: String,
+
+    /// How many changed IPs and services the change log remembers; a client
+    /// further behind gets a full snapshot.
+    #[arg(
+        long,
+        env = "STALEGUARD_CHANGE_LOG_CAPACITY",
+        default_value_t = 100_000
+    )]
+    pub change_log_capacity: usize,
+
+    /// How long `--once` waits for the initial sync before giving up.
+    #[arg(long, env = "STALEGUARD_SYNC_TIMEOUT", default_value = "60s")]
+    pub sync_timeout: String,
+
+    /// Load the source, wait for the initial sync, print an index summary and
+    /// exit.
+    #[arg(long)]
+    pub once: bool,
+
+    /// Log format.
+    #[arg(long, env = "STALEGUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    // The API's flags (--listen, --admin-listen, --token-file, ...) go here,
+    // with their checked counterparts in `Config`.
+}
+
+/// Where objects come from, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceConfig {
+    /// A file or directory, polled every `poll`.
+    File {
+        /// The path.
+        path: PathBuf,
+        /// How often it is checked for changes.
+        poll: Duration,
+    },
+    /// The sample built into the binary.
+    Embedded,
+    /// The Kubernetes API.
+    Kube {
+        /// Only this namespace, if set.
+        namespace: Option<String>,
+        /// Label selector for Pods.
+        pod_selector: Option<String>,
+        /// Label selector for Services.
+        service_selector: Option<String>,
+    },
+}
+
+/// The validator's configuration, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Where objects come from.
+    pub source: SourceConfig,
+    /// The index's own settings.
+    pub index: IndexConfig,
+    /// A watch silent for longer than this makes the data stale.
+    pub max_staleness: Duration,
+    /// How long `--once` waits for the initial sync.
+    pub sync_timeout: Duration,
+    /// Print a summary and exit.
+    pub once: bool,
+    /// Log format.
+    pub log_format: LogFormat,
+}
+
+/// Every problem found in the configuration.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration:\n  - {}", .problems.join("\n  - "))]
+pub struct ConfigError {
+    /// One line per problem.
+    pub problems: Vec<String>,
+}
+
+impl Config {
+    /// Checks `args`, collecting every problem.
+    pub fn from_args(args: Args) -> Result<Self, ConfigError> {
+        let mut problems = Vec::new();
+        let mut duration = |flag: &str, text: &str, min: Duration| match parse_duration(text) {
+            Ok(d) if d >= min => d,
+            Ok(_) => {
+                problems.push(format!("--{flag} {text:?}: must be at least {min:?}"));
+                min
+            }
+            Err(e) => {
+                problems.push(format!("--{flag} {text:?}: {e}"));
+                min
+            }
+        };
+        let file_poll = duration("file-poll", &args.file_poll, Duration::from_millis(10));
+        let tombstone_ttl = duration("tombstone-ttl", &args.tombstone_ttl, Duration::ZERO);
+        let max_staleness = duration("max-staleness", &args.max_staleness, Duration::from_secs(1));
+        let sync_timeout = duration("sync-timeout", &args.sync_timeout, Duration::ZERO);
+        if args.change_log_capacity == 0 {
+            problems.push("--change-log-capacity: must be at least 1".into());
+        }
+        let source = match args.source {
+            SourceKind::File => {
+                for (flag, set) in [
+                    ("namespace", args.namespace.is_some()),
+                    ("pod-selector", args.pod_selector.is_some()),
+                    ("service-selector", args.service_selector.is_some()),
+                ] {
+                    if set {
+                        problems.push(format!("--{flag} only applies to --source kube"));
+                    }
+                }
+                match args.file {
+                    Some(path) => SourceConfig::File {
+                        path,
+                        poll: file_poll,
+                    },
+                    None => SourceConfig::Embedded,
+                }
+            }
+            SourceKind::Kube => {
+                if args.file.is_some() {
+                    problems.push("--file only applies to --source file".into());
+                }
+                if let Some(ns) = &args.namespace {
+                    if !is_dns_label(ns) {
+                        problems.push(format!(
+                            "--namespace {ns:?}: not a namespace name (lowercase letters, digits, '-')"
+                        ));
+                    }
+                }
+                for (flag, sel) in [
+                    ("pod-selector", &args.pod_selector),
+                    ("service-selector", &args.service_selector),
+                ] {
+                    if let Some(sel) = sel {
+                        if let Err(e) = check_selector(sel) {
+                            problems.push(format!("--{flag} {sel:?}: {e}"));
+                        }
+                    }
+                }
+                SourceConfig::Kube {
+                    namespace: args.namespace,
+                    pod_selector: args.pod_selector,
+                    service_selector: args.service_selector,
+                }
+            }
+        };
+        if !problems.is_empty() {
+            return Err(ConfigError { problems });
+        }
+        Ok(Self {
+            source,
+            index: IndexConfig {
+                tombstone_ttl,
+                change_log_capacity: args.change_log_capacity,
+            },
+            max_staleness,
+            sync_timeout,
+            once: args.once,
+            log_format: args.log_format,
+        })
+    }
+}
+
+/// Parses `500ms`, `90s`, `10m`, `1h`, or a sum such as `1m30s`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Err("empty duration (use e.g. 500ms, 30s, 10m, 1h)".into());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        if digits == 0 {
+            return Err(format!(
+                "expected a number at {rest:?} (use e.g. 500ms, 30s, 10m, 1h)"
+            ));
+        }
+        let number: u64 = rest[..digits]
+            .parse()
+            .map_err(|_| format!("number too large in {text:?}"))?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let part = match &rest[..unit_len] {
+            "ms" => Duration::from_millis(number),
+            "s" => Duration::from_secs(number),
+            "m" => Duration::from_secs(number.saturating_mul(60)),
+            "h" => Duration::from_secs(number.saturating_mul(3600)),
+            "" => return Err(format!("missing unit after {number} (ms, s, m or h)")),
+            other => return Err(format!("unknown unit {other:?} (ms, s, m or h)")),
+        };
+        total = total.saturating_add(part);
+        rest = &rest[unit_len..];
+    }
+    Ok(total)
+}
+
+/// A shallow check of label selector syntax; the API server has the last word,
+/// but a typo should fail at start-up, not as a watch error loop.
+fn check_selector(sel: &str) -> Result<(), &'static str> {
+    if sel.trim().is_empty() {
+        return Err("empty selector");
+    }
+    let mut depth = 0i32;
+    for c in sel.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            c if c.is_ascii_alphanumeric() || " -_./=!,".contains(c) => {}
+            _ => return Err("unexpected character in a label selector"),
+        }
+        if !(0..=1).contains(&depth) {
+            return Err("unbalanced parentheses");
+        }
+    }
+    if depth != 0 {
+        return Err("unbalanced parentheses");
+    }
+    Ok(())
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Config, ConfigError> {
+        let mut argv = vec!["staleguard-validator"];
+        argv.extend_from_slice(args);
+        Config::from_args(Args::try_parse_from(argv).unwrap())
+    }
+
+    #[test]
+    fn defaults_use_the_embedded_sample() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.source, SourceConfig::Embedded);
+        assert_eq!(c.index.tombstone_ttl, Duration::from_secs(600));
+        assert_eq!(c.max_staleness, Duration::from_secs(300));
+        assert!(!c.once);
+    }
+
+    #[test]
+    fn durations_parse_in_common_units() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        for bad in ["", "10", "ms", "10x", "1.5s", "-1s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let err = parse(&[
+            "--tombstone-ttl",
+            "ten minutes",
+            "--max-staleness",
+            "0s",
+            "--namespace",
+            "Shop",
+            "--change-log-capacity",
+            "0",
+        ])
+        .unwrap_err();
+        assert_eq!(err.problems.len(), 4, "{err}");
+        let text = err.to_string();
+        assert!(text.contains("--tombstone-ttl"), "{text}");
+        assert!(text.contains("--max-staleness"), "{text}");
+        assert!(text.contains("--namespace only applies"), "{text}");
+        let err = parse(&[
+            "--source",
+            "kube",
+            "--namespace",
+            "Shop",
+            "--pod-selector",
+            "a in (",
+        ])
+        .unwrap_err();
+        assert_eq!(err.problems.len(), 2, "{err}");
+    }
+
+    #[test]
+    fn help_shows_every_default() {
+        use clap::CommandFactory;
+        let help = Args::command().render_long_help().to_string();
+        for default in [
+            "[default: file]",
+            "[default: 500ms]",
+            "[default: 10m]",
+            "[default: 5m]",
+        ] {
+            assert!(help.contains(default), "{default} missing from:\n{help}");
+        }
+        assert!(help.contains("STALEGUARD_TOMBSTONE_TTL"));
+    }
+}

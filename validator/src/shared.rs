@@ -1,0 +1,341 @@
+//! The one handle the sources and the API share: the index behind a lock, a
+//! generation channel, and per-watch health counters.
+//!
+//! Sources write through [`SharedIndex::apply_pod`] (and friends), which count
+//! the event, apply it and wake every subscriber when the generation moved.
+//! Readers take [`SharedIndex::read`] briefly; nothing awaits while holding it.
+
+use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::watcher::Event;
+use staleguard_core::Freshness;
+use tokio::sync::watch;
+
+use crate::index::{Index, Kind};
+
+/// The index, shared. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct SharedIndex {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    index: RwLock<Index>,
+    generation: watch::Sender<u64>,
+    max_staleness: Duration,
+    /// Reference point for the `last_heard` atomics.
+    started: Instant,
+    watches: [WatchCounters; 3],
+}
+
+/// Counters of one watch. Plain atomics: metrics read them at scrape time.
+#[derive(Debug, Default)]
+struct WatchCounters {
+    applies: AtomicU64,
+    deletes: AtomicU64,
+    inits: AtomicU64,
+    init_applies: AtomicU64,
+    init_dones: AtomicU64,
+    errors: AtomicU64,
+    /// Milliseconds after `started` plus one when the watch last delivered
+    /// anything; 0 = never.
+    last_heard: AtomicU64,
+}
+
+/// The health of one watch (one resource kind).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchHealth {
+    /// `pod`, `service` or `endpointslice`.
+    pub kind: &'static str,
+    /// The watch finished its initial list.
+    pub synced: bool,
+    /// `Apply` events.
+    pub applies: u64,
+    /// `Delete` events.
+    pub deletes: u64,
+    /// `Init` events (one per list).
+    pub inits: u64,
+    /// `InitApply` events.
+    pub init_applies: u64,
+    /// `InitDone` events.
+    pub init_dones: u64,
+    /// Errors the watch reported (it retries with backoff).
+    pub errors: u64,
+    /// Lists, the first one included (= `inits`).
+    pub relists: u64,
+    /// Time since the watch last delivered an event or a sign of life; `None`
+    /// when it never did.
+    pub last_event_age: Option<Duration>,
+}
+
+impl WatchHealth {
+    /// Event counts by type: `apply`, `delete`, `init`, `init_apply`, `init_done`.
+    pub fn events(&self) -> impl Iterator<Item = (&'static str, u64)> {
+        [
+            ("apply", self.applies),
+            ("delete", self.deletes),
+            ("init", self.inits),
+            ("init_apply", self.init_applies),
+            ("init_done", self.init_dones),
+        ]
+        .into_iter()
+    }
+}
+
+// === impl SharedIndex ===
+
+impl SharedIndex {
+    /// Shares `index`; a watch silent for longer than `max_staleness` makes the
+    /// data stale.
+    pub fn new(index: Index, max_staleness: Duration) -> Self {
+        let (generation, _) = watch::channel(index.generation());
+        Self {
+            inner: Arc::new(Inner {
+                index: RwLock::new(index),
+                generation,
+                max_staleness,
+                started: Instant::now(),
+                watches: Default::default(),
+            }),
+        }
+    }
+
+    /// Reads the index. Hold the guard briefly and never across an `.await`.
+    pub fn read(&self) -> impl Deref<Target = Index> + '_ {
+        self.read_guard()
+    }
+
+    fn read_guard(&self) -> RwLockReadGuard<'_, Index> {
+        // A panic while writing cannot leave the index half-updated in a way
+        // readers could trip on worse than a stale answer; keep serving.
+        self.inner
+            .index
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn write_guard(&self) -> RwLockWriteGuard<'_, Index> {
+        self.inner
+            .index
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The current generation, notified on every effective change.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.inner.generation.subscribe()
+    }
+
+    /// Changes the index and notifies subscribers if the generation moved.
+    pub fn update<R>(&self, f: impl FnOnce(&mut Index) -> R) -> R {
+        let (result, generation) = {
+            let mut index = self.write_guard();
+            let result = f(&mut index);
+            (result, index.generation())
+        };
+        self.inner.generation.send_if_modified(|current| {
+            let moved = *current != generation;
+            *current = generation;
+            moved
+        });
+        result
+    }
+
+    /// Applies a Pod watch event.
+    pub fn apply_pod(&self, event: Event<Pod>, now: SystemTime) {
+        self.count(Kind::Pod, &event);
+        self.update(|index| index.apply_pod(event, now));
+    }
+
+    /// Applies a Service watch event.
+    pub fn apply_service(&self, event: Event<Service>, now: SystemTime) {
+        self.count(Kind::Service, &event);
+        self.update(|index| index.apply_service(event, now));
+    }
+
+    /// Applies an EndpointSlice watch event.
+    pub fn apply_slice(&self, event: Event<EndpointSlice>, now: SystemTime) {
+        self.count(Kind::EndpointSlice, &event);
+        self.update(|index| index.apply_slice(event, now));
+    }
+
+    /// Drops expired tombstones.
+    pub fn expire_tombstones(&self, now: SystemTime) {
+        self.update(|index| index.expire_tombstones(now));
+    }
+
+    /// Records a sign of life of `kind`'s source that carried no event (a
+    /// bookmark, a file that was checked and had not changed).
+    pub fn heard(&self, kind: Kind) {
+        let ms = u64::try_from(self.inner.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        self.inner.watches[kind.slot()]
+            .last_heard
+            .store(ms + 1, Ordering::Relaxed);
+    }
+
+    /// Records an error of `kind`'s source.
+    pub fn watch_error(&self, kind: Kind) {
+        self.inner.watches[kind.slot()]
+            .errors
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn count<K>(&self, kind: Kind, event: &Event<K>) {
+        let w = &self.inner.watches[kind.slot()];
+        let counter = match event {
+            Event::Apply(_) => &w.applies,
+            Event::Delete(_) => &w.deletes,
+            Event::Init => &w.inits,
+            Event::InitApply(_) => &w.init_applies,
+            Event::InitDone => &w.init_dones,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.heard(kind);
+    }
+
+    fn age(&self, kind: Kind) -> Option<Duration> {
+        let heard = self.inner.watches[kind.slot()]
+            .last_heard
+            .load(Ordering::Relaxed);
+        let heard = Duration::from_millis(heard.checked_sub(1)?);
+        Some(self.inner.started.elapsed().saturating_sub(heard))
+    }
+
+    /// How current the data is: fresh when every kind finished its initial list
+    /// and none was silent for longer than the staleness bound; the age is that
+    /// of the least recently heard-from watch.
+    pub fn freshness(&self) -> Freshness {
+        let synced = self.read_guard().synced();
+        let ages: Vec<Option<Duration>> = Kind::ALL.iter().map(|k| self.age(*k)).collect();
+        let oldest = ages.iter().flatten().max().copied();
+        let all_recent = ages
+            .iter()
+            .all(|a| a.is_some_and(|a| a <= self.inner.max_staleness));
+        Freshness {
+            fresh: synced && all_recent,
+            age_ms: if synced {
+                oldest.map(|a| u64::try_from(a.as_millis()).unwrap_or(u64::MAX))
+            } else {
+                None
+            },
+        }
+    }
+
+    /// True once every kind finished its initial list and the data is fresh.
+    pub fn ready(&self) -> bool {
+        self.freshness().fresh
+    }
+
+    /// The health of each watch, in the order pod, service, endpointslice.
+    pub fn watch_health(&self) -> Vec<WatchHealth> {
+        let index = self.read_guard();
+        Kind::ALL
+            .iter()
+            .map(|kind| {
+                let w = &self.inner.watches[kind.slot()];
+                let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+                WatchHealth {
+                    kind: kind.as_str(),
+                    synced: index.kind_synced(*kind),
+                    applies: load(&w.applies),
+                    deletes: load(&w.deletes),
+                    inits: load(&w.inits),
+                    init_applies: load(&w.init_applies),
+                    init_dones: load(&w.init_dones),
+                    errors: load(&w.errors),
+                    relists: load(&w.inits),
+                    last_event_age: self.age(*kind),
+                }
+            })
+            .collect()
+    }
+
+    /// The staleness bound.
+    pub fn max_staleness(&self) -> Duration {
+        self.inner.max_staleness
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::IndexConfig;
+
+    fn shared(max_staleness: Duration) -> SharedIndex {
+        SharedIndex::new(Index::new(1, IndexConfig::default()), max_staleness)
+    }
+
+    fn sync_all(s: &SharedIndex) {
+        let now = SystemTime::now();
+        s.apply_pod(Event::Init, now);
+        s.apply_pod(Event::InitDone, now);
+        s.apply_service(Event::Init, now);
+        s.apply_service(Event::InitDone, now);
+        s.apply_slice(Event::Init, now);
+        s.apply_slice(Event::InitDone, now);
+    }
+
+    #[test]
+    fn fresh_only_after_every_kind_synced_and_stale_when_a_watch_goes_quiet() {
+        let s = shared(Duration::from_millis(50));
+        assert!(!s.ready());
+        assert_eq!(s.freshness().age_ms, None);
+        sync_all(&s);
+        assert!(s.ready());
+        assert!(s.freshness().age_ms.is_some());
+        std::thread::sleep(Duration::from_millis(80));
+        s.heard(Kind::Pod);
+        s.heard(Kind::Service);
+        let f = s.freshness();
+        assert!(!f.fresh, "the slice watch is quiet");
+        assert!(f.age_ms.unwrap() >= 50);
+        s.heard(Kind::EndpointSlice);
+        assert!(s.ready());
+    }
+
+    #[test]
+    fn counts_events_errors_and_relists_per_kind() {
+        let s = shared(Duration::from_secs(60));
+        sync_all(&s);
+        s.apply_pod(Event::Init, SystemTime::now());
+        s.watch_error(Kind::Service);
+        let health = s.watch_health();
+        assert_eq!(health[0].kind, "pod");
+        assert_eq!(health[0].inits, 2);
+        assert_eq!(health[0].relists, 2);
+        assert_eq!(health[0].init_dones, 1);
+        assert_eq!(health[1].errors, 1);
+        assert!(health.iter().all(|h| h.synced));
+        assert_eq!(health[2].events().map(|(_, n)| n).sum::<u64>(), 2);
+    }
+
+    #[tokio::test]
+    async fn subscribers_hear_every_effective_change_and_only_those() {
+        use k8s_openapi::api::core::v1::{Pod, PodIP, PodStatus};
+        let s = shared(Duration::from_secs(60));
+        let mut rx = s.subscribe();
+        let mut pod = Pod::default();
+        pod.metadata.namespace = Some("a".into());
+        pod.metadata.name = Some("p".into());
+        pod.status = Some(PodStatus {
+            pod_ips: Some(vec![PodIP {
+                ip: "10.1.1.1".into(),
+            }]),
+            ..PodStatus::default()
+        });
+        s.apply_pod(Event::Apply(pod.clone()), SystemTime::now());
+        tokio::time::timeout(Duration::from_secs(1), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(*rx.borrow_and_update(), 1);
+        s.apply_pod(Event::Apply(pod), SystemTime::now());
+        assert!(!rx.has_changed().unwrap(), "a replay is not a change");
+    }
+}
