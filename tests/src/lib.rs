@@ -11,6 +11,7 @@
 //! that count what reached them; [`traffic`] sends requests and counts what came
 //! back.
 
+pub mod demo;
 pub mod eds;
 pub mod envoy;
 pub mod fake_validator;

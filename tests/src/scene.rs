@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 
 use crate::envoy::dependencies;
-use crate::gateway::{Gateway, GatewaySpec, STAT_GENERATION, STAT_RESETS};
+use crate::gateway::{cluster_name, Gateway, GatewaySpec, STAT_GENERATION, STAT_RESETS};
 use crate::traffic::Http;
 use crate::validator::{self, Validator};
 use crate::world::World;
@@ -98,14 +98,35 @@ impl Scene {
     }
 
     /// Publishes the world's changes, waits until the validator and every
-    /// guarded gateway have them, then settles the pods' addresses.
+    /// guarded gateway have them (and, when EDS is not frozen, every gateway
+    /// has its new endpoints), then settles the pods' addresses.
     pub async fn sync(&mut self, expect: &[Expect]) -> Result<()> {
         self.world.publish()?;
         self.validator
             .wait_verdicts(&self.http, expect, SYNC_TIMEOUT)
             .await?;
         self.wait_filters_caught_up().await?;
+        if !self.world.eds_frozen() {
+            self.wait_gateways_have_eds().await?;
+        }
         self.world.settle();
+        Ok(())
+    }
+
+    /// Waits until every gateway's clusters have as many endpoints as the
+    /// world's services have pods (after an EDS write).
+    pub async fn wait_gateways_have_eds(&self) -> Result<()> {
+        for gateway in &self.gateways {
+            for service in self.world.services() {
+                let want = self.world.pods_of(service).len() as u64;
+                let stat = format!("cluster.{}.membership_total", cluster_name(service));
+                gateway
+                    .wait_stat(&self.http, &format!("{stat} = {want}"), SYNC_TIMEOUT, |s| {
+                        s.get(&stat).copied() == Some(want)
+                    })
+                    .await?;
+            }
+        }
         Ok(())
     }
 

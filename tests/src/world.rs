@@ -16,7 +16,9 @@
 //! first wait until the validator and the filter have seen the change: in a
 //! real cluster an IP is reused well after its pod's deletion is visible in the
 //! API, and a test that flipped the address first would measure a race of its
-//! own making, not the product.
+//! own making, not the product. The one exception: a new pod on an address
+//! whose deletion was synced long before may answer at once (settle, then
+//! publish), as a new pod serves before its endpoint is published.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -130,6 +132,15 @@ impl World {
             .values()
             .filter(|p| p.service == service)
             .cloned()
+            .collect()
+    }
+
+    /// Pod addresses no pod holds now (destroyed pods' IPs, free for reuse).
+    pub fn free_ips(&self) -> Vec<IpAddr> {
+        self.servers
+            .keys()
+            .filter(|ip| !self.pods.values().any(|p| p.ip == **ip))
+            .copied()
             .collect()
     }
 

@@ -1,0 +1,610 @@
+//! The one-command demonstration (`scripts/demo`): a stuck control plane, real
+//! Envoy with and without staleguard, and a live table of where requests went.
+//!
+//! Two gateways read the same frozen EDS files; one runs the filter (enforce),
+//! the other does not. Traffic flows through both while the demo destroys pods,
+//! gives their IPs to another service and drains others. Every change goes
+//! through [`Scene::sync`]: the validator and the filter see it before anything
+//! new answers on an address, as in a real cluster where an IP is reused well
+//! after the deletion is visible (see [`crate::world`]).
+//!
+//! The table counts where requests *landed*, at the simulated pods, by gateway:
+//! that is the number an operator cares about (requests that reached a dead or
+//! wrong pod), not what any log claims.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write as _};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use serde_json::json;
+
+use crate::envoy::test_plugin;
+use crate::gateway::{GatewaySpec, STAT_FRESH};
+use crate::pods::Tally;
+use crate::scene::{Deps, Expect, Scene};
+use crate::traffic::{Load, Outcomes};
+use crate::world::World;
+
+/// The guarded gateway's name (`x-sg-via`).
+pub const GUARDED: &str = "guarded";
+/// The unguarded gateway's name.
+pub const PLAIN: &str = "unguarded";
+
+/// What the demo does.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Stop after this long; `None`: run until Ctrl-C.
+    pub duration: Option<Duration>,
+    /// Pods of the big service before each scale-down.
+    pub checkout_pods: usize,
+    /// Pods it keeps.
+    pub checkout_keep: usize,
+    /// Redraw the table in place (a terminal) or print events as lines.
+    pub live: bool,
+}
+
+/// What the demo measured, by gateway.
+#[derive(Debug, Clone, Default)]
+pub struct Summary {
+    /// Requests sent through the guarded gateway, as the clients saw them.
+    pub guarded: Outcomes,
+    /// Requests sent through the unguarded gateway.
+    pub plain: Outcomes,
+    /// Where the guarded gateway's requests landed.
+    pub guarded_landed: Tally,
+    /// Where the unguarded gateway's requests landed.
+    pub plain_landed: Tally,
+}
+
+const CART_PODS: usize = 6;
+const SERVICES: [(&str, usize); 3] = [("cart", CART_PODS), ("payments", 4), ("search", 6)];
+
+/// A step of the story, at an offset from the start of its cycle.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Freeze,
+    ScaleDown,
+    Recycle,
+    Drain,
+    Unfreeze,
+    ScaleUp,
+}
+
+const CYCLE: [(u64, Step); 6] = [
+    (2, Step::Freeze),
+    (4, Step::ScaleDown),
+    (9, Step::Recycle),
+    (14, Step::Drain),
+    (22, Step::Unfreeze),
+    (26, Step::ScaleUp),
+];
+const CYCLE_SECS: u64 = 30;
+
+/// Runs the demo until the duration passes or Ctrl-C / SIGTERM, then stops
+/// every process it started and returns what it measured.
+pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
+    let started = Instant::now();
+    let mut ui = Ui::new(options.live, started);
+    ui.progress(&format!(
+        "starting {} services ({} pods) on 127.0.1.x, the validator and two Envoys",
+        SERVICES.len() + 1,
+        options.checkout_pods + SERVICES.iter().map(|(_, n)| n).sum::<usize>()
+    ));
+    let mut world = World::new()?;
+    world.add_service("checkout", options.checkout_pods).await?;
+    for (name, pods) in SERVICES {
+        world.add_service(name, pods).await?;
+    }
+    let plugin = test_plugin(json!({"poll_wait_s": 5, "max_staleness_ms": 15000}));
+    let specs = [
+        GatewaySpec {
+            name: GUARDED.into(),
+            plugin: Some(plugin),
+            concurrency: 1,
+        },
+        GatewaySpec {
+            name: PLAIN.into(),
+            plugin: None,
+            concurrency: 1,
+        },
+    ];
+    let mut scene = Scene::start(deps, world, &["--file-poll", "100ms"], &specs).await?;
+    ui.urls = urls(&scene)?;
+    ui.event("all services healthy; traffic flows through both gateways");
+
+    let mut loads = Vec::new();
+    for gateway in &scene.gateways {
+        for service in ["checkout", "cart", "payments", "search"] {
+            let workers = if service == "checkout" { 2 } else { 1 };
+            loads.push((
+                gateway.name.clone(),
+                Load::start(
+                    scene.http.clone(),
+                    gateway.target(service),
+                    workers,
+                    None,
+                    Some(Duration::from_millis(10)),
+                ),
+            ));
+        }
+    }
+
+    let deadline = options.duration.map(|d| Instant::now() + d);
+    let mut stop = Box::pin(shutdown_signal());
+    let mut next_step = 0usize;
+    let mut cycle_start = Instant::now();
+    let mut frozen_since: Option<Instant> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = &mut stop => {
+                ui.event("stopping (signal)");
+                break;
+            }
+            _ = tick.tick() => {}
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+        if let Some(&(at, step)) = CYCLE.get(next_step) {
+            if cycle_start.elapsed() >= Duration::from_secs(at) {
+                next_step += 1;
+                play(&mut scene, &mut ui, options, step, &mut frozen_since).await?;
+            }
+        } else if cycle_start.elapsed() >= Duration::from_secs(CYCLE_SECS) {
+            next_step = 0;
+            cycle_start = Instant::now();
+        }
+        for gateway in scene.gateways.iter_mut() {
+            gateway.check_alive()?;
+        }
+        let summary = summarize(&scene, &loads);
+        let verdicts = verdicts(&scene).await;
+        ui.draw(&summary, &verdicts, frozen_since);
+    }
+
+    let summary = summarize(&scene, &loads);
+    let verdicts = verdicts(&scene).await;
+    for (_, load) in loads {
+        load.stop().await;
+    }
+    ui.finish(&summary, &verdicts, frozen_since);
+    drop(scene);
+    Ok(summary)
+}
+
+async fn play(
+    scene: &mut Scene,
+    ui: &mut Ui,
+    options: &Options,
+    step: Step,
+    frozen_since: &mut Option<Instant>,
+) -> Result<()> {
+    let t0 = Instant::now();
+    match step {
+        Step::Freeze => {
+            scene.world.freeze_eds();
+            *frozen_since = Some(Instant::now());
+            ui.event("control plane STUCK: EDS frozen, both gateways keep their endpoint lists");
+        }
+        Step::ScaleDown => {
+            let gone = scene.world.scale_down("checkout", options.checkout_keep)?;
+            let expect: Vec<Expect> = gone
+                .iter()
+                .map(|ip| (World::key("checkout"), *ip, "destroyed"))
+                .collect();
+            scene.sync(&expect).await?;
+            ui.event(&format!(
+                "checkout scaled down to {}: {} pods destroyed (validator + filter in sync after {:.2}s)",
+                options.checkout_keep,
+                gone.len(),
+                t0.elapsed().as_secs_f64()
+            ));
+        }
+        Step::Recycle => {
+            let free = scene.world.free_ips();
+            let mut expect = Vec::new();
+            for ip in free.iter().take(4) {
+                scene.world.recycle(*ip, "payments")?;
+                expect.push((World::key("checkout"), *ip, "recycled"));
+            }
+            scene.sync(&expect).await?;
+            ui.event(&format!(
+                "IP reuse: {} freed checkout IPs now run payments pods (in sync after {:.2}s)",
+                expect.len(),
+                t0.elapsed().as_secs_f64()
+            ));
+        }
+        Step::Drain => {
+            let mut expect = Vec::new();
+            for pod in scene.world.pods_of("cart").iter().take(2) {
+                let ip = scene.world.mark_terminating(&pod.name)?;
+                expect.push((World::key("cart"), ip, "terminating"));
+            }
+            scene.sync(&expect).await?;
+            ui.event(&format!(
+                "draining: {} cart pods terminating, still serving (rule: allow)",
+                expect.len()
+            ));
+        }
+        Step::Unfreeze => {
+            // The drained pods finish now, and the control plane catches up.
+            for pod in scene.world.pods_of("cart") {
+                if pod.terminating {
+                    scene.world.destroy(&pod.name)?;
+                }
+            }
+            scene.world.unfreeze_eds();
+            scene.sync(&[]).await?;
+            *frozen_since = None;
+            ui.event("control plane recovered: EDS written again, the gateways route right");
+        }
+        Step::ScaleUp => {
+            // New pods take freed IPs (their deletion was synced long ago, so
+            // the new pods may answer before anyone knows them, as in a real
+            // cluster), then fresh ones.
+            let want = options
+                .checkout_pods
+                .saturating_sub(scene.world.pods_of("checkout").len());
+            let mut expect = Vec::new();
+            for ip in scene.world.free_ips().into_iter().take(want) {
+                scene.world.recycle(ip, "checkout")?;
+                expect.push((World::key("checkout"), ip, "member"));
+            }
+            scene
+                .world
+                .scale_up("checkout", want.saturating_sub(expect.len()))
+                .await?;
+            let cart_missing = CART_PODS.saturating_sub(scene.world.pods_of("cart").len());
+            scene.world.scale_up("cart", cart_missing).await?;
+            scene.world.settle();
+            scene.sync(&expect).await?;
+            ui.event(&format!(
+                "checkout scaled back up to {}; the next round starts in a few seconds",
+                options.checkout_pods
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn summarize(scene: &Scene, loads: &[(String, Load)]) -> Summary {
+    let mut summary = Summary::default();
+    for (gateway, load) in loads {
+        let outcomes = load.outcomes();
+        let into = if gateway == GUARDED {
+            &mut summary.guarded
+        } else {
+            &mut summary.plain
+        };
+        *into = add(into, &outcomes);
+    }
+    let tallies = scene.world.tallies();
+    summary.guarded_landed = tallies.get(GUARDED).copied().unwrap_or_default();
+    summary.plain_landed = tallies.get(PLAIN).copied().unwrap_or_default();
+    summary
+}
+
+fn add(a: &Outcomes, b: &Outcomes) -> Outcomes {
+    let mut sum = a.clone();
+    sum.right += b.right;
+    sum.wrong_service += b.wrong_service;
+    sum.dead += b.dead;
+    sum.errors += b.errors;
+    for (k, v) in &b.rejected {
+        *sum.rejected.entry(k.clone()).or_default() += v;
+    }
+    for (k, v) in &b.other_status {
+        *sum.other_status.entry(*k).or_default() += v;
+    }
+    sum
+}
+
+/// `(reason, action, count)` from the guarded gateway's filter counters.
+async fn verdicts(scene: &Scene) -> Vec<(String, String, u64)> {
+    let Ok(gateway) = scene.gateway(GUARDED) else {
+        return Vec::new();
+    };
+    let Ok(stats) = gateway.stats(&scene.http).await else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (name, value) in &stats {
+        let Some(rest) = name.strip_prefix("wasmcustom.staleguard.requests.reason.") else {
+            continue;
+        };
+        if let Some((reason, action)) = rest.split_once(".action.") {
+            if *value > 0 {
+                out.push((reason.to_owned(), action.to_owned(), *value));
+            }
+        }
+    }
+    let fresh = stats.get(STAT_FRESH).copied().unwrap_or(0);
+    out.push(("index_fresh".into(), String::new(), fresh));
+    out
+}
+
+fn urls(scene: &Scene) -> Result<Vec<(String, String)>> {
+    let guarded = scene.gateway(GUARDED)?;
+    let plain = scene.gateway(PLAIN)?;
+    Ok(vec![
+        (
+            "guarded Envoy".into(),
+            format!(
+                "http://{}/stats/prometheus  (staleguard_requests, staleguard_index_*)",
+                guarded.admin
+            ),
+        ),
+        (
+            "unguarded Envoy".into(),
+            format!("http://{}/stats/prometheus", plain.admin),
+        ),
+        (
+            "validator".into(),
+            format!(
+                "http://{}/metrics   index: http://{}/v1/snapshot",
+                scene.validator.admin, scene.validator.listen
+            ),
+        ),
+        (
+            "try it".into(),
+            format!("curl -si -H 'host: checkout' http://{}/", guarded.listener),
+        ),
+    ])
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+// === impl Ui ===
+
+/// The terminal view: a table redrawn in place, or plain lines when not a
+/// terminal.
+#[derive(Debug)]
+struct Ui {
+    live: bool,
+    started: Instant,
+    events: VecDeque<String>,
+    urls: Vec<(String, String)>,
+    drawn: bool,
+}
+
+impl Ui {
+    fn new(live: bool, started: Instant) -> Self {
+        Self {
+            live,
+            started,
+            events: VecDeque::new(),
+            urls: Vec::new(),
+            drawn: false,
+        }
+    }
+
+    fn progress(&self, what: &str) {
+        eprintln!("\x1b[1m==> {what}\x1b[0m");
+    }
+
+    fn event(&mut self, what: &str) {
+        let line = format!("{:>6.1}s  {what}", self.started.elapsed().as_secs_f64());
+        if !self.live {
+            println!("{line}");
+        }
+        self.events.push_back(line);
+        while self.events.len() > 7 {
+            self.events.pop_front();
+        }
+    }
+
+    fn draw(
+        &mut self,
+        summary: &Summary,
+        verdicts: &[(String, String, u64)],
+        frozen: Option<Instant>,
+    ) {
+        if !self.live {
+            return;
+        }
+        let frame = self.frame(summary, verdicts, frozen);
+        let mut out = std::io::stdout().lock();
+        // Home and clear below: the frame replaces the previous one.
+        let _ = write!(
+            out,
+            "{}\x1b[H\x1b[J{frame}",
+            if self.drawn { "" } else { "\x1b[2J" }
+        );
+        let _ = out.flush();
+        self.drawn = true;
+    }
+
+    fn finish(
+        &mut self,
+        summary: &Summary,
+        verdicts: &[(String, String, u64)],
+        frozen: Option<Instant>,
+    ) {
+        let frame = self.frame(summary, verdicts, frozen);
+        let mut out = std::io::stdout().lock();
+        if self.live {
+            let _ = write!(out, "\x1b[H\x1b[J");
+        }
+        let _ = writeln!(out, "{frame}");
+        let _ = writeln!(
+            out,
+            "summary: with staleguard {} of {} requests reached a wrong or dead pod; without, {} of {}.",
+            summary.guarded_landed.misrouted(),
+            summary.guarded.total(),
+            summary.plain_landed.misrouted(),
+            summary.plain.total()
+        );
+        let _ = out.flush();
+    }
+
+    fn frame(
+        &self,
+        s: &Summary,
+        verdicts: &[(String, String, u64)],
+        frozen: Option<Instant>,
+    ) -> String {
+        let bold = |t: &str| format!("\x1b[1m{t}\x1b[0m");
+        let mut f = String::new();
+        let state = match frozen {
+            Some(since) => format!(
+                "\x1b[31mSTUCK\x1b[0m (EDS frozen for {}s)",
+                since.elapsed().as_secs()
+            ),
+            None => "\x1b[32mhealthy\x1b[0m".into(),
+        };
+        let _ = writeln!(
+            f,
+            "{}  {:.0}s   control plane: {state}\n",
+            bold("staleguard demo"),
+            self.started.elapsed().as_secs_f64()
+        );
+        let _ = writeln!(f, "  {:<44}{:>15}{:>12}", "", "with staleguard", "without");
+        let row = |f: &mut String, label: &str, a: String, b: String| {
+            let _ = writeln!(f, "  {label:<44}{a:>15}{b:>12}");
+        };
+        row(
+            &mut f,
+            "requests sent",
+            num(s.guarded.total()),
+            num(s.plain.total()),
+        );
+        row(
+            &mut f,
+            "answered by the right service",
+            num(s.guarded_landed.right),
+            num(s.plain_landed.right),
+        );
+        let red = |n: u64| {
+            if n > 0 {
+                format!("\x1b[31m{}\x1b[0m", num(n))
+            } else {
+                format!("\x1b[32m{}\x1b[0m", num(n))
+            }
+        };
+        // Colour codes are invisible but counted by the padding: pad by hand.
+        let colored_row = |f: &mut String, label: &str, a: u64, b: u64| {
+            let (ta, tb) = (num(a), num(b));
+            let _ = writeln!(
+                f,
+                "  {label:<44}{}{}{}{}",
+                " ".repeat(15usize.saturating_sub(ta.len())),
+                red(a),
+                " ".repeat(12usize.saturating_sub(tb.len())),
+                red(b)
+            );
+        };
+        colored_row(
+            &mut f,
+            "reached a DEAD pod (destroyed, IP not reused)",
+            s.guarded_landed.dead,
+            s.plain_landed.dead,
+        );
+        colored_row(
+            &mut f,
+            "reached the WRONG service (recycled IP)",
+            s.guarded_landed.wrong_service,
+            s.plain_landed.wrong_service,
+        );
+        let reasons: Vec<String> = s
+            .guarded
+            .rejected
+            .iter()
+            .map(|(r, n)| format!("{r} {}", num(*n)))
+            .collect();
+        row(
+            &mut f,
+            "rejected by staleguard (503)",
+            num(s.guarded.rejected_total()),
+            "-".into(),
+        );
+        if !reasons.is_empty() {
+            let _ = writeln!(f, "    {}", reasons.join(" · "));
+        }
+        let other = |o: &Outcomes| o.errors + o.other_status.values().sum::<u64>();
+        row(
+            &mut f,
+            "other errors",
+            num(other(&s.guarded)),
+            num(other(&s.plain)),
+        );
+
+        let _ = writeln!(
+            f,
+            "\n{}",
+            bold("filter verdicts (guarded Envoy, wasmcustom.staleguard.requests)")
+        );
+        let mut line = String::from(" ");
+        for (reason, action, n) in verdicts {
+            if action.is_empty() {
+                let _ = write!(
+                    line,
+                    " · index fresh: {}",
+                    if *n == 1 { "yes" } else { "no" }
+                );
+            } else {
+                let _ = write!(line, " {reason}/{action} {}", num(*n));
+            }
+        }
+        let _ = writeln!(f, "{line}");
+
+        let _ = writeln!(f, "\n{}", bold("events"));
+        for e in &self.events {
+            let _ = writeln!(f, "  {e}");
+        }
+        let _ = writeln!(f, "\n{}", bold("metrics"));
+        for (what, url) in &self.urls {
+            let _ = writeln!(f, "  {what:<16} {url}");
+        }
+        if self.live {
+            let _ = writeln!(f, "\nCtrl-C to stop.");
+        }
+        f
+    }
+}
+
+/// `12345` as `12,345`.
+fn num(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// True when stdout is a terminal (the live table), false in pipes and tests.
+pub fn stdout_is_terminal() -> bool {
+    std::io::stdout().is_terminal()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_get_thousands_separators() {
+        assert_eq!(num(0), "0");
+        assert_eq!(num(999), "999");
+        assert_eq!(num(1000), "1,000");
+        assert_eq!(num(1234567), "1,234,567");
+    }
+}
