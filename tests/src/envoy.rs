@@ -44,8 +44,8 @@ pub fn stats_tags() -> Value {
 pub struct Cluster {
     /// Cluster name (an Istio `outbound|...` name, or anything).
     pub name: String,
-    /// The host.
-    pub host: SocketAddr,
+    /// The hosts (usually one).
+    pub hosts: Vec<SocketAddr>,
     /// The plugin configuration, or `None` for no filter.
     pub plugin: Option<Value>,
     /// Istio-style `filter_metadata` for the cluster.
@@ -110,15 +110,21 @@ pub fn wasm_filter(wasm: &Path, plugin: &Value) -> Value {
     })
 }
 
-fn static_cluster(name: &str, host: SocketAddr) -> Value {
+fn static_cluster(name: &str, hosts: &[SocketAddr]) -> Value {
+    let endpoints: Vec<Value> = hosts
+        .iter()
+        .map(|h| {
+            json!({"endpoint": {"address": {"socket_address": {
+                "address": h.ip().to_string(), "port_value": h.port()}}}})
+        })
+        .collect();
     json!({
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
-                "address": host.ip().to_string(), "port_value": host.port()}}}}]}]
+            "endpoints": [{"lb_endpoints": endpoints}]
         }
     })
 }
@@ -128,14 +134,14 @@ impl Cluster {
     pub fn new(name: &str, host: SocketAddr, plugin: Option<Value>) -> Self {
         Self {
             name: name.into(),
-            host,
+            hosts: vec![host],
             plugin,
             metadata: None,
         }
     }
 
     fn to_json(&self, wasm: &Path) -> Value {
-        let mut c = static_cluster(&self.name, self.host);
+        let mut c = static_cluster(&self.name, &self.hosts);
         if let Some(plugin) = &self.plugin {
             c["typed_extension_protocol_options"] = json!({
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -188,7 +194,7 @@ impl Gateway {
             });
         }
         let mut clusters: Vec<Value> = self.clusters.iter().map(|c| c.to_json(wasm)).collect();
-        clusters.push(static_cluster("staleguard-validator", self.validator));
+        clusters.push(static_cluster("staleguard-validator", &[self.validator]));
         json!({
             "node": {"id": "staleguard-test", "cluster": "staleguard-test"},
             "dynamic_resources": {"cds_config": {

@@ -157,7 +157,11 @@ fn serve_one(stream: TcpStream, handler: &Handler, hits: &AtomicU64) -> Result<(
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut line = String::new();
-    reader.read_line(&mut line)?;
+    if reader.read_line(&mut line)? == 0 {
+        // A connection that never carried a request (Envoy connects to the
+        // chosen host before upstream filters run) is not a hit.
+        return Ok(());
+    }
     let mut parts = line.split_whitespace();
     let mut request = Request {
         method: parts.next().unwrap_or_default().to_owned(),

@@ -1,0 +1,194 @@
+//! Native fuzzing of everything the filter parses from outside: the plugin
+//! configuration, validator answers (applied through the poller, as the glue
+//! does), and shared-data values (meta, IP and service entries, the lease).
+//!
+//! Inputs are valid documents mutated at random (bit flips, cuts, splices,
+//! JSON tokens such as huge numbers and wrong types) plus pure random bytes. A
+//! panic fails the test. CI runs `STALEGUARD_FUZZ_ITERS` (default 20 000)
+//! inputs; for the 1M-input run, see docs/filter.md:
+//!
+//! ```text
+//! STALEGUARD_FUZZ_ITERS=1000000 cargo test --release -p staleguard-filter \
+//!     --test fuzz_decoders -- --nocapture
+//! ```
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Instant;
+
+use staleguard_filter::config::Config;
+use staleguard_filter::lease::Lease;
+use staleguard_filter::store::{
+    decode_record, decode_service, MemoryStore, Meta, SharedData, View, LEASE_KEY, META_KEY,
+};
+use staleguard_filter::sync::{Poller, SyncConfig};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        if n == 0 {
+            0
+        } else {
+            (self.next() % n as u64) as usize
+        }
+    }
+}
+
+const SEEDS: &[&str] = &[
+    r#"{"validator_cluster":"sg","poll_wait_s":1,"max_staleness_ms":3000,"tick_ms":100,"lease_ttl_ms":500,"mode":"audit","policy":{"failure_policy":"closed","terminating":"reject"},"clusters":[{"name":"a","service":"shop/cart"},{"prefix":"p-","service":"a/b"}],"token":"t"}"#,
+    r#"{"v":1,"epoch":7,"generation":3,"freshness":{"fresh":true,"age_ms":5},"services":["shop/cart","shop/pay"],"records":[{"ip":"10.0.0.1","pods":[{"namespace":"shop","name":"c","uid":"u","services":[{"service":"shop/cart","via":"both","ports":[{"name":"http","port":8080,"protocol":"TCP"}],"conditions":{"ready":true,"serving":true,"terminating":false}}],"ready":true}]},{"ip":"fd00::2","bare_services":["shop/pay"],"tombstone":{"pod":"shop/x","uid":"u2","services":["shop/cart"],"since_ms":17}}]}"#,
+    r#"{"kind":"delta","v":1,"epoch":7,"since":3,"generation":5,"freshness":{"fresh":true},"services_added":["a/b"],"services_removed":["shop/pay"],"upserts":[{"ip":"10.0.0.9","pods":[{"namespace":"a","name":"b","terminating":true,"host_network":true}]}],"removed":["10.0.0.1","::1"]}"#,
+    r#"{"kind":"reset","v":1,"epoch":8,"generation":1,"freshness":{"fresh":false},"services":[],"records":[]}"#,
+    "m1 3 7 5 1700000000000 1 12",
+    "3 {\"ip\":\"10.0.0.1\",\"pods\":[{\"namespace\":\"a\",\"name\":\"b\"}]}",
+    "12",
+    "42 99999",
+];
+
+const TOKENS: &[&str] = &[
+    "{",
+    "}",
+    "[",
+    "]",
+    "\"",
+    ",",
+    ":",
+    "null",
+    "true",
+    "-1",
+    "0",
+    "1e999",
+    "18446744073709551616",
+    "\"kind\"",
+    "\"delta\"",
+    "\"reset\"",
+    "\"v\"",
+    "\\u0000",
+    "\u{ffff}",
+    " ",
+    "\"10.0.0.256\"",
+    "\"a/\"",
+    "\"/b\"",
+    "m1",
+    "\n",
+];
+
+fn mutate(rng: &mut Rng, input: &mut Vec<u8>) {
+    for _ in 0..=rng.below(4) {
+        let len = input.len();
+        match rng.below(7) {
+            0 if len > 0 => {
+                let i = rng.below(len);
+                input[i] ^= 1 << rng.below(8);
+            }
+            1 => {
+                let i = rng.below(len + 1);
+                input.insert(i, rng.next() as u8);
+            }
+            2 if len > 0 => {
+                let a = rng.below(len);
+                let b = (a + rng.below(16)).min(len);
+                input.drain(a..b);
+            }
+            3 => {
+                let i = rng.below(len + 1);
+                let t = TOKENS[rng.below(TOKENS.len())].as_bytes();
+                input.splice(i..i, t.iter().copied());
+            }
+            4 if len > 0 => {
+                input.truncate(rng.below(len));
+            }
+            5 => {
+                let other = SEEDS[rng.below(SEEDS.len())].as_bytes();
+                let a = rng.below(other.len());
+                let b = (a + rng.below(64)).min(other.len());
+                let i = rng.below(len + 1);
+                input.splice(i..i, other[a..b].iter().copied());
+            }
+            _ => {
+                if len > 1 {
+                    let a = rng.below(len);
+                    let b = rng.below(len);
+                    input.swap(a, b);
+                }
+            }
+        }
+    }
+}
+
+fn feed(input: &[u8], rng: &mut Rng) {
+    let _ = Config::parse(input);
+    let _ = Meta::decode(input);
+    let _ = decode_record(input, rng.next() % 4);
+    let _ = decode_service(input, rng.next() % 4);
+
+    // Validator answers through the poller, starting from a synced index.
+    let mut store = MemoryStore::default();
+    let mut poller = Poller::new(
+        SyncConfig {
+            wait_s: 1,
+            backoff_initial_ms: 1,
+            backoff_max_ms: 10,
+        },
+        rng.next(),
+    );
+    if poller.next_request(0, &store).is_some() {
+        let _ = poller.on_response(0, 200, SEEDS[1].as_bytes(), &mut store);
+    }
+    if poller.next_request(1_000, &store).is_some() {
+        let _ = poller.on_response(1, 200, input, &mut store);
+    }
+
+    // Garbage in shared data: meta, an IP entry, the lease.
+    store.set(META_KEY, input, None).unwrap();
+    let ip = "10.0.0.1".parse().unwrap();
+    store
+        .set(&staleguard_filter::store::ip_key(&ip), input, None)
+        .unwrap();
+    let _ = View::new(&store).lookup(&"shop/cart".parse().unwrap(), &ip);
+    store.set(LEASE_KEY, input, None).unwrap();
+    let _ = Lease::new(1, 100).tick(&mut store, 5);
+    if poller.next_request(u64::MAX / 2, &store).is_some() {
+        let _ = poller.on_response(2, 200, SEEDS[2].as_bytes(), &mut store);
+    }
+}
+
+#[test]
+fn decoders_never_panic() {
+    let iters: u64 = std::env::var("STALEGUARD_FUZZ_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let seed: u64 = std::env::var("STALEGUARD_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5eed_5eed_5eed_5eed);
+    let mut rng = Rng(seed | 1);
+    let started = Instant::now();
+    let mut input = Vec::new();
+    for i in 0..iters {
+        if rng.below(16) == 0 {
+            input = (0..rng.below(256)).map(|_| rng.next() as u8).collect();
+        } else if i % 8 == 0 || input.len() > 8_192 {
+            input = SEEDS[rng.below(SEEDS.len())].as_bytes().to_vec();
+        }
+        mutate(&mut rng, &mut input);
+        let snapshot = input.clone();
+        let result = std::panic::catch_unwind(|| feed(&snapshot, &mut Rng(i | 1)));
+        assert!(
+            result.is_ok(),
+            "panic on input {i} (seed {seed}): {:?}",
+            String::from_utf8_lossy(&snapshot)
+        );
+    }
+    println!(
+        "fuzz_decoders: {iters} inputs, 0 panics, {:.1} s (seed {seed})",
+        started.elapsed().as_secs_f64()
+    );
+}
