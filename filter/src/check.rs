@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use staleguard_core::{decide, Action, Reason, ServiceKey, Verdict};
 
-use crate::config::{Config, Mode, RejectAction};
+use crate::config::{Config, Mode};
 use crate::store::{Entry, SharedData, View};
 
 /// What the host told us about the upstream request.
@@ -29,19 +29,16 @@ pub enum Effect {
         /// HTTP status.
         status: u32,
     },
-    /// Reset the upstream request, so the router may retry elsewhere.
-    Retry,
     /// The verdict rejects, but audit mode lets it through.
     Audit,
 }
 
 impl Effect {
-    /// The metric label: `allow`, `reject`, `retry`, `audit`.
+    /// The metric label: `allow`, `reject`, `audit`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Effect::Allow => "allow",
             Effect::Reject { .. } => "reject",
-            Effect::Retry => "retry",
             Effect::Audit => "audit",
         }
     }
@@ -131,13 +128,12 @@ pub fn judge(config: &Config, store: &dyn SharedData, upstream: &Upstream, now_m
         }
     };
     let verdict = decide(&config.raw.policy, fresh, &service, known, record.as_ref());
-    let effect = match (verdict.action, config.raw.mode, config.raw.action) {
-        (Action::Allow, _, _) => Effect::Allow,
-        (Action::Reject, Mode::Audit, _) => Effect::Audit,
-        (Action::Reject, Mode::Enforce, RejectAction::Reject) => Effect::Reject {
+    let effect = match (verdict.action, config.raw.mode) {
+        (Action::Allow, _) => Effect::Allow,
+        (Action::Reject, Mode::Audit) => Effect::Audit,
+        (Action::Reject, Mode::Enforce) => Effect::Reject {
             status: config.raw.reject_status,
         },
-        (Action::Reject, Mode::Enforce, RejectAction::Retry) => Effect::Retry,
     };
     Outcome::Judged {
         service,
@@ -346,18 +342,18 @@ mod tests {
     }
 
     #[test]
-    fn audit_and_retry_change_only_the_effect() {
+    fn audit_lets_through_and_the_status_is_configurable() {
         let s = store(&[]);
         let audit = config(r#","mode":"audit""#);
-        let retry = config(r#","action":"retry","reject_status":429"#);
+        let custom = config(r#","reject_status":429"#);
         let up = upstream(CART, "10.0.0.9:1");
         assert_eq!(
             effect(&judge(&audit, &s, &up, 1_000)),
             (Reason::Destroyed, Effect::Audit)
         );
         assert_eq!(
-            effect(&judge(&retry, &s, &up, 1_000)),
-            (Reason::Destroyed, Effect::Retry)
+            effect(&judge(&custom, &s, &up, 1_000)),
+            (Reason::Destroyed, Effect::Reject { status: 429 })
         );
         assert_eq!(header_value(Reason::Destroyed), "destroyed");
     }

@@ -22,23 +22,11 @@ pub enum ConfigError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
-    /// Reject (or retry) what the verdict rejects.
+    /// Reject what the verdict rejects.
     #[default]
     Enforce,
     /// Count and log, never block.
     Audit,
-}
-
-/// What an enforced rejection does to the request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RejectAction {
-    /// Answer locally with `reject_status` and the reason header.
-    #[default]
-    Reject,
-    /// Reset the upstream request so the router may retry on another host
-    /// (needs a route retry policy with `reset` and `previous_hosts`).
-    Retry,
 }
 
 /// A plain-Envoy mapping rule: a cluster name (exact or prefix) to a service.
@@ -88,9 +76,6 @@ pub struct RawConfig {
     /// `enforce` (default) or `audit`.
     #[serde(default)]
     pub mode: Mode,
-    /// `reject` (default) or `retry`.
-    #[serde(default)]
-    pub action: RejectAction,
     /// HTTP status of a rejection (default 503).
     #[serde(default = "default_reject_status")]
     pub reject_status: u32,
@@ -244,7 +229,6 @@ mod tests {
         assert_eq!(c.raw.reject_status, 503);
         assert_eq!(c.raw.reject_header, "x-staleguard");
         assert_eq!(c.raw.mode, Mode::Enforce);
-        assert_eq!(c.raw.action, RejectAction::Reject);
         assert_eq!(c.raw.policy.failure_policy, FailurePolicy::Open);
         assert!(c.raw.istio);
         assert_eq!(c.authority(), "sg");
@@ -256,14 +240,13 @@ mod tests {
         let c = Config::parse(
             br#"{"validator_cluster":"sg","validator_authority":"v.sg.svc","token":"abc",
             "poll_wait_s":1,"max_staleness_ms":3000,"tick_ms":100,"lease_ttl_ms":500,
-            "backoff_initial_ms":50,"backoff_max_ms":1000,"mode":"audit","action":"retry",
+            "backoff_initial_ms":50,"backoff_max_ms":1000,"mode":"audit",
             "reject_status":502,"reject_header":"x-sg","istio":false,
             "policy":{"failure_policy":"closed","terminating":"reject"},
             "clusters":[{"name":"cart","service":"shop/cart"},{"prefix":"pay-","service":"shop/pay"}]}"#,
         )
         .unwrap();
         assert_eq!(c.raw.mode, Mode::Audit);
-        assert_eq!(c.raw.action, RejectAction::Retry);
         assert_eq!(c.raw.clusters.len(), 2);
         assert_eq!(c.authority(), "v.sg.svc");
     }

@@ -399,10 +399,6 @@ impl HttpContext for Filter {
                 let _ = hostcalls::send_http_response(status, headers, Some(body.as_bytes()));
                 Action::Pause
             }
-            Effect::Retry => {
-                let _ = hostcalls::reset_http_request();
-                Action::Pause
-            }
         }
     }
 }

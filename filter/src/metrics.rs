@@ -61,12 +61,7 @@ mod tests {
             "staleguard.requests.reason.destroyed.action.reject"
         );
         assert_eq!(sync_errors("decode"), "staleguard.sync_errors.kind.decode");
-        let effects = [
-            Effect::Allow,
-            Effect::Reject { status: 1 },
-            Effect::Retry,
-            Effect::Audit,
-        ];
+        let effects = [Effect::Allow, Effect::Reject { status: 1 }, Effect::Audit];
         let mut names = std::collections::BTreeSet::new();
         for r in Reason::ALL {
             for e in effects {

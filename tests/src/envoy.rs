@@ -61,8 +61,6 @@ pub struct Gateway {
     pub validator: SocketAddr,
     /// Clusters.
     pub clusters: Vec<Cluster>,
-    /// A retry policy on the route: `retry_on: reset` with `previous_hosts`.
-    pub retry_on_reset: bool,
     /// Clusters served by CDS from a file, replaceable with
     /// [`Envoy::update_clusters`] while Envoy runs.
     pub dynamic: Vec<Cluster>,
@@ -183,16 +181,7 @@ impl Gateway {
         admin: SocketAddr,
         cds: &Path,
     ) -> Value {
-        let mut route = json!({"cluster_header": "x-cluster", "timeout": "5s"});
-        if self.retry_on_reset {
-            route["retry_policy"] = json!({
-                "retry_on": "reset",
-                "num_retries": 3,
-                "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
-                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
-                "host_selection_retry_max_attempts": 5
-            });
-        }
+        let route = json!({"cluster_header": "x-cluster", "timeout": "5s"});
         let mut clusters: Vec<Value> = self.clusters.iter().map(|c| c.to_json(wasm)).collect();
         clusters.push(static_cluster("staleguard-validator", &[self.validator]));
         json!({

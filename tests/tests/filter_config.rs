@@ -21,7 +21,6 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
-        retry_on_reset: false,
         clusters: vec![],
         dynamic: vec![good],
     };

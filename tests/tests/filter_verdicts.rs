@@ -42,7 +42,6 @@ fn verdicts_in_real_envoy() -> Result<()> {
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
-        retry_on_reset: false,
         dynamic: vec![],
         clusters: vec![
             Cluster::new(&istio("live"), live.addr(), guarded.clone()),
