@@ -359,7 +359,21 @@ impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
         let upstream = Upstream {
             cluster: property(vec!["xds", "cluster_name"]),
-            istio_service_host: None,
+            // Istio lists the services a cluster serves in its metadata; the
+            // first one is the service (a cluster per service and port).
+            istio_service_host: if self.config.raw.istio {
+                property(vec![
+                    "xds",
+                    "cluster_metadata",
+                    "filter_metadata",
+                    "istio",
+                    "services",
+                    "0",
+                    "host",
+                ])
+            } else {
+                None
+            },
             address: property(vec!["upstream", "address"]),
         };
         let outcome = judge(&self.config, &HostStore, &upstream, now_ms());

@@ -11,11 +11,13 @@
 //! that count what reached them; [`traffic`] sends requests and counts what came
 //! back.
 
+pub mod apiserver;
 pub mod demo;
 pub mod eds;
 pub mod envoy;
 pub mod fake_validator;
 pub mod gateway;
+pub mod kube_source;
 pub mod pods;
 pub mod process;
 pub mod scene;

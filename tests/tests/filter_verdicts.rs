@@ -80,6 +80,11 @@ fn verdicts_in_real_envoy() -> Result<()> {
             ),
         ],
     };
+    let mut gateway = gateway;
+    let mut meta = Cluster::new("meta-only", gone.addr(), guarded.clone());
+    meta.metadata =
+        Some(json!({"istio": {"services": [{"host": CART, "name": "cart", "namespace": "shop"}]}}));
+    gateway.clusters.push(meta);
     let Some(mut envoy) = gateway.start()? else {
         return Ok(());
     };
@@ -124,6 +129,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
     )?;
     ok(&mut envoy, "plain-unmapped", "ghost")?;
     rejected(&mut envoy, "legacy-cart", "destroyed")?;
+    rejected(&mut envoy, "meta-only", "destroyed")?;
     ok(&mut envoy, &istio("audit"), "ghost")?;
     let r = envoy.get(&istio("custom"))?;
     assert_eq!(
@@ -138,7 +144,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
         ))
     };
     assert_eq!(stat(&envoy, "member", "allow")?, 1);
-    assert_eq!(stat(&envoy, "destroyed", "reject")?, 3);
+    assert_eq!(stat(&envoy, "destroyed", "reject")?, 4);
     assert_eq!(stat(&envoy, "recycled", "reject")?, 1);
     assert_eq!(stat(&envoy, "terminating", "allow")?, 1);
     assert_eq!(stat(&envoy, "terminating", "reject")?, 1);
@@ -149,7 +155,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
     // The stats_tags turn the names into Prometheus labels.
     let prom = envoy.admin("/stats/prometheus")?;
     for line in [
-        r#"staleguard_requests{staleguard_reason="destroyed",staleguard_action="reject"} 3"#,
+        r#"staleguard_requests{staleguard_reason="destroyed",staleguard_action="reject"} 4"#,
         r#"staleguard_requests{staleguard_reason="destroyed",staleguard_action="audit"} 1"#,
         r#"staleguard_requests{staleguard_reason="member",staleguard_action="allow"} 1"#,
         "staleguard_requests_unmapped{} 1",

@@ -1,0 +1,108 @@
+//! The validator's Kubernetes source, run in process against a test
+//! [`ApiServer`](crate::apiserver::ApiServer): the real watchers
+//! (`staleguard_validator::source::kube`) feeding the real
+//! [`SharedIndex`], so a test can wait on index generations and read records
+//! and verdicts directly.
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use staleguard_core::{decide, IpRecord, Policy, ServiceKey, Verdict};
+use staleguard_validator::index::{Index, IndexConfig};
+use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::source::kube::{start, Scope};
+use tokio::task::JoinHandle;
+
+use crate::apiserver::{kube_config, ApiServer};
+
+/// The user agent of the validator's watches, so the server's request counts
+/// single them out.
+pub const VALIDATOR_USER_AGENT: &str = "staleguard-validator-under-test";
+
+/// The validator's watches over a test API server; stopped when dropped.
+#[derive(Debug)]
+pub struct KubeSource {
+    /// The index the watches feed.
+    pub shared: SharedIndex,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl KubeSource {
+    /// Starts the three watches (all namespaces) with a staleness bound.
+    pub async fn start(server: &ApiServer, max_staleness: Duration) -> Result<Self> {
+        let mut config = kube_config(&server.kubeconfig()).await?;
+        config.headers.push((
+            http::header::USER_AGENT,
+            http::HeaderValue::from_static(VALIDATOR_USER_AGENT),
+        ));
+        let client = kube::Client::try_from(config)?;
+        let shared = SharedIndex::new(Index::new(1, IndexConfig::default()), max_staleness);
+        let tasks = start(client, Scope::default(), shared.clone());
+        Ok(Self { shared, tasks })
+    }
+
+    /// Waits until `check` holds for the index (re-checked on every
+    /// generation and every 50 ms); fails with `what` and the last record of
+    /// `ip` after `timeout`.
+    pub async fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut check: impl FnMut(&Index) -> bool,
+    ) -> Result<Duration> {
+        let started = Instant::now();
+        let mut generations = self.shared.subscribe();
+        loop {
+            if check(&self.shared.read()) {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > timeout {
+                bail!(
+                    "timed out after {timeout:?} waiting for: {what}\nwatch health: {:?}",
+                    self.shared.watch_health()
+                );
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), generations.changed()).await;
+        }
+    }
+
+    /// Waits for every watch's initial list.
+    pub async fn synced(&self) -> Result<Duration> {
+        self.wait_for("initial sync", Duration::from_secs(30), Index::synced)
+            .await
+    }
+
+    /// The record of an IP now.
+    pub fn record(&self, ip: &str) -> Option<IpRecord> {
+        self.shared.read().record(parse_ip(ip))
+    }
+
+    /// The verdict for a request to `ip` meant for `service`, as the filter
+    /// and the `/v1/verdict` API would give it (default policy).
+    pub fn verdict(&self, ip: &str, service: &ServiceKey) -> Verdict {
+        let fresh = self.shared.freshness().fresh;
+        let index = self.shared.read();
+        let record = index.record(parse_ip(ip));
+        decide(
+            &Policy::default(),
+            fresh,
+            service,
+            index.knows_service(service),
+            record.as_ref(),
+        )
+    }
+}
+
+impl Drop for KubeSource {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Parses an IP the tests wrote themselves.
+pub fn parse_ip(ip: &str) -> IpAddr {
+    ip.parse().unwrap_or_else(|_| IpAddr::from([0, 0, 0, 0]))
+}

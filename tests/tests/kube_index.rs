@@ -1,0 +1,290 @@
+//! The validator's kube source against a real API server (k8s.io/apiserver +
+//! etcd, see docs/apiserver.md): a pod's life as the API really reports it,
+//! and the index and the verdict after every step.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use staleguard_core::wire::Via;
+use staleguard_core::{Action, IpRecord, Reason, ServiceKey};
+use staleguard_tests::apiserver::{ApiServer, Cluster, SliceEndpoint};
+use staleguard_tests::kube_source::KubeSource;
+
+const WAIT: Duration = Duration::from_secs(15);
+const NS: &str = "shop";
+
+async fn setup() -> Option<(ApiServer, Cluster, KubeSource)> {
+    let server = ApiServer::start().await.unwrap()?;
+    let cluster = Cluster::new(server.client());
+    cluster.namespace(NS).await.unwrap();
+    cluster.service(NS, "cart", 8080).await.unwrap();
+    cluster.service(NS, "pay", 8080).await.unwrap();
+    let source = KubeSource::start(&server, Duration::from_secs(120))
+        .await
+        .unwrap();
+    source.synced().await.unwrap();
+    Some((server, cluster, source))
+}
+
+fn holders(record: Option<&IpRecord>) -> Vec<String> {
+    record
+        .map(|r| r.pods.iter().map(|p| p.name.clone()).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_life_create_ip_terminate_force_delete_and_recycle() {
+    let Some((server, cluster, source)) = setup().await else {
+        return;
+    };
+    let cart = ServiceKey::new(NS, "cart");
+    let pay = ServiceKey::new(NS, "pay");
+    let ip = "10.1.0.7";
+    source
+        .wait_for("both services known", WAIT, |ix| {
+            ix.knows_service(&cart) && ix.knows_service(&pay)
+        })
+        .await
+        .unwrap();
+
+    // Created: scheduled but no IP yet. Nothing holds the IP.
+    let pod = cluster.pod(NS, "cart-1", "cart").await.unwrap();
+    assert_eq!(source.record(ip), None);
+    assert_eq!(source.verdict(ip, &cart).reason, Reason::Destroyed);
+
+    // The kubelet reports the IP and readiness through pods/status.
+    let running = cluster.run_pod(NS, "cart-1", ip, true).await.unwrap();
+    assert_eq!(
+        running.spec.as_ref().unwrap().node_name.as_deref(),
+        Some(staleguard_tests::apiserver::NODE),
+        "a status write must not touch the spec"
+    );
+    source
+        .wait_for("cart-1 holds the IP, ready", WAIT, |ix| {
+            ix.record(ip.parse().unwrap())
+                .is_some_and(|r| r.pods.len() == 1 && r.pods[0].ready)
+        })
+        .await
+        .unwrap();
+    let record = source.record(ip).unwrap();
+    assert_eq!(record.pods[0].name, "cart-1");
+    assert_eq!(
+        Some(&record.pods[0].uid),
+        pod.metadata.uid.as_ref(),
+        "the index knows the pod by its uid"
+    );
+    assert!(record.pods[0].is_member_of(&cart));
+    assert_eq!(source.verdict(ip, &cart).reason, Reason::Member);
+    assert_eq!(source.verdict(ip, &pay).reason, Reason::Recycled);
+
+    // The EndpointSlice controller lists it: membership now by slice too.
+    cluster
+        .slice(NS, "cart", 8080, &[SliceEndpoint::pod(ip, &running)])
+        .await
+        .unwrap();
+    source
+        .wait_for("cart-1 is a member by slice and selector", WAIT, |ix| {
+            ix.record(ip.parse().unwrap()).is_some_and(|r| {
+                r.pods
+                    .iter()
+                    .flat_map(|p| &p.services)
+                    .any(|m| m.service == cart && m.via == Via::Both)
+            })
+        })
+        .await
+        .unwrap();
+
+    // Graceful delete of a bound pod: the API keeps it with a
+    // deletionTimestamp (no kubelet finishes it), the index says terminating.
+    let still = cluster.delete_pod(NS, "cart-1").await.unwrap();
+    let still = still.expect("a bound pod is deleted gracefully and stays");
+    assert!(still.metadata.deletion_timestamp.is_some());
+    source
+        .wait_for("cart-1 terminating", WAIT, |ix| {
+            ix.record(ip.parse().unwrap())
+                .is_some_and(|r| r.pods.len() == 1 && r.pods[0].terminating)
+        })
+        .await
+        .unwrap();
+    let verdict = source.verdict(ip, &cart);
+    assert_eq!(verdict.reason, Reason::Terminating);
+    assert_eq!(
+        verdict.action,
+        Action::Allow,
+        "draining pods may still serve"
+    );
+    assert!(cluster.get_pod(NS, "cart-1").await.unwrap().is_some());
+
+    // Force delete: gone at once; the IP is destroyed, with a tombstone.
+    cluster.force_delete_pod(NS, "cart-1").await.unwrap();
+    assert!(cluster.get_pod(NS, "cart-1").await.unwrap().is_none());
+    source
+        .wait_for("no pod holds the IP", WAIT, |ix| {
+            ix.record(ip.parse().unwrap())
+                .is_none_or(|r| r.pods.is_empty())
+        })
+        .await
+        .unwrap();
+    let verdict = source.verdict(ip, &cart);
+    assert_eq!(verdict.reason, Reason::Destroyed);
+    assert_eq!(verdict.action, Action::Reject);
+    let tombstone = source.record(ip).and_then(|r| r.tombstone);
+    assert_eq!(tombstone.map(|t| t.pod), Some(format!("{NS}/cart-1")));
+
+    // The IP is recycled to a pod of another service while cart's slice still
+    // (stale) lists it for cart-1: for cart it is recycled, for pay a member.
+    cluster.pod(NS, "pay-1", "pay").await.unwrap();
+    cluster.run_pod(NS, "pay-1", ip, true).await.unwrap();
+    source
+        .wait_for("pay-1 holds the recycled IP", WAIT, |ix| {
+            holders(ix.record(ip.parse().unwrap()).as_ref()) == ["pay-1"]
+        })
+        .await
+        .unwrap();
+    let verdict = source.verdict(ip, &cart);
+    assert_eq!(verdict.reason, Reason::Recycled);
+    assert_eq!(verdict.action, Action::Reject);
+    assert_eq!(source.verdict(ip, &pay).reason, Reason::Member);
+    drop(server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unscheduled_pod_and_a_finished_pod_go_at_once() {
+    let Some((server, cluster, source)) = setup().await else {
+        return;
+    };
+    let cart = ServiceKey::new(NS, "cart");
+    // Unscheduled: no kubelet would ever finish it, so no grace period.
+    cluster.pod_on(NS, "pending-1", "cart", None).await.unwrap();
+    assert!(cluster.delete_pod(NS, "pending-1").await.unwrap().is_none());
+    assert!(cluster.get_pod(NS, "pending-1").await.unwrap().is_none());
+
+    // Finished (Succeeded) while holding an IP: it stops holding it, and a
+    // delete removes it at once although it is bound.
+    let ip = "10.1.9.9";
+    cluster.pod(NS, "job-1", "cart").await.unwrap();
+    cluster.run_pod(NS, "job-1", ip, true).await.unwrap();
+    source
+        .wait_for("job-1 holds its IP", WAIT, |ix| {
+            holders(ix.record(ip.parse().unwrap()).as_ref()) == ["job-1"]
+        })
+        .await
+        .unwrap();
+    let patch = serde_json::json!({"status": {"phase": "Succeeded"}});
+    kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(server.client(), NS)
+        .patch_status(
+            "job-1",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    source
+        .wait_for("a finished pod holds no IP", WAIT, |ix| {
+            holders(ix.record(ip.parse().unwrap()).as_ref()).is_empty()
+        })
+        .await
+        .unwrap();
+    assert_eq!(source.verdict(ip, &cart).reason, Reason::Destroyed);
+    assert!(cluster.delete_pod(NS, "job-1").await.unwrap().is_none());
+    assert!(cluster.get_pod(NS, "job-1").await.unwrap().is_none());
+}
+
+/// The two watches race: the slice may arrive before the pod's IP, or after.
+/// Either way the index ends with one member by slice and selector.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slice_and_pod_events_in_both_orders() {
+    let Some((_server, cluster, source)) = setup().await else {
+        return;
+    };
+    let cart = ServiceKey::new(NS, "cart");
+
+    // Slice first: it names cart-a and 10.2.0.1 before the pod holds the IP.
+    let a = cluster.pod(NS, "cart-a", "cart").await.unwrap();
+    let ip_a = "10.2.0.1";
+    cluster
+        .named_slice(NS, "cart", "cart-a", 8080, &[SliceEndpoint::pod(ip_a, &a)])
+        .await
+        .unwrap();
+    source
+        .wait_for("the slice is seen", WAIT, |_| {
+            source.shared.watch_health()[2].applies >= 1
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let early = source.verdict(ip_a, &cart);
+    assert_ne!(
+        early.reason,
+        Reason::Recycled,
+        "a slice naming a pod that has no IP yet must not make the IP foreign"
+    );
+    cluster.run_pod(NS, "cart-a", ip_a, true).await.unwrap();
+
+    // Pod first: cart-b holds 10.2.0.2, a member by selector, then the slice.
+    let ip_b = "10.2.0.2";
+    let b = cluster.pod(NS, "cart-b", "cart").await.unwrap();
+    cluster.run_pod(NS, "cart-b", ip_b, true).await.unwrap();
+    source
+        .wait_for("cart-b a member by selector", WAIT, |ix| {
+            ix.record(ip_b.parse().unwrap()).is_some_and(|r| {
+                r.pods
+                    .iter()
+                    .flat_map(|p| &p.services)
+                    .any(|m| m.service == cart && m.via == Via::Selector)
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(source.verdict(ip_b, &cart).reason, Reason::Member);
+    cluster
+        .named_slice(NS, "cart", "cart-b", 8080, &[SliceEndpoint::pod(ip_b, &b)])
+        .await
+        .unwrap();
+
+    for (ip, pod) in [(ip_a, "cart-a"), (ip_b, "cart-b")] {
+        source
+            .wait_for(
+                &format!("{pod} a member by slice and selector"),
+                WAIT,
+                |ix| {
+                    ix.record(ip.parse().unwrap()).is_some_and(|r| {
+                        r.pods.len() == 1
+                            && r.pods[0].name == pod
+                            && r.pods[0]
+                                .services
+                                .iter()
+                                .any(|m| m.service == cart && m.via == Via::Both)
+                    })
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(source.verdict(ip, &cart).reason, Reason::Member);
+    }
+
+    // And the reverse on the way out: the slice entry goes first, then the pod.
+    cluster.delete_slice(NS, "cart-a").await.unwrap();
+    source
+        .wait_for("cart-a a member by selector only", WAIT, |ix| {
+            ix.record(ip_a.parse().unwrap()).is_some_and(|r| {
+                r.pods
+                    .iter()
+                    .flat_map(|p| &p.services)
+                    .any(|m| m.service == cart && m.via == Via::Selector)
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(source.verdict(ip_a, &cart).reason, Reason::Member);
+    cluster.force_delete_pod(NS, "cart-a").await.unwrap();
+    source
+        .wait_for("cart-a's IP destroyed", WAIT, |ix| {
+            ix.record(ip_a.parse().unwrap())
+                .is_none_or(|r| r.pods.is_empty())
+        })
+        .await
+        .unwrap();
+    assert_eq!(source.verdict(ip_a, &cart).reason, Reason::Destroyed);
+    assert_eq!(source.verdict(ip_b, &cart).reason, Reason::Member);
+}
