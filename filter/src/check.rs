@@ -68,6 +68,12 @@ pub enum Outcome {
 /// `istio`) the cluster metadata, then the `outbound|PORT|SUBSET|FQDN` name.
 pub fn resolve_service(config: &Config, upstream: &Upstream) -> Option<ServiceKey> {
     let cluster = upstream.cluster.as_deref().unwrap_or_default();
+    if cluster == config.raw.validator_cluster {
+        // The poller's own requests may run through this filter (an Istio
+        // patch applied to every cluster); judging them could lock the
+        // filter out of the very data that would clear a fail-closed verdict.
+        return None;
+    }
     for rule in &config.raw.clusters {
         let hit = match (&rule.name, &rule.prefix) {
             (Some(name), _) => name == cluster,
@@ -257,6 +263,14 @@ mod tests {
             Some(cart())
         );
         assert_eq!(resolve_service(&c, &up("other", None)), None);
+        let own =
+            Config::parse(br#"{"validator_cluster":"outbound|8080||sg.sg.svc.cluster.local"}"#)
+                .unwrap();
+        assert_eq!(
+            resolve_service(&own, &up("outbound|8080||sg.sg.svc.cluster.local", None)),
+            None,
+            "the validator's own cluster is never judged"
+        );
         let no_istio = config(r#","istio":false"#);
         assert_eq!(resolve_service(&no_istio, &up(CART, None)), None);
     }
