@@ -1,0 +1,41 @@
+//! The plugin configurations shipped in deploy/ parse under the strict schema
+//! (a typo there would be refused by every gateway that applies it).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use staleguard_filter::config::Config;
+
+/// The JSON block under `value: |` in a YAML file (the plugin configuration).
+fn plugin_configs(yaml: &str) -> Vec<String> {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let mut out = vec![];
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim_end().ends_with("value: |") {
+            let indent = line.len() - line.trim_start().len();
+            let block: Vec<&str> = lines[i + 1..]
+                .iter()
+                .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() > indent)
+                .copied()
+                .collect();
+            out.push(block.join("\n"));
+        }
+    }
+    out
+}
+
+fn check(path: &str, expected: usize) {
+    let yaml =
+        std::fs::read_to_string(format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let configs = plugin_configs(&yaml);
+    assert_eq!(configs.len(), expected, "{path}");
+    for c in configs {
+        if let Err(e) = Config::parse(c.as_bytes()) {
+            panic!("{path}: {e}\n{c}");
+        }
+    }
+}
+
+#[test]
+fn shipped_plugin_configs_are_valid() {
+    check("deploy/envoy/envoy.yaml", 1);
+    check("deploy/istio/envoyfilter.yaml", 1);
+}

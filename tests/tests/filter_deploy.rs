@@ -1,0 +1,69 @@
+//! The shipped plain-Envoy example is a configuration Envoy 1.40 accepts, and
+//! its stats_tags (and the Istio bootstrap override's) are the ones the
+//! filter tests check in /stats/prometheus.
+
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use staleguard_tests::envoy::{dependencies, stats_tags};
+
+fn repo(path: &str) -> String {
+    format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The tested regexes, in order.
+fn tested_regexes() -> Vec<String> {
+    stats_tags()
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["regex"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn shipped_stats_tags_are_the_tested_ones() -> Result<()> {
+    let yaml = std::fs::read_to_string(repo("deploy/envoy/envoy.yaml"))?;
+    let in_yaml: Vec<String> = yaml
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("regex: '"))
+        .filter_map(|r| r.strip_suffix('\''))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(in_yaml, tested_regexes(), "deploy/envoy/envoy.yaml");
+
+    let cm = std::fs::read_to_string(repo("deploy/istio/bootstrap-stats.yaml"))?;
+    let (_, json) = cm
+        .split_once("custom_bootstrap.json: |")
+        .context("no custom_bootstrap.json")?;
+    let bootstrap: serde_json::Value = serde_json::from_str(json)?;
+    let in_cm: Vec<String> = bootstrap["stats_config"]["stats_tags"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["regex"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(in_cm, tested_regexes(), "deploy/istio/bootstrap-stats.yaml");
+    Ok(())
+}
+
+#[test]
+fn plain_envoy_example_validates() -> Result<()> {
+    let Some((envoy, wasm)) = dependencies() else {
+        return Ok(());
+    };
+    let yaml = std::fs::read_to_string(repo("deploy/envoy/envoy.yaml"))?.replace(
+        "/etc/envoy/staleguard_filter.wasm",
+        &wasm.display().to_string(),
+    );
+    let path = std::env::temp_dir().join(format!("staleguard-example-{}.yaml", std::process::id()));
+    std::fs::write(&path, yaml)?;
+    let out = Command::new(envoy)
+        .args(["--mode", "validate", "-c"])
+        .arg(&path)
+        .output()?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("OK"), "{text}");
+    Ok(())
+}
