@@ -68,7 +68,10 @@ fn sync_failures_restarts_and_freshness_in_real_envoy() -> Result<()> {
     let errors = envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?
         + envoy.stat("wasmcustom.staleguard.sync_errors.kind.transport")?;
     assert!(errors >= 1, "{}", envoy.admin("/stats?filter=staleguard")?);
-    assert_eq!(envoy.stat("wasmcustom.staleguard.index_fresh")?, 0);
+    // Gauges follow on the next tick.
+    envoy.eventually("index_fresh gauge 0", WAIT, |e| {
+        Ok(e.stat("wasmcustom.staleguard.index_fresh")? == 0)
+    })?;
 
     // The validator comes back after a restart: new epoch, the IP is now a
     // cart pod. The filter's old epoch gets a reset.
@@ -94,6 +97,12 @@ fn sync_failures_restarts_and_freshness_in_real_envoy() -> Result<()> {
         Ok(e.stat("wasmcustom.staleguard.sync_errors.kind.decode")? >= 1)
     })?;
     assert_eq!(verdict(&mut envoy, CLOSED)?, (200, String::new()), "kept");
+    let prom = envoy.admin("/stats/prometheus")?;
+    assert!(
+        prom.lines()
+            .any(|l| l.starts_with(r#"staleguard_sync_errors{staleguard_error_kind="decode"} "#)),
+        "{prom}"
+    );
     expect(&mut envoy, "stale after garbage", CLOSED, 503, "stale")?;
 
     // The validator says its own data is not fresh: stale as well.
