@@ -332,10 +332,11 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let config = self.config.clone()?;
+        // Never None: the SDK panics on None (and the VM dies). Without a
+        // configuration the filter passes everything through.
         Some(Box::new(Filter {
             id: context_id,
-            config,
+            config: self.config.clone(),
             metrics: self.metrics.clone(),
         }))
     }
@@ -349,7 +350,7 @@ impl RootContext for Root {
 
 struct Filter {
     id: u32,
-    config: Rc<Config>,
+    config: Option<Rc<Config>>,
     metrics: Rc<RefCell<Metrics>>,
 }
 
@@ -357,11 +358,14 @@ impl Context for Filter {}
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
+        let Some(config) = self.config.clone() else {
+            return Action::Continue;
+        };
         let upstream = Upstream {
             cluster: property(vec!["xds", "cluster_name"]),
             // Istio lists the services a cluster serves in its metadata; the
             // first one is the service (a cluster per service and port).
-            istio_service_host: if self.config.raw.istio {
+            istio_service_host: if config.raw.istio {
                 property(vec![
                     "xds",
                     "cluster_metadata",
@@ -376,7 +380,7 @@ impl HttpContext for Filter {
             },
             address: property(vec!["upstream", "address"]),
         };
-        let outcome = judge(&self.config, &HostStore, &upstream, now_ms());
+        let outcome = judge(&config, &HostStore, &upstream, now_ms());
         let mut m = self.metrics.borrow_mut();
         let (service, ip, verdict, effect) = match outcome {
             Outcome::Unmapped => {
@@ -408,7 +412,7 @@ impl HttpContext for Filter {
             Effect::Allow | Effect::Audit => Action::Continue,
             Effect::Reject { status } => {
                 let reason = header_value(verdict.reason);
-                let headers = vec![(self.config.raw.reject_header.as_str(), reason)];
+                let headers = vec![(config.raw.reject_header.as_str(), reason)];
                 let body = format!("staleguard: {reason}\n");
                 let _ = hostcalls::send_http_response(status, headers, Some(body.as_bytes()));
                 Action::Pause
