@@ -59,6 +59,8 @@ pub struct Gateway {
     pub concurrency: u32,
     /// The validator's address (cluster `staleguard-validator`).
     pub validator: SocketAddr,
+    /// More validator replicas behind the same cluster (round robin).
+    pub replicas: Vec<SocketAddr>,
     /// Clusters.
     pub clusters: Vec<Cluster>,
     /// Clusters served by CDS from a file, replaceable with
@@ -183,7 +185,10 @@ impl Gateway {
     ) -> Value {
         let route = json!({"cluster_header": "x-cluster", "timeout": "5s"});
         let mut clusters: Vec<Value> = self.clusters.iter().map(|c| c.to_json(wasm)).collect();
-        clusters.push(static_cluster("staleguard-validator", &[self.validator]));
+        let validators: Vec<SocketAddr> = std::iter::once(self.validator)
+            .chain(self.replicas.iter().copied())
+            .collect();
+        clusters.push(static_cluster("staleguard-validator", &validators));
         json!({
             "node": {"id": "staleguard-test", "cluster": "staleguard-test"},
             "dynamic_resources": {"cds_config": {

@@ -21,6 +21,7 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
+        replicas: vec![],
         clusters: vec![],
         dynamic: vec![good],
     };

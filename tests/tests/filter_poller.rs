@@ -29,6 +29,7 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
     let gateway = Gateway {
         concurrency: 2,
         validator: validator.addr(),
+        replicas: vec![],
         dynamic: vec![],
         clusters: vec![
             Cluster::new(&names[0], live.addr(), plugin.clone()),

@@ -43,6 +43,7 @@ fn sync_failures_restarts_and_freshness_in_real_envoy() -> Result<()> {
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
+        replicas: vec![],
         dynamic: vec![],
         clusters: vec![
             Cluster::new(OPEN, host.addr(), plugin("open")),

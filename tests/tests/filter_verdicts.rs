@@ -42,6 +42,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
+        replicas: vec![],
         dynamic: vec![],
         clusters: vec![
             Cluster::new(&istio("live"), live.addr(), guarded.clone()),

@@ -1,0 +1,72 @@
+//! Validator replicas behind one Service: each has its own epoch, so a poll
+//! that lands on the other replica is answered with a reset. The filter keeps
+//! judging correctly through the switches, and one replica going down does
+//! not make the data stale while the other answers.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use serde_json::json;
+use staleguard_core::ServiceKey;
+use staleguard_tests::envoy::{test_plugin, Cluster, Gateway};
+use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
+use staleguard_tests::tinyhttp::named_host;
+
+const LIVE: &str = "outbound|8080|live|cart.shop.svc.cluster.local";
+const GONE: &str = "outbound|8080|gone|cart.shop.svc.cluster.local";
+
+#[test]
+fn replicas_with_different_epochs_and_one_down() -> Result<()> {
+    let cart = ServiceKey::new("shop", "cart");
+    let live = named_host("127.0.1.61", "cart-1")?;
+    let gone = named_host("127.0.1.62", "ghost")?;
+    let a = FakeValidator::start(100)?;
+    let b = FakeValidator::start(200)?;
+    for v in [&a, &b] {
+        v.set_index(
+            vec![cart.clone()],
+            vec![pod("127.0.1.61", "cart-1", &[&cart], false)],
+        );
+    }
+    // Fail closed, so any stale moment would show as a rejected live host.
+    let plugin = Some(test_plugin(json!({"policy": {"failure_policy": "closed"}})));
+    let gateway = Gateway {
+        concurrency: 1,
+        validator: a.addr(),
+        replicas: vec![b.addr()],
+        clusters: vec![
+            Cluster::new(LIVE, live.addr(), plugin.clone()),
+            Cluster::new(GONE, gone.addr(), plugin.clone()),
+        ],
+        dynamic: vec![],
+    };
+    let Some(mut envoy) = gateway.start()? else {
+        return Ok(());
+    };
+    // Both replicas get polled; every switch is a reset.
+    envoy.eventually("both replicas polled", Duration::from_secs(20), |_| {
+        Ok(a.requests().len() >= 2 && b.requests().len() >= 2)
+    })?;
+    assert!(envoy.stat("wasmcustom.staleguard.sync_resets")? >= 2);
+    for _ in 0..20 {
+        assert_eq!(envoy.get(LIVE)?.status, 200);
+        let r = envoy.get(GONE)?;
+        assert_eq!((r.status, r.header("x-staleguard")), (503, "destroyed"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Replica b goes down: its polls fail, a's keep the data fresh.
+    b.set_behaviour(Behaviour::Down);
+    let polls_a = a.requests().len();
+    for _ in 0..40 {
+        assert_eq!(envoy.get(LIVE)?.status, 200, "stale with a healthy replica");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(a.requests().len() > polls_a + 2, "a kept being polled");
+    assert!(
+        envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?
+            + envoy.stat("wasmcustom.staleguard.sync_errors.kind.transport")?
+            >= 1
+    );
+    Ok(())
+}
