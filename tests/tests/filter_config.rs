@@ -70,5 +70,25 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     envoy.eventually("the audit config to apply", Duration::from_secs(20), |e| {
         Ok(e.get(DYN)?.status == 200)
     })?;
+
+    // The update replaced the plugin and its root contexts: the old poller
+    // released its lease (on_done), a new root context took it over.
+    let polls = validator.requests().len();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        envoy.stat("wasmcustom.staleguard.sync_lease_acquired")?,
+        2,
+        "the new plugin's root context took the lease over"
+    );
+    assert_eq!(
+        envoy.stat("wasmcustom.staleguard.sync_resets")?,
+        1,
+        "the successor continued from meta with deltas, no reload"
+    );
+    assert!(
+        validator.requests().len() >= polls + 2,
+        "polling stopped after the update"
+    );
+    assert_eq!(envoy.stat("wasmcustom.staleguard.index_fresh")?, 1);
     Ok(())
 }
