@@ -8,11 +8,14 @@
 //! wires them together.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod api;
 pub mod config;
 pub mod index;
+pub mod metrics;
 pub mod shared;
 pub mod source;
 pub mod summary;
+pub mod synth;
 
 use std::time::{Duration, SystemTime};
 

@@ -1,0 +1,170 @@
+//! `GET /v1/changes`: the long poll that keeps gateways in sync.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::response::Response;
+use serde::Deserialize;
+use staleguard_core::Changes;
+
+use super::{check_version, json, ApiError, ApiState};
+use crate::metrics::Metrics;
+
+/// How often a waiting long poll re-checks freshness, so a validator that turns
+/// stale (or fresh again) tells its clients without waiting for a change.
+const FRESHNESS_RECHECK: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChangesQuery {
+    v: Option<u32>,
+    epoch: Option<u64>,
+    since: Option<u64>,
+    wait: Option<f64>,
+}
+
+/// Measures fan-out: the time from the first long poll woken by a generation
+/// to each later answer carrying it, i.e. how long the last gateway waits
+/// after the first one heard.
+#[derive(Debug, Clone)]
+pub struct FanOut {
+    latest: Arc<Mutex<(u64, Instant)>>,
+}
+
+impl FanOut {
+    /// Starts measuring from generation `current`.
+    pub fn new(current: u64) -> Self {
+        Self {
+            latest: Arc::new(Mutex::new((current, Instant::now()))),
+        }
+    }
+
+    fn observe(&self, metrics: &Metrics, generation: u64) {
+        let mut latest = self.latest.lock().unwrap_or_else(|e| e.into_inner());
+        if generation > latest.0 {
+            *latest = (generation, Instant::now());
+        }
+        if generation == latest.0 {
+            metrics.observe_fan_out(latest.1.elapsed());
+        }
+    }
+}
+
+pub(crate) async fn changes(
+    State(state): State<ApiState>,
+    query: Result<Query<ChangesQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
+    check_version(q.v)?;
+    let wait = parse_wait(q.wait, state.limits.max_wait)?;
+
+    // Subscribe before the first read, so a change between the two is not lost.
+    let mut generations = state.index.subscribe();
+    generations.borrow_and_update();
+    let first = answer(&state, q.epoch, q.since);
+    if wait.is_zero() || !is_empty(&first) || *state.shutdown.borrow() {
+        return Ok(json(&first));
+    }
+
+    let _permit = state
+        .long_polls
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ApiError::TooManyLongPolls(state.limits.max_long_polls))?;
+    let _waiting = state.metrics.long_poll_waiting();
+    let was_fresh = freshness_of(&first);
+    let deadline = tokio::time::sleep(wait);
+    tokio::pin!(deadline);
+    let mut recheck = tokio::time::interval(FRESHNESS_RECHECK);
+    recheck.reset();
+    let mut shutdown = state.shutdown.clone();
+    loop {
+        tokio::select! {
+            changed = generations.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                let next = answer(&state, q.epoch, q.since);
+                if !is_empty(&next) {
+                    state.fan_out.observe(&state.metrics, generation_of(&next));
+                    return Ok(json(&next));
+                }
+            }
+            _ = recheck.tick() => {
+                if state.index.freshness().fresh != was_fresh {
+                    break;
+                }
+            }
+            _ = shutdown.changed() => break,
+            _ = &mut deadline => break,
+        }
+    }
+    Ok(json(&answer(&state, q.epoch, q.since)))
+}
+
+/// A delta from `(epoch, since)`, or a reset when the client's position is
+/// missing, from another epoch, or compacted away.
+fn answer(state: &ApiState, epoch: Option<u64>, since: Option<u64>) -> Changes {
+    let freshness = state.index.freshness();
+    let index = state.index.read();
+    match (epoch, since) {
+        (Some(epoch), Some(since)) if epoch == index.epoch() => {
+            match index.changes_since(since, freshness.clone()) {
+                Some(delta) => Changes::Delta(delta),
+                None => Changes::Reset(index.snapshot(freshness)),
+            }
+        }
+        _ => Changes::Reset(index.snapshot(freshness)),
+    }
+}
+
+fn parse_wait(wait: Option<f64>, max: Duration) -> Result<Duration, ApiError> {
+    let Some(seconds) = wait else {
+        return Ok(Duration::ZERO);
+    };
+    if !seconds.is_finite() || seconds < 0.0 || seconds > max.as_secs_f64() {
+        return Err(ApiError::BadRequest(format!(
+            "wait={seconds} is out of range: give seconds from 0 to {}",
+            max.as_secs_f64()
+        )));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+fn is_empty(changes: &Changes) -> bool {
+    matches!(changes, Changes::Delta(d) if d.is_empty())
+}
+
+fn freshness_of(changes: &Changes) -> bool {
+    match changes {
+        Changes::Delta(d) => d.freshness.fresh,
+        Changes::Reset(s) => s.freshness.fresh,
+    }
+}
+
+fn generation_of(changes: &Changes) -> u64 {
+    match changes {
+        Changes::Delta(d) => d.generation,
+        Changes::Reset(s) => s.generation,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_must_be_a_bounded_number_of_seconds() {
+        let max = Duration::from_secs(60);
+        assert_eq!(parse_wait(None, max).unwrap(), Duration::ZERO);
+        assert_eq!(
+            parse_wait(Some(0.25), max).unwrap(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(parse_wait(Some(60.0), max).unwrap(), max);
+        for bad in [-1.0, 60.5, f64::NAN, f64::INFINITY] {
+            assert!(parse_wait(Some(bad), max).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Running the two listeners, and stopping them cleanly.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use super::{admin_router, router, ApiState, Limits, Token, TokenError};
+
+/// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
+/// `--max-wait`, `--max-long-polls`, `--request-timeout`, `--shutdown-grace`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiConfig {
+    /// Address of the public listener (`/v1`).
+    pub listen: SocketAddr,
+    /// Address of the admin listener (`/healthz`, `/readyz`, `/metrics`).
+    pub admin_listen: SocketAddr,
+    /// File holding the bearer token `/v1` requires; `/v1` is open without it.
+    pub token_file: Option<PathBuf>,
+    /// Longest `wait` a long poll may ask for.
+    pub max_wait: Duration,
+    /// Long polls that may wait at once; more are answered 429.
+    pub max_long_polls: usize,
+    /// Time any request may take on top of its `wait`.
+    pub request_timeout: Duration,
+    /// After SIGTERM, how long open connections may take to finish.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        let limits = Limits::default();
+        Self {
+            listen: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            admin_listen: SocketAddr::from(([0, 0, 0, 0], 9090)),
+            token_file: None,
+            max_wait: limits.max_wait,
+            max_long_polls: limits.max_long_polls,
+            request_timeout: limits.request_timeout,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Why the API could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The token file is unusable.
+    #[error(transparent)]
+    Token(#[from] TokenError),
+    /// A listener failed while serving.
+    #[error("serving failed: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl ApiConfig {
+    /// The limits this configuration sets.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_wait: self.max_wait,
+            max_long_polls: self.max_long_polls,
+            request_timeout: self.request_timeout,
+            ..Limits::default()
+        }
+    }
+
+    /// Reads the token file, if one is configured.
+    pub fn token(&self) -> Result<Option<Token>, TokenError> {
+        self.token_file.as_deref().map(Token::from_file).transpose()
+    }
+}
+
+/// Bound listeners, ready to serve. Binding first lets a caller report the
+/// actual ports (port 0 picks a free one) before serving.
+#[derive(Debug)]
+pub struct Listeners {
+    public: TcpListener,
+    admin: TcpListener,
+}
+
+impl Listeners {
+    /// Binds both listeners.
+    pub async fn bind(config: &ApiConfig) -> Result<Self, ServeError> {
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind { addr, source })
+        };
+        Ok(Self {
+            public: bind(config.listen).await?,
+            admin: bind(config.admin_listen).await?,
+        })
+    }
+
+    /// The public listener's address.
+    pub fn public_addr(&self) -> std::io::Result<SocketAddr> {
+        self.public.local_addr()
+    }
+
+    /// The admin listener's address.
+    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
+        self.admin.local_addr()
+    }
+}
+
+/// Serves until `stop` resolves. Then waiting long polls answer at once (the
+/// caller's `ApiState` shutdown flag must be set by then, see [`ApiState::new`]),
+/// and whatever is still open after `grace` is dropped.
+pub async fn serve(
+    listeners: Listeners,
+    state: ApiState,
+    token: Option<Token>,
+    grace: Duration,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    if let Some(token) = &token {
+        tokio::spawn(token.clone().watch(Duration::from_secs(10)));
+    }
+    let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        stop.await;
+        let _ = stopped_tx.send(true);
+    });
+    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let public = axum::serve(listeners.public, router(state.clone(), token))
+        .with_graceful_shutdown(until_stopped(stopped_rx.clone()));
+    let admin = axum::serve(listeners.admin, admin_router(state))
+        .with_graceful_shutdown(until_stopped(stopped_rx.clone()));
+    let both = async { tokio::try_join!(public, admin) };
+    tokio::pin!(both);
+    tokio::select! {
+        result = &mut both => { result?; }
+        _ = async {
+            until_stopped(stopped_rx).await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!(?grace, "connections still open after the grace period; exiting anyway");
+        }
+    }
+    Ok(())
+}

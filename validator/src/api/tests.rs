@@ -1,0 +1,427 @@
+//! Router tests: every route, through `tower::ServiceExt::oneshot`, against an
+//! index fed with the same watch events the sources produce.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use kube::runtime::watcher::Event;
+use serde_json::Value;
+use staleguard_core::Changes;
+use tower::ServiceExt;
+
+use super::*;
+use crate::index::fixtures::{pod, service, slice};
+use crate::index::{Index, IndexConfig};
+
+const EPOCH: u64 = 7;
+
+/// An index that finished its initial sync with `shop/cart` (pods cart-1 on
+/// 10.0.0.1, cart-2 on 10.0.0.2) and `shop/pay` (pay-1 on 10.0.0.9).
+fn synced_index(change_log_capacity: usize) -> SharedIndex {
+    let config = IndexConfig {
+        change_log_capacity,
+        ..IndexConfig::default()
+    };
+    let shared = SharedIndex::new(Index::new(EPOCH, config), Duration::from_secs(60));
+    let now = SystemTime::now();
+    shared.apply_service(Event::Init, now);
+    for (name, app) in [("cart", "cart"), ("pay", "pay")] {
+        let svc = service("shop", name).selector(&[("app", app)]).build();
+        shared.apply_service(Event::InitApply(svc), now);
+    }
+    shared.apply_service(Event::InitDone, now);
+    shared.apply_pod(Event::Init, now);
+    for (name, ip, app) in [
+        ("cart-1", "10.0.0.1", "cart"),
+        ("cart-2", "10.0.0.2", "cart"),
+        ("pay-1", "10.0.0.9", "pay"),
+    ] {
+        let p = pod("shop", name).ip(ip).labels(&[("app", app)]).build();
+        shared.apply_pod(Event::InitApply(p), now);
+    }
+    shared.apply_pod(Event::InitDone, now);
+    shared.apply_slice(Event::Init, now);
+    let s = slice("shop", "cart-abc", "cart")
+        .port("http", 8080)
+        .endpoint("10.0.0.1", Some("uid-cart-1"))
+        .endpoint("10.0.0.2", Some("uid-cart-2"))
+        .build();
+    shared.apply_slice(Event::InitApply(s), now);
+    shared.apply_slice(Event::InitDone, now);
+    shared
+}
+
+struct Fixture {
+    index: SharedIndex,
+    app: Router,
+    admin: Router,
+    shutdown: tokio::sync::watch::Sender<bool>,
+}
+
+fn fixture_with(index: SharedIndex, limits: Limits, token: Option<Token>) -> Fixture {
+    let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
+    let state = ApiState::new(index.clone(), Arc::new(Metrics::new()), limits, shutdown_rx);
+    Fixture {
+        app: router(state.clone(), token),
+        admin: admin_router(state),
+        index,
+        shutdown,
+    }
+}
+
+fn fixture() -> Fixture {
+    fixture_with(synced_index(1000), Limits::default(), None)
+}
+
+async fn get(app: &Router, uri: &str) -> (StatusCode, Value) {
+    get_with(app, Request::get(uri).body(Body::empty()).unwrap()).await
+}
+
+async fn get_with(app: &Router, request: Request<Body>) -> (StatusCode, Value) {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let value = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, value)
+}
+
+fn changes(value: Value) -> Changes {
+    Changes::from_json(value.to_string().as_bytes()).unwrap()
+}
+
+fn delete_cart_2(index: &SharedIndex) {
+    let p = pod("shop", "cart-2")
+        .ip("10.0.0.2")
+        .labels(&[("app", "cart")])
+        .build();
+    index.apply_pod(Event::Delete(p), SystemTime::now());
+}
+
+#[tokio::test]
+async fn snapshot_has_every_record_with_epoch_generation_and_freshness() {
+    let f = fixture();
+    let (status, body) = get(&f.app, "/v1/snapshot").await;
+    assert_eq!(status, StatusCode::OK);
+    let snapshot = staleguard_core::Snapshot::from_json(body.to_string().as_bytes()).unwrap();
+    assert_eq!(snapshot.epoch, EPOCH);
+    assert_eq!(snapshot.generation, f.index.read().generation());
+    assert!(snapshot.freshness.fresh);
+    assert_eq!(snapshot.records.len(), 3);
+    assert_eq!(snapshot.services.len(), 2);
+}
+
+#[tokio::test]
+async fn changes_from_the_current_generation_are_an_empty_delta() {
+    let f = fixture();
+    let g = f.index.read().generation();
+    let (status, body) = get(&f.app, &format!("/v1/changes?epoch={EPOCH}&since={g}")).await;
+    assert_eq!(status, StatusCode::OK);
+    let Changes::Delta(delta) = changes(body) else {
+        panic!("expected a delta")
+    };
+    assert!(delta.is_empty());
+    assert_eq!((delta.since, delta.generation), (g, g));
+}
+
+#[tokio::test]
+async fn changes_since_an_older_generation_carry_the_new_state() {
+    let f = fixture();
+    let g = f.index.read().generation();
+    delete_cart_2(&f.index);
+    let (_, body) = get(&f.app, &format!("/v1/changes?epoch={EPOCH}&since={g}")).await;
+    let Changes::Delta(delta) = changes(body) else {
+        panic!("expected a delta")
+    };
+    assert!(delta.generation > g);
+    let upsert = delta
+        .upserts
+        .iter()
+        .find(|r| r.ip.to_string() == "10.0.0.2")
+        .expect("10.0.0.2 changed");
+    assert!(upsert.pods.is_empty());
+    assert!(upsert.tombstone.is_some());
+}
+
+#[tokio::test]
+async fn a_wrong_or_missing_position_answers_with_a_reset() {
+    let f = fixture();
+    for uri in [
+        "/v1/changes?epoch=8&since=1".to_owned(),
+        "/v1/changes".to_owned(),
+        format!("/v1/changes?epoch={EPOCH}"),
+        format!("/v1/changes?epoch={EPOCH}&since=999999"),
+    ] {
+        let (status, body) = get(&f.app, &uri).await;
+        assert_eq!(status, StatusCode::OK, "{uri}");
+        let Changes::Reset(snapshot) = changes(body) else {
+            panic!("{uri}: expected a reset")
+        };
+        assert_eq!(snapshot.epoch, EPOCH);
+        assert_eq!(snapshot.records.len(), 3);
+    }
+}
+
+#[tokio::test]
+async fn a_generation_compacted_away_answers_with_a_reset() {
+    let f = fixture_with(synced_index(1), Limits::default(), None);
+    let g = f.index.read().generation();
+    delete_cart_2(&f.index);
+    let p = pod("shop", "pay-1").ip("10.0.0.9").build();
+    f.index.apply_pod(Event::Delete(p), SystemTime::now());
+    let (_, body) = get(&f.app, &format!("/v1/changes?epoch={EPOCH}&since={g}")).await;
+    assert!(matches!(changes(body), Changes::Reset(_)));
+}
+
+#[tokio::test]
+async fn a_long_poll_wakes_on_a_change_before_its_wait_ends() {
+    let f = fixture();
+    let g = f.index.read().generation();
+    let app = f.app.clone();
+    let started = Instant::now();
+    let poll = tokio::spawn(async move {
+        get(
+            &app,
+            &format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30"),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!poll.is_finished(), "answered before any change");
+    delete_cart_2(&f.index);
+    let (status, body) = poll.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    let Changes::Delta(delta) = changes(body) else {
+        panic!("expected a delta")
+    };
+    assert!(!delta.is_empty());
+    assert!(started.elapsed() < Duration::from_secs(30), "waited out");
+}
+
+#[tokio::test]
+async fn a_long_poll_without_changes_times_out_with_an_empty_delta() {
+    let f = fixture();
+    let g = f.index.read().generation();
+    let started = Instant::now();
+    let (status, body) = get(
+        &f.app,
+        &format!("/v1/changes?epoch={EPOCH}&since={g}&wait=0.2"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    let Changes::Delta(delta) = changes(body) else {
+        panic!("expected a delta")
+    };
+    assert!(delta.is_empty());
+    assert_eq!(delta.generation, g);
+}
+
+#[tokio::test]
+async fn shutdown_answers_waiting_long_polls_at_once() {
+    let f = fixture();
+    let g = f.index.read().generation();
+    let app = f.app.clone();
+    let poll = tokio::spawn(async move {
+        get(
+            &app,
+            &format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30"),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    f.shutdown.send(true).unwrap();
+    let (status, body) = tokio::time::timeout(Duration::from_secs(5), poll)
+        .await
+        .expect("the long poll answered after shutdown")
+        .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert!(matches!(changes(body), Changes::Delta(d) if d.is_empty()));
+}
+
+#[tokio::test]
+async fn long_polls_beyond_the_limit_get_429() {
+    let limits = Limits {
+        max_long_polls: 1,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    let g = f.index.read().generation();
+    let uri = format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30");
+    let app = f.app.clone();
+    let first_uri = uri.clone();
+    let first = tokio::spawn(async move { get(&app, &first_uri).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (status, body) = get(&f.app, &uri).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(body["error"]["code"], "too_many_long_polls");
+    f.shutdown.send(true).unwrap();
+    assert_eq!(first.await.unwrap().0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn ip_lookup_finds_a_record_or_says_not_found() {
+    let f = fixture();
+    let (status, body) = get(&f.app, "/v1/ips/10.0.0.1").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["record"]["pods"][0]["name"], "cart-1");
+    assert_eq!(body["freshness"]["fresh"], true);
+    let (status, body) = get(&f.app, "/v1/ips/10.9.9.9").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(body["error"]["code"], "not_found");
+}
+
+#[tokio::test]
+async fn verdicts_match_the_rules() {
+    let f = fixture();
+    delete_cart_2(&f.index);
+    for (query, reason, action) in [
+        ("service=shop/cart&ip=10.0.0.1&port=8080", "member", "allow"),
+        ("service=shop/cart&ip=10.0.0.2", "destroyed", "reject"),
+        ("service=shop/cart&ip=10.0.0.9", "recycled", "reject"),
+        ("service=shop/cart&ip=10.7.7.7", "destroyed", "reject"),
+        ("service=shop/other&ip=10.0.0.1", "unknown_service", "allow"),
+        (
+            "service=shop/other&ip=10.0.0.1&unknown_service=reject",
+            "unknown_service",
+            "reject",
+        ),
+    ] {
+        let (status, body) = get(&f.app, &format!("/v1/verdict?{query}")).await;
+        assert_eq!(status, StatusCode::OK, "{query}: {body}");
+        assert_eq!(body["verdict"]["reason"], reason, "{query}");
+        assert_eq!(body["verdict"]["action"], action, "{query}");
+    }
+}
+
+#[tokio::test]
+async fn bad_input_is_a_400_with_a_json_error() {
+    let f = fixture();
+    let long = format!(
+        "/v1/verdict?service=shop/cart&ip=10.0.0.1&x={}",
+        "a".repeat(2000)
+    );
+    for uri in [
+        "/v1/ips/10.0.0.256",
+        "/v1/ips/not-an-ip",
+        "/v1/verdict?service=cart&ip=10.0.0.1",
+        "/v1/verdict?service=Shop/cart&ip=10.0.0.1",
+        "/v1/verdict?ip=10.0.0.1",
+        "/v1/verdict?service=shop/cart",
+        "/v1/verdict?service=shop/cart&ip=10.0.0.1&port=0",
+        "/v1/verdict?service=shop/cart&ip=10.0.0.1&port=70000",
+        "/v1/verdict?service=shop/cart&ip=10.0.0.1&terminating=maybe",
+        "/v1/changes?epoch=7&since=1&wait=61",
+        "/v1/changes?epoch=7&since=1&wait=-1",
+        "/v1/changes?epoch=7&since=1&wait=NaN",
+        "/v1/changes?epoch=seven&since=1",
+        "/v1/changes?since=-3",
+        "/v1/snapshot?v=2",
+        "/v1/changes?v=0",
+        long.as_str(),
+    ] {
+        let (status, body) = get(&f.app, uri).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}: {body}");
+        assert_eq!(body["error"]["code"], "bad_request", "{uri}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{uri}"
+        );
+    }
+    let (status, body) = get(&f.app, "/v2/anything").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(body["error"]["code"], "not_found");
+}
+
+#[tokio::test]
+async fn the_token_guards_v1() {
+    let dir = std::env::temp_dir().join(format!("sg-api-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("token");
+    std::fs::write(&path, "open-sesame\n").unwrap();
+    let token = Token::from_file(&path).unwrap();
+    let f = fixture_with(synced_index(1000), Limits::default(), Some(token));
+    let request = |auth: Option<&str>| {
+        let mut r = Request::get("/v1/snapshot");
+        if let Some(auth) = auth {
+            r = r.header("authorization", auth);
+        }
+        r.body(Body::empty()).unwrap()
+    };
+    for auth in [
+        None,
+        Some("Bearer wrong"),
+        Some("open-sesame"),
+        Some("Basic b3Blbg=="),
+    ] {
+        let (status, body) = get_with(&f.app, request(auth)).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{auth:?}");
+        assert_eq!(body["error"]["code"], "unauthorized");
+        assert!(!body.to_string().contains("open-sesame"));
+    }
+    let (status, _) = get_with(&f.app, request(Some("Bearer open-sesame"))).await;
+    assert_eq!(status, StatusCode::OK);
+    // The admin listener needs no token.
+    let (status, _) = get(&f.admin, "/healthz").await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn readyz_waits_for_the_initial_sync() {
+    let empty = SharedIndex::new(
+        Index::new(EPOCH, IndexConfig::default()),
+        Duration::from_secs(60),
+    );
+    let f = fixture_with(empty, Limits::default(), None);
+    let (status, body) = get(&f.admin, "/readyz").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body["ready"], false);
+    assert_eq!(body["watches"].as_array().unwrap().len(), 3);
+
+    let f = fixture();
+    let (status, body) = get(&f.admin, "/readyz").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["ready"], true);
+}
+
+#[tokio::test]
+async fn metrics_show_the_index_and_the_requests() {
+    let f = fixture();
+    get(&f.app, "/v1/snapshot").await;
+    get(&f.app, "/v1/ips/nope").await;
+    let response = f
+        .admin
+        .clone()
+        .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let text = String::from_utf8(
+        response
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+    .unwrap();
+    for expected in [
+        "staleguard_index_pods 3",
+        "staleguard_index_ips 3",
+        "staleguard_index_services 2",
+        "staleguard_ready 1",
+        r#"staleguard_api_requests_total{route="snapshot",status="200"} 1"#,
+        r#"staleguard_api_requests_total{route="ips",status="400"} 1"#,
+        r#"staleguard_watch_events_total{resource="pod",event="init_apply"} 3"#,
+        "staleguard_long_polls_waiting 0",
+        "# EOF",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+}

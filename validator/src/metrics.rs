@@ -1,0 +1,208 @@
+//! Prometheus metrics (OpenMetrics text, every name prefixed `staleguard_`).
+//!
+//! Counters the API updates live in [`Metrics`]; the index's sizes and the
+//! watches' health are read from the [`SharedIndex`] at scrape time, so the
+//! index code stays free of metrics plumbing and a scrape always shows the
+//! current state. `docs/metrics.md` lists every series.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::shared::SharedIndex;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: &'static str,
+    status: u16,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    resource: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    resource: &'static str,
+    event: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SkipLabels {
+    resource: &'static str,
+    reason: &'static str,
+}
+
+/// The validator's own counters.
+#[derive(Debug)]
+pub struct Metrics {
+    requests: Family<RequestLabels, Counter>,
+    long_polls: Gauge<i64, std::sync::atomic::AtomicI64>,
+    fan_out: Histogram,
+}
+
+/// Decrements the waiting long-poll gauge when dropped.
+#[derive(Debug)]
+pub struct Waiting<'a>(&'a Gauge<i64, std::sync::atomic::AtomicI64>);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Fresh metrics, all zero.
+    pub fn new() -> Self {
+        // 0.5 ms .. ~4 s: a fan-out above that is an incident of its own.
+        let buckets = prometheus_client::metrics::histogram::exponential_buckets(0.0005, 2.0, 14);
+        Self {
+            requests: Family::default(),
+            long_polls: Gauge::default(),
+            fan_out: Histogram::new(buckets),
+        }
+    }
+
+    /// Counts one API request.
+    pub fn observe_request(&self, route: &'static str, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabels { route, status })
+            .inc();
+    }
+
+    /// Marks a long poll as waiting until the guard drops.
+    pub fn long_poll_waiting(&self) -> Waiting<'_> {
+        self.long_polls.inc();
+        Waiting(&self.long_polls)
+    }
+
+    /// Records how long after the first client heard of a change another did.
+    pub fn observe_fan_out(&self, latency: Duration) {
+        self.fan_out.observe(latency.as_secs_f64());
+    }
+
+    /// Encodes every metric, reading the index's state now.
+    pub fn encode(&self, index: &SharedIndex) -> Result<String, std::fmt::Error> {
+        let mut registry = Registry::with_prefix("staleguard");
+        registry.register(
+            "api_requests",
+            "API requests by route and status",
+            self.requests.clone(),
+        );
+        registry.register(
+            "long_polls_waiting",
+            "Long polls waiting for a change",
+            self.long_polls.clone(),
+        );
+        registry.register_with_unit(
+            "change_fan_out",
+            "Time from the first long poll answered with a generation to each later one",
+            Unit::Seconds,
+            self.fan_out.clone(),
+        );
+        register_index(&mut registry, index);
+        let mut text = String::new();
+        encode(&mut text, &registry)?;
+        Ok(text)
+    }
+}
+
+fn gauge(value: u64) -> Gauge<u64, AtomicU64> {
+    let g = Gauge::<u64, AtomicU64>::default();
+    g.set(value);
+    g
+}
+
+fn register_index(registry: &mut Registry, shared: &SharedIndex) {
+    let freshness = shared.freshness();
+    let (generation, stats) = {
+        let index = shared.read();
+        (index.generation(), index.stats())
+    };
+    registry.register("index_generation", "Index generation", gauge(generation));
+    registry.register("index_pods", "Pods in the index", gauge(stats.pods as u64));
+    registry.register("index_ips", "IPs in the index", gauge(stats.ips as u64));
+    registry.register(
+        "index_services",
+        "Services in the index",
+        gauge(stats.services as u64),
+    );
+    registry.register(
+        "index_tombstones",
+        "IPs remembered only by a tombstone",
+        gauge(stats.tombstones as u64),
+    );
+    registry.register(
+        "ready",
+        "1 when every watch finished its initial list and is fresh",
+        gauge(u64::from(shared.ready())),
+    );
+    registry.register(
+        "fresh",
+        "1 when the index may be trusted (served to filters as freshness.fresh)",
+        gauge(u64::from(freshness.fresh)),
+    );
+
+    let skipped = Family::<SkipLabels, Counter>::default();
+    for ((resource, reason), count) in &stats.skipped {
+        skipped
+            .get_or_create(&SkipLabels {
+                resource: resource.as_str(),
+                reason: reason.as_str(),
+            })
+            .inc_by(*count);
+    }
+    registry.register(
+        "objects_skipped",
+        "Malformed objects skipped by resource and reason",
+        skipped,
+    );
+
+    let events = Family::<EventLabels, Counter>::default();
+    let errors = Family::<KindLabels, Counter>::default();
+    let relists = Family::<KindLabels, Counter>::default();
+    let staleness = Family::<KindLabels, Gauge<f64, AtomicU64>>::default();
+    for w in shared.watch_health() {
+        let kind = KindLabels { resource: w.kind };
+        for (event, count) in w.events() {
+            events
+                .get_or_create(&EventLabels {
+                    resource: w.kind,
+                    event,
+                })
+                .inc_by(count);
+        }
+        errors.get_or_create(&kind).inc_by(w.errors);
+        relists.get_or_create(&kind).inc_by(w.relists);
+        if let Some(age) = w.last_event_age {
+            staleness.get_or_create(&kind).set(age.as_secs_f64());
+        }
+    }
+    registry.register("watch_events", "Watch events by resource and type", events);
+    registry.register("watch_errors", "Watch errors by resource", errors);
+    registry.register(
+        "watch_relists",
+        "Relists (initial lists included) by resource",
+        relists,
+    );
+    registry.register_with_unit(
+        "watch_staleness",
+        "Time since each watch last delivered an event or bookmark",
+        Unit::Seconds,
+        staleness,
+    );
+}
