@@ -395,7 +395,16 @@ impl Ui {
     }
 
     fn progress(&self, what: &str) {
-        eprintln!("\x1b[1m==> {what}\x1b[0m");
+        eprintln!("{}", self.paint("1", &format!("==> {what}")));
+    }
+
+    /// `text` in an SGR colour or weight when drawing live, plain otherwise.
+    fn paint(&self, sgr: &str, text: &str) -> String {
+        if self.live {
+            format!("\x1b[{sgr}m{text}\x1b[0m")
+        } else {
+            text.to_owned()
+        }
     }
 
     fn event(&mut self, what: &str) {
@@ -445,10 +454,10 @@ impl Ui {
         let _ = writeln!(
             out,
             "summary: with staleguard {} of {} requests reached a wrong or dead pod; without, {} of {}.",
-            summary.guarded_landed.misrouted(),
-            summary.guarded.total(),
-            summary.plain_landed.misrouted(),
-            summary.plain.total()
+            num(summary.guarded_landed.misrouted()),
+            num(summary.guarded.total()),
+            num(summary.plain_landed.misrouted()),
+            num(summary.plain.total())
         );
         let _ = out.flush();
     }
@@ -459,14 +468,15 @@ impl Ui {
         verdicts: &[(String, String, u64)],
         frozen: Option<Instant>,
     ) -> String {
-        let bold = |t: &str| format!("\x1b[1m{t}\x1b[0m");
+        let bold = |t: &str| self.paint("1", t);
         let mut f = String::new();
         let state = match frozen {
             Some(since) => format!(
-                "\x1b[31mSTUCK\x1b[0m (EDS frozen for {}s)",
+                "{} (EDS frozen for {}s)",
+                self.paint("31", "STUCK"),
                 since.elapsed().as_secs()
             ),
-            None => "\x1b[32mhealthy\x1b[0m".into(),
+            None => self.paint("32", "healthy"),
         };
         let _ = writeln!(
             f,
@@ -490,13 +500,7 @@ impl Ui {
             num(s.guarded_landed.right),
             num(s.plain_landed.right),
         );
-        let red = |n: u64| {
-            if n > 0 {
-                format!("\x1b[31m{}\x1b[0m", num(n))
-            } else {
-                format!("\x1b[32m{}\x1b[0m", num(n))
-            }
-        };
+        let red = |n: u64| self.paint(if n > 0 { "31" } else { "32" }, &num(n));
         // Colour codes are invisible but counted by the padding: pad by hand.
         let colored_row = |f: &mut String, label: &str, a: u64, b: u64| {
             let (ta, tb) = (num(a), num(b));
@@ -549,19 +553,17 @@ impl Ui {
             "\n{}",
             bold("filter verdicts (guarded Envoy, wasmcustom.staleguard.requests)")
         );
-        let mut line = String::from(" ");
-        for (reason, action, n) in verdicts {
-            if action.is_empty() {
-                let _ = write!(
-                    line,
-                    " · index fresh: {}",
-                    if *n == 1 { "yes" } else { "no" }
-                );
-            } else {
-                let _ = write!(line, " {reason}/{action} {}", num(*n));
-            }
-        }
-        let _ = writeln!(f, "{line}");
+        let parts: Vec<String> = verdicts
+            .iter()
+            .map(|(reason, action, n)| {
+                if action.is_empty() {
+                    format!("index fresh: {}", if *n == 1 { "yes" } else { "no" })
+                } else {
+                    format!("{reason}/{action} {}", num(*n))
+                }
+            })
+            .collect();
+        let _ = writeln!(f, "  {}", parts.join(" · "));
 
         let _ = writeln!(f, "\n{}", bold("events"));
         for e in &self.events {

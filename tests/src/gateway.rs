@@ -214,9 +214,54 @@ pub const STAT_FRESH: &str = "wasmcustom.staleguard.index_fresh";
 /// The filter's full-resync counter.
 pub const STAT_RESETS: &str = "wasmcustom.staleguard.sync_resets";
 
+/// The filter's per-request counter in `/stats/prometheus` (labels
+/// `staleguard_reason`, `staleguard_action`).
+pub const PROM_REQUESTS: &str = "staleguard_requests";
+
 /// The filter's request counter for a reason and action.
 pub fn stat_requests(reason: &str, action: &str) -> String {
     format!("wasmcustom.staleguard.requests.reason.{reason}.action.{action}")
+}
+
+impl GatewaySpec {
+    /// A gateway running the filter with the test plugin configuration
+    /// (fast polls, 3 s staleness) plus `extra` fields.
+    pub fn guarded(name: &str, extra: Value) -> Self {
+        Self {
+            name: name.into(),
+            plugin: Some(crate::envoy::test_plugin(extra)),
+            concurrency: 1,
+        }
+    }
+
+    /// A gateway without the filter.
+    pub fn unguarded(name: &str) -> Self {
+        Self {
+            name: name.into(),
+            plugin: None,
+            concurrency: 1,
+        }
+    }
+}
+
+/// The value of the series `name{labels}` in Prometheus text, if present.
+/// `labels` are `(key, value)` pairs that must all match.
+pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let (metric, rest) = series.split_once('{').unwrap_or((series, "}"));
+        if metric != name {
+            return None;
+        }
+        let rest = rest.strip_suffix('}')?;
+        let ok = labels
+            .iter()
+            .all(|(k, v)| rest.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+        if !ok {
+            return None;
+        }
+        value.parse::<f64>().ok().map(|v| v as u64)
+    })
 }
 
 impl Gateway {
@@ -292,5 +337,38 @@ impl Gateway {
     /// Fails with the log if Envoy exited.
     pub fn check_alive(&mut self) -> Result<()> {
         self.guard.check_alive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_a_labelled_series_from_prometheus_text() {
+        let text = "# TYPE staleguard_requests counter\n\
+            staleguard_requests{staleguard_reason=\"destroyed\",staleguard_action=\"reject\"} 1840\n\
+            staleguard_requests{staleguard_reason=\"member\",staleguard_action=\"allow\"} 660\n\
+            staleguard_index_fresh{} 1\n";
+        let get = |labels: &[(&str, &str)]| prometheus_value(text, PROM_REQUESTS, labels);
+        assert_eq!(
+            get(&[
+                ("staleguard_reason", "destroyed"),
+                ("staleguard_action", "reject")
+            ]),
+            Some(1840)
+        );
+        assert_eq!(
+            get(&[
+                ("staleguard_reason", "member"),
+                ("staleguard_action", "allow")
+            ]),
+            Some(660)
+        );
+        assert_eq!(get(&[("staleguard_reason", "recycled")]), None);
+        assert_eq!(
+            prometheus_value(text, "staleguard_index_fresh", &[]),
+            Some(1)
+        );
     }
 }

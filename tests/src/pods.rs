@@ -95,6 +95,11 @@ impl Tally {
 /// Tallies by gateway path (`x-sg-via`; `-` when absent).
 pub type Tallies = BTreeMap<String, Tally>;
 
+/// The tally of one gateway path (zero when nothing came that way).
+pub fn via(tallies: &Tallies, path: &str) -> Tally {
+    tallies.get(path).copied().unwrap_or_default()
+}
+
 /// Adds `from` into `into`, path by path.
 pub fn merge(into: &mut Tallies, from: &Tallies) {
     for (via, tally) in from {

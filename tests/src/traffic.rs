@@ -151,6 +151,11 @@ impl Outcomes {
         self.rejected.values().sum()
     }
 
+    /// Requests staleguard rejected for `reason`.
+    pub fn rejected_for(&self, reason: &str) -> u64 {
+        self.rejected.get(reason).copied().unwrap_or(0)
+    }
+
     /// Requests answered by a wrong or dead pod.
     pub fn misrouted(&self) -> u64 {
         self.wrong_service + self.dead
