@@ -4,11 +4,13 @@
 //! that [`Config::from_args`] can check them all and report every problem at
 //! once instead of the first one.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
+use crate::api::ApiConfig;
 use crate::index::IndexConfig;
 
 /// Where the objects come from.
@@ -97,8 +99,36 @@ pub struct Args {
     /// Log format.
     #[arg(long, env = "STALEGUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
-    // The API's flags (--listen, --admin-listen, --token-file, ...) go here,
-    // with their checked counterparts in `Config`.
+
+    /// Address of the public API listener (`/v1`).
+    #[arg(long, env = "STALEGUARD_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: String,
+
+    /// Address of the admin listener (`/healthz`, `/readyz`, `/metrics`).
+    #[arg(long, env = "STALEGUARD_ADMIN_LISTEN", default_value = "0.0.0.0:9090")]
+    pub admin_listen: String,
+
+    /// A file holding the bearer token `/v1` requires (a mounted Secret), re-read
+    /// when it changes. [default: `/v1` needs no token]
+    #[arg(long, env = "STALEGUARD_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+
+    /// The longest `wait` a long poll may ask for.
+    #[arg(long, env = "STALEGUARD_MAX_WAIT", default_value = "60s")]
+    pub max_wait: String,
+
+    /// How many long polls may wait at once; more are answered 429.
+    #[arg(long, env = "STALEGUARD_MAX_LONG_POLLS", default_value_t = 4096)]
+    pub max_long_polls: usize,
+
+    /// How long any request may take on top of its `wait`.
+    #[arg(long, env = "STALEGUARD_REQUEST_TIMEOUT", default_value = "10s")]
+    pub request_timeout: String,
+
+    /// After SIGTERM, how long open connections may take before the process
+    /// exits anyway.
+    #[arg(long, env = "STALEGUARD_SHUTDOWN_GRACE", default_value = "10s")]
+    pub shutdown_grace: String,
 }
 
 /// Where objects come from, checked.
@@ -139,6 +169,8 @@ pub struct Config {
     pub once: bool,
     /// Log format.
     pub log_format: LogFormat,
+    /// How the API is served.
+    pub api: ApiConfig,
 }
 
 /// Every problem found in the configuration.
@@ -168,6 +200,25 @@ impl Config {
         let tombstone_ttl = duration("tombstone-ttl", &args.tombstone_ttl, Duration::ZERO);
         let max_staleness = duration("max-staleness", &args.max_staleness, Duration::from_secs(1));
         let sync_timeout = duration("sync-timeout", &args.sync_timeout, Duration::ZERO);
+        let max_wait = duration("max-wait", &args.max_wait, Duration::ZERO);
+        let request_timeout = duration(
+            "request-timeout",
+            &args.request_timeout,
+            Duration::from_millis(100),
+        );
+        let shutdown_grace = duration("shutdown-grace", &args.shutdown_grace, Duration::ZERO);
+        let mut address = |flag: &str, text: &str| match text.parse::<SocketAddr>() {
+            Ok(addr) => Some(addr),
+            Err(_) => {
+                problems.push(format!("--{flag} {text:?}: not an IP:PORT address"));
+                None
+            }
+        };
+        let listen = address("listen", &args.listen);
+        let admin_listen = address("admin-listen", &args.admin_listen);
+        if args.max_long_polls == 0 {
+            problems.push("--max-long-polls: must be at least 1".into());
+        }
         if args.change_log_capacity == 0 {
             problems.push("--change-log-capacity: must be at least 1".into());
         }
@@ -218,9 +269,10 @@ impl Config {
                 }
             }
         };
-        if !problems.is_empty() {
+        let (Some(listen), Some(admin_listen), true) = (listen, admin_listen, problems.is_empty())
+        else {
             return Err(ConfigError { problems });
-        }
+        };
         Ok(Self {
             source,
             index: IndexConfig {
@@ -231,6 +283,15 @@ impl Config {
             sync_timeout,
             once: args.once,
             log_format: args.log_format,
+            api: ApiConfig {
+                listen,
+                admin_listen,
+                token_file: args.token_file,
+                max_wait,
+                max_long_polls: args.max_long_polls,
+                request_timeout,
+                shutdown_grace,
+            },
         })
     }
 }
@@ -363,6 +424,27 @@ mod tests {
         ])
         .unwrap_err();
         assert_eq!(err.problems.len(), 2, "{err}");
+    }
+
+    #[test]
+    fn api_flags_are_checked_with_the_rest() {
+        let c = parse(&["--listen", "127.0.0.1:18080", "--max-wait", "30s"]).unwrap();
+        assert_eq!(c.api.listen, "127.0.0.1:18080".parse().unwrap());
+        assert_eq!(c.api.admin_listen, "0.0.0.0:9090".parse().unwrap());
+        assert_eq!(c.api.max_wait, Duration::from_secs(30));
+        assert_eq!(c.api.shutdown_grace, Duration::from_secs(10));
+        let err = parse(&[
+            "--listen",
+            "localhost",
+            "--admin-listen",
+            "1.2.3.4:99999",
+            "--max-wait",
+            "soon",
+            "--max-long-polls",
+            "0",
+        ])
+        .unwrap_err();
+        assert_eq!(err.problems.len(), 4, "{err}");
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub enum RunError {
     /// The source could not start.
     #[error(transparent)]
     Source(#[from] SourceError),
+    /// The API could not be served.
+    #[error(transparent)]
+    Serve(#[from] crate::api::ServeError),
     /// `--once` gave up waiting for the initial sync.
     #[error("the initial sync did not finish within {0:?} (watch health: {1})")]
     SyncTimeout(Duration, String),
@@ -65,15 +68,65 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             ))
         }
     } else {
-        // The API server (validator/src/api) is started here too, once wired in.
-        log_changes(&shared, &source_name).await;
-        Ok(())
+        serve_until_shutdown(&config, &shared, &source_name).await
     };
     for task in tasks {
         task.abort();
     }
     expiry.abort();
     result
+}
+
+/// Serves the API and logs index summaries until SIGINT/SIGTERM; then lets
+/// waiting long polls answer and the listeners drain within the grace period.
+async fn serve_until_shutdown(
+    config: &Config,
+    shared: &SharedIndex,
+    source_name: &str,
+) -> Result<(), RunError> {
+    let token = config.api.token().map_err(api::ServeError::from)?;
+    let listeners = api::Listeners::bind(&config.api).await?;
+    tracing::info!(
+        listen = %listeners.public_addr().map_err(api::ServeError::from)?,
+        admin = %listeners.admin_addr().map_err(api::ServeError::from)?,
+        auth = token.is_some(),
+        "serving the index"
+    );
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let state = api::ApiState::new(
+        shared.clone(),
+        std::sync::Arc::new(metrics::Metrics::new()),
+        config.api.limits(),
+        stop_rx.clone(),
+    );
+    let mut stopped = stop_rx;
+    let server = tokio::spawn(api::serve(
+        listeners,
+        state,
+        token,
+        config.api.shutdown_grace,
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        },
+    ));
+    tokio::pin!(server);
+    tokio::select! {
+        () = log_changes(shared, source_name) => {}
+        // A listener that fails ends the process rather than leaving it
+        // half-alive behind a readiness probe that still answers.
+        result = &mut server => return joined(result),
+    }
+    let _ = stop_tx.send(true);
+    joined(server.await)
+}
+
+fn joined(
+    result: Result<Result<(), api::ServeError>, tokio::task::JoinError>,
+) -> Result<(), RunError> {
+    match result {
+        Ok(served) => Ok(served?),
+        Err(join) => Err(api::ServeError::from(std::io::Error::other(join.to_string())).into()),
+    }
 }
 
 /// Waits until every kind finished its initial list; false after `timeout`.
