@@ -103,16 +103,18 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
             name: GUARDED.into(),
             plugin: Some(plugin),
             concurrency: 1,
+            detach: true,
         },
         GatewaySpec {
             name: PLAIN.into(),
             plugin: None,
             concurrency: 1,
+            detach: true,
         },
     ];
     let mut scene = Scene::start(deps, world, &["--file-poll", "100ms"], &specs).await?;
     ui.urls = urls(&scene)?;
-    ui.event("all services healthy; traffic flows through both gateways");
+    ui.event("all healthy; traffic flows through both gateways");
 
     let mut loads = Vec::new();
     for gateway in &scene.gateways {
@@ -187,7 +189,7 @@ async fn play(
         Step::Freeze => {
             scene.world.freeze_eds();
             *frozen_since = Some(Instant::now());
-            ui.event("control plane STUCK: EDS frozen, both gateways keep their endpoint lists");
+            ui.event("control plane STUCK: EDS frozen, gateways keep old endpoints");
         }
         Step::ScaleDown => {
             let gone = scene.world.scale_down("checkout", options.checkout_keep)?;
@@ -197,7 +199,7 @@ async fn play(
                 .collect();
             scene.sync(&expect).await?;
             ui.event(&format!(
-                "checkout scaled down to {}: {} pods destroyed (validator + filter in sync after {:.2}s)",
+                "checkout -> {} pods: {} destroyed (guard in sync after {:.2}s)",
                 options.checkout_keep,
                 gone.len(),
                 t0.elapsed().as_secs_f64()
@@ -212,7 +214,7 @@ async fn play(
             }
             scene.sync(&expect).await?;
             ui.event(&format!(
-                "IP reuse: {} freed checkout IPs now run payments pods (in sync after {:.2}s)",
+                "IP reuse: {} freed checkout IPs now serve payments (sync {:.2}s)",
                 expect.len(),
                 t0.elapsed().as_secs_f64()
             ));
@@ -239,7 +241,7 @@ async fn play(
             scene.world.unfreeze_eds();
             scene.sync(&[]).await?;
             *frozen_since = None;
-            ui.event("control plane recovered: EDS written again, the gateways route right");
+            ui.event("control plane recovered: EDS written again");
         }
         Step::ScaleUp => {
             // New pods take freed IPs (their deletion was synced long ago, so
@@ -262,7 +264,7 @@ async fn play(
             scene.world.settle();
             scene.sync(&expect).await?;
             ui.event(&format!(
-                "checkout scaled back up to {}; the next round starts in a few seconds",
+                "checkout back to {} pods; next round soon",
                 options.checkout_pods
             ));
         }
@@ -332,10 +334,7 @@ fn urls(scene: &Scene) -> Result<Vec<(String, String)>> {
     Ok(vec![
         (
             "guarded Envoy".into(),
-            format!(
-                "http://{}/stats/prometheus  (staleguard_requests, staleguard_index_*)",
-                guarded.admin
-            ),
+            format!("http://{}/stats/prometheus  (staleguard_*)", guarded.admin),
         ),
         (
             "unguarded Envoy".into(),
@@ -343,10 +342,11 @@ fn urls(scene: &Scene) -> Result<Vec<(String, String)>> {
         ),
         (
             "validator".into(),
-            format!(
-                "http://{}/metrics   index: http://{}/v1/snapshot",
-                scene.validator.admin, scene.validator.listen
-            ),
+            format!("http://{}/metrics", scene.validator.admin),
+        ),
+        (
+            "validator index".into(),
+            format!("http://{}/v1/snapshot", scene.validator.listen),
         ),
         (
             "try it".into(),
@@ -427,7 +427,7 @@ impl Ui {
         if !self.live {
             return;
         }
-        let frame = self.frame(summary, verdicts, frozen);
+        let frame = self.frame(summary, verdicts, frozen, true);
         let mut out = std::io::stdout().lock();
         // Home and clear below: the frame replaces the previous one.
         let _ = write!(
@@ -445,7 +445,7 @@ impl Ui {
         verdicts: &[(String, String, u64)],
         frozen: Option<Instant>,
     ) {
-        let frame = self.frame(summary, verdicts, frozen);
+        let frame = self.frame(summary, verdicts, frozen, false);
         let mut out = std::io::stdout().lock();
         if self.live {
             let _ = write!(out, "\x1b[H\x1b[J");
@@ -467,6 +467,7 @@ impl Ui {
         s: &Summary,
         verdicts: &[(String, String, u64)],
         frozen: Option<Instant>,
+        running: bool,
     ) -> String {
         let bold = |t: &str| self.paint("1", t);
         let mut f = String::new();
@@ -563,7 +564,19 @@ impl Ui {
                 }
             })
             .collect();
-        let _ = writeln!(f, "  {}", parts.join(" · "));
+        // Wrap by hand to stay within 80 columns.
+        let mut line = String::new();
+        for part in parts {
+            if !line.is_empty() && line.len() + part.len() > 74 {
+                let _ = writeln!(f, "  {line}");
+                line.clear();
+            }
+            if !line.is_empty() {
+                line.push_str(" · ");
+            }
+            line.push_str(&part);
+        }
+        let _ = writeln!(f, "  {line}");
 
         let _ = writeln!(f, "\n{}", bold("events"));
         for e in &self.events {
@@ -573,7 +586,7 @@ impl Ui {
         for (what, url) in &self.urls {
             let _ = writeln!(f, "  {what:<16} {url}");
         }
-        if self.live {
+        if self.live && running {
             let _ = writeln!(f, "\nCtrl-C to stop.");
         }
         f

@@ -42,6 +42,10 @@ pub struct GatewaySpec {
     pub plugin: Option<Value>,
     /// Envoy worker threads.
     pub concurrency: u32,
+    /// Run Envoy in its own process group, so a terminal's Ctrl-C reaches only
+    /// the harness, which then stops it (the demo); tests leave it `false` so
+    /// an interrupted test run takes Envoy down with it.
+    pub detach: bool,
 }
 
 /// A running gateway.
@@ -171,6 +175,9 @@ impl GatewaySpec {
             .args(["--concurrency", &self.concurrency.to_string()])
             .args(["--disable-hot-restart", "-l", "warning"])
             .args(["--base-id", &free_port()?.to_string()]);
+        if self.detach {
+            detach(&mut cmd);
+        }
         let mut guard = Guard::spawn(&format!("envoy-{}", self.name), cmd)?;
         wait_for_port(&mut guard, listener, Duration::from_secs(60))?;
         let gateway = Gateway {
@@ -231,6 +238,7 @@ impl GatewaySpec {
             name: name.into(),
             plugin: Some(crate::envoy::test_plugin(extra)),
             concurrency: 1,
+            detach: false,
         }
     }
 
@@ -240,7 +248,17 @@ impl GatewaySpec {
             name: name.into(),
             plugin: None,
             concurrency: 1,
+            detach: false,
         }
+    }
+}
+
+/// Puts a child in its own process group (see [`GatewaySpec::detach`]).
+pub fn detach(cmd: &mut Command) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        cmd.process_group(0);
     }
 }
 

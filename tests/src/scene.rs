@@ -63,7 +63,8 @@ pub struct Scene {
 
 impl Scene {
     /// Publishes the world, starts the validator (with `validator_args`) and
-    /// the gateways, and waits until all have the initial state.
+    /// the gateways, and waits until all have the initial state. The
+    /// validator is detached when any gateway is.
     pub async fn start(
         deps: &Deps,
         mut world: World,
@@ -72,8 +73,15 @@ impl Scene {
     ) -> Result<Self> {
         let http = Http::new();
         world.publish()?;
-        let validator =
-            Validator::start(&http, &deps.validator, world.truth_path(), validator_args).await?;
+        let detach = specs.iter().any(|s| s.detach);
+        let validator = Validator::start(
+            &http,
+            &deps.validator,
+            world.truth_path(),
+            validator_args,
+            detach,
+        )
+        .await?;
         let mut gateways = Vec::new();
         for spec in specs {
             gateways.push(

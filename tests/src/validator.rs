@@ -30,6 +30,7 @@ pub struct Validator {
     file: PathBuf,
     extra: Vec<String>,
     guard: Option<Guard>,
+    detach: bool,
     /// The public listener (`/v1/...`).
     pub listen: SocketAddr,
     /// The admin listener (`/readyz`, `/metrics`).
@@ -38,13 +39,21 @@ pub struct Validator {
 
 impl Validator {
     /// Starts the validator on `file` (with `extra` flags) and waits until it
-    /// is ready.
-    pub async fn start(http: &Http, binary: &Path, file: &Path, extra: &[&str]) -> Result<Self> {
+    /// is ready. `detach` runs it in its own process group (see
+    /// [`crate::gateway::GatewaySpec::detach`]).
+    pub async fn start(
+        http: &Http,
+        binary: &Path,
+        file: &Path,
+        extra: &[&str],
+        detach: bool,
+    ) -> Result<Self> {
         let mut validator = Self {
             binary: binary.to_owned(),
             file: file.to_owned(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
             guard: None,
+            detach,
             listen: format!("127.0.0.1:{}", free_port()?).parse()?,
             admin: format!("127.0.0.1:{}", free_port()?).parse()?,
         };
@@ -63,6 +72,9 @@ impl Validator {
             .args(["--admin-listen", &self.admin.to_string()])
             .args(&self.extra)
             .env("RUST_LOG", "info");
+        if self.detach {
+            crate::gateway::detach(&mut cmd);
+        }
         self.guard = Some(Guard::spawn("validator", cmd)?);
         self.wait_ready(http, Duration::from_secs(30)).await
     }
