@@ -55,7 +55,7 @@ pub struct RawConfig {
     /// Bearer token sent to the validator.
     #[serde(default)]
     pub token: Option<String>,
-    /// Long-poll wait in seconds (0..=60).
+    /// Long-poll wait in seconds (1..=60).
     #[serde(default = "default_wait_s")]
     pub poll_wait_s: u32,
     /// No successful sync for longer than this makes the data stale.
@@ -138,6 +138,11 @@ impl Config {
         }
         if raw.poll_wait_s > 60 {
             problems.push(format!("poll_wait_s {} exceeds 60", raw.poll_wait_s));
+        }
+        if raw.poll_wait_s == 0 {
+            // Without a wait every answer comes at once and the poller would
+            // ask again at once: a busy loop against the validator.
+            problems.push("poll_wait_s must be at least 1".to_owned());
         }
         if raw.max_staleness_ms <= u64::from(raw.poll_wait_s) * 1000 {
             // A healthy long poll answers only every poll_wait_s; a bound below
@@ -258,6 +263,15 @@ mod tests {
         let err =
             Config::parse(br#"{"validator_cluster":"sg","policy":{"fail":"open"}}"#).unwrap_err();
         assert!(matches!(err, ConfigError::Malformed(_)));
+    }
+
+    #[test]
+    fn a_zero_wait_is_refused() {
+        let err = Config::parse(br#"{"validator_cluster":"sg","poll_wait_s":0}"#).unwrap_err();
+        assert!(
+            err.to_string().contains("poll_wait_s must be at least 1"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -32,6 +32,9 @@ proxy_wasm::main! {{
     });
 }}
 
+/// Least time between two validator requests (see `SyncConfig`).
+const MIN_POLL_INTERVAL_MS: u64 = 100;
+
 // === impl HostStore ===
 
 /// Envoy shared data through hostcalls.
@@ -279,6 +282,7 @@ impl RootContext for Root {
             wait_s: config.raw.poll_wait_s,
             backoff_initial_ms: config.raw.backoff_initial_ms,
             backoff_max_ms: config.raw.backoff_max_ms,
+            min_interval_ms: MIN_POLL_INTERVAL_MS,
         };
         let owner = self.lease.as_ref().map_or_else(random_u64, Lease::owner);
         let held = self.lease.as_ref().is_some_and(Lease::is_held);

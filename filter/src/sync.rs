@@ -72,6 +72,9 @@ pub struct SyncConfig {
     pub backoff_initial_ms: u64,
     /// Largest retry delay.
     pub backoff_max_ms: u64,
+    /// Least time between two requests, even when answers come at once (a
+    /// burst of changes, replicas answering resets in turn).
+    pub min_interval_ms: u64,
 }
 
 /// A request to the validator.
@@ -135,6 +138,7 @@ pub struct Poller {
     adopted: bool,
     in_flight: Option<Request>,
     next_at_ms: u64,
+    last_sent_ms: Option<u64>,
     failures: u32,
     rng: u64,
     entries: u64,
@@ -152,6 +156,7 @@ impl Poller {
             adopted: false,
             in_flight: None,
             next_at_ms: 0,
+            last_sent_ms: None,
             failures: 0,
             rng: seed | 1,
             entries: 0,
@@ -165,6 +170,11 @@ impl Poller {
     pub fn next_request(&mut self, now_ms: u64, store: &dyn SharedData) -> Option<Request> {
         if self.in_flight.is_some() || now_ms < self.next_at_ms {
             return None;
+        }
+        if let Some(last) = self.last_sent_ms {
+            if now_ms < last.saturating_add(self.config.min_interval_ms) {
+                return None;
+            }
         }
         if !self.adopted {
             self.adopted = true;
@@ -188,6 +198,7 @@ impl Poller {
             },
         };
         self.in_flight = Some(request);
+        self.last_sent_ms = Some(now_ms);
         Some(request)
     }
 
@@ -444,6 +455,7 @@ mod tests {
         wait_s: 5,
         backoff_initial_ms: 100,
         backoff_max_ms: 1_000,
+        min_interval_ms: 0,
     };
 
     fn cart() -> ServiceKey {
@@ -665,6 +677,23 @@ mod tests {
         p.on_failure(now, &SyncError::Transport("x".into()));
         now += 10_000;
         assert_eq!(p.next_request(now, &store), Some(Request::Snapshot));
+    }
+
+    #[test]
+    fn answers_that_come_at_once_do_not_make_a_busy_loop() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(
+            SyncConfig {
+                min_interval_ms: 100,
+                ..CFG
+            },
+            7,
+        );
+        p.next_request(1_000, &store);
+        p.on_response(1_000, 200, &json(&snapshot(9, 3, &[])), &mut store)
+            .unwrap();
+        assert_eq!(p.next_request(1_050, &store), None, "too soon");
+        assert!(p.next_request(1_100, &store).is_some());
     }
 
     #[test]

@@ -135,6 +135,7 @@ fn feed(input: &[u8], rng: &mut Rng) {
             wait_s: 1,
             backoff_initial_ms: 1,
             backoff_max_ms: 10,
+            min_interval_ms: 0,
         },
         rng.next(),
     );
