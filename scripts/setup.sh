@@ -6,6 +6,7 @@
 #                       (default: ${XDG_CACHE_HOME:-$HOME/.cache}/staleguard)
 #   STALEGUARD_ENVOY    the Envoy binary the tests run (exported)
 #   STALEGUARD_WASM     the built filter module (exported)
+#   STALEGUARD_APISERVER the test Kubernetes API server binary (exported)
 #   STALEGUARD_VALIDATOR the built validator binary (exported by sg_build_validator)
 
 ENVOY_VERSION=1.40.0
@@ -46,6 +47,24 @@ sg_build_validator() {
   cargo build --quiet -p staleguard-validator --bin staleguard-validator >&2
   STALEGUARD_VALIDATOR="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/staleguard-validator"
   export STALEGUARD_VALIDATOR
+}
+
+# The test Kubernetes API server (tests/apiserver, docs/apiserver.md): built from
+# Debian sid's Go packages through a separate apt configuration, cached by
+# package versions and source hash. With CI=true a server that cannot be built
+# fails the run; elsewhere its tests print SKIP.
+sg_setup_apiserver() {
+  sg_step "test API server: tests/apiserver/build.sh (cached after the first build)"
+  local bin
+  if bin=$("$(dirname "${BASH_SOURCE[0]}")/../tests/apiserver/build.sh" | tail -n1) && [ -x "$bin" ]; then
+    STALEGUARD_APISERVER=$bin
+    export STALEGUARD_APISERVER
+  elif [ "${CI:-}" = true ]; then
+    echo "error: CI=true and the test API server could not be built (the reason is above)" >&2
+    return 1
+  else
+    echo "warning: the test API server could not be built (see above); its tests will SKIP" >&2
+  fi
 }
 
 sg_setup_all() {

@@ -48,6 +48,7 @@ die() {
   exit 1
 }
 hash_of() { sha256sum | cut -c1-16; }
+trap 'die "unexpected failure at build.sh line $LINENO (exit $?)"' ERR
 
 src_hash=$(cd "$here" && cat ./*.go go.mod build.sh resolve.py | hash_of)
 
@@ -99,7 +100,11 @@ fi
 
 avail=$apt_dir/available
 apt-cache "${apt_opts[@]}" dumpavail >"$avail"
-version_in_sid() { awk -v p="$1" '$1=="Package:"{m=($2==p)} m&&$1=="Version:"{print $2; exit}' "$avail"; }
+declare -A sid_versions=()
+while read -r name version; do
+  sid_versions[$name]=$version
+done < <(awk '$1 == "Package:" {p = $2} $1 == "Version:" {print p, $2}' "$avail")
+version_in_sid() { echo "${sid_versions[$1]:-}"; }
 
 for pkg in "${!expect[@]}"; do
   v=$(version_in_sid "$pkg")
@@ -211,8 +216,10 @@ if $relock; then
         ;;
       esac
       # A package is used if it ships a .go file in a directory the build read.
-      if dpkg-deb -c "$deb" | awk '{print $NF}' | grep '\.go$' | sed 's|^\./usr/share/gocode/||; s|/[^/]*$||' |
-        sort -u | comm -12 - "$apt_dir/used-dirs" | grep -q .; then
+      # (wc, not grep -q: an early exit would break the pipe, and pipefail.)
+      shared=$(dpkg-deb -c "$deb" | awk '$6 ~ /^\.\/usr\/share\/gocode\/.*\.go$/ {print $6}' |
+        sed 's|^\./usr/share/gocode/||; s|/[^/]*$||' | sort -u | comm -12 - "$apt_dir/used-dirs" | wc -l)
+      if ((shared > 0)); then
         echo "$name=$version"
       fi
     done <"$wanted"
