@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use staleguard_core::{Reason, ServiceKey};
 use staleguard_tests::apiserver::{ApiServer, Cluster, SliceEndpoint};
-use staleguard_tests::kube_source::{parse_ip, KubeSource};
+use staleguard_tests::kube_source::{parse_ip, KubeSource, VALIDATOR_USER_AGENT};
 
 const WAIT: Duration = Duration::from_secs(30);
 const NS: &str = "shop";
@@ -183,6 +183,22 @@ async fn compaction_and_restart_force_a_relist_that_loses_no_live_ip() {
     }
     let errors: u64 = source.shared.watch_health().iter().map(|h| h.errors).sum();
     assert!(errors >= 3, "each watch saw its stream break or expire");
+    // The restarted server counted the validator's requests: a watch that
+    // could resume would only watch; each one had to list again (410 Gone).
+    let counts = server.request_counts().await.unwrap();
+    for resource in ["pods", "services", "endpointslices"] {
+        let lists: u64 = counts
+            .iter()
+            .filter(|c| {
+                c.user_agent == VALIDATOR_USER_AGENT && c.verb == "list" && c.resource == resource
+            })
+            .map(|c| c.count)
+            .sum();
+        assert!(
+            lists >= 1,
+            "no relist of {resource} after the restart: {counts:?}"
+        );
+    }
 }
 
 /// Kill the server while pods churn, restart it, keep churning: the index
@@ -235,7 +251,7 @@ async fn a_frozen_server_makes_the_validator_stale_within_the_bound_and_it_recov
     let Some((server, cluster)) = start().await else {
         return;
     };
-    let bound = Duration::from_secs(2);
+    let bound = Duration::from_secs(3);
     let source = KubeSource::start(&server, bound).await.unwrap();
     let pods = populate(&cluster, "cart", 0, 2).await;
     source.synced().await.unwrap();
@@ -285,7 +301,7 @@ async fn a_frozen_server_makes_the_validator_stale_within_the_bound_and_it_recov
         .await
         .unwrap();
     assert!(
-        fresh_for(bound * 2).await,
+        fresh_for(bound + Duration::from_secs(1)).await,
         "with a heartbeat the data stays fresh longer than the bound"
     );
     let cart = ServiceKey::new(NS, "cart");
@@ -301,7 +317,7 @@ async fn a_frozen_server_makes_the_validator_stale_within_the_bound_and_it_recov
     eprintln!("stale {took:?} after the freeze (age {age} ms, bound {bound:?})");
     // The age is measured from the last event, which came before the freeze.
     assert!(
-        frozen.elapsed() <= bound + Duration::from_millis(1500),
+        frozen.elapsed() <= bound + Duration::from_secs(2),
         "stale only {:?} after the freeze",
         frozen.elapsed()
     );
