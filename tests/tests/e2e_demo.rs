@@ -1,0 +1,69 @@
+//! Smoke test of the one-command demo: `staleguard-demo --duration` runs the
+//! story non-interactively, reports that the guard stopped every misrouted
+//! request while the unguarded gateway let some through, and leaves nothing
+//! listening behind it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::{SocketAddr, TcpStream};
+use std::process::Command;
+use std::time::Duration;
+
+use staleguard_tests::scene;
+
+#[test]
+fn the_demo_runs_reports_and_cleans_up() {
+    if scene::deps().is_none() {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_staleguard-demo"))
+        .args(["--duration", "14", "--plain", "--pods", "30", "--keep", "4"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "demo failed: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    println!("{stdout}");
+
+    // "summary: with staleguard G of N requests reached a wrong or dead pod;
+    // without, P of M."
+    let summary = stdout
+        .lines()
+        .find(|l| l.starts_with("summary:"))
+        .unwrap_or_else(|| panic!("no summary line:\n{stdout}"));
+    let numbers: Vec<u64> = summary
+        .split(|c: char| !c.is_ascii_digit() && c != ',')
+        .filter_map(|w| w.replace(',', "").parse().ok())
+        .collect();
+    let [guarded, guarded_total, plain, plain_total] = numbers[..] else {
+        panic!("unexpected summary: {summary}");
+    };
+    assert_eq!(guarded, 0, "{summary}");
+    assert!(guarded_total > 0 && plain_total > 0, "{summary}");
+    assert!(
+        plain > 0,
+        "the unguarded gateway was never misrouted: {summary}"
+    );
+    assert!(
+        stdout.contains(" destroyed (guard in sync after"),
+        "{stdout}"
+    );
+
+    // Every admin address it printed is closed: Envoy and the validator are gone.
+    let addrs: Vec<SocketAddr> = stdout
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("http://"))
+        .filter_map(|w| w.split('/').next())
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    assert!(addrs.len() >= 3, "no URLs printed:\n{stdout}");
+    for addr in addrs {
+        assert!(
+            TcpStream::connect_timeout(&addr, Duration::from_millis(300)).is_err(),
+            "{addr} still accepts connections after the demo exited"
+        );
+    }
+}

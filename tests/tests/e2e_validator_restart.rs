@@ -1,0 +1,95 @@
+//! The validator dies mid-traffic and comes back: under the default policy
+//! (fail open) nothing is rejected while it is away, even once the filter's
+//! data turns stale; after the restart (a new epoch) the filter resyncs and
+//! enforcement resumes.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use serde_json::json;
+use staleguard_tests::gateway::{stat_requests, GatewaySpec, STAT_FRESH};
+use staleguard_tests::pods::via;
+use staleguard_tests::scene::{self, Scene, SYNC_TIMEOUT};
+use staleguard_tests::traffic::{burst, Load};
+use staleguard_tests::world::World;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync() {
+    let Some(deps) = scene::deps() else { return };
+    let mut world = World::new().unwrap();
+    world.add_service("api", 10).await.unwrap();
+    // The test plugin calls data stale 3 s after the last successful sync.
+    let specs = [GatewaySpec::guarded("guarded", json!({}))];
+    let mut scene = Scene::start(&deps, world, &["--file-poll", "100ms"], &specs)
+        .await
+        .unwrap();
+    scene.world.freeze_eds();
+    // Fields, not `scene.gateway()`: the validator is killed while we hold it.
+    let guarded = &scene.gateways[0];
+    let load = Load::start(scene.http.clone(), guarded.target("api"), 2, None, None);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Kill it (SIGKILL) and keep the traffic going until the filter's data
+    // is stale, and a while longer.
+    scene.validator.kill();
+    guarded
+        .wait_stat(&scene.http, "index_fresh = 0", SYNC_TIMEOUT, |s| {
+            s.get(STAT_FRESH) == Some(&0)
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let outage = load.stop().await;
+    let stats = guarded.stats(&scene.http).await.unwrap();
+    let stale_allowed = stats
+        .get(&stat_requests("stale", "allow"))
+        .copied()
+        .unwrap_or(0);
+    println!(
+        "validator down: {} requests, {} judged on stale data and allowed, {} rejected",
+        outage.total(),
+        stale_allowed,
+        outage.rejected_total()
+    );
+    assert_eq!(outage.rejected_total(), 0, "{outage:?}");
+    assert_eq!(outage.right, outage.total(), "{outage:?}");
+    assert!(
+        stale_allowed > 0,
+        "the outage never reached the stale state"
+    );
+    assert_eq!(
+        stats
+            .get(&stat_requests("stale", "reject"))
+            .copied()
+            .unwrap_or(0),
+        0
+    );
+
+    // While it is away, pods go (EDS still frozen). Then it comes back with a
+    // new epoch; the filter resyncs, and only then do the addresses change.
+    let gone = scene.world.scale_down("api", 4).unwrap();
+    scene.world.publish().unwrap();
+    scene.restart_validator().await.unwrap();
+    let expect: Vec<_> = gone
+        .iter()
+        .map(|ip| (World::key("api"), *ip, "destroyed"))
+        .collect();
+    scene.sync(&expect).await.unwrap();
+
+    let guarded = scene.gateway("guarded").unwrap();
+    let after = burst(&scene.http, &guarded.target("api"), 600, 4).await;
+    let landed = via(&scene.world.tallies_at(&gone), "guarded");
+    println!(
+        "after the restart: {} requests, {:?} rejected, {} reached a destroyed pod",
+        after.total(),
+        after.rejected,
+        landed.dead
+    );
+    assert_eq!(landed.dead, 0, "{landed:?}");
+    assert!(after.rejected_for("destroyed") > 0, "{after:?}");
+    assert_eq!(
+        after.right + after.rejected_for("destroyed"),
+        600,
+        "{after:?}"
+    );
+}
