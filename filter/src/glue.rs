@@ -19,6 +19,7 @@ use crate::lease::{Lease, LeaseState};
 use crate::metrics;
 use crate::store::{SharedData, StoreError, View};
 use crate::sync::{Applied, Poller, SyncConfig, SyncError};
+use crate::throttle::Throttle;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -31,6 +32,9 @@ proxy_wasm::main! {{
         Box::new(Root::new(context_id))
     });
 }}
+
+/// Verdict log lines allowed per VM per second (the counters count all).
+const VERDICT_LOGS_PER_SECOND: u32 = 5;
 
 /// Least time between two validator requests (see `SyncConfig`).
 const MIN_POLL_INTERVAL_MS: u64 = 100;
@@ -115,6 +119,7 @@ struct Root {
     id: u32,
     config: Option<Rc<Config>>,
     metrics: Rc<RefCell<Metrics>>,
+    log_budget: Rc<RefCell<Throttle>>,
     lease: Option<Lease>,
     poller: Option<Poller>,
     in_flight: Option<u32>,
@@ -126,6 +131,7 @@ impl Root {
             id,
             config: None,
             metrics: Rc::new(RefCell::new(Metrics::default())),
+            log_budget: Rc::new(RefCell::new(Throttle::new(1_000, VERDICT_LOGS_PER_SECOND))),
             lease: None,
             poller: None,
             in_flight: None,
@@ -342,6 +348,7 @@ impl RootContext for Root {
             id: context_id,
             config: self.config.clone(),
             metrics: self.metrics.clone(),
+            log_budget: self.log_budget.clone(),
         }))
     }
 
@@ -356,6 +363,7 @@ struct Filter {
     id: u32,
     config: Option<Rc<Config>>,
     metrics: Rc<RefCell<Metrics>>,
+    log_budget: Rc<RefCell<Throttle>>,
 }
 
 impl Context for Filter {}
@@ -405,12 +413,19 @@ impl HttpContext for Filter {
         m.inc(&metrics::requests(verdict.reason, effect), 1);
         drop(m);
         if effect != Effect::Allow {
-            log::info!(
-                "[ctx {}] staleguard: {} host {ip} of {service}: {}",
-                self.id,
-                effect.as_str(),
-                verdict.reason.as_str()
-            );
+            if let Some(skipped) = self.log_budget.borrow_mut().allow(now_ms()) {
+                let more = if skipped > 0 {
+                    format!(" ({skipped} similar lines suppressed)")
+                } else {
+                    String::new()
+                };
+                log::info!(
+                    "[ctx {}] staleguard: {} host {ip} of {service}: {}{more}",
+                    self.id,
+                    effect.as_str(),
+                    verdict.reason.as_str()
+                );
+            }
         }
         match effect {
             Effect::Allow | Effect::Audit => Action::Continue,

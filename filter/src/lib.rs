@@ -16,6 +16,7 @@ pub mod lease;
 pub mod metrics;
 pub mod store;
 pub mod sync;
+pub mod throttle;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;
