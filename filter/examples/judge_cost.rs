@@ -1,0 +1,95 @@
+//! Per-request cost of a verdict against indexes of different sizes, natively
+//! with the in-memory shared-data double (which copies values out like the
+//! host does). Shows that the cost does not grow with the index.
+//!
+//! `cargo run --release -p staleguard-filter --example judge_cost`
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Instant;
+
+use staleguard_core::wire::{Membership, Via};
+use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
+use staleguard_filter::check::{judge, Upstream};
+use staleguard_filter::config::Config;
+use staleguard_filter::store::MemoryStore;
+use staleguard_filter::sync::{Poller, SyncConfig};
+
+fn ip(i: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
+}
+
+fn index(entries: u32) -> MemoryStore {
+    let cart = ServiceKey::new("shop", "cart");
+    let records = (0..entries)
+        .map(|i| IpRecord {
+            ip: ip(i),
+            pods: vec![PodHolder {
+                namespace: "shop".into(),
+                name: format!("cart-{i}"),
+                uid: format!("uid-{i}"),
+                services: vec![Membership {
+                    service: cart.clone(),
+                    via: Via::Both,
+                    ports: vec![],
+                    conditions: None,
+                }],
+                ready: true,
+                terminating: false,
+                host_network: false,
+            }],
+            bare_services: vec![],
+            tombstone: None,
+        })
+        .collect();
+    let snapshot = Snapshot {
+        v: 1,
+        epoch: 1,
+        generation: 1,
+        freshness: Freshness {
+            fresh: true,
+            age_ms: None,
+        },
+        services: vec![cart],
+        records,
+    };
+    let mut store = MemoryStore::default();
+    let mut poller = Poller::new(
+        SyncConfig {
+            wait_s: 1,
+            backoff_initial_ms: 1,
+            backoff_max_ms: 1,
+            min_interval_ms: 0,
+        },
+        1,
+    );
+    poller.next_request(0, &store);
+    poller
+        .on_response(0, 200, &serde_json::to_vec(&snapshot).unwrap(), &mut store)
+        .unwrap();
+    store
+}
+
+fn main() {
+    let config = Config::parse(br#"{"validator_cluster":"sg"}"#).unwrap();
+    println!("entries  median ns/verdict (11 runs of 100k verdicts)");
+    for entries in [1_000u32, 10_000, 100_000] {
+        let store = index(entries);
+        let mut runs = vec![];
+        for _ in 0..11 {
+            let started = Instant::now();
+            let n = 100_000u32;
+            for i in 0..n {
+                let upstream = Upstream {
+                    cluster: Some("outbound|8080||cart.shop.svc.cluster.local".into()),
+                    istio_service_host: None,
+                    address: Some(format!("{}:8080", ip((i * 7919) % entries))),
+                };
+                std::hint::black_box(judge(&config, &store, &upstream, 0));
+            }
+            runs.push(started.elapsed().as_nanos() as f64 / f64::from(n));
+        }
+        runs.sort_by(|a, b| a.total_cmp(b));
+        println!("{entries:>7}  {:.0}", runs[runs.len() / 2]);
+    }
+}
