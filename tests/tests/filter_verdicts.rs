@@ -10,6 +10,18 @@ use serde_json::json;
 use staleguard_core::ServiceKey;
 use staleguard_tests::envoy::{tail, test_plugin, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
+
+/// A node IP held by a hostNetwork pod of another service.
+fn node_ip(ip: &str) -> staleguard_core::IpRecord {
+    let mut r = pod(
+        ip,
+        "node-exporter",
+        &[&ServiceKey::new("monitoring", "node-exporter")],
+        false,
+    );
+    r.pods[0].host_network = true;
+    r
+}
 use staleguard_tests::tinyhttp::named_host;
 
 const CART: &str = "cart.shop.svc.cluster.local";
@@ -27,6 +39,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
     let recycled = named_host("127.0.1.3", "pay-1")?;
     let draining = named_host("127.0.1.4", "cart-draining")?;
     let external = named_host("127.0.1.5", "external")?;
+    let node = named_host("127.0.1.6", "node-agent")?;
 
     let validator = FakeValidator::start(41)?;
     validator.set_index(
@@ -35,10 +48,12 @@ fn verdicts_in_real_envoy() -> Result<()> {
             pod("127.0.1.1", "cart-live", &[&cart], false),
             pod("127.0.1.3", "pay-1", &[&pay], false),
             pod("127.0.1.4", "cart-draining", &[&cart], true),
+            node_ip("127.0.1.6"),
         ],
     );
 
     let guarded = Some(test_plugin(json!({})));
+    let node_cluster = istio("node");
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
@@ -60,6 +75,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
                 guarded.clone(),
             ),
             Cluster::new("plain-unmapped", gone.addr(), guarded.clone()),
+            Cluster::new(&node_cluster, node.addr(), guarded.clone()),
             Cluster::new(
                 "legacy-cart",
                 gone.addr(),
@@ -129,6 +145,8 @@ fn verdicts_in_real_envoy() -> Result<()> {
         "external",
     )?;
     ok(&mut envoy, "plain-unmapped", "ghost")?;
+    // A node IP shared by hostNetwork pods of another service: never recycled.
+    ok(&mut envoy, &node_cluster, "node-agent")?;
     rejected(&mut envoy, "legacy-cart", "destroyed")?;
     rejected(&mut envoy, "meta-only", "destroyed")?;
     ok(&mut envoy, &istio("audit"), "ghost")?;
@@ -150,6 +168,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
     assert_eq!(stat(&envoy, "terminating", "allow")?, 1);
     assert_eq!(stat(&envoy, "terminating", "reject")?, 1);
     assert_eq!(stat(&envoy, "unknown_service", "allow")?, 1);
+    assert_eq!(stat(&envoy, "host_network", "allow")?, 1);
     assert_eq!(stat(&envoy, "destroyed", "audit")?, 1);
     assert_eq!(envoy.stat("wasmcustom.staleguard.requests_unmapped")?, 1);
 
