@@ -85,6 +85,7 @@ const CYCLE_SECS: u64 = 30;
 /// Runs the demo until the duration passes or Ctrl-C / SIGTERM, then stops
 /// every process it started and returns what it measured.
 pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
+    let mut interrupt = Interrupt::new()?;
     let started = Instant::now();
     let mut ui = Ui::new(options.live, started);
     ui.progress(&format!(
@@ -92,11 +93,14 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
         SERVICES.len() + 1,
         options.checkout_pods + SERVICES.iter().map(|(_, n)| n).sum::<usize>()
     ));
-    let mut world = World::new()?;
-    world.add_service("checkout", options.checkout_pods).await?;
-    for (name, pods) in SERVICES {
-        world.add_service(name, pods).await?;
-    }
+    let setup = async {
+        let mut world = World::new()?;
+        world.add_service("checkout", options.checkout_pods).await?;
+        for (name, pods) in SERVICES {
+            world.add_service(name, pods).await?;
+        }
+        anyhow::Ok(world)
+    };
     let plugin = test_plugin(json!({"poll_wait_s": 5, "max_staleness_ms": 15000}));
     let specs = [
         GatewaySpec {
@@ -112,7 +116,19 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
             detach: true,
         },
     ];
-    let mut scene = Scene::start(deps, world, &["--file-poll", "100ms"], &specs).await?;
+    let start = async {
+        let world = setup.await?;
+        Scene::start(deps, world, &["--file-poll", "100ms"], &specs).await
+    };
+    // A signal while starting drops the half-built scene, which stops what
+    // it had started.
+    let mut scene = tokio::select! {
+        scene = start => scene?,
+        _ = interrupt.recv() => {
+            ui.progress("interrupted while starting; stopped");
+            return Ok(Summary::default());
+        }
+    };
     ui.urls = urls(&scene)?;
     ui.event("all healthy; traffic flows through both gateways");
 
@@ -134,14 +150,13 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
     }
 
     let deadline = options.duration.map(|d| Instant::now() + d);
-    let mut stop = Box::pin(shutdown_signal());
     let mut next_step = 0usize;
     let mut cycle_start = Instant::now();
     let mut frozen_since: Option<Instant> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
-            _ = &mut stop => {
+            _ = interrupt.recv() => {
                 ui.event("stopping (signal)");
                 break;
             }
@@ -355,19 +370,57 @@ fn urls(scene: &Scene) -> Result<Vec<(String, String)>> {
     ])
 }
 
-async fn shutdown_signal() {
+/// SIGINT, SIGTERM and SIGHUP, caught from the start: the demo's children run
+/// in their own process group (see [`GatewaySpec::detach`]), so the demo must
+/// never die of a signal without stopping them, not even while it starts.
+#[derive(Debug)]
+struct Interrupt {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            return;
+    signals: Vec<tokio::signal::unix::Signal>,
+}
+
+impl Interrupt {
+    fn new() -> Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let signals = [
+                SignalKind::interrupt(),
+                SignalKind::terminate(),
+                SignalKind::hangup(),
+            ]
+            .into_iter()
+            .map(signal)
+            .collect::<std::io::Result<Vec<_>>>()?;
+            Ok(Self { signals })
         }
+        #[cfg(not(unix))]
+        Ok(Self {})
     }
-    let _ = tokio::signal::ctrl_c().await;
+
+    /// Resolves at the first of the signals.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            let waits = self.signals.iter_mut().map(|s| Box::pin(s.recv()));
+            let _ = futures_select_all(waits.collect()).await;
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The first of several futures to resolve.
+async fn futures_select_all<F: std::future::Future + Unpin>(mut futures: Vec<F>) {
+    std::future::poll_fn(|cx| {
+        for f in futures.iter_mut() {
+            if std::pin::Pin::new(f).poll(cx).is_ready() {
+                return std::task::Poll::Ready(());
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
 }
 
 // === impl Ui ===
