@@ -248,13 +248,15 @@ async fn play(
         }
         Step::Unfreeze => {
             // The drained pods finish now, and the control plane catches up.
+            let mut expect = Vec::new();
             for pod in scene.world.pods_of("cart") {
                 if pod.terminating {
-                    scene.world.destroy(&pod.name)?;
+                    let ip = scene.world.destroy(&pod.name)?;
+                    expect.push((World::key("cart"), ip, "destroyed"));
                 }
             }
             scene.world.unfreeze_eds();
-            scene.sync(&[]).await?;
+            scene.sync(&expect).await?;
             *frozen_since = None;
             ui.event("control plane recovered: EDS written again");
         }

@@ -4,7 +4,8 @@
 //! [`Scene::sync`] is the one honest way to move the world forward: it
 //! publishes the truth, waits until the validator says what the test expects
 //! about the changed IPs, waits until every guarded gateway's filter has
-//! applied at least the validator's generation, and only then changes what
+//! applied at least the validator's generation, then writes EDS (unless
+//! frozen) and waits for the gateways to load it, and only then changes what
 //! answers on the pods' addresses (see [`crate::world`] for why that order).
 
 use std::net::IpAddr;
@@ -107,13 +108,19 @@ impl Scene {
 
     /// Publishes the world's changes, waits until the validator and every
     /// guarded gateway have them (and, when EDS is not frozen, every gateway
-    /// has its new endpoints), then settles the pods' addresses.
+    /// has its new endpoints), then settles the pods' addresses. `expect` must
+    /// name every IP whose address changes at the settle: it is how the sync
+    /// knows the validator has read the new truth.
     pub async fn sync(&mut self, expect: &[Expect]) -> Result<()> {
-        self.world.publish()?;
+        self.world.publish_truth()?;
         self.validator
             .wait_verdicts(&self.http, expect, SYNC_TIMEOUT)
             .await?;
         self.wait_filters_caught_up().await?;
+        // The control plane comes after the validator, as it does in a cluster
+        // (the validator watches the API; the gateway waits for its control
+        // plane's push): a new pod is never routed to before the filter knows it.
+        self.world.publish_eds()?;
         if !self.world.eds_frozen() {
             self.wait_gateways_have_eds().await?;
         }

@@ -239,7 +239,17 @@ impl World {
 
     /// Writes the truth for the validator and, unless frozen, the EDS files.
     pub fn publish(&mut self) -> Result<()> {
-        write_atomically(&self.truth, &serde_json::to_vec_pretty(&self.truth_doc())?)?;
+        self.publish_truth()?;
+        self.publish_eds()
+    }
+
+    /// Writes the truth for the validator (the API server knows at once).
+    pub fn publish_truth(&self) -> Result<()> {
+        write_atomically(&self.truth, &serde_json::to_vec_pretty(&self.truth_doc())?)
+    }
+
+    /// Writes the EDS files, unless frozen (the control plane, which lags).
+    pub fn publish_eds(&mut self) -> Result<()> {
         if !self.eds_frozen {
             let names: Vec<String> = self.services.keys().cloned().collect();
             for name in names {
