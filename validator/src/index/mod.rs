@@ -419,6 +419,55 @@ impl Index {
         (!record.is_vacant()).then_some(record)
     }
 
+    /// A hash of everything `record(ip)` would say, computed from the facts
+    /// it is derived from without building it (the hot path of every event);
+    /// `None` exactly when `record(ip)` is `None`. A new field in the record
+    /// must be derived from facts hashed here, or its changes would never
+    /// reach clients (the property test compares deltas with snapshots).
+    fn fingerprint(&self, ip: IpAddr) -> Option<u64> {
+        let holders = self.ip_pods.get(&ip).map_or(&[][..], Vec::as_slice);
+        let entries: &[IpEntry] = self.ip_entries.get(&ip).map_or(&[], Vec::as_slice);
+        let tomb = self.tombstones.get(&ip);
+        let has_bare = entries.iter().any(|e| e.target == Target::Bare);
+        if holders.is_empty() && !has_bare && tomb.is_none() {
+            return None;
+        }
+        let mut h = DefaultHasher::new();
+        ip.hash(&mut h);
+        // Holders are served sorted, so their order here must not matter.
+        let mut holders_sum = 0u64;
+        for state in holders.iter().filter_map(|n| self.pods.get(n)) {
+            let mut ph = DefaultHasher::new();
+            let f = &state.facts;
+            (&*f.name.namespace, &*f.name.name, &*f.uid).hash(&mut ph);
+            (f.ready, f.terminating, f.host_network).hash(&mut ph);
+            state.selected.len().hash(&mut ph);
+            for s in &state.selected {
+                s.hash(&mut ph);
+            }
+            for e in entries.iter().filter(|e| e.target.is(f)) {
+                e.service.hash(&mut ph);
+                hash_entry(e, &mut ph);
+            }
+            holders_sum = holders_sum.wrapping_add(ph.finish());
+        }
+        holders_sum.hash(&mut h);
+        if has_bare {
+            let mut bare: Vec<&ServiceKey> = entries
+                .iter()
+                .filter(|e| e.target == Target::Bare)
+                .map(|e| &*e.service)
+                .collect();
+            bare.sort();
+            bare.dedup();
+            bare.hash(&mut h);
+        }
+        if let Some(t) = tomb {
+            (&t.pod, &*t.uid, &t.services, t.since_ms).hash(&mut h);
+        }
+        Some(h.finish())
+    }
+
     /// True when a Service object `service` exists (in the watched scope).
     pub fn knows_service(&self, service: &ServiceKey) -> bool {
         self.services.contains_key(service)
@@ -685,31 +734,86 @@ impl Index {
     // --- slices ---
 
     fn upsert_slice(&mut self, facts: SliceFacts) {
-        if self.slices.get(&facts.name) == Some(&facts) {
+        let Some(old) = self.slices.remove(&facts.name) else {
+            for entry in &facts.entries {
+                for ip in entry.ips.iter() {
+                    self.insert_entry(*ip, &facts, &entry.target, entry.conditions);
+                }
+            }
+            self.slices.insert(facts.name.clone(), facts);
+            return;
+        };
+        if old == facts {
+            self.slices.insert(old.name.clone(), old);
             return;
         }
-        self.remove_slice(&facts.name.clone());
-        for entry in &facts.entries {
-            for ip in entry.ips.iter() {
-                let list = self.ip_entries.entry(*ip).or_default();
-                // Keep entries sorted by slice name (stable within a slice), so
-                // that which slice's conditions win does not depend on order.
-                let at = list.partition_point(|e| e.slice <= facts.name);
-                list.insert(
-                    at,
-                    IpEntry {
-                        slice: facts.name.clone(),
-                        service: facts.service.clone(),
-                        target: entry.target.clone(),
-                        conditions: entry.conditions,
-                        ports: facts.ports.clone(),
-                    },
-                );
-                self.slice_entries += 1;
-                self.touched.push(*ip);
+        if old.service != facts.service || old.ports != facts.ports {
+            // Every entry changes: replace them all.
+            self.slices.insert(old.name.clone(), old);
+            self.remove_slice(&facts.name.clone());
+            self.upsert_slice(facts);
+            return;
+        }
+        // The common update (one endpoint of a hundred changed): touch only
+        // the IPs whose entries differ.
+        let old_by_ip = entries_by_ip(&old);
+        let new_by_ip = entries_by_ip(&facts);
+        let mut changed: Vec<IpAddr> = old_by_ip
+            .keys()
+            .chain(new_by_ip.keys())
+            .filter(|ip| old_by_ip.get(*ip) != new_by_ip.get(*ip))
+            .copied()
+            .collect();
+        changed.sort_unstable();
+        changed.dedup();
+        for ip in changed {
+            self.drop_entries(ip, &facts.name);
+            for (target, conditions) in new_by_ip.get(&ip).into_iter().flatten() {
+                self.insert_entry(ip, &facts, target, *conditions);
+            }
+            self.touched.push(ip);
+        }
+        drop(new_by_ip);
+        self.slices.insert(facts.name.clone(), facts);
+    }
+
+    /// Adds one entry of `slice` at `ip`, keeping the IP's entries sorted by
+    /// slice name (stable within a slice) so that which slice's conditions win
+    /// does not depend on the order events arrived in.
+    fn insert_entry(
+        &mut self,
+        ip: IpAddr,
+        slice: &SliceFacts,
+        target: &Target,
+        conditions: EndpointConditions,
+    ) {
+        let list = self.ip_entries.entry(ip).or_default();
+        let at = list.partition_point(|e| e.slice <= slice.name);
+        list.insert(
+            at,
+            IpEntry {
+                slice: slice.name.clone(),
+                service: slice.service.clone(),
+                target: target.clone(),
+                conditions,
+                ports: slice.ports.clone(),
+            },
+        );
+        self.slice_entries += 1;
+        self.touched.push(ip);
+    }
+
+    /// Removes the entries of slice `name` at `ip`.
+    fn drop_entries(&mut self, ip: IpAddr, name: &ObjName) {
+        if let Entry::Occupied(mut list) = self.ip_entries.entry(ip) {
+            let before = list.get().len();
+            list.get_mut().retain(|e| *e.slice != *name);
+            self.slice_entries -= before - list.get().len();
+            if list.get().is_empty() {
+                list.remove();
             }
         }
-        self.slices.insert(facts.name.clone(), facts);
+        self.touched.push(ip);
     }
 
     fn remove_slice(&mut self, name: &ObjName) {
@@ -718,15 +822,7 @@ impl Index {
         };
         for entry in &old.entries {
             for ip in entry.ips.iter() {
-                if let Entry::Occupied(mut list) = self.ip_entries.entry(*ip) {
-                    let before = list.get().len();
-                    list.get_mut().retain(|e| *e.slice != *name);
-                    self.slice_entries -= before - list.get().len();
-                    if list.get().is_empty() {
-                        list.remove();
-                    }
-                }
-                self.touched.push(*ip);
+                self.drop_entries(*ip, name);
             }
         }
     }
@@ -757,7 +853,7 @@ impl Index {
                 }
                 self.tomb_queue.insert((now_ms, ip));
             }
-            let fingerprint = self.record(ip).map(|r| fingerprint(&r));
+            let fingerprint = self.fingerprint(ip);
             let old = match fingerprint {
                 Some(fp) => self.fingerprints.insert(ip, fp),
                 None => self.fingerprints.remove(&ip),
@@ -782,6 +878,20 @@ impl Index {
             self.log.record(key, self.generation);
         }
     }
+}
+
+/// A slice's entries grouped by IP, in slice order.
+fn entries_by_ip(slice: &SliceFacts) -> HashMap<IpAddr, Vec<(&Target, EndpointConditions)>> {
+    let mut out: HashMap<IpAddr, Vec<(&Target, EndpointConditions)>> =
+        HashMap::with_capacity(slice.entries.len());
+    for entry in &slice.entries {
+        for ip in entry.ips.iter() {
+            out.entry(*ip)
+                .or_default()
+                .push((&entry.target, entry.conditions));
+        }
+    }
+    out
 }
 
 /// True when every `key=value` of `selector` is among `labels` (both sorted).
@@ -840,75 +950,18 @@ fn sort_holders(pods: &mut [PodHolder]) {
     });
 }
 
-/// A hash of everything a record says, to tell an effective change from a
-/// replayed event. The destructuring is exhaustive on purpose: a new wire field
-/// must be hashed too, or its changes would never reach clients.
-fn fingerprint(record: &IpRecord) -> u64 {
-    let mut h = DefaultHasher::new();
-    let IpRecord {
-        ip,
-        pods,
-        bare_services,
-        tombstone,
-    } = record;
-    ip.hash(&mut h);
-    pods.len().hash(&mut h);
-    for pod in pods {
-        let PodHolder {
-            namespace,
-            name,
-            uid,
-            services,
-            ready,
-            terminating,
-            host_network,
-        } = pod;
-        (namespace, name, uid, ready, terminating, host_network).hash(&mut h);
-        services.len().hash(&mut h);
-        for m in services {
-            let Membership {
-                service,
-                via,
-                ports,
-                conditions,
-            } = m;
-            service.hash(&mut h);
-            (*via as u8).hash(&mut h);
-            ports.len().hash(&mut h);
-            for p in ports {
-                let EndpointPort {
-                    name,
-                    port,
-                    protocol,
-                } = p;
-                (name, port, protocol).hash(&mut h);
-            }
-            conditions
-                .map(|c| {
-                    let EndpointConditions {
-                        ready,
-                        serving,
-                        terminating,
-                    } = c;
-                    (ready, serving, terminating)
-                })
-                .hash(&mut h);
-        }
+/// Hashes what a slice entry contributes to a membership.
+fn hash_entry(e: &IpEntry, h: &mut DefaultHasher) {
+    e.ports.len().hash(h);
+    for p in e.ports.iter() {
+        (&p.name, p.port, &p.protocol).hash(h);
     }
-    bare_services.hash(&mut h);
-    tombstone
-        .as_ref()
-        .map(|t| {
-            let Tombstone {
-                pod,
-                uid,
-                services,
-                since_ms,
-            } = t;
-            (pod, uid, services, since_ms)
-        })
-        .hash(&mut h);
-    h.finish()
+    let EndpointConditions {
+        ready,
+        serving,
+        terminating,
+    } = e.conditions;
+    (ready, serving, terminating).hash(h);
 }
 
 fn unix_ms(t: SystemTime) -> u64 {

@@ -1,0 +1,507 @@
+//! Benchmarks of the identity index (not timed tests: they print numbers).
+//!
+//! `cargo bench -p staleguard-validator --bench index`
+//!
+//! - apply throughput: pod lifecycle events, slice updates, and a mix, applied
+//!   to an index already holding 10,000 pods in 100 services;
+//! - memory: resident set size of a fresh process after indexing 150,000 pods
+//!   and 150,000 slice entries (the bench re-runs itself as that process);
+//! - incident replay: a gateway scaled down from 250 to 20 pods, with the
+//!   matching slice updates, amid 1,000 pods in 100 other services.
+//!
+//! Each timing is the median of several runs; the setup of a run is not timed.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::core::v1::{
+    ObjectReference, Pod, PodCondition, PodIP, PodSpec, PodStatus, Service, ServiceSpec,
+};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use kube::runtime::watcher::Event;
+use staleguard_validator::index::{Index, IndexConfig};
+
+const RUNS: usize = 7;
+
+// === object builders ===
+
+fn ip_of(n: u32) -> String {
+    // 10.0.0.0/8 gives room for 16M pods.
+    format!("10.{}.{}.{}", (n >> 16) & 255, (n >> 8) & 255, n & 255)
+}
+
+fn uid_of(n: u32, incarnation: u32) -> String {
+    format!("{n:08x}-{incarnation:04x}-4c1e-9a11-0123456789ab")
+}
+
+#[derive(Clone, Copy)]
+struct PodSpecBench {
+    n: u32,
+    service: u32,
+    incarnation: u32,
+    ready: bool,
+    terminating: bool,
+}
+
+fn namespace_of(service: u32) -> String {
+    format!("ns-{}", service % 50)
+}
+
+fn pod(p: PodSpecBench) -> Pod {
+    let app = format!("svc-{}", p.service);
+    Pod {
+        metadata: ObjectMeta {
+            namespace: Some(namespace_of(p.service)),
+            name: Some(format!("{app}-7d9f8c6b5-{:05}", p.n)),
+            uid: Some(uid_of(p.n, p.incarnation)),
+            labels: Some(BTreeMap::from([
+                ("app".to_owned(), app),
+                ("pod-template-hash".to_owned(), "7d9f8c6b5".to_owned()),
+            ])),
+            deletion_timestamp: p.terminating.then(|| Time(Default::default())),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec::default()),
+        status: Some(PodStatus {
+            phase: Some("Running".into()),
+            conditions: Some(vec![PodCondition {
+                type_: "Ready".into(),
+                status: if p.ready { "True" } else { "False" }.into(),
+                ..PodCondition::default()
+            }]),
+            pod_ip: Some(ip_of(p.n)),
+            pod_ips: Some(vec![PodIP { ip: ip_of(p.n) }]),
+            ..PodStatus::default()
+        }),
+    }
+}
+
+fn service(s: u32) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            namespace: Some(namespace_of(s)),
+            name: Some(format!("svc-{s}")),
+            ..ObjectMeta::default()
+        },
+        spec: Some(ServiceSpec {
+            selector: Some(BTreeMap::from([("app".to_owned(), format!("svc-{s}"))])),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// A slice of service `s` listing `members` (pod numbers, with a flag for
+/// terminating).
+fn slice(s: u32, part: u32, members: &[(u32, bool)]) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            namespace: Some(namespace_of(s)),
+            name: Some(format!("svc-{s}-{part:05}")),
+            labels: Some(BTreeMap::from([(
+                "kubernetes.io/service-name".to_owned(),
+                format!("svc-{s}"),
+            )])),
+            ..ObjectMeta::default()
+        },
+        address_type: "IPv4".into(),
+        ports: Some(vec![EndpointPort {
+            name: Some("http".into()),
+            port: Some(8080),
+            protocol: Some("TCP".into()),
+            app_protocol: None,
+        }]),
+        endpoints: members
+            .iter()
+            .map(|&(n, terminating)| Endpoint {
+                addresses: vec![ip_of(n)],
+                conditions: Some(EndpointConditions {
+                    ready: Some(!terminating),
+                    serving: Some(true),
+                    terminating: Some(terminating),
+                }),
+                target_ref: Some(ObjectReference {
+                    kind: Some("Pod".into()),
+                    namespace: Some(namespace_of(s)),
+                    name: Some(format!("svc-{s}-7d9f8c6b5-{n:05}")),
+                    uid: Some(uid_of(n, 0)),
+                    ..ObjectReference::default()
+                }),
+                node_name: Some(format!("node-{}", n % 300)),
+                zone: Some("zone-a".into()),
+                ..Endpoint::default()
+            })
+            .collect(),
+    }
+}
+
+/// Services `first..first+count` with `per` pods each, one slice per 100 pods;
+/// pod numbers start at `first_pod`.
+fn world(ix: &mut Index, first: u32, count: u32, per: u32, first_pod: u32, now: SystemTime) {
+    for s in first..first + count {
+        ix.apply_service(Event::Apply(service(s)), now);
+        let pods: Vec<u32> = (0..per)
+            .map(|i| first_pod + (s - first) * per + i)
+            .collect();
+        for &n in &pods {
+            let p = PodSpecBench {
+                n,
+                service: s,
+                incarnation: 0,
+                ready: true,
+                terminating: false,
+            };
+            ix.apply_pod(Event::Apply(pod(p)), now);
+        }
+        for (part, chunk) in pods.chunks(100).enumerate() {
+            let members: Vec<(u32, bool)> = chunk.iter().map(|&n| (n, false)).collect();
+            ix.apply_slice(Event::Apply(slice(s, part as u32, &members)), now);
+        }
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs[xs.len() / 2]
+}
+
+fn fresh_index() -> Index {
+    Index::new(1, IndexConfig::default())
+}
+
+// === benchmarks ===
+
+enum Bench {
+    Pod(Vec<Event<Pod>>),
+    Slice(Vec<Event<EndpointSlice>>),
+    Mixed(Vec<Mixed>),
+}
+
+// Unboxed on purpose: a box per event would add an allocation the watcher
+// does not make.
+#[allow(clippy::large_enum_variant)]
+enum Mixed {
+    Pod(Event<Pod>),
+    Slice(Event<EndpointSlice>),
+}
+
+/// Pod lifecycles in the 100 services of the base world: create (not ready),
+/// ready, terminating, delete.
+fn pod_events(count: u32) -> Vec<Event<Pod>> {
+    let mut out = Vec::with_capacity(count as usize);
+    let mut n = 1_000_000;
+    while out.len() < count as usize {
+        let p = PodSpecBench {
+            n,
+            service: n % 100,
+            incarnation: 0,
+            ready: false,
+            terminating: false,
+        };
+        out.push(Event::Apply(pod(p)));
+        out.push(Event::Apply(pod(PodSpecBench { ready: true, ..p })));
+        out.push(Event::Apply(pod(PodSpecBench {
+            terminating: true,
+            ..p
+        })));
+        out.push(Event::Delete(pod(p)));
+        n += 1;
+    }
+    out.truncate(count as usize);
+    out
+}
+
+/// Updates of full 100-endpoint slices of the base world, each flipping one
+/// entry to terminating and back.
+fn slice_events(count: u32) -> Vec<Event<EndpointSlice>> {
+    (0..count)
+        .map(|i| {
+            let s = i % 100;
+            let flip = (i / 100) % 100;
+            let members: Vec<(u32, bool)> = (0..100)
+                .map(|k| (s * 100 + k, k == flip && (i / 10_000) % 2 == 0))
+                .collect();
+            Event::Apply(slice(s, 0, &members))
+        })
+        .collect()
+}
+
+/// The endpoints controller's view of a pod lifecycle: 4 pod events and 2
+/// slice updates (listed, then removed) per pod.
+fn mixed_events(count: u32) -> Vec<Mixed> {
+    let mut out = Vec::with_capacity(count as usize);
+    let pods = pod_events(count);
+    let mut pods = pods.into_iter();
+    let mut n = 1_000_000u32;
+    while out.len() < count as usize {
+        let s = n % 100;
+        let base: Vec<(u32, bool)> = (0..100).map(|k| (s * 100 + k, false)).collect();
+        let mut with = base.clone();
+        with.push((n, false));
+        for _ in 0..2 {
+            if let Some(e) = pods.next() {
+                out.push(Mixed::Pod(e));
+            }
+        }
+        out.push(Mixed::Slice(Event::Apply(slice(s, 1, &with[100..]))));
+        for _ in 0..2 {
+            if let Some(e) = pods.next() {
+                out.push(Mixed::Pod(e));
+            }
+        }
+        out.push(Mixed::Slice(Event::Apply(slice(s, 1, &[]))));
+        n += 1;
+    }
+    out.truncate(count as usize);
+    out
+}
+
+fn throughput(name: &str, make: impl Fn() -> Bench) -> f64 {
+    let now = SystemTime::now();
+    let mut rates = Vec::new();
+    for _ in 0..RUNS {
+        let mut ix = fresh_index();
+        world(&mut ix, 0, 100, 100, 0, now);
+        let bench = make();
+        let (count, elapsed) = match bench {
+            Bench::Pod(events) => {
+                let count = events.len();
+                let start = Instant::now();
+                for e in events {
+                    ix.apply_pod(e, now);
+                }
+                (count, start.elapsed())
+            }
+            Bench::Slice(events) => {
+                let count = events.len();
+                let start = Instant::now();
+                for e in events {
+                    ix.apply_slice(e, now);
+                }
+                (count, start.elapsed())
+            }
+            Bench::Mixed(events) => {
+                let count = events.len();
+                let start = Instant::now();
+                for e in events {
+                    match e {
+                        Mixed::Pod(e) => ix.apply_pod(e, now),
+                        Mixed::Slice(e) => ix.apply_slice(e, now),
+                    }
+                }
+                (count, start.elapsed())
+            }
+        };
+        rates.push(count as f64 / elapsed.as_secs_f64());
+        std::hint::black_box(&ix);
+    }
+    let rate = median(rates);
+    println!("apply throughput, {name}: {rate:.0} events/s (median of {RUNS})");
+    rate
+}
+
+fn incident() -> f64 {
+    let now = SystemTime::now();
+    let gateway = 1000; // the scaled-down service's number
+    let mut times = Vec::new();
+    for _ in 0..RUNS {
+        let mut ix = fresh_index();
+        world(&mut ix, 0, 100, 10, 0, now); // 1,000 pods in 100 services
+        world(&mut ix, gateway, 1, 250, 100_000, now); // the gateway's 250 pods
+        let first = 100_000u32;
+        let gw = |n: u32, terminating: bool| PodSpecBench {
+            n,
+            service: gateway,
+            incarnation: 0,
+            ready: !terminating,
+            terminating,
+        };
+        let mut members: Vec<(u32, bool)> = (first..first + 250).map(|n| (n, false)).collect();
+        let slices = |members: &[(u32, bool)]| -> Vec<EndpointSlice> {
+            members
+                .chunks(100)
+                .enumerate()
+                .map(|(part, chunk)| slice(gateway, part as u32, chunk))
+                .collect()
+        };
+        // The replay: every removed pod turns terminating and its slice says
+        // so; then the pods go and the slices drop them. The endpoints
+        // controller batches, so one slice update per 10 pods.
+        let mut pods: Vec<Event<Pod>> = Vec::new();
+        let mut slice_updates: Vec<Event<EndpointSlice>> = Vec::new();
+        let mut deletes: Vec<Event<Pod>> = Vec::new();
+        for (i, n) in (first + 20..first + 250).enumerate() {
+            pods.push(Event::Apply(pod(gw(n, true))));
+            members[(n - first) as usize].1 = true;
+            if i % 10 == 9 {
+                slice_updates.extend(slices(&members).into_iter().map(Event::Apply));
+            }
+            deletes.push(Event::Delete(pod(gw(n, true))));
+        }
+        let last_slices: Vec<Event<EndpointSlice>> = {
+            let kept = &members[..20];
+            let mut out: Vec<Event<EndpointSlice>> =
+                slices(kept).into_iter().map(Event::Apply).collect();
+            out.push(Event::Delete(slice(gateway, 1, &[])));
+            out.push(Event::Delete(slice(gateway, 2, &[])));
+            out
+        };
+        let events = pods.len() + slice_updates.len() + deletes.len() + last_slices.len();
+        let start = Instant::now();
+        for e in pods {
+            ix.apply_pod(e, now);
+        }
+        for e in slice_updates {
+            ix.apply_slice(e, now);
+        }
+        for e in deletes {
+            ix.apply_pod(e, now);
+        }
+        for e in last_slices {
+            ix.apply_slice(e, now);
+        }
+        let elapsed = start.elapsed();
+        assert_eq!(
+            ix.stats().tombstones,
+            230,
+            "every removed pod left a tombstone"
+        );
+        times.push(elapsed.as_secs_f64() * 1000.0);
+        if times.len() == 1 {
+            println!("incident replay: {events} events");
+        }
+    }
+    let ms = median(times);
+    println!("incident replay (250 -> 20 amid 1,000 pods in 100 services): {ms:.2} ms (median of {RUNS})");
+    ms
+}
+
+fn rss_kib(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Runs in a child process: index 150k pods and 150k slice entries, one object
+/// at a time (so no event buffer inflates the number), and print RSS.
+fn memory_child() {
+    let now = SystemTime::now();
+    let before = rss_kib("VmRSS:");
+    let mut ix = fresh_index();
+    world(&mut ix, 0, 1500, 100, 0, now);
+    let stats = ix.stats();
+    assert_eq!(stats.pods, 150_000);
+    assert_eq!(stats.slice_entries, 150_000);
+    let after = rss_kib("VmRSS:");
+    let peak = rss_kib("VmHWM:");
+    let snapshot_start = Instant::now();
+    let snapshot = ix.snapshot(Default::default());
+    let snapshot_ms = snapshot_start.elapsed().as_secs_f64() * 1000.0;
+    let json_start = Instant::now();
+    let json = serde_json::to_vec(&snapshot).unwrap_or_default();
+    let json_ms = json_start.elapsed().as_secs_f64() * 1000.0;
+    println!(
+        "{} {} {} {} {:.1} {:.1} {}",
+        before,
+        after,
+        peak,
+        snapshot.records.len(),
+        snapshot_ms,
+        json_ms,
+        json.len()
+    );
+    std::hint::black_box(&ix);
+}
+
+fn memory() -> Option<f64> {
+    let exe = std::env::current_exe().ok()?;
+    let mut samples = Vec::new();
+    for _ in 0..3 {
+        let out = std::process::Command::new(&exe)
+            .arg("memory-child")
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let nums: Vec<f64> = text
+            .split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        if nums.len() != 7 {
+            eprintln!(
+                "memory child failed: {text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return None;
+        }
+        samples.push(nums);
+    }
+    let col = |i: usize| median(samples.iter().map(|s| s[i]).collect());
+    let rss_mb = col(1) / 1024.0;
+    println!(
+        "memory at 150k pods + 150k slice entries: RSS {:.1} MiB (baseline {:.1} MiB, peak {:.1} MiB; median of 3 processes)",
+        rss_mb,
+        col(0) / 1024.0,
+        col(2) / 1024.0
+    );
+    println!(
+        "snapshot at that size: {} records built in {:.0} ms, JSON {:.0} ms, {:.1} MiB",
+        col(3),
+        col(4),
+        col(5),
+        col(6) / 1024.0 / 1024.0
+    );
+    Some(rss_mb)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "memory-child") {
+        memory_child();
+        return;
+    }
+    // `cargo bench ... -- pod incident` runs only those parts.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wanted = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
+    let started = Instant::now();
+    let mut pods = f64::NAN;
+    let mut slices = f64::NAN;
+    let mut mixed = f64::NAN;
+    let mut replay = f64::NAN;
+    let mut rss = None;
+    if wanted("pod") {
+        pods = throughput("pod lifecycle events", || Bench::Pod(pod_events(200_000)));
+    }
+    if wanted("slice") {
+        slices = throughput("100-endpoint slice updates", || {
+            Bench::Slice(slice_events(20_000))
+        });
+    }
+    if wanted("mixed") {
+        mixed = throughput("mixed (4 pod : 2 slice events)", || {
+            Bench::Mixed(mixed_events(120_000))
+        });
+    }
+    if wanted("incident") {
+        replay = incident();
+    }
+    if wanted("memory") {
+        rss = memory();
+    }
+    println!();
+    println!("targets: >= 200k events/s, <= 150 MB RSS, incident < 100 ms");
+    println!(
+        "pod {pods:.0}/s, slice {slices:.0}/s, mixed {mixed:.0}/s, incident {replay:.2} ms, RSS {}",
+        rss.map_or("n/a".into(), |r| format!("{r:.1} MiB"))
+    );
+    println!(
+        "(took {:.0?})",
+        Duration::from_secs(started.elapsed().as_secs())
+    );
+}
