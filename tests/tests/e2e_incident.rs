@@ -85,6 +85,7 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
         }
         before.insert(g.name.clone(), (counters, landed(&scene, &gone, &g.name)));
     }
+    let served_before = pods::via(&scene.world.tallies(), "guarded");
     let mut burst_out: std::collections::BTreeMap<String, Outcomes> = Default::default();
     for g in &scene.gateways {
         burst_out.insert(
@@ -145,8 +146,15 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
     assert_eq!(
         delta("guarded", 2, member_now),
         burst_out["guarded"].right,
-        "guarded: member/allow counter vs requests the live pods answered"
+        "guarded: member/allow counter vs 200s the clients saw"
     );
+    let served = pods::via(&scene.world.tallies(), "guarded");
+    assert_eq!(
+        delta("guarded", 2, member_now),
+        served.right - served_before.right,
+        "guarded: member/allow counter vs requests counted at the pods"
+    );
+    assert_eq!(served.total(), served.right, "{served:?}");
     let audited_now = counter(&scene, audit_gw, "destroyed", "audit").await;
     let audit_dead_in_burst = audit.dead - before["audit"].1.dead;
     assert_eq!(
