@@ -10,8 +10,10 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde_json::json;
+
+use crate::world::write_atomically;
 
 /// The endpoint list of one EDS resource (`cluster_name`), kept in one file.
 #[derive(Debug)]
@@ -53,17 +55,7 @@ impl EdsFile {
     pub fn write(&mut self, endpoints: &[SocketAddr]) -> Result<()> {
         self.version += 1;
         let doc = document(&self.resource, self.version, endpoints);
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        let name = self
-            .path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("eds");
-        let tmp = dir.join(format!(".{name}.{}.tmp", self.version));
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&doc)?)
-            .with_context(|| format!("write {tmp:?}"))?;
-        std::fs::rename(&tmp, &self.path)
-            .with_context(|| format!("rename {tmp:?} to {:?}", self.path))?;
+        write_atomically(&self.path, &serde_json::to_vec_pretty(&doc)?)?;
         Ok(())
     }
 }
