@@ -94,12 +94,14 @@ apt_opts=(
 stamp=$apt_dir/lists/.updated
 if $relock || [[ ! -f $stamp ]] || [[ -n $(find "$stamp" -mmin +360) ]]; then
   step "updating Debian sid package lists (separate apt config in $apt_dir)"
-  apt-get "${apt_opts[@]}" -q update >&2 || die "apt-get update for sid failed (is the Debian mirror reachable?)"
+  apt-get "${apt_opts[@]}" -q --error-on=any update >&2 ||
+    die "apt-get update for sid failed: is the Debian mirror $mirror reachable?"
   touch "$stamp"
 fi
 
 avail=$apt_dir/available
 apt-cache "${apt_opts[@]}" dumpavail >"$avail"
+[[ -s $avail ]] || die "no package lists for sid in $apt_dir/lists (did apt-get update fail?)"
 declare -A sid_versions=()
 while read -r name version; do
   sid_versions[$name]=$version
