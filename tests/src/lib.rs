@@ -10,6 +10,11 @@
 //! or never, for Envoy ([`eds`]); [`pods`] are servers on loopback addresses
 //! that count what reached them; [`traffic`] sends requests and counts what came
 //! back.
+//!
+//! Against a real Kubernetes API server: [`apiserver`] runs the test server
+//! (k8s.io/apiserver + etcd, see docs/apiserver.md), writes objects as the real
+//! actors do and injects faults; [`kube_source`] runs the validator's watchers
+//! against it.
 
 pub mod apiserver;
 pub mod demo;
