@@ -17,7 +17,7 @@ use anyhow::{bail, Result};
 use crate::envoy::dependencies;
 use crate::gateway::{cluster_name, Gateway, GatewaySpec, STAT_GENERATION, STAT_RESETS};
 use crate::traffic::Http;
-use crate::validator::{self, Validator};
+use crate::validator::{self, Source, Validator};
 use crate::world::World;
 
 /// How long a sync may take before the test fails.
@@ -68,21 +68,28 @@ impl Scene {
     /// validator is detached when any gateway is.
     pub async fn start(
         deps: &Deps,
+        world: World,
+        validator_args: &[&str],
+        specs: &[GatewaySpec],
+    ) -> Result<Self> {
+        let truth = Source::File(world.truth_path().to_owned());
+        Self::start_on(deps, world, truth, validator_args, specs).await
+    }
+
+    /// [`Scene::start`] with the validator on `source` (a kube source must
+    /// already hold the world's objects).
+    pub async fn start_on(
+        deps: &Deps,
         mut world: World,
+        source: Source,
         validator_args: &[&str],
         specs: &[GatewaySpec],
     ) -> Result<Self> {
         let http = Http::new();
         world.publish()?;
         let detach = specs.iter().any(|s| s.detach);
-        let validator = Validator::start(
-            &http,
-            &deps.validator,
-            world.truth_path(),
-            validator_args,
-            detach,
-        )
-        .await?;
+        let validator =
+            Validator::start_on(&http, &deps.validator, source, validator_args, detach).await?;
         let mut gateways = Vec::new();
         for spec in specs {
             gateways.push(
@@ -113,6 +120,12 @@ impl Scene {
     /// knows the validator has read the new truth.
     pub async fn sync(&mut self, expect: &[Expect]) -> Result<()> {
         self.world.publish_truth()?;
+        self.sync_told(expect).await
+    }
+
+    /// [`Scene::sync`] for a validator whose source the caller already told
+    /// (a Kubernetes API server the test writes to): from step 2 on.
+    pub async fn sync_told(&mut self, expect: &[Expect]) -> Result<()> {
         self.validator
             .wait_verdicts(&self.http, expect, SYNC_TIMEOUT)
             .await?;

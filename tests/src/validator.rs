@@ -1,4 +1,5 @@
-//! The validator as a child process on its file source, and the questions the
+//! The validator as a child process (on a file source or a Kubernetes API
+//! server), and the questions the
 //! harness asks it (is it ready, what does it say about an IP, which generation).
 
 use std::net::{IpAddr, SocketAddr};
@@ -23,11 +24,20 @@ pub fn binary() -> Option<PathBuf> {
     )
 }
 
-/// A running (or killed, restartable) validator reading a file source.
+/// Where a validator reads the cluster from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// `--source file --file PATH`.
+    File(PathBuf),
+    /// `--source kube` with `KUBECONFIG=PATH`.
+    Kube(PathBuf),
+}
+
+/// A running (or killed, restartable) validator.
 #[derive(Debug)]
 pub struct Validator {
     binary: PathBuf,
-    file: PathBuf,
+    source: Source,
     extra: Vec<String>,
     guard: Option<Guard>,
     detach: bool,
@@ -48,9 +58,21 @@ impl Validator {
         extra: &[&str],
         detach: bool,
     ) -> Result<Self> {
+        Self::start_on(http, binary, Source::File(file.to_owned()), extra, detach).await
+    }
+
+    /// Starts the validator on `source` (with `extra` flags) and waits until
+    /// it is ready.
+    pub async fn start_on(
+        http: &Http,
+        binary: &Path,
+        source: Source,
+        extra: &[&str],
+        detach: bool,
+    ) -> Result<Self> {
         let mut validator = Self {
             binary: binary.to_owned(),
-            file: file.to_owned(),
+            source,
             extra: extra.iter().map(|s| s.to_string()).collect(),
             guard: None,
             detach,
@@ -66,9 +88,15 @@ impl Validator {
     pub async fn restart(&mut self, http: &Http) -> Result<()> {
         self.kill();
         let mut cmd = Command::new(&self.binary);
-        cmd.args(["--source", "file", "--file"])
-            .arg(&self.file)
-            .args(["--listen", &self.listen.to_string()])
+        match &self.source {
+            Source::File(file) => {
+                cmd.args(["--source", "file", "--file"]).arg(file);
+            }
+            Source::Kube(kubeconfig) => {
+                cmd.args(["--source", "kube"]).env("KUBECONFIG", kubeconfig);
+            }
+        }
+        cmd.args(["--listen", &self.listen.to_string()])
             .args(["--admin-listen", &self.admin.to_string()])
             .args(&self.extra)
             .env("RUST_LOG", "info");
