@@ -755,25 +755,43 @@ impl Index {
             return;
         }
         // The common update (one endpoint of a hundred changed): touch only
-        // the IPs whose entries differ.
-        let old_by_ip = entries_by_ip(&old);
-        let new_by_ip = entries_by_ip(&facts);
-        let mut changed: Vec<IpAddr> = old_by_ip
-            .keys()
-            .chain(new_by_ip.keys())
-            .filter(|ip| old_by_ip.get(*ip) != new_by_ip.get(*ip))
-            .copied()
-            .collect();
-        changed.sort_unstable();
-        changed.dedup();
-        for ip in changed {
+        // the IPs whose entries differ. Both sides sorted by IP, then walked.
+        let old_ips = entries_by_ip(&old);
+        let new_ips = entries_by_ip(&facts);
+        let (mut i, mut j) = (0, 0);
+        let mut changed: Vec<(IpAddr, std::ops::Range<usize>)> = Vec::new();
+        while i < old_ips.len() || j < new_ips.len() {
+            let ip = match (old_ips.get(i), new_ips.get(j)) {
+                (Some(a), Some(b)) => a.0.min(b.0),
+                (Some(a), None) => a.0,
+                (None, Some(b)) => b.0,
+                (None, None) => break,
+            };
+            let run = |list: &[(IpAddr, usize)], from: usize| {
+                from + list[from..].iter().take_while(|(x, _)| *x == ip).count()
+            };
+            let (i_end, j_end) = (run(&old_ips, i), run(&new_ips, j));
+            let same = i_end - i == j_end - j
+                && old_ips[i..i_end]
+                    .iter()
+                    .zip(&new_ips[j..j_end])
+                    .all(|((_, a), (_, b))| {
+                        let (a, b) = (&old.entries[*a], &facts.entries[*b]);
+                        a.target == b.target && a.conditions == b.conditions
+                    });
+            if !same {
+                changed.push((ip, j..j_end));
+            }
+            (i, j) = (i_end, j_end);
+        }
+        for (ip, run) in changed {
             self.drop_entries(ip, &facts.name);
-            for (target, conditions) in new_by_ip.get(&ip).into_iter().flatten() {
-                self.insert_entry(ip, &facts, target, *conditions);
+            for &(_, at) in &new_ips[run] {
+                let entry = &facts.entries[at];
+                self.insert_entry(ip, &facts, &entry.target, entry.conditions);
             }
             self.touched.push(ip);
         }
-        drop(new_by_ip);
         self.slices.insert(facts.name.clone(), facts);
     }
 
@@ -880,17 +898,15 @@ impl Index {
     }
 }
 
-/// A slice's entries grouped by IP, in slice order.
-fn entries_by_ip(slice: &SliceFacts) -> HashMap<IpAddr, Vec<(&Target, EndpointConditions)>> {
-    let mut out: HashMap<IpAddr, Vec<(&Target, EndpointConditions)>> =
-        HashMap::with_capacity(slice.entries.len());
-    for entry in &slice.entries {
-        for ip in entry.ips.iter() {
-            out.entry(*ip)
-                .or_default()
-                .push((&entry.target, entry.conditions));
-        }
-    }
+/// A slice's `(IP, entry index)` pairs, sorted by IP, in slice order per IP.
+fn entries_by_ip(slice: &SliceFacts) -> Vec<(IpAddr, usize)> {
+    let mut out: Vec<(IpAddr, usize)> = slice
+        .entries
+        .iter()
+        .enumerate()
+        .flat_map(|(at, e)| e.ips.iter().map(move |ip| (*ip, at)))
+        .collect();
+    out.sort_unstable();
     out
 }
 

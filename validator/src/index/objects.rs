@@ -376,21 +376,27 @@ pub(crate) fn slice_facts(
             continue;
         }
         let target = match &endpoint.target_ref {
-            Some(r) if r.kind.as_deref().is_none_or(|k| k == "Pod") => Target::Pod {
-                uid: r.uid.as_deref().filter(|u| !u.is_empty()).map(Arc::from),
-                name: r.name.as_deref().filter(|n| !n.is_empty()).map(|n| {
-                    let ns = r
-                        .namespace
-                        .as_deref()
-                        .filter(|n| !n.is_empty())
-                        .map(|n| interner.get(n))
-                        .unwrap_or_else(|| name.namespace.clone());
-                    Arc::new(ObjName {
-                        namespace: ns,
-                        name: n.into(),
-                    })
-                }),
-            },
+            Some(r) if r.kind.as_deref().is_none_or(|k| k == "Pod") => {
+                let uid: Option<Arc<str>> =
+                    r.uid.as_deref().filter(|u| !u.is_empty()).map(Arc::from);
+                // The name only matters when there is no uid to match by.
+                let by_name = match (&uid, r.name.as_deref().filter(|n| !n.is_empty())) {
+                    (None, Some(n)) => {
+                        let ns = r
+                            .namespace
+                            .as_deref()
+                            .filter(|n| !n.is_empty())
+                            .map(|n| interner.get(n))
+                            .unwrap_or_else(|| name.namespace.clone());
+                        Some(Arc::new(ObjName {
+                            namespace: ns,
+                            name: n.into(),
+                        }))
+                    }
+                    _ => None,
+                };
+                Target::Pod { uid, name: by_name }
+            }
             _ => Target::Bare,
         };
         let c = endpoint.conditions.as_ref();
