@@ -146,7 +146,15 @@ mod tests {
             "cart".parse::<ServiceKey>(),
             Err(ServiceKeyError::NoSlash("cart".into()))
         );
-        for bad in ["/cart", "shop/", "Shop/cart", "shop/c_art", "a/b/c", "-a/b", "a/b-"] {
+        for bad in [
+            "/cart",
+            "shop/",
+            "Shop/cart",
+            "shop/c_art",
+            "a/b/c",
+            "-a/b",
+            "a/b-",
+        ] {
             assert!(bad.parse::<ServiceKey>().is_err(), "{bad} parsed");
         }
         let long = format!("shop/{}", "a".repeat(64));

@@ -14,6 +14,7 @@
 use std::io::{BufRead, Write};
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -155,6 +156,9 @@ fn own_usage() -> (u64, u64, u64) {
 
 // === the gateways' side ===
 
+/// Set once the measurement is over, when the clients' connections may drop.
+static FINISHED: AtomicBool = AtomicBool::new(false);
+
 struct Receipt {
     generation: u64,
     at: u128,
@@ -194,7 +198,9 @@ fn driver() -> Result<()> {
             let tx = tx.clone();
             tokio::spawn(async move {
                 if let Err(e) = client(addr, epoch, generation, tx).await {
-                    eprintln!("client failed: {e:#}");
+                    if !FINISHED.load(Ordering::Relaxed) {
+                        eprintln!("client failed: {e:#}");
+                    }
                 }
             });
         }
@@ -242,6 +248,7 @@ fn driver() -> Result<()> {
     }
     writeln!(to_server, "stats")?;
     let last = next_line()?;
+    FINISHED.store(true, Ordering::Relaxed);
     drop(to_server);
     let _ = child.wait();
 

@@ -5,11 +5,12 @@ use std::time::{Duration, Instant};
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
-use axum::response::Response;
+use axum::http::{header, HeaderValue};
+use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use staleguard_core::Changes;
 
-use super::{check_version, json, ApiError, ApiState};
+use super::answers::{self, Encoded};
+use super::{check_version, ApiError, ApiState};
 use crate::metrics::Metrics;
 
 /// How often a waiting long poll re-checks freshness, so a validator that turns
@@ -62,9 +63,10 @@ pub(crate) async fn changes(
     // Subscribe before the first read, so a change between the two is not lost.
     let mut generations = state.index.subscribe();
     generations.borrow_and_update();
-    let first = answer(&state, q.epoch, q.since);
-    if wait.is_zero() || !is_empty(&first) || *state.shutdown.borrow() {
-        return Ok(json(&first));
+    let position = answers::position(state.index.read().epoch(), q.epoch, q.since);
+    let first = state.answers.get(&state.index, position);
+    if wait.is_zero() || !first.empty || *state.shutdown.borrow() {
+        return Ok(encoded(first));
     }
 
     let _permit = state
@@ -73,7 +75,6 @@ pub(crate) async fn changes(
         .try_acquire_owned()
         .map_err(|_| ApiError::TooManyLongPolls(state.limits.max_long_polls))?;
     let _waiting = state.metrics.long_poll_waiting();
-    let was_fresh = freshness_of(&first);
     let deadline = tokio::time::sleep(wait);
     tokio::pin!(deadline);
     let mut recheck = tokio::time::interval(FRESHNESS_RECHECK);
@@ -85,14 +86,14 @@ pub(crate) async fn changes(
                 if changed.is_err() {
                     break;
                 }
-                let next = answer(&state, q.epoch, q.since);
-                if !is_empty(&next) {
-                    state.fan_out.observe(&state.metrics, generation_of(&next));
-                    return Ok(json(&next));
+                let next = state.answers.get(&state.index, position);
+                if !next.empty {
+                    state.fan_out.observe(&state.metrics, next.generation);
+                    return Ok(encoded(next));
                 }
             }
             _ = recheck.tick() => {
-                if state.index.freshness().fresh != was_fresh {
+                if state.index.freshness().fresh != first.fresh {
                     break;
                 }
             }
@@ -100,23 +101,18 @@ pub(crate) async fn changes(
             _ = &mut deadline => break,
         }
     }
-    Ok(json(&answer(&state, q.epoch, q.since)))
+    Ok(encoded(state.answers.get(&state.index, position)))
 }
 
-/// A delta from `(epoch, since)`, or a reset when the client's position is
-/// missing, from another epoch, or compacted away.
-fn answer(state: &ApiState, epoch: Option<u64>, since: Option<u64>) -> Changes {
-    let freshness = state.index.freshness();
-    let index = state.index.read();
-    match (epoch, since) {
-        (Some(epoch), Some(since)) if epoch == index.epoch() => {
-            match index.changes_since(since, freshness.clone()) {
-                Some(delta) => Changes::Delta(delta),
-                None => Changes::Reset(index.snapshot(freshness)),
-            }
-        }
-        _ => Changes::Reset(index.snapshot(freshness)),
-    }
+pub(crate) fn encoded(answer: Encoded) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        answer.body,
+    )
+        .into_response()
 }
 
 fn parse_wait(wait: Option<f64>, max: Duration) -> Result<Duration, ApiError> {
@@ -130,24 +126,6 @@ fn parse_wait(wait: Option<f64>, max: Duration) -> Result<Duration, ApiError> {
         )));
     }
     Ok(Duration::from_secs_f64(seconds))
-}
-
-fn is_empty(changes: &Changes) -> bool {
-    matches!(changes, Changes::Delta(d) if d.is_empty())
-}
-
-fn freshness_of(changes: &Changes) -> bool {
-    match changes {
-        Changes::Delta(d) => d.freshness.fresh,
-        Changes::Reset(s) => s.freshness.fresh,
-    }
-}
-
-fn generation_of(changes: &Changes) -> u64 {
-    match changes {
-        Changes::Delta(d) => d.generation,
-        Changes::Reset(s) => s.generation,
-    }
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@
 //! `/metrics` on a separate port, so probes and scrapes never share limits or
 //! auth with gateways.
 
+mod answers;
 mod auth;
 mod changes;
 mod error;
@@ -74,6 +75,7 @@ pub struct ApiState {
     limits: Limits,
     long_polls: Arc<Semaphore>,
     fan_out: FanOut,
+    answers: Arc<answers::Answers>,
     shutdown: tokio::sync::watch::Receiver<bool>,
 }
 
@@ -93,6 +95,7 @@ impl ApiState {
             metrics,
             limits,
             fan_out,
+            answers: Arc::default(),
             shutdown,
         }
     }
@@ -140,9 +143,8 @@ async fn snapshot(
 ) -> Result<Response, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
     check_version(q.v)?;
-    let freshness = state.index.freshness();
-    let snapshot = state.index.read().snapshot(freshness);
-    Ok(json(&snapshot))
+    let answer = state.answers.get(&state.index, answers::Position::Snapshot);
+    Ok(changes::encoded(answer))
 }
 
 async fn ip_record(
