@@ -61,10 +61,14 @@ impl SharedData for HostStore {
 }
 
 fn now_ms() -> u64 {
+    now_us() / 1000
+}
+
+fn now_us() -> u64 {
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 fn random_u64() -> u64 {
@@ -242,13 +246,25 @@ impl Context for Root {
         self.metrics
             .borrow_mut()
             .inc(metrics::SYNC_BYTES, body.len() as u64);
-        match poller.on_response(now, status, &body, &mut HostStore) {
+        // The time this thread spends decoding the answer and writing shared
+        // data: what a large snapshot costs the thread that holds the lease.
+        let started_us = now_us();
+        let applied = poller.on_response(now, status, &body, &mut HostStore);
+        let spent_us = now_us().saturating_sub(started_us);
+        if applied.is_ok() {
+            self.metrics
+                .borrow_mut()
+                .gauge(metrics::GAUGE_SYNC_APPLY_US, spent_us);
+        }
+        match applied {
             Ok(Applied::Reset { entries }) => {
                 self.metrics.borrow_mut().inc(metrics::SYNC_RESETS, 1);
                 log::info!(
-                    "[ctx {}] staleguard: loaded a full snapshot: generation {:?}, {entries} IPs",
+                    "[ctx {}] staleguard: loaded a full snapshot: generation {:?}, {entries} IPs, {} bytes in {} ms",
                     self.id,
-                    poller.generation()
+                    poller.generation(),
+                    body.len(),
+                    spent_us / 1000
                 );
             }
             Ok(Applied::Delta { changed }) => {

@@ -32,6 +32,9 @@ pub const GAUGE_DATA_AGE_MS: &str = "staleguard.index_age_ms";
 pub const GAUGE_ENTRIES: &str = "staleguard.index_entries";
 /// Gauge: 1 when the data is fresh enough to judge, else 0.
 pub const GAUGE_FRESH: &str = "staleguard.index_fresh";
+/// Gauge: microseconds the last applied answer took to decode and write to
+/// shared data, on the thread that holds the lease.
+pub const GAUGE_SYNC_APPLY_US: &str = "staleguard.sync_apply_us";
 
 /// Sync error kinds (labels of [`sync_errors`]).
 pub const SYNC_ERROR_KINDS: [&str; 5] = ["status", "transport", "decode", "sequence", "store"];
