@@ -307,3 +307,49 @@ impl Drop for Load {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(status: u16, headers: &[(&'static str, &'static str)]) -> Result<Reply> {
+        let mut map = HeaderMap::new();
+        for (k, v) in headers {
+            map.insert(*k, v.parse().unwrap());
+        }
+        Ok(Reply {
+            status,
+            headers: map,
+            body: Bytes::new(),
+        })
+    }
+
+    #[test]
+    fn classifies_what_the_client_sees() {
+        let mut o = Outcomes::default();
+        o.record("shop/api", &reply(200, &[(SERVICE_HEADER, "shop/api")]));
+        o.record("shop/api", &reply(200, &[(SERVICE_HEADER, "shop/billing")]));
+        o.record("shop/api", &reply(200, &[(SERVICE_HEADER, "ghost")]));
+        o.record("shop/api", &reply(503, &[(REJECT_HEADER, "destroyed")]));
+        o.record("shop/api", &reply(503, &[]));
+        // A 2xx never counts as a rejection, whatever its headers say.
+        o.record(
+            "shop/api",
+            &reply(200, &[(SERVICE_HEADER, "shop/api"), (REJECT_HEADER, "x")]),
+        );
+        o.record("shop/api", &Err(anyhow::anyhow!("refused")));
+        assert_eq!((o.right, o.wrong_service, o.dead), (2, 1, 1));
+        assert_eq!(o.rejected_for("destroyed"), 1);
+        assert_eq!(o.other_status[&503], 1);
+        assert_eq!(o.errors, 1);
+        assert_eq!(o.total(), 7);
+        assert_eq!(o.misrouted(), 2);
+
+        let earlier = o.clone();
+        o.record("shop/api", &reply(503, &[(REJECT_HEADER, "recycled")]));
+        let window = o.since(&earlier);
+        assert_eq!(window.total(), 1);
+        assert_eq!(window.rejected_for("recycled"), 1);
+        assert!(window.other_status.is_empty());
+    }
+}
