@@ -49,7 +49,7 @@ use self::log::{ChangeKey, ChangeLog};
 pub(crate) use self::objects::SERVICE_NAME_LABEL;
 use self::objects::{
     obj_name, pod_facts, service_facts, slice_facts, Interner, Labels, ObjName, PodFacts,
-    ServiceFacts, SliceFacts, Target,
+    ServiceFacts, SliceFacts, Target, Uid,
 };
 pub use self::objects::{Kind, Skip};
 
@@ -117,7 +117,7 @@ struct IpEntry {
 #[derive(Debug, Clone)]
 struct TombState {
     pod: String,
-    uid: Arc<str>,
+    uid: Uid,
     services: Vec<ServiceKey>,
     since_ms: u64,
 }
@@ -439,7 +439,7 @@ impl Index {
         for state in holders.iter().filter_map(|n| self.pods.get(n)) {
             let mut ph = DefaultHasher::new();
             let f = &state.facts;
-            (&*f.name.namespace, &*f.name.name, &*f.uid).hash(&mut ph);
+            (&*f.name.namespace, &*f.name.name, &f.uid).hash(&mut ph);
             (f.ready, f.terminating, f.host_network).hash(&mut ph);
             state.selected.len().hash(&mut ph);
             for s in &state.selected {
@@ -463,7 +463,7 @@ impl Index {
             bare.hash(&mut h);
         }
         if let Some(t) = tomb {
-            (&t.pod, &*t.uid, &t.services, t.since_ms).hash(&mut h);
+            (&t.pod, &t.uid, &t.services, t.since_ms).hash(&mut h);
         }
         Some(h.finish())
     }

@@ -203,6 +203,16 @@ impl Model {
 
 // === generators ===
 
+/// Pod uids: plain text for some incarnations, UUIDs (kept as numbers by the
+/// index) for others, so both representations are exercised.
+fn uid_of(n: usize, incarnation: usize) -> String {
+    if incarnation == 2 {
+        format!("00000000-0000-4000-8000-{:012x}", n * 16 + incarnation)
+    } else {
+        format!("uid-p{n}-{incarnation}")
+    }
+}
+
 const IPS: [&str; 5] = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "fd00::1", "fd00::2"];
 const NAMESPACES: [&str; 2] = ["a", "b"];
 
@@ -224,10 +234,10 @@ fn any_pod() -> impl Strategy<Value = Pod> + Clone {
         0..4usize,
         any::<bool>(),
     )
-        .prop_map(|(ns, name, incarnation, ips, app, state, host)| {
-            let name = format!("p{name}");
+        .prop_map(|(ns, n, incarnation, ips, app, state, host)| {
+            let name = format!("p{n}");
             let mut b = pod(NAMESPACES[ns], &name)
-                .uid(&format!("uid-{name}-{incarnation}"))
+                .uid(&uid_of(n, incarnation))
                 .ips(&ips)
                 .labels(&[("app", ["x", "y", "z"][app])]);
             b = match state {
@@ -273,7 +283,7 @@ fn any_slice() -> impl Strategy<Value = EndpointSlice> + Clone {
                 b = b.address_type("IPv6");
             }
             for (ip, target, conditions) in entries {
-                let uid = target.map(|(n, inc)| format!("uid-p{n}-{inc}"));
+                let uid = target.map(|(n, inc)| uid_of(n, inc));
                 b = b.endpoint_with(IPS[ip], uid.as_deref(), conditions);
             }
             b.build()

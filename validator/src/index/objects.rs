@@ -128,6 +128,65 @@ impl Interner {
     }
 }
 
+/// A Kubernetes uid. The API server makes them lowercase UUIDs, kept as 128
+/// bits (no allocation); anything else is kept as text.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Uid {
+    Uuid(u128),
+    Other(Arc<str>),
+}
+
+impl Uid {
+    pub(crate) fn parse(s: &str) -> Self {
+        Self::parse_uuid(s).map_or_else(|| Uid::Other(Arc::from(s)), Uid::Uuid)
+    }
+
+    /// Only the canonical form (36 characters, lowercase hex, hyphens at
+    /// 8-13-18-23), so that printing it gives back the same text.
+    fn parse_uuid(s: &str) -> Option<u128> {
+        let b = s.as_bytes();
+        if b.len() != 36 {
+            return None;
+        }
+        let mut value = 0u128;
+        for (i, c) in b.iter().enumerate() {
+            if matches!(i, 8 | 13 | 18 | 23) {
+                if *c != b'-' {
+                    return None;
+                }
+                continue;
+            }
+            let digit = match c {
+                b'0'..=b'9' => c - b'0',
+                b'a'..=b'f' => c - b'a' + 10,
+                _ => return None,
+            };
+            value = (value << 4) | u128::from(digit);
+        }
+        Some(value)
+    }
+}
+
+impl std::fmt::Display for Uid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Uid::Other(s) => f.write_str(s),
+            Uid::Uuid(v) => {
+                let hex = format!("{v:032x}");
+                write!(
+                    f,
+                    "{}-{}-{}-{}-{}",
+                    &hex[..8],
+                    &hex[8..12],
+                    &hex[12..16],
+                    &hex[16..20],
+                    &hex[20..]
+                )
+            }
+        }
+    }
+}
+
 /// Sorted `(key, value)` pairs.
 pub(crate) type Labels = Box<[(Arc<str>, Arc<str>)]>;
 
@@ -148,7 +207,7 @@ impl std::fmt::Display for ObjName {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PodFacts {
     pub(crate) name: Arc<ObjName>,
-    pub(crate) uid: Arc<str>,
+    pub(crate) uid: Uid,
     pub(crate) labels: Labels,
     /// The IPs the pod holds: empty for a pod without an IP yet, and for a
     /// `Succeeded`/`Failed` pod, whose IP the node has released.
@@ -173,7 +232,7 @@ pub(crate) enum Target {
     Bare,
     /// A Pod, by uid when the reference has one, else by name.
     Pod {
-        uid: Option<Arc<str>>,
+        uid: Option<Uid>,
         name: Option<Arc<ObjName>>,
     },
 }
@@ -183,7 +242,7 @@ impl Target {
     pub(crate) fn is(&self, pod: &PodFacts) -> bool {
         match self {
             Target::Bare => false,
-            Target::Pod { uid: Some(uid), .. } => **uid == *pod.uid,
+            Target::Pod { uid: Some(uid), .. } => *uid == pod.uid,
             Target::Pod {
                 uid: None,
                 name: Some(name),
@@ -235,7 +294,7 @@ pub(crate) fn pod_facts(
         return None;
     };
     let meta = &pod.metadata;
-    let uid: Arc<str> = Arc::from(meta.uid.as_deref().unwrap_or(""));
+    let uid = Uid::parse(meta.uid.as_deref().unwrap_or(""));
     let labels = meta
         .labels
         .as_ref()
@@ -377,8 +436,7 @@ pub(crate) fn slice_facts(
         }
         let target = match &endpoint.target_ref {
             Some(r) if r.kind.as_deref().is_none_or(|k| k == "Pod") => {
-                let uid: Option<Arc<str>> =
-                    r.uid.as_deref().filter(|u| !u.is_empty()).map(Arc::from);
+                let uid: Option<Uid> = r.uid.as_deref().filter(|u| !u.is_empty()).map(Uid::parse);
                 // The name only matters when there is no uid to match by.
                 let by_name = match (&uid, r.name.as_deref().filter(|n| !n.is_empty())) {
                     (None, Some(n)) => {
@@ -430,5 +488,36 @@ fn canonical(ip: IpAddr) -> IpAddr {
             .map(IpAddr::V4)
             .unwrap_or(IpAddr::V6(v6)),
         v4 => v4,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_are_kept_as_numbers_and_print_back_the_same() {
+        let text = "6f1c0a52-0001-4c1e-9a11-0123456789ab";
+        let uid = Uid::parse(text);
+        assert!(matches!(uid, Uid::Uuid(_)));
+        assert_eq!(uid.to_string(), text);
+        assert_eq!(
+            Uid::parse("00000000-0000-0000-0000-000000000000").to_string(),
+            "00000000-0000-0000-0000-000000000000"
+        );
+        for other in [
+            "uid-cart-1",
+            "6F1C0A52-0001-4C1E-9A11-0123456789AB",
+            "6f1c0a52x0001-4c1e-9a11-0123456789ab",
+            "",
+        ] {
+            let uid = Uid::parse(other);
+            assert!(matches!(uid, Uid::Other(_)), "{other}");
+            assert_eq!(uid.to_string(), other);
+        }
+        assert_ne!(
+            Uid::parse(text),
+            Uid::parse("6f1c0a52-0001-4c1e-9a11-0123456789ac")
+        );
     }
 }
