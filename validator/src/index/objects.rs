@@ -130,15 +130,21 @@ impl Interner {
 
 /// A Kubernetes uid. The API server makes them lowercase UUIDs, kept as 128
 /// bits (no allocation); anything else is kept as text.
+///
+/// The number is two `u64` halves rather than a `u128`, whose 16-byte
+/// alignment would pad every struct holding a uid.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Uid {
-    Uuid(u128),
+    Uuid(u64, u64),
     Other(Arc<str>),
 }
 
 impl Uid {
     pub(crate) fn parse(s: &str) -> Self {
-        Self::parse_uuid(s).map_or_else(|| Uid::Other(Arc::from(s)), Uid::Uuid)
+        match Self::parse_uuid(s) {
+            Some(v) => Uid::Uuid((v >> 64) as u64, v as u64),
+            None => Uid::Other(Arc::from(s)),
+        }
     }
 
     /// Only the canonical form (36 characters, lowercase hex, hyphens at
@@ -171,8 +177,8 @@ impl std::fmt::Display for Uid {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Uid::Other(s) => f.write_str(s),
-            Uid::Uuid(v) => {
-                let hex = format!("{v:032x}");
+            Uid::Uuid(hi, lo) => {
+                let hex = format!("{hi:016x}{lo:016x}");
                 write!(
                     f,
                     "{}-{}-{}-{}-{}",
@@ -499,7 +505,8 @@ mod tests {
     fn uuids_are_kept_as_numbers_and_print_back_the_same() {
         let text = "6f1c0a52-0001-4c1e-9a11-0123456789ab";
         let uid = Uid::parse(text);
-        assert!(matches!(uid, Uid::Uuid(_)));
+        assert!(matches!(uid, Uid::Uuid(..)));
+        assert_eq!(std::mem::size_of::<Uid>(), 24);
         assert_eq!(uid.to_string(), text);
         assert_eq!(
             Uid::parse("00000000-0000-0000-0000-000000000000").to_string(),
