@@ -79,7 +79,7 @@ impl ServiceKey {
 }
 
 /// True for a DNS-1123 label, the syntax of namespaces and service names.
-fn is_dns_label(s: &str) -> bool {
+pub fn is_dns_label(s: &str) -> bool {
     let bytes = s.as_bytes();
     !bytes.is_empty()
         && bytes.len() <= 63

@@ -215,7 +215,7 @@ impl Context for Root {
         true
     }
 
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _: usize) {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _: usize) {
         if self.in_flight != Some(token) {
             return;
         }
@@ -229,8 +229,12 @@ impl Context for Root {
             poller.stand_down();
             return;
         }
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
+        // A call that failed (no answer, a reset, or a body over Envoy's async
+        // client limit of 32 MiB) has no header map: asking for one makes the
+        // host answer BadArgument, on which the SDK's wrapper panics.
+        let status = (headers > 0)
+            .then(|| hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status"))
+            .and_then(Result::ok)
             .flatten()
             .and_then(|s| s.parse::<u32>().ok());
         let Some(status) = status else {

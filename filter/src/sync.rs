@@ -97,12 +97,14 @@ impl Request {
     /// The request path.
     pub fn path(&self) -> String {
         match self {
-            Request::Snapshot => "/v1/snapshot?v=1".to_owned(),
+            // The verdict view: what `decide` needs and no more, which keeps a
+            // large snapshot under Envoy's 32 MiB callout limit.
+            Request::Snapshot => "/v1/snapshot?v=1&view=verdict".to_owned(),
             Request::Changes {
                 epoch,
                 since,
                 wait_s,
-            } => format!("/v1/changes?v=1&epoch={epoch}&since={since}&wait={wait_s}"),
+            } => format!("/v1/changes?v=1&view=verdict&epoch={epoch}&since={since}&wait={wait_s}"),
         }
     }
 }
@@ -540,7 +542,10 @@ mod tests {
         assert_eq!(applied, Applied::Reset { entries: 1 });
         assert!(present(&store, "10.0.0.1"));
         let req = p.next_request(10, &store).unwrap();
-        assert_eq!(req.path(), "/v1/changes?v=1&epoch=9&since=3&wait=5");
+        assert_eq!(
+            req.path(),
+            "/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=5"
+        );
         let meta = View::new(&store).meta().unwrap();
         assert_eq!((meta.epoch, meta.generation, meta.synced_ms), (9, 3, 10));
         assert!(meta.fresh);
@@ -595,7 +600,7 @@ mod tests {
         assert!(present(&store, "10.0.0.3"));
         assert_eq!(
             p.next_request(5, &store).unwrap().path(),
-            "/v1/changes?v=1&epoch=11&since=1&wait=5"
+            "/v1/changes?v=1&view=verdict&epoch=11&since=1&wait=5"
         );
     }
 
@@ -611,7 +616,7 @@ mod tests {
         let mut second = Poller::new(CFG, 2);
         assert_eq!(
             second.next_request(1, &store).unwrap().path(),
-            "/v1/changes?v=1&epoch=9&since=3&wait=5"
+            "/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=5"
         );
         let reset = Changes::Reset(snapshot(12, 1, &["10.0.0.5"]));
         second

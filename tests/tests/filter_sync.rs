@@ -87,7 +87,7 @@ fn sync_failures_restarts_and_freshness_in_real_envoy() -> Result<()> {
     assert!(envoy.stat("wasmcustom.staleguard.sync_resets")? > resets);
     assert!(validator.wait_for(WAIT, |log| log
         .iter()
-        .any(|r| r.starts_with("/v1/changes?v=1&epoch=77&"))));
+        .any(|r| r.starts_with("/v1/changes?v=1&view=verdict&epoch=77&"))));
     envoy.eventually("index_fresh gauge", WAIT, |e| {
         Ok(e.stat("wasmcustom.staleguard.index_fresh")? == 1)
     })?;

@@ -214,7 +214,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
         validator
             .requests()
             .iter()
-            .any(|r| r.starts_with("/v1/changes?v=1&epoch=41&since=")),
+            .any(|r| r.starts_with("/v1/changes?v=1&view=verdict&epoch=41&since=")),
         "{:?}",
         validator.requests()
     );

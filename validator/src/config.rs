@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use staleguard_core::service::is_dns_label;
 
 use crate::api::ApiConfig;
 use crate::index::IndexConfig;
@@ -356,15 +357,6 @@ fn check_selector(sel: &str) -> Result<(), &'static str> {
         return Err("unbalanced parentheses");
     }
     Ok(())
-}
-
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
 }
 
 #[cfg(test)]

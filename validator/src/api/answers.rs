@@ -30,6 +30,18 @@ pub(crate) enum Position {
     Since(u64),
 }
 
+/// How much of each record an answer carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum View {
+    /// Everything (the default).
+    #[default]
+    Full,
+    /// What a verdict needs ([`staleguard_core::IpRecord::verdict_view`]):
+    /// what gateways ask for.
+    Verdict,
+}
+
 /// One encoded answer and what the long poll needs to know about it.
 #[derive(Debug, Clone)]
 pub(crate) struct Encoded {
@@ -44,17 +56,17 @@ pub(crate) struct Encoded {
 
 #[derive(Debug, Default)]
 pub(crate) struct Answers {
-    entries: Mutex<HashMap<Position, (Instant, Encoded)>>,
+    entries: Mutex<HashMap<(Position, View), (Instant, Encoded)>>,
 }
 
 impl Answers {
     /// The answer for a client at `(epoch, since)` (or for a snapshot).
-    pub(crate) fn get(&self, index: &SharedIndex, position: Position) -> Encoded {
+    pub(crate) fn get(&self, index: &SharedIndex, position: Position, view: View) -> Encoded {
         let freshness = index.freshness();
         let generation = index.read().generation();
         {
             let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((built, hit)) = entries.get(&position) {
+            if let Some((built, hit)) = entries.get(&(position, view)) {
                 if hit.generation == generation
                     && hit.fresh == freshness.fresh
                     && built.elapsed() < MAX_AGE
@@ -63,12 +75,12 @@ impl Answers {
                 }
             }
         }
-        let encoded = build(index, position, freshness);
+        let encoded = build(index, position, view, freshness);
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.retain(|_, (built, e)| {
             e.generation == encoded.generation && built.elapsed() < MAX_AGE
         });
-        entries.insert(position, (Instant::now(), encoded.clone()));
+        entries.insert((position, view), (Instant::now(), encoded.clone()));
         encoded
     }
 }
@@ -84,12 +96,25 @@ pub(crate) fn position(ours: u64, epoch: Option<u64>, since: Option<u64>) -> Pos
 fn build(
     index: &SharedIndex,
     position: Position,
+    view: View,
     freshness: staleguard_core::Freshness,
 ) -> Encoded {
+    let slim = |records: &mut Vec<staleguard_core::IpRecord>| {
+        if view == View::Verdict {
+            *records = std::mem::take(records)
+                .into_iter()
+                .map(staleguard_core::IpRecord::verdict_view)
+                .collect();
+        }
+    };
     let fresh = freshness.fresh;
     let (document, empty, generation) = {
         let index = index.read();
-        let snapshot = |index: &crate::index::Index| index.snapshot(freshness.clone());
+        let snapshot = |index: &crate::index::Index| {
+            let mut s = index.snapshot(freshness.clone());
+            slim(&mut s.records);
+            s
+        };
         match position {
             Position::Snapshot => {
                 let s: Snapshot = snapshot(&index);
@@ -102,7 +127,8 @@ fn build(
                 (serde_json::to_vec(&Changes::Reset(s)), false, g)
             }
             Position::Since(since) => match index.changes_since(since, freshness.clone()) {
-                Some(delta) => {
+                Some(mut delta) => {
+                    slim(&mut delta.upserts);
                     let (empty, g) = (delta.is_empty(), delta.generation);
                     (serde_json::to_vec(&Changes::Delta(delta)), empty, g)
                 }

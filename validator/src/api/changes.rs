@@ -9,7 +9,7 @@ use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use super::answers::{self, Encoded};
+use super::answers::{self, Encoded, View};
 use super::{check_version, ApiError, ApiState};
 use crate::metrics::Metrics;
 
@@ -23,6 +23,8 @@ pub(crate) struct ChangesQuery {
     epoch: Option<u64>,
     since: Option<u64>,
     wait: Option<f64>,
+    #[serde(default)]
+    view: View,
 }
 
 /// Measures fan-out: the time from the first long poll woken by a generation
@@ -64,7 +66,7 @@ pub(crate) async fn changes(
     let mut generations = state.index.subscribe();
     generations.borrow_and_update();
     let position = answers::position(state.index.read().epoch(), q.epoch, q.since);
-    let first = state.answers.get(&state.index, position);
+    let first = state.answers.get(&state.index, position, q.view);
     if wait.is_zero() || !first.empty || *state.shutdown.borrow() {
         return Ok(encoded(first));
     }
@@ -86,7 +88,7 @@ pub(crate) async fn changes(
                 if changed.is_err() {
                     break;
                 }
-                let next = state.answers.get(&state.index, position);
+                let next = state.answers.get(&state.index, position, q.view);
                 if !next.empty {
                     state.fan_out.observe(&state.metrics, next.generation);
                     return Ok(encoded(next));
@@ -101,7 +103,7 @@ pub(crate) async fn changes(
             _ = &mut deadline => break,
         }
     }
-    Ok(encoded(state.answers.get(&state.index, position)))
+    Ok(encoded(state.answers.get(&state.index, position, q.view)))
 }
 
 pub(crate) fn encoded(answer: Encoded) -> Response {

@@ -143,7 +143,9 @@ async fn snapshot(
 ) -> Result<Response, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
     check_version(q.v)?;
-    let answer = state.answers.get(&state.index, answers::Position::Snapshot);
+    let answer = state
+        .answers
+        .get(&state.index, answers::Position::Snapshot, q.view);
     Ok(changes::encoded(answer))
 }
 
@@ -337,6 +339,8 @@ fn parse_ip(text: &str) -> Result<IpAddr, ApiError> {
 #[derive(Debug, Deserialize)]
 struct VersionQuery {
     v: Option<u32>,
+    #[serde(default)]
+    view: answers::View,
 }
 
 #[derive(Debug, Deserialize)]

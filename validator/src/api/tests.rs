@@ -115,6 +115,48 @@ async fn snapshot_has_every_record_with_epoch_generation_and_freshness() {
 }
 
 #[tokio::test]
+async fn the_verdict_view_drops_what_a_verdict_does_not_need() {
+    let f = fixture();
+    let (_, full) = get(&f.app, "/v1/snapshot").await;
+    let (status, slim) = get(&f.app, "/v1/snapshot?view=verdict").await;
+    assert_eq!(status, StatusCode::OK);
+    let cart_1 = |doc: &Value| {
+        doc["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["ip"] == "10.0.0.1")
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(cart_1(&full)["pods"][0]["uid"], "uid-cart-1");
+    assert_eq!(
+        cart_1(&full)["pods"][0]["services"][0]["ports"][0]["port"],
+        8080
+    );
+    let slim_pod = &cart_1(&slim)["pods"][0];
+    assert_eq!(slim_pod["name"], "cart-1");
+    assert_eq!(slim_pod["services"][0]["service"], "shop/cart");
+    assert!(slim_pod.get("uid").is_none() && slim_pod["services"][0].get("ports").is_none());
+    assert!(slim.to_string().len() < full.to_string().len());
+
+    let g = f.index.read().generation();
+    delete_cart_2(&f.index);
+    let (_, body) = get(
+        &f.app,
+        &format!("/v1/changes?epoch={EPOCH}&since={g}&view=verdict"),
+    )
+    .await;
+    let Changes::Delta(delta) = changes(body) else {
+        panic!("expected a delta")
+    };
+    assert_eq!(delta.upserts.len(), 1);
+    assert!(delta.upserts[0].tombstone.as_ref().unwrap().uid.is_empty());
+    let (status, _) = get(&f.app, "/v1/snapshot?view=everything").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
 async fn changes_from_the_current_generation_are_an_empty_delta() {
     let f = fixture();
     let g = f.index.read().generation();
