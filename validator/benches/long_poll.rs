@@ -15,14 +15,12 @@ use std::io::{BufRead, Write};
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use staleguard_core::Changes;
-use staleguard_validator::api::{self, ApiConfig, ApiState, Listeners};
+use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::metrics::Metrics;
 use staleguard_validator::shared::SharedIndex;
 use staleguard_validator::synth;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -69,22 +67,7 @@ fn server() -> Result<()> {
             max_long_polls: 100_000,
             ..ApiConfig::default()
         };
-        let listeners = Listeners::bind(&config).await?;
-        let (port, admin) = (listeners.public_addr()?, listeners.admin_addr()?);
-        let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let state = ApiState::new(
-            shared.clone(),
-            Arc::new(Metrics::new()),
-            config.limits(),
-            stop_rx,
-        );
-        tokio::spawn(api::serve(
-            listeners,
-            state,
-            None,
-            config.shutdown_grace,
-            std::future::pending(),
-        ));
+        let (port, admin) = api::spawn(shared.clone(), &config).await?;
         let (epoch, generation) = {
             let index = shared.read();
             (index.epoch(), index.generation())

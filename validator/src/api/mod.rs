@@ -38,7 +38,7 @@ use tokio::sync::Semaphore;
 pub use auth::{Token, TokenError};
 pub use changes::FanOut;
 pub use error::ApiError;
-pub use serve::{serve, ApiConfig, Listeners, ServeError};
+pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};
 
 use crate::metrics::Metrics;
 use crate::shared::SharedIndex;

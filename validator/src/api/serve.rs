@@ -8,6 +8,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use super::{admin_router, router, ApiState, Limits, Token, TokenError};
+use crate::metrics::Metrics;
+use crate::shared::SharedIndex;
 
 /// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
 /// `--max-wait`, `--max-long-polls`, `--request-timeout`, `--shutdown-grace`).
@@ -151,4 +153,34 @@ pub async fn serve(
         }
     }
     Ok(())
+}
+
+/// Serves `index` in the background on `config`'s addresses (port 0 picks a
+/// free one) until the process ends, and returns the public and admin
+/// addresses: the validator's API inside a benchmark or a test harness.
+pub async fn spawn(
+    index: SharedIndex,
+    config: &ApiConfig,
+) -> Result<(SocketAddr, SocketAddr), ServeError> {
+    let listeners = Listeners::bind(config).await?;
+    let addrs = (listeners.public_addr()?, listeners.admin_addr()?);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let state = ApiState::new(
+        index,
+        std::sync::Arc::new(Metrics::new()),
+        config.limits(),
+        stopped,
+    );
+    tokio::spawn(async move {
+        let _keep_open = stop;
+        serve(
+            listeners,
+            state,
+            None,
+            Duration::ZERO,
+            std::future::pending(),
+        )
+        .await
+    });
+    Ok(addrs)
 }
