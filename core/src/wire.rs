@@ -351,7 +351,12 @@ mod tests {
         let full = record();
         let slim = full.clone().verdict_view();
         let service = ServiceKey::new("shop", "cart");
-        for policy in [crate::Policy::default()] {
+        let strict = crate::Policy {
+            terminating: crate::Action::Reject,
+            unknown_service: crate::Action::Reject,
+            failure_policy: crate::verdict::FailurePolicy::Closed,
+        };
+        for policy in [crate::Policy::default(), strict] {
             assert_eq!(
                 crate::decide(&policy, true, &service, true, Some(&full)),
                 crate::decide(&policy, true, &service, true, Some(&slim))
