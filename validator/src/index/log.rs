@@ -5,7 +5,7 @@
 //! most `capacity` keys. Dropping the oldest key raises the floor: a client whose
 //! generation is below it may have missed that change and must reset.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -18,9 +18,14 @@ pub(crate) enum ChangeKey {
     Service(Arc<ServiceKey>),
 }
 
+/// Changes in generation order. A key that changes again leaves its older
+/// place in the queue behind, stale (its generation is no longer the key's
+/// latest); readers skip stale places, and the queue is compacted when they
+/// outnumber the live ones. Appending is amortised O(1), where a sorted set
+/// paid a tree insert and a tree removal per change.
 #[derive(Debug)]
 pub(crate) struct ChangeLog {
-    by_generation: BTreeSet<(u64, ChangeKey)>,
+    queue: VecDeque<(u64, ChangeKey)>,
     latest: HashMap<ChangeKey, u64>,
     capacity: usize,
     /// Clients at a generation below this may have missed a dropped change.
@@ -28,26 +33,35 @@ pub(crate) struct ChangeLog {
 }
 
 impl ChangeLog {
+    /// A log of at most `capacity` keys. Its map is sized for them up front:
+    /// growing it while the cluster churns would rehash on the event path.
     pub(crate) fn new(capacity: usize) -> Self {
+        let capacity = capacity.max(1);
         Self {
-            by_generation: BTreeSet::new(),
-            latest: HashMap::new(),
-            capacity: capacity.max(1),
+            queue: VecDeque::new(),
+            latest: HashMap::with_capacity(capacity.min(1 << 20)),
+            capacity,
             floor: 0,
         }
     }
 
+    /// Records that `key` changed at `generation`, which is never below the
+    /// generation of an earlier call.
     pub(crate) fn record(&mut self, key: ChangeKey, generation: u64) {
-        if let Some(old) = self.latest.insert(key.clone(), generation) {
-            self.by_generation.remove(&(old, key.clone()));
-        }
-        self.by_generation.insert((generation, key));
+        self.latest.insert(key.clone(), generation);
+        self.queue.push_back((generation, key));
         while self.latest.len() > self.capacity {
-            let Some((dropped, key)) = self.by_generation.pop_first() else {
+            let Some((dropped, key)) = self.queue.pop_front() else {
                 break;
             };
-            self.latest.remove(&key);
-            self.floor = self.floor.max(dropped);
+            if self.latest.get(&key) == Some(&dropped) {
+                self.latest.remove(&key);
+                self.floor = self.floor.max(dropped);
+            }
+        }
+        if self.queue.len() > 2 * self.latest.len() + 64 {
+            let latest = &self.latest;
+            self.queue.retain(|(g, k)| latest.get(k) == Some(g));
         }
     }
 
@@ -56,10 +70,11 @@ impl ChangeLog {
         if since < self.floor {
             return None;
         }
-        let start = since.checked_add(1)?;
+        let start = self.queue.partition_point(|(g, _)| *g <= since);
         Some(
-            self.by_generation
-                .range((start, ChangeKey::Ip(IpAddr::from([0, 0, 0, 0])))..)
+            self.queue
+                .range(start..)
+                .filter(|(g, k)| self.latest.get(k) == Some(g))
                 .map(|(_, k)| k),
         )
     }
@@ -91,5 +106,20 @@ mod tests {
         let keys: Vec<_> = log.since(2).unwrap().cloned().collect();
         assert_eq!(keys, vec![ip(1), ip(3)]);
         assert_eq!(log.since(4).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_key_changing_over_and_over_keeps_the_queue_short() {
+        let mut log = ChangeLog::new(10);
+        for g in 1..=10_000 {
+            log.record(ip(1), g);
+        }
+        log.record(ip(2), 10_001);
+        assert_eq!(log.len(), 2);
+        assert!(log.queue.len() <= 2 * 2 + 64 + 1, "{}", log.queue.len());
+        let keys: Vec<_> = log.since(0).unwrap().cloned().collect();
+        assert_eq!(keys, vec![ip(1), ip(2)]);
+        let keys: Vec<_> = log.since(10_000).unwrap().cloned().collect();
+        assert_eq!(keys, vec![ip(2)]);
     }
 }
