@@ -197,6 +197,14 @@ impl SliceBuilder {
         self
     }
 
+    /// Adds `ip` to the addresses of the last endpoint.
+    pub(crate) fn also(mut self, ip: &str) -> Self {
+        if let Some(last) = self.0.endpoints.last_mut() {
+            last.addresses.push(ip.into());
+        }
+        self
+    }
+
     pub(crate) fn build(self) -> EndpointSlice {
         self.0
     }

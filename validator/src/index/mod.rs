@@ -15,13 +15,16 @@
 //!   an entry without `targetRef` makes the IP a bare member of the service;
 //! - an IP that loses its last holder keeps a tombstone for a while.
 //!
-//! Internally the index keeps compact facts per object (see [`objects`]) and
-//! reverse maps from IP to pods and slice entries. An event changes facts, marks
-//! the IPs it touched, and only those IPs are re-derived; a record whose
-//! fingerprint changed bumps the generation and enters the change log.
+//! Internally the index keeps compact facts per object (see [`objects`]): pods
+//! and slices in [`table`]s, by id, and one map from IP to the ids of the pods
+//! holding it and the slice entries listing it (each entry is stored there
+//! only). An event changes facts, marks the IPs it touched, and only those IPs
+//! are re-derived; a record whose fingerprint changed bumps the generation and
+//! enters the change log.
 
 mod log;
 mod objects;
+mod table;
 
 #[cfg(test)]
 pub(crate) mod fixtures;
@@ -40,6 +43,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher::Event;
+use smallvec::SmallVec;
 use staleguard_core::wire::{
     Delta, EndpointConditions, EndpointPort, Membership, PodHolder, Tombstone, Via, WIRE_VERSION,
 };
@@ -48,10 +52,11 @@ use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
 use self::log::{ChangeKey, ChangeLog};
 pub(crate) use self::objects::SERVICE_NAME_LABEL;
 use self::objects::{
-    obj_name, pod_facts, service_facts, slice_facts, Interner, Labels, ObjName, PodFacts,
-    ServiceFacts, SliceFacts, Target, Uid,
+    obj_name, pod_facts, service_facts, slice_facts, EntryFacts, Interner, Ips, Labels, ObjName,
+    PodFacts, ServiceFacts, SliceFacts, Target, Uid,
 };
 pub use self::objects::{Kind, Skip};
+use self::table::{Id, Named, Table};
 
 /// How the index behaves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,17 +106,64 @@ pub struct IndexStats {
 struct PodState {
     facts: PodFacts,
     /// Sorted; services of the pod's namespace whose selector matches it.
-    selected: Vec<Arc<ServiceKey>>,
+    selected: SmallVec<[Arc<ServiceKey>; 1]>,
+    /// Where the pod's id sits in its namespace's list.
+    ns_slot: usize,
 }
 
-/// One slice entry, as seen from one of its IPs.
-#[derive(Debug, Clone)]
-struct IpEntry {
-    slice: Arc<ObjName>,
+impl Named for PodState {
+    fn name(&self) -> &ObjName {
+        &self.facts.name
+    }
+}
+
+/// A slice as the index keeps it. Its entries live under their IPs only; the
+/// slice remembers which IPs it listed, to diff the next version against.
+#[derive(Debug)]
+struct SliceState {
+    name: ObjName,
     service: Arc<ServiceKey>,
+    ports: Arc<[EndpointPort]>,
+    /// Sorted, without duplicates.
+    ips: Box<[IpAddr]>,
+}
+
+impl Named for SliceState {
+    fn name(&self) -> &ObjName {
+        &self.name
+    }
+}
+
+/// One slice entry, as seen from its IP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct IpEntry {
+    slice: Id,
     target: Target,
     conditions: EndpointConditions,
-    ports: Arc<[EndpointPort]>,
+}
+
+/// Everything the index knows about one IP but its tombstone.
+#[derive(Debug, Default)]
+struct IpState {
+    /// Pods holding the IP.
+    holders: SmallVec<[Id; 1]>,
+    /// Slice entries listing the IP, sorted by slice name (stable within a
+    /// slice), so which slice's conditions win does not depend on the order
+    /// events arrived in.
+    entries: SmallVec<[IpEntry; 1]>,
+    /// The pod that held the IP last, once nobody does.
+    tomb: Option<Box<TombState>>,
+    /// The fingerprint of the IP's record; 0 when it has none.
+    fingerprint: u64,
+}
+
+impl IpState {
+    fn is_empty(&self) -> bool {
+        self.holders.is_empty()
+            && self.entries.is_empty()
+            && self.tomb.is_none()
+            && self.fingerprint == 0
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -137,20 +189,19 @@ pub struct Index {
     generation: u64,
     config: IndexConfig,
     interner: Interner,
-    pods: HashMap<Arc<ObjName>, PodState>,
-    ns_pods: HashMap<Arc<str>, HashSet<Arc<ObjName>>>,
+    pods: Table<PodState>,
+    /// Per namespace, its pods' ids.
+    ns_pods: HashMap<Arc<str>, Vec<Id>>,
     services: HashMap<Arc<ServiceKey>, ServiceFacts>,
     /// Per namespace, the services that have a selector.
     ns_selectors: HashMap<Arc<str>, Vec<Arc<ServiceKey>>>,
-    slices: HashMap<Arc<ObjName>, SliceFacts>,
-    ip_pods: HashMap<IpAddr, Vec<Arc<ObjName>>>,
-    /// Per IP, slice entries listing it, sorted by slice name.
-    ip_entries: HashMap<IpAddr, Vec<IpEntry>>,
+    slices: Table<SliceState>,
+    ips: HashMap<IpAddr, IpState>,
+    /// IPs with a record (a non-zero fingerprint).
+    records: usize,
     slice_entries: usize,
-    tombstones: HashMap<IpAddr, TombState>,
+    /// Every tombstone, oldest first.
     tomb_queue: BTreeSet<(u64, IpAddr)>,
-    /// IPs with a record, and the fingerprint of that record.
-    fingerprints: HashMap<IpAddr, u64>,
     log: ChangeLog,
     synced: [bool; 3],
     relists: Relists,
@@ -173,17 +224,15 @@ impl Index {
             log: ChangeLog::new(config.change_log_capacity),
             config,
             interner: Interner::default(),
-            pods: HashMap::new(),
+            pods: Table::default(),
             ns_pods: HashMap::new(),
             services: HashMap::new(),
             ns_selectors: HashMap::new(),
-            slices: HashMap::new(),
-            ip_pods: HashMap::new(),
-            ip_entries: HashMap::new(),
+            slices: Table::default(),
+            ips: HashMap::new(),
+            records: 0,
             slice_entries: 0,
-            tombstones: HashMap::new(),
             tomb_queue: BTreeSet::new(),
-            fingerprints: HashMap::new(),
             synced: [false; 3],
             relists: Relists::default(),
             skipped: BTreeMap::new(),
@@ -232,16 +281,15 @@ impl Index {
             Event::InitDone => {
                 self.synced[Kind::Pod.slot()] = true;
                 if let Some(listed) = self.relists.pods.take() {
-                    let keep: HashSet<Arc<ObjName>> =
-                        listed.iter().map(|f| f.name.clone()).collect();
-                    let gone: Vec<_> = self
+                    let keep: HashSet<&ObjName> = listed.iter().map(|f| &f.name).collect();
+                    let gone: Vec<Id> = self
                         .pods
-                        .keys()
-                        .filter(|k| !keep.contains(*k))
-                        .cloned()
+                        .iter()
+                        .filter(|(_, p)| !keep.contains(&p.facts.name))
+                        .map(|(id, _)| id)
                         .collect();
-                    for name in gone {
-                        self.remove_pod(&name);
+                    for id in gone {
+                        self.remove_pod(id);
                     }
                     for facts in listed {
                         self.upsert_pod(facts);
@@ -254,7 +302,11 @@ impl Index {
                 }
             }
             Event::Delete(pod) => match obj_name(&pod, &mut self.interner) {
-                Some(name) => self.remove_pod(&name),
+                Some(name) => {
+                    if let Some(id) = self.pods.find(&name) {
+                        self.remove_pod(id);
+                    }
+                }
                 None => self.skips.push(Skip::MissingName),
             },
         }
@@ -320,16 +372,15 @@ impl Index {
             Event::InitDone => {
                 self.synced[Kind::EndpointSlice.slot()] = true;
                 if let Some(listed) = self.relists.slices.take() {
-                    let keep: HashSet<Arc<ObjName>> =
-                        listed.iter().map(|f| f.name.clone()).collect();
-                    let gone: Vec<_> = self
+                    let keep: HashSet<&ObjName> = listed.iter().map(|f| &f.name).collect();
+                    let gone: Vec<Id> = self
                         .slices
-                        .keys()
-                        .filter(|k| !keep.contains(*k))
-                        .cloned()
+                        .iter()
+                        .filter(|(_, s)| !keep.contains(&s.name))
+                        .map(|(id, _)| id)
                         .collect();
-                    for name in gone {
-                        self.remove_slice(&name);
+                    for id in gone {
+                        self.remove_slice(id);
                     }
                     for facts in listed {
                         self.upsert_slice(facts);
@@ -341,14 +392,20 @@ impl Index {
                     Some(facts) => self.upsert_slice(facts),
                     // A slice that lost its service label lists nobody now.
                     None => {
-                        if let Some(name) = obj_name(&slice, &mut self.interner) {
-                            self.remove_slice(&name);
+                        if let Some(id) = obj_name(&slice, &mut self.interner)
+                            .and_then(|name| self.slices.find(&name))
+                        {
+                            self.remove_slice(id);
                         }
                     }
                 }
             }
             Event::Delete(slice) => match obj_name(&slice, &mut self.interner) {
-                Some(name) => self.remove_slice(&name),
+                Some(name) => {
+                    if let Some(id) = self.slices.find(&name) {
+                        self.remove_slice(id);
+                    }
+                }
                 None => self.skips.push(Skip::MissingName),
             },
         }
@@ -364,13 +421,11 @@ impl Index {
                 break;
             }
             self.tomb_queue.pop_first();
-            if self
-                .tombstones
-                .get(&ip)
-                .is_some_and(|t| t.since_ms == since_ms)
-            {
-                self.tombstones.remove(&ip);
-                self.touched.push(ip);
+            if let Some(state) = self.ips.get_mut(&ip) {
+                if state.tomb.as_ref().is_some_and(|t| t.since_ms == since_ms) {
+                    state.tomb = None;
+                    self.touched.push(ip);
+                }
             }
         }
         self.finish(Kind::Pod, now);
@@ -379,18 +434,20 @@ impl Index {
     /// The record of one IP, or `None` when the index knows nothing about it.
     pub fn record(&self, ip: IpAddr) -> Option<IpRecord> {
         let ip = canonical(ip);
+        let state = self.ips.get(&ip);
+        let entries: &[IpEntry] = state.map_or(&[], |s| &s.entries);
         let mut pods: Vec<PodHolder> = Vec::new();
-        let entries: &[IpEntry] = self.ip_entries.get(&ip).map_or(&[], Vec::as_slice);
-        for name in self.ip_pods.get(&ip).into_iter().flatten() {
-            let Some(state) = self.pods.get(name) else {
-                continue;
-            };
-            let f = &state.facts;
+        for pod in state
+            .into_iter()
+            .flat_map(|s| &s.holders)
+            .filter_map(|&id| self.pods.get(id))
+        {
+            let f = &pod.facts;
             pods.push(PodHolder {
                 namespace: f.name.namespace.to_string(),
                 name: f.name.name.to_string(),
                 uid: f.uid.to_string(),
-                services: memberships(state, entries),
+                services: self.memberships(pod, entries),
                 ready: f.ready,
                 terminating: f.terminating,
                 host_network: f.host_network,
@@ -400,11 +457,12 @@ impl Index {
         let mut bare_services: Vec<ServiceKey> = entries
             .iter()
             .filter(|e| e.target == Target::Bare)
-            .map(|e| (*e.service).clone())
+            .filter_map(|e| self.slices.get(e.slice))
+            .map(|s| (*s.service).clone())
             .collect();
         bare_services.sort();
         bare_services.dedup();
-        let tombstone = self.tombstones.get(&ip).map(|t| Tombstone {
+        let tombstone = state.and_then(|s| s.tomb.as_ref()).map(|t| Tombstone {
             pod: t.pod.clone(),
             uid: t.uid.to_string(),
             services: t.services.clone(),
@@ -421,33 +479,35 @@ impl Index {
 
     /// A hash of everything `record(ip)` would say, computed from the facts
     /// it is derived from without building it (the hot path of every event);
-    /// `None` exactly when `record(ip)` is `None`. A new field in the record
-    /// must be derived from facts hashed here, or its changes would never
-    /// reach clients (the property test compares deltas with snapshots).
-    fn fingerprint(&self, ip: IpAddr) -> Option<u64> {
-        let holders = self.ip_pods.get(&ip).map_or(&[][..], Vec::as_slice);
-        let entries: &[IpEntry] = self.ip_entries.get(&ip).map_or(&[], Vec::as_slice);
-        let tomb = self.tombstones.get(&ip);
+    /// 0 exactly when `record(ip)` is `None`. A new field in the record must
+    /// be derived from facts hashed here, or its changes would never reach
+    /// clients (the property test compares deltas with snapshots).
+    fn fingerprint(&self, ip: IpAddr, state: Option<&IpState>) -> u64 {
+        let holders: &[Id] = state.map_or(&[], |s| &s.holders);
+        let entries: &[IpEntry] = state.map_or(&[], |s| &s.entries);
+        let tomb = state.and_then(|s| s.tomb.as_ref());
         let has_bare = entries.iter().any(|e| e.target == Target::Bare);
         if holders.is_empty() && !has_bare && tomb.is_none() {
-            return None;
+            return 0;
         }
         let mut h = DefaultHasher::new();
         ip.hash(&mut h);
         // Holders are served sorted, so their order here must not matter.
         let mut holders_sum = 0u64;
-        for state in holders.iter().filter_map(|n| self.pods.get(n)) {
+        for pod in holders.iter().filter_map(|&id| self.pods.get(id)) {
             let mut ph = DefaultHasher::new();
-            let f = &state.facts;
+            let f = &pod.facts;
             (&*f.name.namespace, &*f.name.name, &f.uid).hash(&mut ph);
             (f.ready, f.terminating, f.host_network).hash(&mut ph);
-            state.selected.len().hash(&mut ph);
-            for s in &state.selected {
+            pod.selected.len().hash(&mut ph);
+            for s in &pod.selected {
                 s.hash(&mut ph);
             }
             for e in entries.iter().filter(|e| e.target.is(f)) {
-                e.service.hash(&mut ph);
-                hash_entry(e, &mut ph);
+                if let Some(slice) = self.slices.get(e.slice) {
+                    slice.service.hash(&mut ph);
+                    hash_entry(slice, e, &mut ph);
+                }
             }
             holders_sum = holders_sum.wrapping_add(ph.finish());
         }
@@ -456,7 +516,8 @@ impl Index {
             let mut bare: Vec<&ServiceKey> = entries
                 .iter()
                 .filter(|e| e.target == Target::Bare)
-                .map(|e| &*e.service)
+                .filter_map(|e| self.slices.get(e.slice))
+                .map(|s| &*s.service)
                 .collect();
             bare.sort();
             bare.dedup();
@@ -465,7 +526,8 @@ impl Index {
         if let Some(t) = tomb {
             (&t.pod, &t.uid, &t.services, t.since_ms).hash(&mut h);
         }
-        Some(h.finish())
+        // 0 means "no record".
+        h.finish().max(1)
     }
 
     /// True when a Service object `service` exists (in the watched scope).
@@ -482,7 +544,12 @@ impl Index {
 
     /// The whole index at the current generation.
     pub fn snapshot(&self, freshness: Freshness) -> Snapshot {
-        let mut ips: Vec<IpAddr> = self.fingerprints.keys().copied().collect();
+        let mut ips: Vec<IpAddr> = self
+            .ips
+            .iter()
+            .filter(|(_, s)| s.fingerprint != 0)
+            .map(|(ip, _)| *ip)
+            .collect();
         ips.sort_unstable();
         Snapshot {
             v: WIRE_VERSION,
@@ -536,9 +603,9 @@ impl Index {
         IndexStats {
             generation: self.generation,
             pods: self.pods.len(),
-            ips: self.fingerprints.len(),
+            ips: self.records,
             services: self.services.len(),
-            tombstones: self.tombstones.len(),
+            tombstones: self.tomb_queue.len(),
             slices: self.slices.len(),
             slice_entries: self.slice_entries,
             change_log: self.log.len(),
@@ -551,15 +618,16 @@ impl Index {
     pub fn service_members(&self) -> Vec<(ServiceKey, usize)> {
         let mut counts: BTreeMap<ServiceKey, usize> =
             self.services.keys().map(|k| ((**k).clone(), 0)).collect();
-        for state in self.pods.values() {
-            if state.facts.terminating || state.facts.ips.is_empty() {
+        for (_, pod) in self.pods.iter() {
+            if pod.facts.terminating || pod.facts.ips.is_empty() {
                 continue;
             }
-            let mut services: BTreeSet<&ServiceKey> = state.selected.iter().map(|s| &**s).collect();
-            for ip in state.facts.ips.iter() {
-                for e in self.ip_entries.get(ip).into_iter().flatten() {
-                    if e.target.is(&state.facts) {
-                        services.insert(&e.service);
+            let mut services: BTreeSet<&ServiceKey> = pod.selected.iter().map(|s| &**s).collect();
+            for ip in pod.facts.ips.iter() {
+                let entries = self.ips.get(ip).map_or(&[][..], |s| &s.entries);
+                for e in entries.iter().filter(|e| e.target.is(&pod.facts)) {
+                    if let Some(slice) = self.slices.get(e.slice) {
+                        services.insert(&slice.service);
                     }
                 }
             }
@@ -570,70 +638,149 @@ impl Index {
         counts.into_iter().collect()
     }
 
+    /// The memberships of `pod` at an IP whose slice entries are `entries`.
+    fn memberships(&self, pod: &PodState, entries: &[IpEntry]) -> Vec<Membership> {
+        let mut out: Vec<Membership> = pod
+            .selected
+            .iter()
+            .map(|s| Membership {
+                service: (**s).clone(),
+                via: Via::Selector,
+                ports: Vec::new(),
+                conditions: None,
+            })
+            .collect();
+        for entry in entries.iter().filter(|e| e.target.is(&pod.facts)) {
+            let Some(slice) = self.slices.get(entry.slice) else {
+                continue;
+            };
+            match out.iter_mut().find(|m| m.service == *slice.service) {
+                Some(m) => {
+                    if m.via == Via::Selector {
+                        m.via = Via::Both;
+                    }
+                    m.ports.extend(slice.ports.iter().cloned());
+                    m.ports.sort();
+                    m.ports.dedup();
+                    m.conditions.get_or_insert(entry.conditions);
+                }
+                None => out.push(Membership {
+                    service: (*slice.service).clone(),
+                    via: Via::Slice,
+                    ports: slice.ports.to_vec(),
+                    conditions: Some(entry.conditions),
+                }),
+            }
+        }
+        out.sort_by(|a, b| a.service.cmp(&b.service));
+        out
+    }
+
     // --- pods ---
 
     fn upsert_pod(&mut self, facts: PodFacts) {
-        let name = facts.name.clone();
-        let old = match self.pods.remove(&name) {
-            Some(old) if old.facts == facts => {
-                self.pods.insert(name, old);
-                return;
+        let Some(id) = self.pods.find(&facts.name) else {
+            let selected = self.select(&facts.name.namespace, &facts.labels);
+            let ns_list = self
+                .ns_pods
+                .entry(facts.name.namespace.clone())
+                .or_default();
+            let ns_slot = ns_list.len();
+            let ips = facts.ips.clone();
+            let id = self.pods.insert(PodState {
+                facts,
+                selected,
+                ns_slot,
+            });
+            ns_list.push(id);
+            for ip in ips {
+                self.ips.entry(ip).or_default().holders.push(id);
+                self.touched.push(ip);
             }
-            old => old,
+            return;
         };
-        let selected = self.select(&facts.name.namespace, &facts.labels);
-        let new = PodState { facts, selected };
-        if let Some(old) = &old {
-            for ip in old.facts.ips.iter() {
-                if new.facts.ips.contains(ip) {
-                    self.touched.push(*ip);
-                } else {
-                    self.release(*ip, old);
+        let Some(old) = self.pods.get(id) else {
+            return;
+        };
+        if old.facts == facts {
+            return;
+        }
+        // The IPs the pod gave up: settle them while the state is the old one,
+        // which a tombstone remembers.
+        let released: Ips = old
+            .facts
+            .ips
+            .iter()
+            .filter(|ip| !facts.ips.contains(ip))
+            .copied()
+            .collect();
+        // Label sets are shared: the same set means the same labels.
+        let selected = if Arc::ptr_eq(&old.facts.labels, &facts.labels) {
+            None
+        } else {
+            Some(self.select(&facts.name.namespace, &facts.labels))
+        };
+        for ip in released {
+            self.release(ip, id);
+        }
+        let Some(pod) = self.pods.get_mut(id) else {
+            return;
+        };
+        let old_ips = std::mem::replace(&mut pod.facts, facts).ips;
+        if let Some(selected) = selected {
+            pod.selected = selected;
+        }
+        for &ip in pod.facts.ips.iter() {
+            if !old_ips.contains(&ip) {
+                self.ips.entry(ip).or_default().holders.push(id);
+            }
+            self.touched.push(ip);
+        }
+    }
+
+    fn remove_pod(&mut self, id: Id) {
+        let ips = match self.pods.get(id) {
+            Some(pod) => pod.facts.ips.clone(),
+            None => return,
+        };
+        for ip in ips {
+            self.release(ip, id);
+        }
+        let Some(old) = self.pods.remove(id) else {
+            return;
+        };
+        if let Entry::Occupied(mut list) = self.ns_pods.entry(old.facts.name.namespace.clone()) {
+            let list_ref = list.get_mut();
+            if list_ref.get(old.ns_slot) == Some(&id) {
+                list_ref.swap_remove(old.ns_slot);
+                if let Some(&moved) = list_ref.get(old.ns_slot) {
+                    if let Some(pod) = self.pods.get_mut(moved) {
+                        pod.ns_slot = old.ns_slot;
+                    }
                 }
             }
-        } else {
-            self.ns_pods
-                .entry(name.namespace.clone())
-                .or_default()
-                .insert(name.clone());
-        }
-        for ip in new.facts.ips.iter() {
-            if old.as_ref().is_none_or(|o| !o.facts.ips.contains(ip)) {
-                self.ip_pods.entry(*ip).or_default().push(name.clone());
-                self.touched.push(*ip);
+            if list.get().is_empty() {
+                list.remove();
             }
-        }
-        self.pods.insert(name, new);
-    }
-
-    fn remove_pod(&mut self, name: &ObjName) {
-        let Some(old) = self.pods.remove(name) else {
-            return;
-        };
-        if let Entry::Occupied(mut e) = self.ns_pods.entry(old.facts.name.namespace.clone()) {
-            e.get_mut().remove(name);
-            if e.get().is_empty() {
-                e.remove();
-            }
-        }
-        for ip in old.facts.ips.iter() {
-            self.release(*ip, &old);
         }
     }
 
-    /// `old` no longer holds `ip`; remember a tombstone if it was the last holder.
-    fn release(&mut self, ip: IpAddr, old: &PodState) {
+    /// Pod `id` (still in its old state) no longer holds `ip`; remember a
+    /// tombstone if it was the last holder.
+    fn release(&mut self, ip: IpAddr, id: Id) {
         self.touched.push(ip);
-        let Entry::Occupied(mut holders) = self.ip_pods.entry(ip) else {
+        let Some(state) = self.ips.get_mut(&ip) else {
             return;
         };
-        holders.get_mut().retain(|n| **n != *old.facts.name);
-        if !holders.get().is_empty() {
+        state.holders.retain(|h| *h != id);
+        if !state.holders.is_empty() {
             return;
         }
-        holders.remove();
-        let entries: &[IpEntry] = self.ip_entries.get(&ip).map_or(&[], Vec::as_slice);
-        let services = memberships(old, entries)
+        let (Some(old), Some(state)) = (self.pods.get(id), self.ips.get(&ip)) else {
+            return;
+        };
+        let services = self
+            .memberships(old, &state.entries)
             .into_iter()
             .map(|m| m.service)
             .collect();
@@ -649,8 +796,8 @@ impl Index {
     }
 
     /// Services of `namespace` whose selector matches `labels`, sorted.
-    fn select(&self, namespace: &str, labels: &Labels) -> Vec<Arc<ServiceKey>> {
-        let mut out: Vec<Arc<ServiceKey>> = self
+    fn select(&self, namespace: &str, labels: &Labels) -> SmallVec<[Arc<ServiceKey>; 1]> {
+        let mut out: SmallVec<[Arc<ServiceKey>; 1]> = self
             .ns_selectors
             .get(namespace)
             .into_iter()
@@ -709,140 +856,156 @@ impl Index {
         if list.is_empty() {
             self.ns_selectors.remove(&namespace);
         }
-        let Some(names) = self.ns_pods.get(&namespace) else {
+        let Some(ids) = self.ns_pods.get(&namespace) else {
             return;
         };
-        for name in names {
-            let Some(state) = self.pods.get_mut(name) else {
+        for &id in ids {
+            let Some(pod) = self.pods.get_mut(id) else {
                 continue;
             };
             let matches = selector
                 .as_ref()
-                .is_some_and(|s| selects(s, &state.facts.labels));
-            let position = state.selected.binary_search(key);
+                .is_some_and(|s| selects(s, &pod.facts.labels));
+            let position = pod.selected.binary_search(key);
             match (matches, position) {
-                (true, Err(at)) => state.selected.insert(at, key.clone()),
+                (true, Err(at)) => pod.selected.insert(at, key.clone()),
                 (false, Ok(at)) => {
-                    state.selected.remove(at);
+                    pod.selected.remove(at);
                 }
                 _ => continue,
             }
-            self.touched.extend(state.facts.ips.iter().copied());
+            self.touched.extend(pod.facts.ips.iter().copied());
         }
     }
 
     // --- slices ---
 
     fn upsert_slice(&mut self, facts: SliceFacts) {
-        let Some(old) = self.slices.remove(&facts.name) else {
-            for entry in &facts.entries {
-                for ip in entry.ips.iter() {
-                    self.insert_entry(*ip, &facts, &entry.target, entry.conditions);
+        let SliceFacts {
+            name,
+            service,
+            ports,
+            entries,
+        } = facts;
+        let id = match self.slices.find(&name) {
+            Some(id) => {
+                let replace = self
+                    .slices
+                    .get(id)
+                    .is_some_and(|s| s.service != service || s.ports != ports);
+                if replace {
+                    // Every entry changes: drop them all, then list the new ones.
+                    self.clear_slice(id);
+                    if let Some(slice) = self.slices.get_mut(id) {
+                        slice.service = service;
+                        slice.ports = ports;
+                    }
                 }
+                id
             }
-            self.slices.insert(facts.name.clone(), facts);
-            return;
+            None => self.slices.insert(SliceState {
+                name,
+                service,
+                ports,
+                ips: Box::default(),
+            }),
         };
-        if old == facts {
-            self.slices.insert(old.name.clone(), old);
-            return;
-        }
-        if old.service != facts.service || old.ports != facts.ports {
-            // Every entry changes: replace them all.
-            self.slices.insert(old.name.clone(), old);
-            self.remove_slice(&facts.name.clone());
-            self.upsert_slice(facts);
-            return;
-        }
-        // The common update (one endpoint of a hundred changed): touch only
-        // the IPs whose entries differ. Both sides sorted by IP, then walked.
-        let old_ips = entries_by_ip(&old);
-        let new_ips = entries_by_ip(&facts);
+        let old_ips = match self.slices.get_mut(id) {
+            Some(slice) => std::mem::take(&mut slice.ips),
+            None => return,
+        };
+        // The common update (one endpoint of a hundred changed) touches only
+        // the IPs whose entries differ. Both sides are sorted by IP and walked
+        // together.
+        let mut new_ips: Vec<IpAddr> = Vec::with_capacity(entries.len());
         let (mut i, mut j) = (0, 0);
-        let mut changed: Vec<(IpAddr, std::ops::Range<usize>)> = Vec::new();
-        while i < old_ips.len() || j < new_ips.len() {
-            let ip = match (old_ips.get(i), new_ips.get(j)) {
-                (Some(a), Some(b)) => a.0.min(b.0),
-                (Some(a), None) => a.0,
-                (None, Some(b)) => b.0,
+        while i < old_ips.len() || j < entries.len() {
+            let ip = match (old_ips.get(i), entries.get(j)) {
+                (Some(a), Some(b)) => (*a).min(b.ip),
+                (Some(a), None) => *a,
+                (None, Some(b)) => b.ip,
                 (None, None) => break,
             };
-            let run = |list: &[(IpAddr, usize)], from: usize| {
-                from + list[from..].iter().take_while(|(x, _)| *x == ip).count()
-            };
-            let (i_end, j_end) = (run(&old_ips, i), run(&new_ips, j));
-            let same = i_end - i == j_end - j
-                && old_ips[i..i_end]
-                    .iter()
-                    .zip(&new_ips[j..j_end])
-                    .all(|((_, a), (_, b))| {
-                        let (a, b) = (&old.entries[*a], &facts.entries[*b]);
-                        a.target == b.target && a.conditions == b.conditions
-                    });
-            if !same {
-                changed.push((ip, j..j_end));
+            let listed_before = old_ips.get(i) == Some(&ip);
+            if listed_before {
+                i += 1;
             }
-            (i, j) = (i_end, j_end);
-        }
-        for (ip, run) in changed {
-            self.drop_entries(ip, &facts.name);
-            for &(_, at) in &new_ips[run] {
-                let entry = &facts.entries[at];
-                self.insert_entry(ip, &facts, &entry.target, entry.conditions);
+            let end = j + entries[j..].iter().take_while(|e| e.ip == ip).count();
+            let run = &entries[j..end];
+            j = end;
+            if !run.is_empty() {
+                new_ips.push(ip);
             }
-            self.touched.push(ip);
+            if listed_before && self.same_entries(ip, id, run) {
+                continue;
+            }
+            if listed_before {
+                self.drop_entries(ip, id);
+            }
+            for entry in run {
+                self.insert_entry(ip, id, entry);
+            }
         }
-        self.slices.insert(facts.name.clone(), facts);
+        if let Some(slice) = self.slices.get_mut(id) {
+            slice.ips = new_ips.into_boxed_slice();
+        }
     }
 
-    /// Adds one entry of `slice` at `ip`, keeping the IP's entries sorted by
-    /// slice name (stable within a slice) so that which slice's conditions win
-    /// does not depend on the order events arrived in.
-    fn insert_entry(
-        &mut self,
-        ip: IpAddr,
-        slice: &SliceFacts,
-        target: &Target,
-        conditions: EndpointConditions,
-    ) {
-        let list = self.ip_entries.entry(ip).or_default();
-        let at = list.partition_point(|e| e.slice <= slice.name);
+    /// True when slice `id`'s entries at `ip` are exactly `run`, in order.
+    fn same_entries(&self, ip: IpAddr, id: Id, run: &[EntryFacts]) -> bool {
+        let entries = self.ips.get(&ip).map_or(&[][..], |s| &s.entries);
+        let mut mine = entries.iter().filter(|e| e.slice == id);
+        run.iter().all(|new| {
+            mine.next()
+                .is_some_and(|e| e.target == new.target && e.conditions == new.conditions)
+        }) && mine.next().is_none()
+    }
+
+    /// Adds one entry of slice `id` at `ip`, after the entries of slices whose
+    /// names sort before or equal to its name.
+    fn insert_entry(&mut self, ip: IpAddr, id: Id, entry: &EntryFacts) {
+        let Some(name) = self.slices.get(id).map(|s| &s.name) else {
+            return;
+        };
+        let slices = &self.slices;
+        let list = &mut self.ips.entry(ip).or_default().entries;
+        let at = list.partition_point(|e| slices.get(e.slice).is_some_and(|s| s.name <= *name));
         list.insert(
             at,
             IpEntry {
-                slice: slice.name.clone(),
-                service: slice.service.clone(),
-                target: target.clone(),
-                conditions,
-                ports: slice.ports.clone(),
+                slice: id,
+                target: entry.target.clone(),
+                conditions: entry.conditions,
             },
         );
         self.slice_entries += 1;
         self.touched.push(ip);
     }
 
-    /// Removes the entries of slice `name` at `ip`.
-    fn drop_entries(&mut self, ip: IpAddr, name: &ObjName) {
-        if let Entry::Occupied(mut list) = self.ip_entries.entry(ip) {
-            let before = list.get().len();
-            list.get_mut().retain(|e| *e.slice != *name);
-            self.slice_entries -= before - list.get().len();
-            if list.get().is_empty() {
-                list.remove();
-            }
+    /// Removes the entries of slice `id` at `ip`.
+    fn drop_entries(&mut self, ip: IpAddr, id: Id) {
+        if let Some(state) = self.ips.get_mut(&ip) {
+            let before = state.entries.len();
+            state.entries.retain(|e| e.slice != id);
+            self.slice_entries -= before - state.entries.len();
         }
         self.touched.push(ip);
     }
 
-    fn remove_slice(&mut self, name: &ObjName) {
-        let Some(old) = self.slices.remove(name) else {
-            return;
+    /// Removes every entry of slice `id`; the slice stays, listing nobody.
+    fn clear_slice(&mut self, id: Id) {
+        let ips = match self.slices.get_mut(id) {
+            Some(slice) => std::mem::take(&mut slice.ips),
+            None => return,
         };
-        for entry in &old.entries {
-            for ip in entry.ips.iter() {
-                self.drop_entries(*ip, name);
-            }
+        for ip in ips.iter() {
+            self.drop_entries(*ip, id);
         }
+    }
+
+    fn remove_slice(&mut self, id: Id) {
+        self.clear_slice(id);
+        self.slices.remove(id);
     }
 
     // --- bookkeeping ---
@@ -859,23 +1022,43 @@ impl Index {
         touched.dedup();
         let mut changed: Vec<ChangeKey> = Vec::new();
         for &ip in &touched {
-            let held = self.ip_pods.contains_key(&ip);
+            let held = self.ips.get(&ip).is_some_and(|s| !s.holders.is_empty());
             if held {
-                if let Some(old) = self.tombstones.remove(&ip) {
+                if let Some(old) = self.ips.get_mut(&ip).and_then(|s| s.tomb.take()) {
                     self.tomb_queue.remove(&(old.since_ms, ip));
                 }
             } else if let Some(mut tomb) = self.pending_tombs.remove(&ip) {
                 tomb.since_ms = now_ms;
-                if let Some(old) = self.tombstones.insert(ip, tomb) {
+                let state = self.ips.entry(ip).or_default();
+                if let Some(old) = state.tomb.replace(Box::new(tomb)) {
                     self.tomb_queue.remove(&(old.since_ms, ip));
                 }
                 self.tomb_queue.insert((now_ms, ip));
             }
-            let fingerprint = self.fingerprint(ip);
-            let old = match fingerprint {
-                Some(fp) => self.fingerprints.insert(ip, fp),
-                None => self.fingerprints.remove(&ip),
+            let fingerprint = self.fingerprint(ip, self.ips.get(&ip));
+            let old = match self.ips.entry(ip) {
+                Entry::Occupied(mut e) => {
+                    let old = std::mem::replace(&mut e.get_mut().fingerprint, fingerprint);
+                    if e.get().is_empty() {
+                        e.remove();
+                    }
+                    old
+                }
+                Entry::Vacant(e) => {
+                    if fingerprint != 0 {
+                        e.insert(IpState {
+                            fingerprint,
+                            ..IpState::default()
+                        });
+                    }
+                    0
+                }
             };
+            match (old != 0, fingerprint != 0) {
+                (false, true) => self.records += 1,
+                (true, false) => self.records -= 1,
+                _ => {}
+            }
             if old != fingerprint {
                 changed.push(ChangeKey::Ip(ip));
             }
@@ -898,18 +1081,6 @@ impl Index {
     }
 }
 
-/// A slice's `(IP, entry index)` pairs, sorted by IP, in slice order per IP.
-fn entries_by_ip(slice: &SliceFacts) -> Vec<(IpAddr, usize)> {
-    let mut out: Vec<(IpAddr, usize)> = slice
-        .entries
-        .iter()
-        .enumerate()
-        .flat_map(|(at, e)| e.ips.iter().map(move |ip| (*ip, at)))
-        .collect();
-    out.sort_unstable();
-    out
-}
-
 /// True when every `key=value` of `selector` is among `labels` (both sorted).
 fn selects(selector: &Labels, labels: &Labels) -> bool {
     selector.iter().all(|(k, v)| {
@@ -917,41 +1088,6 @@ fn selects(selector: &Labels, labels: &Labels) -> bool {
             .binary_search_by(|(lk, _)| (**lk).cmp(&**k))
             .is_ok_and(|at| labels[at].1 == *v)
     })
-}
-
-/// The memberships of `pod` at an IP whose slice entries are `entries`.
-fn memberships(pod: &PodState, entries: &[IpEntry]) -> Vec<Membership> {
-    let mut out: Vec<Membership> = pod
-        .selected
-        .iter()
-        .map(|s| Membership {
-            service: (**s).clone(),
-            via: Via::Selector,
-            ports: Vec::new(),
-            conditions: None,
-        })
-        .collect();
-    for entry in entries.iter().filter(|e| e.target.is(&pod.facts)) {
-        match out.iter_mut().find(|m| m.service == *entry.service) {
-            Some(m) => {
-                if m.via == Via::Selector {
-                    m.via = Via::Both;
-                }
-                m.ports.extend(entry.ports.iter().cloned());
-                m.ports.sort();
-                m.ports.dedup();
-                m.conditions.get_or_insert(entry.conditions);
-            }
-            None => out.push(Membership {
-                service: (*entry.service).clone(),
-                via: Via::Slice,
-                ports: entry.ports.to_vec(),
-                conditions: Some(entry.conditions),
-            }),
-        }
-    }
-    out.sort_by(|a, b| a.service.cmp(&b.service));
-    out
 }
 
 /// Live holders first, then by name: the order records are served in.
@@ -967,9 +1103,9 @@ fn sort_holders(pods: &mut [PodHolder]) {
 }
 
 /// Hashes what a slice entry contributes to a membership.
-fn hash_entry(e: &IpEntry, h: &mut DefaultHasher) {
-    e.ports.len().hash(h);
-    for p in e.ports.iter() {
+fn hash_entry(slice: &SliceState, e: &IpEntry, h: &mut DefaultHasher) {
+    slice.ports.len().hash(h);
+    for p in slice.ports.iter() {
         (&p.name, p.port, &p.protocol).hash(h);
     }
     let EndpointConditions {

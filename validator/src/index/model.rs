@@ -268,6 +268,9 @@ fn any_slice() -> impl Strategy<Value = EndpointSlice> + Clone {
         0..IPS.len(),
         proptest::option::of((0..4usize, 0..3usize)),
         proptest::option::of((any::<bool>(), any::<bool>(), any::<bool>())),
+        // Now and then a second address (maybe the same one, maybe of the
+        // other family) on the same endpoint.
+        proptest::option::weighted(0.2, 0..IPS.len()),
     );
     (
         0..2usize,
@@ -282,9 +285,12 @@ fn any_slice() -> impl Strategy<Value = EndpointSlice> + Clone {
             if v6 {
                 b = b.address_type("IPv6");
             }
-            for (ip, target, conditions) in entries {
+            for (ip, target, conditions, also) in entries {
                 let uid = target.map(|(n, inc)| uid_of(n, inc));
                 b = b.endpoint_with(IPS[ip], uid.as_deref(), conditions);
+                if let Some(also) = also {
+                    b = b.also(IPS[also]);
+                }
             }
             b.build()
         })
@@ -427,8 +433,16 @@ fn run(ops: Vec<Op>, checkpoints: Vec<usize>, capacity: usize) -> Result<(), Tes
     Ok(())
 }
 
+/// 256 cases in CI; `STALEGUARD_PROPTEST_CASES=20000` for a longer search.
+fn cases() -> u32 {
+    std::env::var("STALEGUARD_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
     fn the_index_agrees_with_a_model_that_recomputes_everything(

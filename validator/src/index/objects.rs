@@ -6,9 +6,14 @@
 //! through an [`Interner`]. Anything malformed is reported as a [`Skip`] with a
 //! stable reason code, never a panic.
 
+use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashSet};
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::net::IpAddr;
 use std::sync::Arc;
+
+use hashbrown::HashTable;
+use smallvec::SmallVec;
 
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -97,35 +102,79 @@ impl std::fmt::Display for Skip {
     }
 }
 
-/// Shares repeated strings. Entries nobody else holds are dropped when the set
-/// has doubled since the last sweep, so churning values (pod-template hashes of
-/// old ReplicaSets) do not accumulate.
+/// Shares repeated strings, and whole label sets: the pods of one ReplicaSet
+/// carry identical labels, so they share one [`Labels`]. Entries nobody else
+/// holds are dropped when a set has doubled since its last sweep, so churning
+/// values (pod-template hashes of old ReplicaSets) do not accumulate.
 #[derive(Debug, Default)]
 pub(crate) struct Interner {
-    set: HashSet<Arc<str>>,
-    swept_len: usize,
+    strings: HashSet<Arc<str>>,
+    strings_swept: usize,
+    label_sets: HashTable<Labels>,
+    label_sets_swept: usize,
+    hasher: RandomState,
 }
 
 impl Interner {
     pub(crate) fn get(&mut self, s: &str) -> Arc<str> {
-        if let Some(found) = self.set.get(s) {
+        if let Some(found) = self.strings.get(s) {
             return found.clone();
         }
-        if self.set.len() >= 1024 && self.set.len() >= 2 * self.swept_len {
-            self.set.retain(|a| Arc::strong_count(a) > 1);
-            self.swept_len = self.set.len();
+        if self.strings.len() >= 1024 && self.strings.len() >= 2 * self.strings_swept {
+            self.strings.retain(|a| Arc::strong_count(a) > 1);
+            self.strings_swept = self.strings.len();
         }
         let arc: Arc<str> = Arc::from(s);
-        self.set.insert(arc.clone());
+        self.strings.insert(arc.clone());
         arc
     }
 
-    fn labels(&mut self, labels: &BTreeMap<String, String>) -> Labels {
-        labels
+    /// The shared label set equal to `labels`. A hit (the common case: a pod
+    /// update that did not touch its labels) hashes the strings once and
+    /// allocates nothing.
+    pub(crate) fn labels(&mut self, labels: &BTreeMap<String, String>) -> Labels {
+        let hash = hash_pairs(&self.hasher, labels.iter().map(|(k, v)| (&**k, &**v)));
+        let same = |set: &Labels| {
+            set.len() == labels.len()
+                && set
+                    .iter()
+                    .zip(labels)
+                    .all(|((a, b), (k, v))| **a == **k && **b == **v)
+        };
+        if let Some(found) = self.label_sets.find(hash, same) {
+            return found.clone();
+        }
+        if self.label_sets.len() >= 1024 && self.label_sets.len() >= 2 * self.label_sets_swept {
+            self.label_sets.retain(|set| Arc::strong_count(set) > 1);
+            self.label_sets_swept = self.label_sets.len();
+        }
+        let set: Labels = labels
             .iter()
             .map(|(k, v)| (self.get(k), self.get(v)))
-            .collect()
+            .collect();
+        let hasher = &self.hasher;
+        self.label_sets.insert_unique(hash, set.clone(), |s| {
+            hash_pairs(hasher, s.iter().map(|(k, v)| (&**k, &**v)))
+        });
+        set
     }
+
+    #[cfg(test)]
+    pub(crate) fn label_sets(&self) -> usize {
+        self.label_sets.len()
+    }
+}
+
+fn hash_pairs<'a>(
+    hasher: &RandomState,
+    pairs: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+) -> u64 {
+    let mut h = hasher.build_hasher();
+    pairs.len().hash(&mut h);
+    for pair in pairs {
+        pair.hash(&mut h);
+    }
+    h.finish()
 }
 
 /// A Kubernetes uid. The API server makes them lowercase UUIDs, kept as 128
@@ -193,8 +242,11 @@ impl std::fmt::Display for Uid {
     }
 }
 
-/// Sorted `(key, value)` pairs.
-pub(crate) type Labels = Box<[(Arc<str>, Arc<str>)]>;
+/// Sorted `(key, value)` pairs, shared by every object with the same labels.
+pub(crate) type Labels = Arc<[(Arc<str>, Arc<str>)]>;
+
+/// A pod's IPs: one, or two when dual-stack (which spills to the heap).
+pub(crate) type Ips = SmallVec<[IpAddr; 1]>;
 
 /// A namespaced object's name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -212,12 +264,12 @@ impl std::fmt::Display for ObjName {
 /// What the index keeps of a Pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PodFacts {
-    pub(crate) name: Arc<ObjName>,
+    pub(crate) name: ObjName,
     pub(crate) uid: Uid,
     pub(crate) labels: Labels,
     /// The IPs the pod holds: empty for a pod without an IP yet, and for a
     /// `Succeeded`/`Failed` pod, whose IP the node has released.
-    pub(crate) ips: Box<[IpAddr]>,
+    pub(crate) ips: Ips,
     pub(crate) ready: bool,
     pub(crate) terminating: bool,
     pub(crate) host_network: bool,
@@ -236,35 +288,29 @@ pub(crate) struct ServiceFacts {
 pub(crate) enum Target {
     /// No `targetRef`, or one that is not a Pod: a member without pod identity.
     Bare,
-    /// A Pod, by uid when the reference has one, else by name.
-    Pod {
-        uid: Option<Uid>,
-        name: Option<Arc<ObjName>>,
-    },
+    /// A Pod, by uid.
+    Uid(Uid),
+    /// A Pod reference without a uid, by name.
+    Name(Box<ObjName>),
+    /// A Pod reference with neither uid nor name: it names nobody.
+    Nobody,
 }
 
 impl Target {
     /// True when the entry names this pod.
     pub(crate) fn is(&self, pod: &PodFacts) -> bool {
         match self {
-            Target::Bare => false,
-            Target::Pod { uid: Some(uid), .. } => *uid == pod.uid,
-            Target::Pod {
-                uid: None,
-                name: Some(name),
-            } => **name == *pod.name,
-            Target::Pod {
-                uid: None,
-                name: None,
-            } => false,
+            Target::Uid(uid) => *uid == pod.uid,
+            Target::Name(name) => **name == pod.name,
+            Target::Bare | Target::Nobody => false,
         }
     }
 }
 
-/// One endpoint of a slice.
+/// One address of one endpoint of a slice.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct EntryFacts {
-    pub(crate) ips: Box<[IpAddr]>,
+    pub(crate) ip: IpAddr,
     pub(crate) target: Target,
     pub(crate) conditions: EndpointConditions,
 }
@@ -272,21 +318,22 @@ pub(crate) struct EntryFacts {
 /// What the index keeps of an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SliceFacts {
-    pub(crate) name: Arc<ObjName>,
+    pub(crate) name: ObjName,
     pub(crate) service: Arc<ServiceKey>,
     pub(crate) ports: Arc<[EndpointPort]>,
+    /// One per address, sorted by IP; entries of one IP stay in slice order.
     pub(crate) entries: Vec<EntryFacts>,
 }
 
 /// Reads the namespace and name of any object.
-pub(crate) fn obj_name<K: ResourceExt>(obj: &K, interner: &mut Interner) -> Option<Arc<ObjName>> {
+pub(crate) fn obj_name<K: ResourceExt>(obj: &K, interner: &mut Interner) -> Option<ObjName> {
     let meta = obj.meta();
     let name = meta.name.as_deref().filter(|n| !n.is_empty())?;
     let namespace = meta.namespace.as_deref().filter(|n| !n.is_empty())?;
-    Some(Arc::new(ObjName {
+    Some(ObjName {
         namespace: interner.get(namespace),
         name: name.into(),
-    }))
+    })
 }
 
 /// Reduces a Pod; `skips` collects what was wrong with it.
@@ -305,11 +352,11 @@ pub(crate) fn pod_facts(
         .labels
         .as_ref()
         .map(|l| interner.labels(l))
-        .unwrap_or_default();
+        .unwrap_or_else(|| interner.labels(&BTreeMap::new()));
     let status = pod.status.as_ref();
     let phase = status.and_then(|s| s.phase.as_deref());
     let released = matches!(phase, Some("Succeeded" | "Failed"));
-    let mut ips: Vec<IpAddr> = Vec::new();
+    let mut ips = Ips::new();
     if !released {
         let listed = status
             .and_then(|s| s.pod_ips.as_ref())
@@ -338,7 +385,7 @@ pub(crate) fn pod_facts(
         name,
         uid,
         labels,
-        ips: ips.into(),
+        ips,
         ready,
         terminating: meta.deletion_timestamp.is_some(),
         host_network: pod
@@ -428,38 +475,28 @@ pub(crate) fn slice_facts(
     ports.dedup();
     let mut entries = Vec::with_capacity(slice.endpoints.len());
     for endpoint in &slice.endpoints {
-        let mut ips: Vec<IpAddr> = Vec::with_capacity(endpoint.addresses.len());
-        for text in &endpoint.addresses {
-            match text.trim().parse::<IpAddr>().map(canonical) {
-                Ok(ip) if ip.is_ipv4() == want_v4 => ips.push(ip),
-                _ => skips.push(Skip::InvalidIp),
-            }
-        }
-        ips.sort_unstable();
-        ips.dedup();
-        if ips.is_empty() {
-            continue;
-        }
+        let first = entries.len();
         let target = match &endpoint.target_ref {
             Some(r) if r.kind.as_deref().is_none_or(|k| k == "Pod") => {
-                let uid: Option<Uid> = r.uid.as_deref().filter(|u| !u.is_empty()).map(Uid::parse);
-                // The name only matters when there is no uid to match by.
-                let by_name = match (&uid, r.name.as_deref().filter(|n| !n.is_empty())) {
-                    (None, Some(n)) => {
-                        let ns = r
-                            .namespace
-                            .as_deref()
-                            .filter(|n| !n.is_empty())
-                            .map(|n| interner.get(n))
-                            .unwrap_or_else(|| name.namespace.clone());
-                        Some(Arc::new(ObjName {
-                            namespace: ns,
-                            name: n.into(),
-                        }))
-                    }
-                    _ => None,
-                };
-                Target::Pod { uid, name: by_name }
+                match r.uid.as_deref().filter(|u| !u.is_empty()) {
+                    Some(uid) => Target::Uid(Uid::parse(uid)),
+                    // The name only matters when there is no uid to match by.
+                    None => match r.name.as_deref().filter(|n| !n.is_empty()) {
+                        Some(n) => {
+                            let namespace = r
+                                .namespace
+                                .as_deref()
+                                .filter(|n| !n.is_empty())
+                                .map(|n| interner.get(n))
+                                .unwrap_or_else(|| name.namespace.clone());
+                            Target::Name(Box::new(ObjName {
+                                namespace,
+                                name: n.into(),
+                            }))
+                        }
+                        None => Target::Nobody,
+                    },
+                }
             }
             _ => Target::Bare,
         };
@@ -472,12 +509,22 @@ pub(crate) fn slice_facts(
             serving: c.and_then(|c| c.serving).unwrap_or(ready),
             terminating: c.and_then(|c| c.terminating).unwrap_or(false),
         };
-        entries.push(EntryFacts {
-            ips: ips.into(),
-            target,
-            conditions,
-        });
+        for text in &endpoint.addresses {
+            match text.trim().parse::<IpAddr>().map(canonical) {
+                Ok(ip) if ip.is_ipv4() != want_v4 => skips.push(Skip::InvalidIp),
+                // An endpoint that lists an address twice lists it once.
+                Ok(ip) if entries[first..].iter().any(|e: &EntryFacts| e.ip == ip) => {}
+                Ok(ip) => entries.push(EntryFacts {
+                    ip,
+                    target: target.clone(),
+                    conditions,
+                }),
+                Err(_) => skips.push(Skip::InvalidIp),
+            }
+        }
     }
+    // Stable: the entries of one IP keep their order in the slice.
+    entries.sort_by_key(|e| e.ip);
     Some(SliceFacts {
         name,
         service,

@@ -591,3 +591,96 @@ fn changes_since_compacts_and_resets_when_too_far_behind() {
     let s = ix.snapshot(Freshness::default());
     assert_eq!((s.epoch, s.generation, s.records.len()), (1, 3, 3));
 }
+
+#[test]
+fn an_endpoint_with_two_addresses_lists_both_and_a_repeated_one_once() {
+    let mut ix = index();
+    let cart = key("shop", "cart");
+    ix.apply_service(Event::Apply(service("shop", "cart").build()), t(0));
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "cart-abc", "cart")
+                .endpoint("10.0.0.1", None)
+                .also("10.0.0.2")
+                .also("10.0.0.1")
+                .build(),
+        ),
+        t(0),
+    );
+    assert_eq!(ix.stats().slice_entries, 2);
+    for addr in ["10.0.0.1", "10.0.0.2"] {
+        assert_eq!(
+            ix.record(ip(addr)).unwrap().bare_services,
+            vec![cart.clone()]
+        );
+    }
+    // The same slice without the second address: only that IP changes.
+    let before = ix.generation();
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "cart-abc", "cart")
+                .endpoint("10.0.0.1", None)
+                .build(),
+        ),
+        t(1),
+    );
+    assert_eq!(ix.stats().slice_entries, 1);
+    assert!(ix.record(ip("10.0.0.2")).is_none());
+    let delta = ix.changes_since(before, Freshness::default()).unwrap();
+    assert_eq!(delta.removed, vec![ip("10.0.0.2")]);
+    assert!(delta.upserts.is_empty());
+}
+
+#[test]
+fn pods_with_the_same_labels_share_one_label_set() {
+    let mut ix = index();
+    let labels = [("app", "cart"), ("pod-template-hash", "7d9f8c6b5")];
+    for i in 0..100 {
+        ix.apply_pod(
+            Event::Apply(
+                pod("shop", &format!("cart-{i}"))
+                    .labels(&labels)
+                    .ip(&format!("10.0.1.{i}"))
+                    .build(),
+            ),
+            t(0),
+        );
+    }
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "other")
+                .labels(&[("app", "other")])
+                .ip("10.0.2.1")
+                .build(),
+        ),
+        t(0),
+    );
+    assert_eq!(ix.stats().pods, 101);
+    assert_eq!(ix.interner.label_sets(), 2);
+    // A label change is seen: the pod moves to the service selecting it.
+    ix.apply_service(
+        Event::Apply(
+            service("shop", "other")
+                .selector(&[("app", "other")])
+                .build(),
+        ),
+        t(1),
+    );
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-0")
+                .labels(&[("app", "other")])
+                .ip("10.0.1.0")
+                .build(),
+        ),
+        t(2),
+    );
+    assert_eq!(
+        verdict(&ix, &key("shop", "other"), "10.0.1.0"),
+        Reason::Member
+    );
+    assert_eq!(
+        verdict(&ix, &key("shop", "other"), "10.0.1.1"),
+        Reason::Recycled
+    );
+}
