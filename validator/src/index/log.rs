@@ -26,7 +26,7 @@ pub(crate) enum ChangeKey {
 #[derive(Debug)]
 pub(crate) struct ChangeLog {
     queue: VecDeque<(u64, ChangeKey)>,
-    latest: HashMap<ChangeKey, u64>,
+    latest: HashMap<ChangeKey, u64, ahash::RandomState>,
     capacity: usize,
     /// Clients at a generation below this may have missed a dropped change.
     floor: u64,
@@ -39,7 +39,10 @@ impl ChangeLog {
         let capacity = capacity.max(1);
         Self {
             queue: VecDeque::new(),
-            latest: HashMap::with_capacity(capacity.min(1 << 20)),
+            latest: HashMap::with_capacity_and_hasher(
+                capacity.min(1 << 20),
+                ahash::RandomState::new(),
+            ),
             capacity,
             floor: 0,
         }

@@ -26,6 +26,13 @@ mod log;
 mod objects;
 mod table;
 
+/// The index's maps and sets. Their keys (IPs, names) come from the cluster, so
+/// the hash is keyed, with a random key per process: aHash, which is built to
+/// resist collision attacks without knowledge of the key, and is 3-4 times
+/// faster than std's SipHash on the short keys the index uses.
+type HashMap<K, V> = std::collections::HashMap<K, V, ahash::RandomState>;
+type HashSet<K> = std::collections::HashSet<K, ahash::RandomState>;
+
 #[cfg(test)]
 pub(crate) mod fixtures;
 #[cfg(test)]
@@ -33,9 +40,9 @@ mod model;
 #[cfg(test)]
 mod tests;
 
-use std::collections::hash_map::{DefaultHasher, Entry};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::hash::{Hash, Hasher};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -52,8 +59,8 @@ use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
 use self::log::{ChangeKey, ChangeLog};
 pub(crate) use self::objects::SERVICE_NAME_LABEL;
 use self::objects::{
-    obj_name, pod_facts, service_facts, slice_facts, EntryFacts, Interner, Ips, Labels, ObjName,
-    PodFacts, ServiceFacts, SliceFacts, Target, Uid,
+    name_parts, obj_name, pod_facts, service_facts, slice_facts, EntryFacts, Interner, Ips, Labels,
+    ObjName, PodFacts, ServiceFacts, SliceFacts, Target, Uid,
 };
 pub use self::objects::{Kind, Skip};
 use self::table::{Id, Named, Table};
@@ -104,6 +111,7 @@ pub struct IndexStats {
 /// A pod as the index keeps it: its facts and the services that select it.
 #[derive(Debug)]
 struct PodState {
+    name: ObjName,
     facts: PodFacts,
     /// Sorted; services of the pod's namespace whose selector matches it.
     selected: SmallVec<[Arc<ServiceKey>; 1]>,
@@ -113,7 +121,14 @@ struct PodState {
 
 impl Named for PodState {
     fn name(&self) -> &ObjName {
-        &self.facts.name
+        &self.name
+    }
+}
+
+impl PodState {
+    /// True when slice entry `e` names this pod.
+    fn listed_by(&self, e: &IpEntry) -> bool {
+        e.target.is(&self.name, &self.facts.uid)
     }
 }
 
@@ -168,16 +183,17 @@ impl IpState {
 
 #[derive(Debug, Clone)]
 struct TombState {
-    pod: String,
+    pod: ObjName,
     uid: Uid,
-    services: Vec<ServiceKey>,
+    /// Sorted.
+    services: Vec<Arc<ServiceKey>>,
     since_ms: u64,
 }
 
 /// Objects listed since the last `Init`, waiting for `InitDone`.
 #[derive(Debug, Default)]
 struct Relists {
-    pods: Option<Vec<PodFacts>>,
+    pods: Option<Vec<(ObjName, PodFacts)>>,
     services: Option<Vec<ServiceFacts>>,
     slices: Option<Vec<SliceFacts>>,
 }
@@ -211,6 +227,10 @@ pub struct Index {
     pending_tombs: HashMap<IpAddr, TombState>,
     services_touched: HashMap<Arc<ServiceKey>, bool>,
     skips: Vec<Skip>,
+    changed: Vec<ChangeKey>,
+    /// Keys the record fingerprints, so a change cannot be hidden by a
+    /// collision crafted in advance.
+    fingerprints: ahash::RandomState,
 }
 
 // === impl Index ===
@@ -225,11 +245,11 @@ impl Index {
             config,
             interner: Interner::default(),
             pods: Table::default(),
-            ns_pods: HashMap::new(),
-            services: HashMap::new(),
-            ns_selectors: HashMap::new(),
+            ns_pods: HashMap::default(),
+            services: HashMap::default(),
+            ns_selectors: HashMap::default(),
             slices: Table::default(),
-            ips: HashMap::new(),
+            ips: HashMap::default(),
             records: 0,
             slice_entries: 0,
             tomb_queue: BTreeSet::new(),
@@ -237,9 +257,11 @@ impl Index {
             relists: Relists::default(),
             skipped: BTreeMap::new(),
             touched: Vec::new(),
-            pending_tombs: HashMap::new(),
-            services_touched: HashMap::new(),
+            pending_tombs: HashMap::default(),
+            services_touched: HashMap::default(),
             skips: Vec::new(),
+            changed: Vec::new(),
+            fingerprints: ahash::RandomState::new(),
         }
     }
 
@@ -273,37 +295,63 @@ impl Index {
     pub fn apply_pod(&mut self, event: Event<Pod>, now: SystemTime) {
         match event {
             Event::Init => self.relists.pods = Some(Vec::new()),
-            Event::InitApply(pod) => {
-                if let Some(facts) = pod_facts(&pod, &mut self.interner, &mut self.skips) {
-                    self.relists.pods.get_or_insert_with(Vec::new).push(facts);
+            Event::InitApply(pod) => match obj_name(&pod, &mut self.interner) {
+                Some(name) => {
+                    let before = self.pods.find(&name).and_then(|id| self.pods.get(id));
+                    let labels_before = before.map(|p| &p.facts.labels);
+                    let facts = pod_facts(&pod, &mut self.interner, &mut self.skips, labels_before);
+                    self.relists
+                        .pods
+                        .get_or_insert_with(Vec::new)
+                        .push((name, facts));
                 }
-            }
+                None => self.skips.push(Skip::MissingName),
+            },
             Event::InitDone => {
                 self.synced[Kind::Pod.slot()] = true;
                 if let Some(listed) = self.relists.pods.take() {
-                    let keep: HashSet<&ObjName> = listed.iter().map(|f| &f.name).collect();
+                    let keep: HashSet<&ObjName> = listed.iter().map(|(name, _)| name).collect();
                     let gone: Vec<Id> = self
                         .pods
                         .iter()
-                        .filter(|(_, p)| !keep.contains(&p.facts.name))
+                        .filter(|(_, p)| !keep.contains(&p.name))
                         .map(|(id, _)| id)
                         .collect();
                     for id in gone {
                         self.remove_pod(id);
                     }
-                    for facts in listed {
-                        self.upsert_pod(facts);
+                    for (name, facts) in listed {
+                        match self.pods.find(&name) {
+                            Some(id) => self.update_pod(id, facts),
+                            None => self.insert_pod(name, facts),
+                        }
                     }
                 }
             }
-            Event::Apply(pod) => {
-                if let Some(facts) = pod_facts(&pod, &mut self.interner, &mut self.skips) {
-                    self.upsert_pod(facts);
+            // The hot path: look the pod up by borrowed name, and allocate a
+            // name only for a pod the index has not seen.
+            Event::Apply(pod) => match name_parts(&pod) {
+                Some((namespace, name)) => {
+                    let id = self.pods.find_parts(namespace, name);
+                    let before = id.and_then(|id| self.pods.get(id));
+                    let labels_before = before.map(|p| &p.facts.labels);
+                    let facts = pod_facts(&pod, &mut self.interner, &mut self.skips, labels_before);
+                    match id {
+                        Some(id) => self.update_pod(id, facts),
+                        None => {
+                            let name = ObjName {
+                                namespace: self.interner.get(namespace),
+                                name: name.into(),
+                            };
+                            self.insert_pod(name, facts);
+                        }
+                    }
                 }
-            }
-            Event::Delete(pod) => match obj_name(&pod, &mut self.interner) {
-                Some(name) => {
-                    if let Some(id) = self.pods.find(&name) {
+                None => self.skips.push(Skip::MissingName),
+            },
+            Event::Delete(pod) => match name_parts(&pod) {
+                Some((namespace, name)) => {
+                    if let Some(id) = self.pods.find_parts(namespace, name) {
                         self.remove_pod(id);
                     }
                 }
@@ -444,8 +492,8 @@ impl Index {
         {
             let f = &pod.facts;
             pods.push(PodHolder {
-                namespace: f.name.namespace.to_string(),
-                name: f.name.name.to_string(),
+                namespace: pod.name.namespace.to_string(),
+                name: pod.name.name.to_string(),
                 uid: f.uid.to_string(),
                 services: self.memberships(pod, entries),
                 ready: f.ready,
@@ -463,9 +511,9 @@ impl Index {
         bare_services.sort();
         bare_services.dedup();
         let tombstone = state.and_then(|s| s.tomb.as_ref()).map(|t| Tombstone {
-            pod: t.pod.clone(),
+            pod: t.pod.to_string(),
             uid: t.uid.to_string(),
-            services: t.services.clone(),
+            services: t.services.iter().map(|s| (**s).clone()).collect(),
             since_ms: t.since_ms,
         });
         let record = IpRecord {
@@ -490,20 +538,20 @@ impl Index {
         if holders.is_empty() && !has_bare && tomb.is_none() {
             return 0;
         }
-        let mut h = DefaultHasher::new();
+        let mut h = self.fingerprints.build_hasher();
         ip.hash(&mut h);
         // Holders are served sorted, so their order here must not matter.
         let mut holders_sum = 0u64;
         for pod in holders.iter().filter_map(|&id| self.pods.get(id)) {
-            let mut ph = DefaultHasher::new();
+            let mut ph = self.fingerprints.build_hasher();
             let f = &pod.facts;
-            (&*f.name.namespace, &*f.name.name, &f.uid).hash(&mut ph);
+            (&pod.name, &f.uid).hash(&mut ph);
             (f.ready, f.terminating, f.host_network).hash(&mut ph);
             pod.selected.len().hash(&mut ph);
             for s in &pod.selected {
                 s.hash(&mut ph);
             }
-            for e in entries.iter().filter(|e| e.target.is(f)) {
+            for e in entries.iter().filter(|e| pod.listed_by(e)) {
                 if let Some(slice) = self.slices.get(e.slice) {
                     slice.service.hash(&mut ph);
                     hash_entry(slice, e, &mut ph);
@@ -625,7 +673,7 @@ impl Index {
             let mut services: BTreeSet<&ServiceKey> = pod.selected.iter().map(|s| &**s).collect();
             for ip in pod.facts.ips.iter() {
                 let entries = self.ips.get(ip).map_or(&[][..], |s| &s.entries);
-                for e in entries.iter().filter(|e| e.target.is(&pod.facts)) {
+                for e in entries.iter().filter(|e| pod.listed_by(e)) {
                     if let Some(slice) = self.slices.get(e.slice) {
                         services.insert(&slice.service);
                     }
@@ -650,7 +698,7 @@ impl Index {
                 conditions: None,
             })
             .collect();
-        for entry in entries.iter().filter(|e| e.target.is(&pod.facts)) {
+        for entry in entries.iter().filter(|e| pod.listed_by(e)) {
             let Some(slice) = self.slices.get(entry.slice) else {
                 continue;
             };
@@ -678,27 +726,25 @@ impl Index {
 
     // --- pods ---
 
-    fn upsert_pod(&mut self, facts: PodFacts) {
-        let Some(id) = self.pods.find(&facts.name) else {
-            let selected = self.select(&facts.name.namespace, &facts.labels);
-            let ns_list = self
-                .ns_pods
-                .entry(facts.name.namespace.clone())
-                .or_default();
-            let ns_slot = ns_list.len();
-            let ips = facts.ips.clone();
-            let id = self.pods.insert(PodState {
-                facts,
-                selected,
-                ns_slot,
-            });
-            ns_list.push(id);
-            for ip in ips {
-                self.ips.entry(ip).or_default().holders.push(id);
-                self.touched.push(ip);
-            }
-            return;
-        };
+    fn insert_pod(&mut self, name: ObjName, facts: PodFacts) {
+        let selected = self.select(&name.namespace, &facts.labels);
+        let ns_list = self.ns_pods.entry(name.namespace.clone()).or_default();
+        let ns_slot = ns_list.len();
+        let ips = facts.ips.clone();
+        let id = self.pods.insert(PodState {
+            name,
+            facts,
+            selected,
+            ns_slot,
+        });
+        ns_list.push(id);
+        for ip in ips {
+            self.ips.entry(ip).or_default().holders.push(id);
+            self.touched.push(ip);
+        }
+    }
+
+    fn update_pod(&mut self, id: Id, facts: PodFacts) {
         let Some(old) = self.pods.get(id) else {
             return;
         };
@@ -718,7 +764,7 @@ impl Index {
         let selected = if Arc::ptr_eq(&old.facts.labels, &facts.labels) {
             None
         } else {
-            Some(self.select(&facts.name.namespace, &facts.labels))
+            Some(self.select(&old.name.namespace, &facts.labels))
         };
         for ip in released {
             self.release(ip, id);
@@ -749,7 +795,7 @@ impl Index {
         let Some(old) = self.pods.remove(id) else {
             return;
         };
-        if let Entry::Occupied(mut list) = self.ns_pods.entry(old.facts.name.namespace.clone()) {
+        if let Entry::Occupied(mut list) = self.ns_pods.entry(old.name.namespace.clone()) {
             let list_ref = list.get_mut();
             if list_ref.get(old.ns_slot) == Some(&id) {
                 list_ref.swap_remove(old.ns_slot);
@@ -779,15 +825,20 @@ impl Index {
         let (Some(old), Some(state)) = (self.pods.get(id), self.ips.get(&ip)) else {
             return;
         };
-        let services = self
-            .memberships(old, &state.entries)
-            .into_iter()
-            .map(|m| m.service)
-            .collect();
+        // The services the pod was a member of at this IP, as `memberships`
+        // would list them, without building the memberships.
+        let mut services: Vec<Arc<ServiceKey>> = old.selected.to_vec();
+        for e in state.entries.iter().filter(|e| old.listed_by(e)) {
+            if let Some(slice) = self.slices.get(e.slice) {
+                services.push(slice.service.clone());
+            }
+        }
+        services.sort();
+        services.dedup();
         self.pending_tombs.insert(
             ip,
             TombState {
-                pod: old.facts.name.to_string(),
+                pod: old.name.clone(),
                 uid: old.facts.uid.clone(),
                 services,
                 since_ms: 0,
@@ -1020,7 +1071,7 @@ impl Index {
         let mut touched = std::mem::take(&mut self.touched);
         touched.sort_unstable();
         touched.dedup();
-        let mut changed: Vec<ChangeKey> = Vec::new();
+        let mut changed = std::mem::take(&mut self.changed);
         for &ip in &touched {
             let held = self.ips.get(&ip).is_some_and(|s| !s.holders.is_empty());
             if held {
@@ -1071,13 +1122,13 @@ impl Index {
                 changed.push(ChangeKey::Service(key));
             }
         }
-        if changed.is_empty() {
-            return;
+        if !changed.is_empty() {
+            self.generation += 1;
+            for key in changed.drain(..) {
+                self.log.record(key, self.generation);
+            }
         }
-        self.generation += 1;
-        for key in changed {
-            self.log.record(key, self.generation);
-        }
+        self.changed = changed;
     }
 }
 
@@ -1103,7 +1154,7 @@ fn sort_holders(pods: &mut [PodHolder]) {
 }
 
 /// Hashes what a slice entry contributes to a membership.
-fn hash_entry(slice: &SliceState, e: &IpEntry, h: &mut DefaultHasher) {
+fn hash_entry(slice: &SliceState, e: &IpEntry, h: &mut impl Hasher) {
     slice.ports.len().hash(h);
     for p in slice.ports.iter() {
         (&p.name, p.port, &p.protocol).hash(h);

@@ -6,12 +6,12 @@
 //! through an [`Interner`]. Anything malformed is reported as a [`Skip`] with a
 //! stable reason code, never a panic.
 
-use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashSet};
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use ahash::RandomState;
 use hashbrown::HashTable;
 use smallvec::SmallVec;
 
@@ -108,7 +108,7 @@ impl std::fmt::Display for Skip {
 /// values (pod-template hashes of old ReplicaSets) do not accumulate.
 #[derive(Debug, Default)]
 pub(crate) struct Interner {
-    strings: HashSet<Arc<str>>,
+    strings: HashSet<Arc<str>, RandomState>,
     strings_swept: usize,
     label_sets: HashTable<Labels>,
     label_sets_swept: usize,
@@ -134,14 +134,7 @@ impl Interner {
     /// allocates nothing.
     pub(crate) fn labels(&mut self, labels: &BTreeMap<String, String>) -> Labels {
         let hash = hash_pairs(&self.hasher, labels.iter().map(|(k, v)| (&**k, &**v)));
-        let same = |set: &Labels| {
-            set.len() == labels.len()
-                && set
-                    .iter()
-                    .zip(labels)
-                    .all(|((a, b), (k, v))| **a == **k && **b == **v)
-        };
-        if let Some(found) = self.label_sets.find(hash, same) {
+        if let Some(found) = self.label_sets.find(hash, |set| same_labels(set, labels)) {
             return found.clone();
         }
         if self.label_sets.len() >= 1024 && self.label_sets.len() >= 2 * self.label_sets_swept {
@@ -163,6 +156,15 @@ impl Interner {
     pub(crate) fn label_sets(&self) -> usize {
         self.label_sets.len()
     }
+}
+
+/// True when `set` holds exactly `labels`.
+pub(crate) fn same_labels(set: &Labels, labels: &BTreeMap<String, String>) -> bool {
+    set.len() == labels.len()
+        && set
+            .iter()
+            .zip(labels)
+            .all(|((a, b), (k, v))| **a == **k && **b == **v)
 }
 
 fn hash_pairs<'a>(
@@ -249,10 +251,25 @@ pub(crate) type Labels = Arc<[(Arc<str>, Arc<str>)]>;
 pub(crate) type Ips = SmallVec<[IpAddr; 1]>;
 
 /// A namespaced object's name.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct ObjName {
     pub(crate) namespace: Arc<str>,
     pub(crate) name: Box<str>,
+}
+
+impl ObjName {
+    /// Hashes a name given as borrowed parts exactly as the `ObjName` with
+    /// those parts hashes, so a table can be searched without allocating one.
+    pub(crate) fn hash_parts<H: Hasher>(namespace: &str, name: &str, h: &mut H) {
+        namespace.hash(h);
+        name.hash(h);
+    }
+}
+
+impl Hash for ObjName {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        Self::hash_parts(&self.namespace, &self.name, h);
+    }
 }
 
 impl std::fmt::Display for ObjName {
@@ -261,10 +278,9 @@ impl std::fmt::Display for ObjName {
     }
 }
 
-/// What the index keeps of a Pod.
+/// What the index keeps of a Pod, but its name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PodFacts {
-    pub(crate) name: ObjName,
     pub(crate) uid: Uid,
     pub(crate) labels: Labels,
     /// The IPs the pod holds: empty for a pod without an IP yet, and for a
@@ -297,11 +313,11 @@ pub(crate) enum Target {
 }
 
 impl Target {
-    /// True when the entry names this pod.
-    pub(crate) fn is(&self, pod: &PodFacts) -> bool {
+    /// True when the entry names the pod `name` with `uid`.
+    pub(crate) fn is(&self, name: &ObjName, uid: &Uid) -> bool {
         match self {
-            Target::Uid(uid) => *uid == pod.uid,
-            Target::Name(name) => **name == pod.name,
+            Target::Uid(u) => u == uid,
+            Target::Name(n) => **n == *name,
             Target::Bare | Target::Nobody => false,
         }
     }
@@ -325,34 +341,41 @@ pub(crate) struct SliceFacts {
     pub(crate) entries: Vec<EntryFacts>,
 }
 
-/// Reads the namespace and name of any object.
-pub(crate) fn obj_name<K: ResourceExt>(obj: &K, interner: &mut Interner) -> Option<ObjName> {
+/// The namespace and name of any object, borrowed.
+pub(crate) fn name_parts<K: ResourceExt>(obj: &K) -> Option<(&str, &str)> {
     let meta = obj.meta();
     let name = meta.name.as_deref().filter(|n| !n.is_empty())?;
     let namespace = meta.namespace.as_deref().filter(|n| !n.is_empty())?;
+    Some((namespace, name))
+}
+
+/// The namespace and name of any object.
+pub(crate) fn obj_name<K: ResourceExt>(obj: &K, interner: &mut Interner) -> Option<ObjName> {
+    let (namespace, name) = name_parts(obj)?;
     Some(ObjName {
         namespace: interner.get(namespace),
         name: name.into(),
     })
 }
 
-/// Reduces a Pod; `skips` collects what was wrong with it.
+/// Reduces a Pod (its name is the caller's business); `skips` collects what
+/// was wrong with it. `labels_before` are the pod's labels as the index knows
+/// them: when unchanged (most updates are status changes) they are reused
+/// without a lookup.
 pub(crate) fn pod_facts(
     pod: &Pod,
     interner: &mut Interner,
     skips: &mut Vec<Skip>,
-) -> Option<PodFacts> {
-    let Some(name) = obj_name(pod, interner) else {
-        skips.push(Skip::MissingName);
-        return None;
-    };
+    labels_before: Option<&Labels>,
+) -> PodFacts {
     let meta = &pod.metadata;
     let uid = Uid::parse(meta.uid.as_deref().unwrap_or(""));
-    let labels = meta
-        .labels
-        .as_ref()
-        .map(|l| interner.labels(l))
-        .unwrap_or_else(|| interner.labels(&BTreeMap::new()));
+    let empty = BTreeMap::new();
+    let map = meta.labels.as_ref().unwrap_or(&empty);
+    let labels = match labels_before {
+        Some(before) if same_labels(before, map) => before.clone(),
+        _ => interner.labels(map),
+    };
     let status = pod.status.as_ref();
     let phase = status.and_then(|s| s.phase.as_deref());
     let released = matches!(phase, Some("Succeeded" | "Failed"));
@@ -381,8 +404,7 @@ pub(crate) fn pod_facts(
     let ready = status
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-    Some(PodFacts {
-        name,
+    PodFacts {
         uid,
         labels,
         ips,
@@ -393,7 +415,7 @@ pub(crate) fn pod_facts(
             .as_ref()
             .and_then(|s| s.host_network)
             .unwrap_or(false),
-    })
+    }
 }
 
 /// Reduces a Service.

@@ -5,9 +5,9 @@
 //! atomic per reference. The name is stored once, in the object: the lookup
 //! table holds only ids and asks the objects for their names.
 
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 
+use ahash::RandomState;
 use hashbrown::HashTable;
 
 use super::objects::ObjName;
@@ -42,14 +42,20 @@ impl<T> Default for Table<T> {
 
 impl<T: Named> Table<T> {
     pub(crate) fn find(&self, name: &ObjName) -> Option<Id> {
-        let hash = self.hasher.hash_one(name);
+        self.find_parts(&name.namespace, &name.name)
+    }
+
+    /// [`Table::find`] by borrowed parts: no name to allocate.
+    pub(crate) fn find_parts(&self, namespace: &str, name: &str) -> Option<Id> {
+        let mut h = self.hasher.build_hasher();
+        ObjName::hash_parts(namespace, name, &mut h);
         let slots = &self.slots;
         self.by_name
-            .find(hash, |&id| {
+            .find(h.finish(), |&id| {
                 slots
                     .get(id)
                     .and_then(Option::as_ref)
-                    .is_some_and(|o| o.name() == name)
+                    .is_some_and(|o| *o.name().namespace == *namespace && *o.name().name == *name)
             })
             .copied()
     }
@@ -148,6 +154,9 @@ mod tests {
         assert_eq!(c, a, "a freed id is reused");
         assert_eq!(table.get(c).map(|t| t.1), Some(3));
         assert_eq!(table.find(&name("c")), Some(c));
+        assert_eq!(table.find_parts("ns", "c"), Some(c));
+        assert_eq!(table.find_parts("other", "c"), None);
+        assert_eq!(table.find_parts("ns", "a"), None);
         let ids: Vec<Id> = table.iter().map(|(id, _)| id).collect();
         assert_eq!(ids.len(), 2);
         // Enough to make the lookup table grow and rehash.
