@@ -11,28 +11,32 @@
 //!
 //! Each timing is the median of several runs; the setup of a run is not timed.
 
-use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant, SystemTime};
 
-use k8s_openapi::api::core::v1::{
-    ObjectReference, Pod, PodCondition, PodIP, PodSpec, PodStatus, Service, ServiceSpec,
-};
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher::Event;
 use staleguard_validator::index::{Index, IndexConfig};
+use staleguard_validator::synth::{self, SynthPod};
 
 const RUNS: usize = 7;
 
-// === object builders ===
+// === the benchmark's cluster ===
+//
+// Pod `n` of service `s` is `svc-<s>-7d9f8c6b5-<n>` in namespace `ns-<s % 50>`,
+// on IP 10.x.y.z (room for 16M pods), uid a UUID per incarnation.
 
-fn ip_of(n: u32) -> String {
-    // 10.0.0.0/8 gives room for 16M pods.
-    format!("10.{}.{}.{}", (n >> 16) & 255, (n >> 8) & 255, n & 255)
+fn ip_of(n: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(10, (n >> 16) as u8, (n >> 8) as u8, n as u8))
 }
 
 fn uid_of(n: u32, incarnation: u32) -> String {
     format!("{n:08x}-{incarnation:04x}-4c1e-9a11-0123456789ab")
+}
+
+fn namespace_of(service: u32) -> String {
+    format!("ns-{}", service % 50)
 }
 
 #[derive(Clone, Copy)]
@@ -44,96 +48,49 @@ struct PodSpecBench {
     terminating: bool,
 }
 
-fn namespace_of(service: u32) -> String {
-    format!("ns-{}", service % 50)
+impl PodSpecBench {
+    fn synth(self) -> SynthPod {
+        let app = format!("svc-{}", self.service);
+        let name = format!("{app}-7d9f8c6b5-{:05}", self.n);
+        let mut pod = SynthPod::new(&namespace_of(self.service), &name, &app, ip_of(self.n));
+        pod.uid = uid_of(self.n, self.incarnation);
+        pod.ready = self.ready;
+        pod.terminating = self.terminating;
+        pod
+    }
 }
 
 fn pod(p: PodSpecBench) -> Pod {
-    let app = format!("svc-{}", p.service);
-    Pod {
-        metadata: ObjectMeta {
-            namespace: Some(namespace_of(p.service)),
-            name: Some(format!("{app}-7d9f8c6b5-{:05}", p.n)),
-            uid: Some(uid_of(p.n, p.incarnation)),
-            labels: Some(BTreeMap::from([
-                ("app".to_owned(), app),
-                ("pod-template-hash".to_owned(), "7d9f8c6b5".to_owned()),
-            ])),
-            deletion_timestamp: p.terminating.then(|| Time(Default::default())),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec::default()),
-        status: Some(PodStatus {
-            phase: Some("Running".into()),
-            conditions: Some(vec![PodCondition {
-                type_: "Ready".into(),
-                status: if p.ready { "True" } else { "False" }.into(),
-                ..PodCondition::default()
-            }]),
-            pod_ip: Some(ip_of(p.n)),
-            pod_ips: Some(vec![PodIP { ip: ip_of(p.n) }]),
-            ..PodStatus::default()
-        }),
-    }
+    p.synth().build()
 }
 
 fn service(s: u32) -> Service {
-    Service {
-        metadata: ObjectMeta {
-            namespace: Some(namespace_of(s)),
-            name: Some(format!("svc-{s}")),
-            ..ObjectMeta::default()
-        },
-        spec: Some(ServiceSpec {
-            selector: Some(BTreeMap::from([("app".to_owned(), format!("svc-{s}"))])),
-            ..ServiceSpec::default()
-        }),
-        status: None,
-    }
+    synth::service(&namespace_of(s), &format!("svc-{s}"))
 }
 
-/// A slice of service `s` listing `members` (pod numbers, with a flag for
+/// Slice `part` of service `s` listing `members` (pod numbers, with a flag for
 /// terminating).
 fn slice(s: u32, part: u32, members: &[(u32, bool)]) -> EndpointSlice {
-    EndpointSlice {
-        metadata: ObjectMeta {
-            namespace: Some(namespace_of(s)),
-            name: Some(format!("svc-{s}-{part:05}")),
-            labels: Some(BTreeMap::from([(
-                "kubernetes.io/service-name".to_owned(),
-                format!("svc-{s}"),
-            )])),
-            ..ObjectMeta::default()
-        },
-        address_type: "IPv4".into(),
-        ports: Some(vec![EndpointPort {
-            name: Some("http".into()),
-            port: Some(8080),
-            protocol: Some("TCP".into()),
-            app_protocol: None,
-        }]),
-        endpoints: members
-            .iter()
-            .map(|&(n, terminating)| Endpoint {
-                addresses: vec![ip_of(n)],
-                conditions: Some(EndpointConditions {
-                    ready: Some(!terminating),
-                    serving: Some(true),
-                    terminating: Some(terminating),
-                }),
-                target_ref: Some(ObjectReference {
-                    kind: Some("Pod".into()),
-                    namespace: Some(namespace_of(s)),
-                    name: Some(format!("svc-{s}-7d9f8c6b5-{n:05}")),
-                    uid: Some(uid_of(n, 0)),
-                    ..ObjectReference::default()
-                }),
-                node_name: Some(format!("node-{}", n % 300)),
-                zone: Some("zone-a".into()),
-                ..Endpoint::default()
-            })
-            .collect(),
-    }
+    let endpoints = members
+        .iter()
+        .map(|&(n, terminating)| {
+            PodSpecBench {
+                n,
+                service: s,
+                incarnation: 0,
+                ready: true,
+                terminating,
+            }
+            .synth()
+            .endpoint()
+        })
+        .collect();
+    synth::slice(
+        &namespace_of(s),
+        &format!("svc-{s}-{part:05}"),
+        &format!("svc-{s}"),
+        endpoints,
+    )
 }
 
 /// Services `first..first+count` with `per` pods each, one slice per 100 pods;
@@ -161,13 +118,12 @@ fn world(ix: &mut Index, first: u32, count: u32, per: u32, first_pod: u32, now: 
     }
 }
 
-/// CPU time this thread has run, in nanoseconds (from the scheduler): on a
-/// shared machine, wall time also counts time other processes took the core.
+/// CPU time this thread has run, in nanoseconds (`CLOCK_THREAD_CPUTIME_ID`):
+/// on a shared machine, wall time also counts time other processes took the
+/// core. (`/proc/thread-self/schedstat` is only brought up to date at
+/// scheduler ticks, too coarse for a batch of a hundred events.)
 fn cpu_ns() -> u64 {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
-        .unwrap_or(0)
+    u64::try_from(cpu_time::ThreadTime::now().as_duration().as_nanos()).unwrap_or(u64::MAX)
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -195,119 +151,107 @@ enum Mixed {
     Slice(Event<EndpointSlice>),
 }
 
-/// Pod lifecycles in the 100 services of the base world: create (not ready),
-/// ready, terminating, delete.
-fn pod_events(count: u32) -> Vec<Event<Pod>> {
-    let mut out = Vec::with_capacity(count as usize);
-    let mut n = 1_000_000;
-    while out.len() < count as usize {
-        let p = PodSpecBench {
-            n,
-            service: n % 100,
-            incarnation: 0,
-            ready: false,
-            terminating: false,
-        };
-        out.push(Event::Apply(pod(p)));
-        out.push(Event::Apply(pod(PodSpecBench { ready: true, ..p })));
-        out.push(Event::Apply(pod(PodSpecBench {
+/// Event `i` of the pod lifecycles in the 100 services of the base world:
+/// pod `1,000,000 + i / 4` is created (not ready), turns ready, turns
+/// terminating, and is deleted.
+fn pod_event(i: u32) -> Event<Pod> {
+    let n = 1_000_000 + i / 4;
+    let p = PodSpecBench {
+        n,
+        service: n % 100,
+        incarnation: 0,
+        ready: false,
+        terminating: false,
+    };
+    match i % 4 {
+        0 => Event::Apply(pod(p)),
+        1 => Event::Apply(pod(PodSpecBench { ready: true, ..p })),
+        2 => Event::Apply(pod(PodSpecBench {
             terminating: true,
             ..p
-        })));
-        out.push(Event::Delete(pod(p)));
-        n += 1;
+        })),
+        _ => Event::Delete(pod(p)),
     }
-    out.truncate(count as usize);
-    out
 }
 
-/// Updates of full 100-endpoint slices of the base world, each flipping one
-/// entry to terminating and back.
-fn slice_events(count: u32) -> Vec<Event<EndpointSlice>> {
-    (0..count)
-        .map(|i| {
-            let s = i % 100;
-            let flip = (i / 100) % 100;
-            let members: Vec<(u32, bool)> = (0..100)
-                .map(|k| (s * 100 + k, k == flip && (i / 10_000) % 2 == 0))
-                .collect();
-            Event::Apply(slice(s, 0, &members))
-        })
-        .collect()
+/// Update `i` of full 100-endpoint slices of the base world, each flipping
+/// one entry to terminating and back.
+fn slice_event(i: u32) -> Event<EndpointSlice> {
+    let s = i % 100;
+    let flip = (i / 100) % 100;
+    let members: Vec<(u32, bool)> = (0..100)
+        .map(|k| (s * 100 + k, k == flip && (i / 10_000) % 2 == 0))
+        .collect();
+    Event::Apply(slice(s, 0, &members))
 }
 
-/// The endpoints controller's view of a pod lifecycle: 4 pod events and 2
-/// slice updates (listed, then removed) per pod.
-fn mixed_events(count: u32) -> Vec<Mixed> {
-    let mut out = Vec::with_capacity(count as usize);
-    let pods = pod_events(count);
-    let mut pods = pods.into_iter();
-    let mut n = 1_000_000u32;
-    while out.len() < count as usize {
-        let s = n % 100;
-        let base: Vec<(u32, bool)> = (0..100).map(|k| (s * 100 + k, false)).collect();
-        let mut with = base.clone();
-        with.push((n, false));
-        for _ in 0..2 {
-            if let Some(e) = pods.next() {
-                out.push(Mixed::Pod(e));
-            }
-        }
-        out.push(Mixed::Slice(Event::Apply(slice(s, 1, &with[100..]))));
-        for _ in 0..2 {
-            if let Some(e) = pods.next() {
-                out.push(Mixed::Pod(e));
-            }
-        }
-        out.push(Mixed::Slice(Event::Apply(slice(s, 1, &[]))));
-        n += 1;
+/// Event `i` of the endpoints controller's view of pod lifecycles: per pod,
+/// two pod events, its slice update (listed in a second slice), two more pod
+/// events, and the slice update that drops it.
+fn mixed_event(i: u32) -> Mixed {
+    let (pod_n, step) = (i / 6, i % 6);
+    let n = 1_000_000 + pod_n;
+    let s = n % 100;
+    match step {
+        2 => Mixed::Slice(Event::Apply(slice(s, 1, &[(n, false)]))),
+        5 => Mixed::Slice(Event::Apply(slice(s, 1, &[]))),
+        _ => Mixed::Pod(pod_event(pod_n * 4 + step - step / 3)),
     }
-    out.truncate(count as usize);
-    out
 }
 
-fn throughput(name: &str, make: impl Fn() -> Bench) -> f64 {
+/// Events are built and applied in batches of this many, and only applying
+/// is timed. Building them all first would free every object in the timed
+/// loop and allocate none: glibc then piles up millions of free chunks and
+/// consolidates them on the next large allocation, a pattern the validator
+/// (decode one object, apply it, drop it) never has.
+const BATCH: u32 = 100;
+
+fn throughput(name: &str, total: u32, make: impl Fn(u32, u32) -> Bench) -> f64 {
     let now = SystemTime::now();
     let mut rates = Vec::new();
     let mut cpu_rates = Vec::new();
     for _ in 0..RUNS {
         let mut ix = fresh_index();
         world(&mut ix, 0, 100, 100, 0, now);
-        let bench = make();
-        let cpu_start = cpu_ns();
-        let (count, elapsed) = match bench {
-            Bench::Pod(events) => {
-                let count = events.len();
-                let start = Instant::now();
-                for e in events {
-                    ix.apply_pod(e, now);
-                }
-                (count, start.elapsed())
-            }
-            Bench::Slice(events) => {
-                let count = events.len();
-                let start = Instant::now();
-                for e in events {
-                    ix.apply_slice(e, now);
-                }
-                (count, start.elapsed())
-            }
-            Bench::Mixed(events) => {
-                let count = events.len();
-                let start = Instant::now();
-                for e in events {
-                    match e {
-                        Mixed::Pod(e) => ix.apply_pod(e, now),
-                        Mixed::Slice(e) => ix.apply_slice(e, now),
+        let mut wall = Duration::ZERO;
+        let mut cpu = 0u64;
+        let mut first = 0;
+        while first < total {
+            let count = BATCH.min(total - first);
+            let bench = make(first, count);
+            first += count;
+            let cpu_start = cpu_ns();
+            let start = Instant::now();
+            match bench {
+                Bench::Pod(events) => {
+                    for e in events {
+                        ix.apply_pod(e, now);
                     }
                 }
-                (count, start.elapsed())
+                Bench::Slice(events) => {
+                    for e in events {
+                        ix.apply_slice(e, now);
+                    }
+                }
+                Bench::Mixed(events) => {
+                    for e in events {
+                        match e {
+                            Mixed::Pod(e) => ix.apply_pod(e, now),
+                            Mixed::Slice(e) => ix.apply_slice(e, now),
+                        }
+                    }
+                }
             }
-        };
-        let cpu = (cpu_ns() - cpu_start) as f64 / 1e9;
-        rates.push(count as f64 / elapsed.as_secs_f64());
-        cpu_rates.push(count as f64 / cpu);
+            wall += start.elapsed();
+            cpu += cpu_ns() - cpu_start;
+        }
+        rates.push(f64::from(total) / wall.as_secs_f64());
+        cpu_rates.push(f64::from(total) / (cpu as f64 / 1e9));
         std::hint::black_box(&ix);
+    }
+    if std::env::var_os("STALEGUARD_BENCH_RUNS").is_some() {
+        let runs: Vec<String> = cpu_rates.iter().map(|r| format!("{r:.0}")).collect();
+        println!("  {name}, per run: {}", runs.join(" "));
     }
     let rate = median(rates);
     let cpu_rate = median(cpu_rates);
@@ -498,16 +442,18 @@ fn main() {
     let mut replay = f64::NAN;
     let mut rss = None;
     if wanted("pod") {
-        pods = throughput("pod lifecycle events", || Bench::Pod(pod_events(200_000)));
+        pods = throughput("pod lifecycle events", 200_000, |first, count| {
+            Bench::Pod((first..first + count).map(pod_event).collect())
+        });
     }
     if wanted("slice") {
-        slices = throughput("100-endpoint slice updates", || {
-            Bench::Slice(slice_events(20_000))
+        slices = throughput("100-endpoint slice updates", 20_000, |first, count| {
+            Bench::Slice((first..first + count).map(slice_event).collect())
         });
     }
     if wanted("mixed") {
-        mixed = throughput("mixed (4 pod : 2 slice events)", || {
-            Bench::Mixed(mixed_events(120_000))
+        mixed = throughput("mixed (4 pod : 2 slice events)", 120_000, |first, count| {
+            Bench::Mixed((first..first + count).map(mixed_event).collect())
         });
     }
     if wanted("incident") {

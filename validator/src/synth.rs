@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{
     ObjectReference, Pod, PodCondition, PodIP, PodSpec, PodStatus, Service, ServiceSpec,
 };
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::runtime::watcher::Event;
 
 use crate::shared::SharedIndex;
@@ -41,32 +41,103 @@ pub fn ip(n: u32) -> IpAddr {
     ))
 }
 
+/// One synthetic pod, with the knobs a lifecycle needs. [`SynthPod::build`]
+/// makes the Pod and [`SynthPod::endpoint`] the slice entry that lists it,
+/// both shaped like what an API server serves (labels of a Deployment's pod,
+/// a node, conditions).
+#[derive(Debug, Clone)]
+pub struct SynthPod {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub name: String,
+    /// The value of its `app` label, its service's selector.
+    pub app: String,
+    /// The pod's uid.
+    pub uid: String,
+    /// The pod's IP.
+    pub ip: IpAddr,
+    /// The Ready condition.
+    pub ready: bool,
+    /// True once the pod has a deletion timestamp.
+    pub terminating: bool,
+}
+
+impl SynthPod {
+    /// A running, ready pod of `app` holding `ip`, with uid `uid-<name>`.
+    pub fn new(namespace: &str, name: &str, app: &str, ip: IpAddr) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+            app: app.into(),
+            uid: format!("uid-{name}"),
+            ip,
+            ready: true,
+            terminating: false,
+        }
+    }
+
+    /// The Pod object.
+    pub fn build(&self) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                namespace: Some(self.namespace.clone()),
+                name: Some(self.name.clone()),
+                uid: Some(self.uid.clone()),
+                labels: Some(BTreeMap::from([
+                    (APP_LABEL.into(), self.app.clone()),
+                    ("pod-template-hash".into(), "7d9f8c6b5".into()),
+                ])),
+                deletion_timestamp: self.terminating.then(|| Time(Default::default())),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some("node-1".into()),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                pod_ip: Some(self.ip.to_string()),
+                pod_ips: Some(vec![PodIP {
+                    ip: self.ip.to_string(),
+                }]),
+                conditions: Some(vec![PodCondition {
+                    type_: "Ready".into(),
+                    status: if self.ready { "True" } else { "False" }.into(),
+                    ..PodCondition::default()
+                }]),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    /// The EndpointSlice entry listing this pod, with the conditions the
+    /// endpoints controller would give it.
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint {
+            addresses: vec![self.ip.to_string()],
+            conditions: Some(EndpointConditions {
+                ready: Some(self.ready && !self.terminating),
+                serving: Some(self.ready),
+                terminating: Some(self.terminating),
+            }),
+            target_ref: Some(ObjectReference {
+                kind: Some("Pod".into()),
+                namespace: Some(self.namespace.clone()),
+                name: Some(self.name.clone()),
+                uid: Some(self.uid.clone()),
+                ..ObjectReference::default()
+            }),
+            node_name: Some("node-1".into()),
+            zone: Some("zone-a".into()),
+            ..Endpoint::default()
+        }
+    }
+}
+
 /// A running, ready pod of `app` in `namespace` holding `ip`, uid `uid-<name>`.
 pub fn pod(namespace: &str, name: &str, app: &str, ip: IpAddr) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            namespace: Some(namespace.into()),
-            name: Some(name.into()),
-            uid: Some(format!("uid-{name}")),
-            labels: Some(BTreeMap::from([(APP_LABEL.into(), app.into())])),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some("node-1".into()),
-            ..PodSpec::default()
-        }),
-        status: Some(PodStatus {
-            phase: Some("Running".into()),
-            pod_ip: Some(ip.to_string()),
-            pod_ips: Some(vec![PodIP { ip: ip.to_string() }]),
-            conditions: Some(vec![PodCondition {
-                type_: "Ready".into(),
-                status: "True".into(),
-                ..PodCondition::default()
-            }]),
-            ..PodStatus::default()
-        }),
-    }
+    SynthPod::new(namespace, name, app, ip).build()
 }
 
 /// A service `namespace/app` selecting pods labelled `app=<app>`.
@@ -85,37 +156,21 @@ pub fn service(namespace: &str, app: &str) -> Service {
     }
 }
 
-/// The slice of service `namespace/app` listing `pods` (port 8080).
-pub fn slice(namespace: &str, app: &str, pods: &[Pod]) -> EndpointSlice {
-    let endpoints = pods
-        .iter()
-        .filter_map(|p| {
-            let ip = p.status.as_ref()?.pod_ip.clone()?;
-            Some(Endpoint {
-                addresses: vec![ip],
-                conditions: Some(EndpointConditions {
-                    ready: Some(true),
-                    serving: Some(true),
-                    terminating: Some(false),
-                }),
-                target_ref: Some(ObjectReference {
-                    kind: Some("Pod".into()),
-                    namespace: p.metadata.namespace.clone(),
-                    name: p.metadata.name.clone(),
-                    uid: p.metadata.uid.clone(),
-                    ..ObjectReference::default()
-                }),
-                ..Endpoint::default()
-            })
-        })
-        .collect();
+/// Slice `name` of service `namespace/service` listing `endpoints` (port
+/// 8080, named `http`).
+pub fn slice(
+    namespace: &str,
+    name: &str,
+    service: &str,
+    endpoints: Vec<Endpoint>,
+) -> EndpointSlice {
     EndpointSlice {
         metadata: ObjectMeta {
             namespace: Some(namespace.into()),
-            name: Some(format!("{app}-slice")),
+            name: Some(name.into()),
             labels: Some(BTreeMap::from([(
                 "kubernetes.io/service-name".into(),
-                app.into(),
+                service.into(),
             )])),
             ..ObjectMeta::default()
         },
@@ -137,16 +192,21 @@ pub fn cluster(services: usize, pods_per_service: usize) -> Cluster {
     let mut n = 0u32;
     for s in 0..services {
         let app = format!("svc-{s}");
-        let pods: Vec<Pod> = (0..pods_per_service)
+        let pods: Vec<SynthPod> = (0..pods_per_service)
             .map(|p| {
-                let pod = pod("bench", &format!("{app}-{p}"), &app, ip(n));
+                let pod = SynthPod::new("bench", &format!("{app}-{p}"), &app, ip(n));
                 n += 1;
                 pod
             })
             .collect();
         cluster.services.push(service("bench", &app));
-        cluster.slices.push(slice("bench", &app, &pods));
-        cluster.pods.extend(pods);
+        cluster.slices.push(slice(
+            "bench",
+            &format!("{app}-slice"),
+            &app,
+            pods.iter().map(SynthPod::endpoint).collect(),
+        ));
+        cluster.pods.extend(pods.iter().map(SynthPod::build));
     }
     cluster
 }
