@@ -206,18 +206,22 @@ async fn slice_and_pod_events_in_both_orders() {
         .named_slice(NS, "cart", "cart-a", 8080, &[SliceEndpoint::pod(ip_a, &a)])
         .await
         .unwrap();
+    // The pod exists without an IP: the slice is trusted to say which IP it
+    // got, so the pod holds it provisionally and is a member at once.
     source
-        .wait_for("the slice is seen", WAIT, |_| {
-            source.shared.watch_health()[2].applies >= 1
+        .wait_for("cart-a a provisional member", WAIT, |ix| {
+            ix.record(ip_a.parse().unwrap()).is_some_and(|r| {
+                r.pods.len() == 1
+                    && r.pods[0].name == "cart-a"
+                    && r.pods[0].services.iter().any(|m| m.service == cart)
+            })
         })
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let early = source.verdict(ip_a, &cart);
-    assert_ne!(
-        early.reason,
-        Reason::Recycled,
-        "a slice naming a pod that has no IP yet must not make the IP foreign"
+    assert_eq!(
+        source.verdict(ip_a, &cart).reason,
+        Reason::Member,
+        "a slice naming a pod that has no IP yet must not make the IP destroyed or foreign"
     );
     cluster.run_pod(NS, "cart-a", ip_a, true).await.unwrap();
 

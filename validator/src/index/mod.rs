@@ -11,8 +11,11 @@
 //! - a pod is a member of a service when a slice of the service lists one of its
 //!   IPs with the pod as `targetRef`, or when the service's selector matches its
 //!   labels (so a new pod never looks foreign before its slice arrives);
-//! - a slice entry naming a pod that does not hold the IP is stale and ignored;
-//!   an entry without `targetRef` makes the IP a bare member of the service;
+//! - a slice entry naming a pod that does not hold the IP is stale and ignored,
+//!   unless the pod has no IP yet: then its update with the IP is on its way
+//!   (the slice watch outran the pod watch) and the pod holds the IP
+//!   *provisionally*, so a brand-new pod never looks destroyed;
+//! - an entry without `targetRef` makes the IP a bare member of the service;
 //! - an IP that loses its last holder keeps a tombstone for a while.
 //!
 //! Internally the index keeps compact facts per object (see [`objects`]): pods
@@ -47,6 +50,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use hashbrown::HashTable;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher::Event;
@@ -155,6 +159,9 @@ struct IpEntry {
     slice: Id,
     target: Target,
     conditions: EndpointConditions,
+    /// True while the entry names a uid that no holder of the IP has, and is
+    /// listed in `Index::unmatched` for it.
+    unmatched: bool,
 }
 
 /// Everything the index knows about one IP but its tombstone.
@@ -206,6 +213,12 @@ pub struct Index {
     config: IndexConfig,
     interner: Interner,
     pods: Table<PodState>,
+    /// Pod ids by uid.
+    pods_by_uid: HashTable<Id>,
+    /// Per uid, the IPs of slice entries naming it that no holder of theirs
+    /// has (a stale entry, or one that outran its pod). When the pod with
+    /// that uid appears or changes, these IPs are re-derived.
+    unmatched: HashMap<Uid, SmallVec<[IpAddr; 1]>>,
     /// Per namespace, its pods' ids.
     ns_pods: HashMap<Arc<str>, Vec<Id>>,
     services: HashMap<Arc<ServiceKey>, ServiceFacts>,
@@ -245,6 +258,8 @@ impl Index {
             config,
             interner: Interner::default(),
             pods: Table::default(),
+            pods_by_uid: HashTable::new(),
+            unmatched: HashMap::default(),
             ns_pods: HashMap::default(),
             services: HashMap::default(),
             ns_selectors: HashMap::default(),
@@ -485,11 +500,8 @@ impl Index {
         let state = self.ips.get(&ip);
         let entries: &[IpEntry] = state.map_or(&[], |s| &s.entries);
         let mut pods: Vec<PodHolder> = Vec::new();
-        for pod in state
-            .into_iter()
-            .flat_map(|s| &s.holders)
-            .filter_map(|&id| self.pods.get(id))
-        {
+        let holders = state.map(|s| self.holders(s)).unwrap_or_default();
+        for pod in holders.iter().filter_map(|&id| self.pods.get(id)) {
             let f = &pod.facts;
             pods.push(PodHolder {
                 namespace: pod.name.namespace.to_string(),
@@ -531,7 +543,7 @@ impl Index {
     /// be derived from facts hashed here, or its changes would never reach
     /// clients (the property test compares deltas with snapshots).
     fn fingerprint(&self, ip: IpAddr, state: Option<&IpState>) -> u64 {
-        let holders: &[Id] = state.map_or(&[], |s| &s.holders);
+        let holders = state.map(|s| self.holders(s)).unwrap_or_default();
         let entries: &[IpEntry] = state.map_or(&[], |s| &s.entries);
         let tomb = state.and_then(|s| s.tomb.as_ref());
         let has_bare = entries.iter().any(|e| e.target == Target::Bare);
@@ -576,6 +588,39 @@ impl Index {
         }
         // 0 means "no record".
         h.finish().max(1)
+    }
+
+    /// The pods holding the IP of `state`: its holders, and the pods awaiting
+    /// an IP that an unmatched entry there names.
+    fn holders(&self, state: &IpState) -> SmallVec<[Id; 2]> {
+        let mut out: SmallVec<[Id; 2]> = state.holders.iter().copied().collect();
+        let provisional = state.entries.iter().filter(|e| e.unmatched);
+        for e in provisional {
+            let Target::Uid(uid) = &e.target else {
+                continue;
+            };
+            for id in self.pods_with_uid(uid) {
+                if self.pods.get(id).is_some_and(|p| p.facts.awaiting_ip) && !out.contains(&id) {
+                    out.push(id);
+                }
+            }
+        }
+        out
+    }
+
+    /// The pods with `uid`: one, unless objects disagree.
+    fn pods_with_uid<'a>(&'a self, uid: &'a Uid) -> impl Iterator<Item = Id> + 'a {
+        self.pods_by_uid
+            .iter_hash(self.fingerprints.hash_one(uid))
+            .copied()
+            .filter(move |&id| self.pods.get(id).is_some_and(|p| p.facts.uid == *uid))
+    }
+
+    /// Touches the IPs whose unmatched entries name `uid`.
+    fn touch_unmatched(&mut self, uid: &Uid) {
+        if let Some(ips) = self.unmatched.get(uid) {
+            self.touched.extend(ips.iter().copied());
+        }
     }
 
     /// True when a Service object `service` exists (in the watched scope).
@@ -731,6 +776,7 @@ impl Index {
         let ns_list = self.ns_pods.entry(name.namespace.clone()).or_default();
         let ns_slot = ns_list.len();
         let ips = facts.ips.clone();
+        let uid = facts.uid.clone();
         let id = self.pods.insert(PodState {
             name,
             facts,
@@ -738,6 +784,8 @@ impl Index {
             ns_slot,
         });
         ns_list.push(id);
+        self.index_uid(id, &uid);
+        self.touch_unmatched(&uid);
         for ip in ips {
             self.ips.entry(ip).or_default().holders.push(id);
             self.touched.push(ip);
@@ -772,10 +820,21 @@ impl Index {
         let Some(pod) = self.pods.get_mut(id) else {
             return;
         };
-        let old_ips = std::mem::replace(&mut pod.facts, facts).ips;
+        let new_uid = (pod.facts.uid != facts.uid).then(|| facts.uid.clone());
+        let old = std::mem::replace(&mut pod.facts, facts);
+        let old_ips = old.ips;
         if let Some(selected) = selected {
             pod.selected = selected;
         }
+        self.touch_unmatched(&old.uid);
+        if let Some(uid) = new_uid {
+            self.unindex_uid(id, &old.uid);
+            self.index_uid(id, &uid);
+            self.touch_unmatched(&uid);
+        }
+        let Some(pod) = self.pods.get(id) else {
+            return;
+        };
         for &ip in pod.facts.ips.iter() {
             if !old_ips.contains(&ip) {
                 self.ips.entry(ip).or_default().holders.push(id);
@@ -791,6 +850,10 @@ impl Index {
         };
         for ip in ips {
             self.release(ip, id);
+        }
+        if let Some(uid) = self.pods.get(id).map(|p| p.facts.uid.clone()) {
+            self.touch_unmatched(&uid);
+            self.unindex_uid(id, &uid);
         }
         let Some(old) = self.pods.remove(id) else {
             return;
@@ -808,6 +871,21 @@ impl Index {
             if list.get().is_empty() {
                 list.remove();
             }
+        }
+    }
+
+    fn index_uid(&mut self, id: Id, uid: &Uid) {
+        let hash = self.fingerprints.hash_one(uid);
+        let (pods, hasher) = (&self.pods, &self.fingerprints);
+        self.pods_by_uid.insert_unique(hash, id, |&other| {
+            pods.get(other).map_or(0, |p| hasher.hash_one(&p.facts.uid))
+        });
+    }
+
+    fn unindex_uid(&mut self, id: Id, uid: &Uid) {
+        let hash = self.fingerprints.hash_one(uid);
+        if let Ok(entry) = self.pods_by_uid.find_entry(hash, |&other| other == id) {
+            entry.remove();
         }
     }
 
@@ -926,6 +1004,9 @@ impl Index {
                 _ => continue,
             }
             self.touched.extend(pod.facts.ips.iter().copied());
+            if let Some(ips) = self.unmatched.get(&pod.facts.uid) {
+                self.touched.extend(ips.iter().copied());
+            }
         }
     }
 
@@ -1027,6 +1108,7 @@ impl Index {
                 slice: id,
                 target: entry.target.clone(),
                 conditions: entry.conditions,
+                unmatched: false,
             },
         );
         self.slice_entries += 1;
@@ -1037,7 +1119,16 @@ impl Index {
     fn drop_entries(&mut self, ip: IpAddr, id: Id) {
         if let Some(state) = self.ips.get_mut(&ip) {
             let before = state.entries.len();
-            state.entries.retain(|e| e.slice != id);
+            let unmatched = &mut self.unmatched;
+            state.entries.retain(|e| {
+                if e.slice != id {
+                    return true;
+                }
+                if let (true, Target::Uid(uid)) = (e.unmatched, &e.target) {
+                    forget_unmatched(unmatched, uid, ip);
+                }
+                false
+            });
             self.slice_entries -= before - state.entries.len();
         }
         self.touched.push(ip);
@@ -1073,7 +1164,11 @@ impl Index {
         touched.dedup();
         let mut changed = std::mem::take(&mut self.changed);
         for &ip in &touched {
-            let held = self.ips.get(&ip).is_some_and(|s| !s.holders.is_empty());
+            self.match_entries(ip);
+            let held = self
+                .ips
+                .get(&ip)
+                .is_some_and(|s| !self.holders(s).is_empty());
             if held {
                 if let Some(old) = self.ips.get_mut(&ip).and_then(|s| s.tomb.take()) {
                     self.tomb_queue.remove(&(old.since_ms, ip));
@@ -1129,6 +1224,47 @@ impl Index {
             }
         }
         self.changed = changed;
+    }
+}
+
+impl Index {
+    /// Marks which entries at `ip` name a uid none of its holders has, and
+    /// keeps `unmatched` in step.
+    fn match_entries(&mut self, ip: IpAddr) {
+        let Some(state) = self.ips.get_mut(&ip) else {
+            return;
+        };
+        let (pods, unmatched) = (&self.pods, &mut self.unmatched);
+        for e in state.entries.iter_mut() {
+            let Target::Uid(uid) = &e.target else {
+                continue;
+            };
+            let matched = state
+                .holders
+                .iter()
+                .any(|&h| pods.get(h).is_some_and(|p| p.facts.uid == *uid));
+            if e.unmatched != matched {
+                continue;
+            }
+            e.unmatched = !matched;
+            if e.unmatched {
+                unmatched.entry(uid.clone()).or_default().push(ip);
+            } else {
+                forget_unmatched(unmatched, uid, ip);
+            }
+        }
+    }
+}
+
+/// Removes one `(uid, ip)` from `unmatched`.
+fn forget_unmatched(unmatched: &mut HashMap<Uid, SmallVec<[IpAddr; 1]>>, uid: &Uid, ip: IpAddr) {
+    if let Some(ips) = unmatched.get_mut(uid) {
+        if let Some(at) = ips.iter().position(|x| *x == ip) {
+            ips.swap_remove(at);
+        }
+        if ips.is_empty() {
+            unmatched.remove(uid);
+        }
     }
 }
 

@@ -83,6 +83,19 @@ impl Model {
 
     fn records(&self) -> BTreeMap<IpAddr, Live> {
         let mut out: BTreeMap<IpAddr, Live> = BTreeMap::new();
+        // Which uids really hold each IP (their pods list it).
+        let mut real: BTreeSet<(IpAddr, String)> = BTreeSet::new();
+        for p in self.pods.live.values() {
+            let status = p.status.clone().unwrap_or_default();
+            if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
+                continue;
+            }
+            for ip in status.pod_ips.iter().flatten() {
+                if let Ok(ip) = ip.ip.parse() {
+                    real.insert((ip, p.metadata.uid.clone().unwrap_or_default()));
+                }
+            }
+        }
         for ((ns, name), p) in &self.pods.live {
             let status = p.status.clone().unwrap_or_default();
             if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
@@ -90,12 +103,38 @@ impl Model {
             }
             let uid = p.metadata.uid.clone().unwrap_or_default();
             let labels = p.metadata.labels.clone().unwrap_or_default();
-            let ips: BTreeSet<IpAddr> = status
+            let mut ips: BTreeSet<IpAddr> = status
                 .pod_ips
+                .clone()
                 .unwrap_or_default()
                 .iter()
                 .filter_map(|i| i.ip.parse().ok())
                 .collect();
+            // A pod without an IP yet holds every address a slice entry
+            // naming it lists (its update with the IP is on its way), unless
+            // a pod with its uid really holds that address.
+            if ips.is_empty() && p.metadata.deletion_timestamp.is_none() {
+                for sl in self.slices.live.values() {
+                    for e in &sl.endpoints {
+                        let names_pod = e
+                            .target_ref
+                            .as_ref()
+                            .and_then(|r| r.uid.as_ref())
+                            .is_some_and(|u| *u == uid);
+                        if !names_pod {
+                            continue;
+                        }
+                        let family_ok = |ip: &IpAddr| ip.is_ipv4() == (sl.address_type == "IPv4");
+                        ips.extend(
+                            e.addresses
+                                .iter()
+                                .filter_map(|a| a.parse::<IpAddr>().ok())
+                                .filter(family_ok)
+                                .filter(|ip| !real.contains(&(*ip, uid.clone()))),
+                        );
+                    }
+                }
+            }
             for ip in ips {
                 let mut services: BTreeMap<ServiceKey, Membership> = BTreeMap::new();
                 for ((sns, sname), s) in &self.services.live {

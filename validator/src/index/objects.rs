@@ -286,6 +286,9 @@ pub(crate) struct PodFacts {
     /// The IPs the pod holds: empty for a pod without an IP yet, and for a
     /// `Succeeded`/`Failed` pod, whose IP the node has released.
     pub(crate) ips: Ips,
+    /// No IP yet, and neither finished nor terminating: a slice entry that
+    /// names this pod is trusted to say which IP it got (see the index).
+    pub(crate) awaiting_ip: bool,
     pub(crate) ready: bool,
     pub(crate) terminating: bool,
     pub(crate) host_network: bool,
@@ -404,12 +407,14 @@ pub(crate) fn pod_facts(
     let ready = status
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    let terminating = meta.deletion_timestamp.is_some();
     PodFacts {
         uid,
         labels,
+        awaiting_ip: ips.is_empty() && !released && !terminating,
         ips,
         ready,
-        terminating: meta.deletion_timestamp.is_some(),
+        terminating,
         host_network: pod
             .spec
             .as_ref()

@@ -684,3 +684,89 @@ fn pods_with_the_same_labels_share_one_label_set() {
         Reason::Recycled
     );
 }
+
+#[test]
+fn a_slice_that_outruns_its_pod_makes_the_pod_a_provisional_holder() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    let web = key("shop", "web");
+    ix.apply_service(Event::Apply(service("shop", "web").build()), t(0));
+    // cart-2 exists (scheduled, no IP yet) when the slice listing it on
+    // 10.0.0.2 arrives, before the pod's own update with that IP.
+    let cart_2 = || pod("shop", "cart-2").labels(&[("app", "cart")]);
+    ix.apply_pod(Event::Apply(cart_2().not_ready().build()), t(1));
+    let listing_cart_2 = || {
+        slice("shop", "cart-abc", "cart")
+            .port("http", 8080)
+            .endpoint("10.0.0.1", Some("uid-cart-1"))
+            .endpoint("10.0.0.2", Some("uid-cart-2"))
+    };
+    ix.apply_slice(Event::Apply(listing_cart_2().build()), t(1));
+    assert_eq!(verdict(&ix, &cart, "10.0.0.2"), Reason::Member);
+    let record = ix.record(ip("10.0.0.2")).unwrap();
+    assert_eq!(record.pods.len(), 1);
+    assert_eq!(record.pods[0].name, "cart-2");
+    assert_eq!(record.pods[0].services[0].via, Via::Both);
+    // The pod's update arrives: the same record, now held for real.
+    let generation = ix.generation();
+    ix.apply_pod(Event::Apply(cart_2().ip("10.0.0.2").build()), t(2));
+    assert_eq!(verdict(&ix, &cart, "10.0.0.2"), Reason::Member);
+    assert!(ix.record(ip("10.0.0.2")).unwrap().pods[0].ready);
+    assert!(ix.generation() > generation, "readiness changed");
+
+    // A recycled IP: cart-1 dies; web-1 (no IP yet) is listed on its IP.
+    ix.apply_pod(Event::Delete(pod("shop", "cart-1").build()), t(3));
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Destroyed);
+    let web_1 = pod("shop", "web-1").uid("uid-web-1").not_ready().build();
+    ix.apply_pod(Event::Apply(web_1), t(4));
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "web-abc", "web")
+                .endpoint("10.0.0.1", Some("uid-web-1"))
+                .build(),
+        ),
+        t(4),
+    );
+    assert_eq!(verdict(&ix, &web, "10.0.0.1"), Reason::Member);
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Recycled);
+    assert!(ix.record(ip("10.0.0.1")).unwrap().tombstone.is_none());
+    // web-1 is deleted before it ever got the IP: nobody holds it now.
+    ix.apply_pod(Event::Delete(pod("shop", "web-1").build()), t(5));
+    assert_eq!(verdict(&ix, &web, "10.0.0.1"), Reason::Destroyed);
+    assert_eq!(verdict(&ix, &cart, "10.0.0.1"), Reason::Destroyed);
+}
+
+#[test]
+fn a_finished_or_terminating_pod_never_holds_an_ip_provisionally() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-2")
+                .labels(&[("app", "cart")])
+                .phase("Succeeded")
+                .build(),
+        ),
+        t(1),
+    );
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-3")
+                .labels(&[("app", "cart")])
+                .terminating()
+                .build(),
+        ),
+        t(1),
+    );
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "cart-abc", "cart")
+                .endpoint("10.0.0.2", Some("uid-cart-2"))
+                .endpoint("10.0.0.3", Some("uid-cart-3"))
+                .build(),
+        ),
+        t(2),
+    );
+    assert_eq!(verdict(&ix, &cart, "10.0.0.2"), Reason::Destroyed);
+    assert_eq!(verdict(&ix, &cart, "10.0.0.3"), Reason::Destroyed);
+}
