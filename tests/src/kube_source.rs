@@ -29,16 +29,25 @@ pub struct KubeSource {
 }
 
 impl KubeSource {
-    /// Starts the three watches (all namespaces) with a staleness bound.
+    /// Starts the three watches (all namespaces) with a staleness bound and
+    /// kube-runtime's default watch timeout.
     pub async fn start(server: &ApiServer, max_staleness: Duration) -> Result<Self> {
+        Self::start_with(server, max_staleness, Scope::default()).await
+    }
+
+    /// Starts the three watches over `scope` with a staleness bound.
+    pub async fn start_with(
+        server: &ApiServer,
+        max_staleness: Duration,
+        scope: Scope,
+    ) -> Result<Self> {
         let mut config = kube_config(&server.kubeconfig()).await?;
         config.headers.push((
             http::header::USER_AGENT,
             http::HeaderValue::from_static(VALIDATOR_USER_AGENT),
         ));
-        let client = kube::Client::try_from(config)?;
         let shared = SharedIndex::new(Index::new(1, IndexConfig::default()), max_staleness);
-        let tasks = start(client, Scope::default(), shared.clone());
+        let tasks = start(config, scope, shared.clone())?;
         Ok(Self { shared, tasks })
     }
 

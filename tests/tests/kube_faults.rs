@@ -12,6 +12,7 @@ use kube::api::{Api, ListParams};
 use staleguard_core::{Reason, ServiceKey};
 use staleguard_tests::apiserver::{ApiServer, Cluster, SliceEndpoint};
 use staleguard_tests::kube_source::{parse_ip, KubeSource, VALIDATOR_USER_AGENT};
+use staleguard_validator::source::kube::Scope;
 
 const WAIT: Duration = Duration::from_secs(30);
 const NS: &str = "shop";
@@ -337,4 +338,67 @@ async fn a_frozen_server_makes_the_validator_stale_within_the_bound_and_it_recov
     stop.store(true, Ordering::Relaxed);
     heartbeat.await.unwrap();
     assert_eq!(source.verdict(&pods[0].1, &cart).reason, Reason::Member);
+}
+
+/// A quiet cluster is not a stale one: with watches renewed every second, a
+/// validator with a 3 s bound stays fresh through 4.5 s without a single
+/// change, while one left on kube-runtime's default (a watch held for 290 s,
+/// bookmarks swallowed) turns stale in the same silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_renewals_keep_a_quiet_cluster_fresh() {
+    let Some((server, cluster)) = start().await else {
+        return;
+    };
+    let bound = Duration::from_secs(3);
+    let renewing = KubeSource::start_with(
+        &server,
+        bound,
+        Scope {
+            watch_timeout: Some(Duration::from_secs(1)),
+            ..Scope::default()
+        },
+    )
+    .await
+    .unwrap();
+    let holding = KubeSource::start(&server, bound).await.unwrap();
+    let pods = populate(&cluster, "cart", 0, 2).await;
+    for source in [&renewing, &holding] {
+        source
+            .wait_for("fresh and holding both pods", WAIT, |ix| {
+                source.shared.freshness().fresh && ix.stats().pods == 2
+            })
+            .await
+            .unwrap();
+    }
+    // Silence: no writes from here on.
+    let quiet = Instant::now();
+    let mut holding_went_stale = None;
+    while quiet.elapsed() < bound + Duration::from_millis(1500) {
+        assert!(
+            renewing.shared.freshness().fresh,
+            "the renewing validator read stale {:?} into the silence: {:?}",
+            quiet.elapsed(),
+            renewing.shared.watch_health()
+        );
+        if holding_went_stale.is_none() && !holding.shared.freshness().fresh {
+            holding_went_stale = Some(quiet.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let went = holding_went_stale.expect("without renewals, silence reads as stale");
+    eprintln!("without renewals: stale {went:?} into the silence (bound {bound:?})");
+    let cart = ServiceKey::new(NS, "cart");
+    assert_eq!(renewing.verdict(&pods[0].1, &cart).reason, Reason::Member);
+    assert_eq!(holding.verdict(&pods[0].1, &cart).reason, Reason::Stale);
+    let ages: Vec<_> = renewing
+        .shared
+        .watch_health()
+        .iter()
+        .map(|h| h.last_event_age)
+        .collect();
+    assert!(
+        ages.iter()
+            .all(|a| a.is_some_and(|a| a < Duration::from_secs(2))),
+        "every watch renewed within the last 2 s: {ages:?}"
+    );
 }

@@ -69,13 +69,20 @@ pub struct Args {
     #[arg(long, env = "STALEGUARD_SERVICE_SELECTOR")]
     pub service_selector: Option<String>,
 
+    /// With `--source kube`: the API server ends each watch after this long and
+    /// the validator renews it from where it was; an accepted renewal is a sign
+    /// of life, so a quiet cluster stays fresh. Whole seconds, shorter than
+    /// `--max-staleness`. [default: 60s]
+    #[arg(long, env = "STALEGUARD_WATCH_TIMEOUT")]
+    pub watch_timeout: Option<String>,
+
     /// How long an IP that lost its last pod keeps a tombstone (`90s`, `10m`,
     /// `1h`).
     #[arg(long, env = "STALEGUARD_TOMBSTONE_TTL", default_value = "10m")]
     pub tombstone_ttl: String,
 
-    /// A watch silent for longer than this makes the data stale (filters then
-    /// follow their failure policy).
+    /// A watch silent for longer than this (no event, no accepted renewal)
+    /// makes the data stale (filters then follow their failure policy).
     #[arg(long, env = "STALEGUARD_MAX_STALENESS", default_value = "5m")]
     pub max_staleness: String,
 
@@ -152,6 +159,8 @@ pub enum SourceConfig {
         pod_selector: Option<String>,
         /// Label selector for Services.
         service_selector: Option<String>,
+        /// How long each watch stays open before it is renewed.
+        watch_timeout: Duration,
     },
 }
 
@@ -229,6 +238,7 @@ impl Config {
                     ("namespace", args.namespace.is_some()),
                     ("pod-selector", args.pod_selector.is_some()),
                     ("service-selector", args.service_selector.is_some()),
+                    ("watch-timeout", args.watch_timeout.is_some()),
                 ] {
                     if set {
                         problems.push(format!("--{flag} only applies to --source kube"));
@@ -263,10 +273,33 @@ impl Config {
                         }
                     }
                 }
+                let text = args.watch_timeout.as_deref().unwrap_or("60s");
+                let watch_timeout = match parse_duration(text) {
+                    Ok(d) if d < Duration::from_secs(1) || d.subsec_nanos() != 0 => {
+                        problems.push(format!(
+                            "--watch-timeout {text:?}: must be a whole number of seconds, at least 1s"
+                        ));
+                        d
+                    }
+                    Ok(d) if d >= max_staleness => {
+                        problems.push(format!(
+                            "--watch-timeout {text:?}: must be shorter than --max-staleness \
+                             ({:?}), or a quiet cluster reads stale between renewals",
+                            max_staleness
+                        ));
+                        d
+                    }
+                    Ok(d) => d,
+                    Err(e) => {
+                        problems.push(format!("--watch-timeout {text:?}: {e}"));
+                        Duration::from_secs(60)
+                    }
+                };
                 SourceConfig::Kube {
                     namespace: args.namespace,
                     pod_selector: args.pod_selector,
                     service_selector: args.service_selector,
+                    watch_timeout,
                 }
             }
         };
@@ -440,6 +473,35 @@ mod tests {
     }
 
     #[test]
+    fn watch_timeout_is_whole_seconds_under_the_staleness_bound() {
+        let c = parse(&["--source", "kube"]).unwrap();
+        let SourceConfig::Kube { watch_timeout, .. } = c.source else {
+            panic!("{:?}", c.source)
+        };
+        assert_eq!(watch_timeout, Duration::from_secs(60));
+        let c = parse(&["--source", "kube", "--watch-timeout", "2m"]).unwrap();
+        assert!(matches!(
+            c.source,
+            SourceConfig::Kube { watch_timeout, .. } if watch_timeout == Duration::from_secs(120)
+        ));
+        for (bad, says) in [
+            ("500ms", "whole number of seconds"),
+            ("1500ms", "whole number of seconds"),
+            ("5m", "shorter than --max-staleness"),
+            ("soon", "--watch-timeout \"soon\""),
+        ] {
+            let err = parse(&["--source", "kube", "--watch-timeout", bad]).unwrap_err();
+            assert_eq!(err.problems.len(), 1, "{err}");
+            assert!(err.to_string().contains(says), "{bad}: {err}");
+        }
+        let err = parse(&["--watch-timeout", "30s"]).unwrap_err();
+        assert!(
+            err.to_string().contains("--watch-timeout only applies"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn help_shows_every_default() {
         use clap::CommandFactory;
         let help = Args::command().render_long_help().to_string();
@@ -448,6 +510,7 @@ mod tests {
             "[default: 500ms]",
             "[default: 10m]",
             "[default: 5m]",
+            "[default: 60s]",
         ] {
             assert!(help.contains(default), "{default} missing from:\n{help}");
         }

@@ -5,19 +5,27 @@
 //! Each object is stripped of what the index does not read before it is
 //! handed over, so a relist of a large cluster does not buffer whole objects.
 //!
-//! Freshness: kube-runtime's watcher consumes bookmarks internally, so a sign of
-//! life here is an event. A quiet namespace therefore ages; `--max-staleness`
-//! (default 5 minutes) must be larger than the longest quiet period you expect,
-//! and the watcher's client-side idle timeout (290 s) makes a hung connection
-//! reconnect, or report an error, within it.
+//! Freshness: kube-runtime's watcher consumes bookmarks internally, so events
+//! alone would let a quiet namespace age into staleness while its watch is
+//! perfectly current. The watches are therefore asked to end after
+//! `--watch-timeout` (default 60 s), and the watcher renews each from the last
+//! resource version it saw. A renewal the API server accepts is a sign of life
+//! (seen on the client's HTTP stack, [`WatchLiveness`]): the server was
+//! reachable and still had our position. A hung API server accepts nothing, so
+//! its watches age and the data turns stale after `--max-staleness`; the
+//! watcher's client-side idle timeout (the watch timeout plus a margin) makes a
+//! connection that went silent reconnect, or report an error.
 
 use std::fmt::Debug;
-use std::time::SystemTime;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
 
 use ::kube::api::Api;
+use ::kube::client::ClientBuilder;
 use ::kube::runtime::watcher::{self, Event};
 use ::kube::runtime::WatchStreamExt;
 use ::kube::{Client, Resource};
+use futures::future::BoxFuture;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, PodCondition, PodSpec, PodStatus, Service, ServiceSpec};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -36,20 +44,38 @@ pub struct Scope {
     pub pod_selector: Option<String>,
     /// Label selector for Services.
     pub service_selector: Option<String>,
+    /// How long the API server keeps each watch open before the watcher
+    /// renews it (whole seconds, at least 1). `None`: kube-runtime's default
+    /// (290 s).
+    pub watch_timeout: Option<Duration>,
 }
 
-/// Starts the three watches.
-pub fn start(client: Client, scope: Scope, shared: SharedIndex) -> Vec<JoinHandle<()>> {
-    let mut pods = watcher::Config::default();
+/// Starts the three watches, with a client made from `config` that reports
+/// every accepted watch renewal to `shared` as a sign of life.
+pub fn start(
+    config: ::kube::Config,
+    scope: Scope,
+    shared: SharedIndex,
+) -> Result<Vec<JoinHandle<()>>, ::kube::Error> {
+    let client = ClientBuilder::try_from(config)?
+        .with_layer(&WatchLiveness::new(shared.clone()))
+        .build();
+    let base = match scope.watch_timeout {
+        Some(t) => {
+            watcher::Config::default().timeout(u32::try_from(t.as_secs().max(1)).unwrap_or(290))
+        }
+        None => watcher::Config::default(),
+    };
+    let mut pods = base.clone();
     if let Some(sel) = &scope.pod_selector {
         pods = pods.labels(sel);
     }
-    let mut services = watcher::Config::default();
+    let mut services = base.clone();
     if let Some(sel) = &scope.service_selector {
         services = services.labels(sel);
     }
     let ns = scope.namespace.as_deref();
-    vec![
+    Ok(vec![
         tokio::spawn(run(
             api::<Pod>(&client, ns),
             pods,
@@ -68,13 +94,92 @@ pub fn start(client: Client, scope: Scope, shared: SharedIndex) -> Vec<JoinHandl
         )),
         tokio::spawn(run(
             api::<EndpointSlice>(&client, ns),
-            watcher::Config::default(),
+            base,
             Kind::EndpointSlice,
             shared,
             strip_slice,
             SharedIndex::apply_slice,
         )),
-    ]
+    ])
+}
+
+/// A layer on the Kubernetes client's HTTP stack: when the API server
+/// accepts a watch of pods, services or endpointslices (a `2xx` answer to a
+/// `watch=true` request), that kind's source has shown a sign of life.
+#[derive(Debug, Clone)]
+pub struct WatchLiveness {
+    shared: SharedIndex,
+}
+
+impl WatchLiveness {
+    /// Reports to `shared`.
+    pub fn new(shared: SharedIndex) -> Self {
+        Self { shared }
+    }
+}
+
+impl<S> tower::Layer<S> for WatchLiveness {
+    type Service = WatchLivenessService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        WatchLivenessService {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The service [`WatchLiveness`] wraps a client's stack in.
+#[derive(Debug, Clone)]
+pub struct WatchLivenessService<S> {
+    inner: S,
+    shared: SharedIndex,
+}
+
+impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for WatchLivenessService<S>
+where
+    S: tower::Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+        let kind = watched_kind(request.uri());
+        let answer = self.inner.call(request);
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let response = answer.await?;
+            if let Some(kind) = kind {
+                if response.status().is_success() {
+                    shared.heard(kind);
+                }
+            }
+            Ok(response)
+        })
+    }
+}
+
+/// The kind a request watches, if it is a watch of one the index reads.
+fn watched_kind(uri: &http::Uri) -> Option<Kind> {
+    let watching = uri
+        .query()?
+        .split('&')
+        .any(|pair| pair == "watch=true" || pair == "watch=1");
+    if !watching {
+        return None;
+    }
+    match uri.path().rsplit('/').next()? {
+        "pods" => Some(Kind::Pod),
+        "services" => Some(Kind::Service),
+        "endpointslices" => Some(Kind::EndpointSlice),
+        _ => None,
+    }
 }
 
 fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
@@ -199,6 +304,65 @@ fn strip_meta(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectM
 mod tests {
     use super::*;
     use crate::index::{Index, IndexConfig};
+
+    #[test]
+    fn watches_of_the_three_kinds_are_recognised_and_nothing_else() {
+        let kind = |uri: &str| watched_kind(&uri.parse().unwrap());
+        assert_eq!(
+            kind("https://k/api/v1/pods?&watch=true&timeoutSeconds=60&allowWatchBookmarks=true"),
+            Some(Kind::Pod)
+        );
+        assert_eq!(
+            kind("/api/v1/namespaces/shop/services?watch=1&resourceVersion=5"),
+            Some(Kind::Service)
+        );
+        assert_eq!(
+            kind("/apis/discovery.k8s.io/v1/endpointslices?watch=true"),
+            Some(Kind::EndpointSlice)
+        );
+        assert_eq!(kind("/api/v1/pods?limit=500"), None, "a list");
+        assert_eq!(kind("/api/v1/pods"), None);
+        assert_eq!(kind("/api/v1/nodes?watch=true"), None);
+        assert_eq!(kind("/api/v1/pods?watch=false"), None);
+    }
+
+    #[tokio::test]
+    async fn an_accepted_watch_is_a_sign_of_life_and_a_refused_one_is_not() {
+        use tower::{Layer, ServiceExt};
+        let shared = SharedIndex::new(
+            Index::new(1, IndexConfig::default()),
+            Duration::from_secs(60),
+        );
+        let answer = |status: u16| {
+            tower::service_fn(move |_: http::Request<()>| async move {
+                Ok::<_, std::convert::Infallible>(
+                    http::Response::builder().status(status).body(()).unwrap(),
+                )
+            })
+        };
+        let request = |uri: &str| http::Request::builder().uri(uri).body(()).unwrap();
+        let age = |shared: &SharedIndex, slot: usize| shared.watch_health()[slot].last_event_age;
+        let layer = WatchLiveness::new(shared.clone());
+        layer
+            .layer(answer(403))
+            .oneshot(request("/api/v1/pods?watch=true"))
+            .await
+            .unwrap();
+        layer
+            .layer(answer(200))
+            .oneshot(request("/api/v1/services?limit=500"))
+            .await
+            .unwrap();
+        assert_eq!(age(&shared, 0), None, "a refused watch");
+        assert_eq!(age(&shared, 1), None, "a list");
+        layer
+            .layer(answer(200))
+            .oneshot(request("/api/v1/pods?watch=true"))
+            .await
+            .unwrap();
+        assert!(age(&shared, 0).is_some_and(|a| a < Duration::from_secs(5)));
+        assert_eq!(age(&shared, 2), None);
+    }
 
     #[test]
     fn stripping_keeps_every_fact_the_index_reads() {

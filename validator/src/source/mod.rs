@@ -33,19 +33,22 @@ pub async fn start(
             namespace,
             pod_selector,
             service_selector,
+            watch_timeout,
         } => {
-            let client = ::kube::Client::try_default()
+            let client_config = ::kube::Config::infer()
                 .await
-                .map_err(SourceError::Kube)?;
-            Ok(kube::start(
-                client,
+                .map_err(|e| SourceError::Kube(::kube::Error::InferConfig(e)))?;
+            kube::start(
+                client_config,
                 kube::Scope {
                     namespace: namespace.clone(),
                     pod_selector: pod_selector.clone(),
                     service_selector: service_selector.clone(),
+                    watch_timeout: Some(*watch_timeout),
                 },
                 shared,
-            ))
+            )
+            .map_err(SourceError::Kube)
         }
     }
 }
