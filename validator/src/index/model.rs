@@ -13,7 +13,7 @@ use std::net::IpAddr;
 use std::time::{Duration, UNIX_EPOCH};
 
 use k8s_openapi::api::core::v1::{Pod, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use kube::runtime::watcher::Event;
 use kube::ResourceExt;
 use proptest::prelude::*;
@@ -115,15 +115,7 @@ impl Model {
             // a pod with its uid really holds that address.
             if ips.is_empty() && p.metadata.deletion_timestamp.is_none() {
                 for sl in self.slices.live.values() {
-                    for e in &sl.endpoints {
-                        let names_pod = e
-                            .target_ref
-                            .as_ref()
-                            .and_then(|r| r.uid.as_ref())
-                            .is_some_and(|u| *u == uid);
-                        if !names_pod {
-                            continue;
-                        }
+                    for e in sl.endpoints.iter().filter(|e| names(e, &uid)) {
                         let family_ok = |ip: &IpAddr| ip.is_ipv4() == (sl.address_type == "IPv4");
                         ips.extend(
                             e.addresses
@@ -162,11 +154,7 @@ impl Model {
                 for ((sns, _), sl) in &self.slices.live {
                     let svc = ServiceKey::new(sns, &sl.labels()["kubernetes.io/service-name"]);
                     for e in &sl.endpoints {
-                        let names_pod = e
-                            .target_ref
-                            .as_ref()
-                            .and_then(|r| r.uid.as_ref())
-                            .is_some_and(|u| *u == uid);
+                        let names_pod = names(e, &uid);
                         let lists_ip = e.addresses.iter().any(|a| a.parse() == Ok(ip))
                             && ip.is_ipv4() == (sl.address_type == "IPv4");
                         if !(names_pod && lists_ip) {
@@ -238,6 +226,14 @@ impl Model {
         }
         out
     }
+}
+
+/// True when slice entry `e` names the pod with `uid`.
+fn names(e: &Endpoint, uid: &str) -> bool {
+    e.target_ref
+        .as_ref()
+        .and_then(|r| r.uid.as_deref())
+        .is_some_and(|u| u == uid)
 }
 
 // === generators ===
