@@ -63,8 +63,8 @@ use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
 use self::log::{ChangeKey, ChangeLog};
 pub(crate) use self::objects::SERVICE_NAME_LABEL;
 use self::objects::{
-    name_parts, obj_name, pod_facts, service_facts, slice_facts, EntryFacts, Interner, Ips, Labels,
-    ObjName, PodFacts, ServiceFacts, SliceFacts, Target, Uid,
+    canonical, name_parts, obj_name, pod_facts, service_facts, slice_facts, EntryFacts, Interner,
+    Ips, Labels, ObjName, PodFacts, ServiceFacts, SliceFacts, Target, Uid,
 };
 pub use self::objects::{Kind, Skip};
 use self::table::{Id, Named, Table};
@@ -1307,15 +1307,4 @@ fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
-}
-
-/// IPv4-mapped IPv6 addresses are looked up as the IPv4 address they map.
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6
-            .to_ipv4_mapped()
-            .map(IpAddr::V4)
-            .unwrap_or(IpAddr::V6(v6)),
-        v4 => v4,
-    }
 }

@@ -560,8 +560,9 @@ pub(crate) fn slice_facts(
     })
 }
 
-/// IPv4-mapped IPv6 addresses are IPv4 addresses: one IP, one key.
-fn canonical(ip: IpAddr) -> IpAddr {
+/// IPv4-mapped IPv6 addresses are IPv4 addresses: one IP, one key (also how
+/// the index looks an IP up).
+pub(crate) fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6
             .to_ipv4_mapped()
