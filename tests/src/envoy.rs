@@ -110,6 +110,41 @@ pub fn wasm_filter(wasm: &Path, plugin: &Value) -> Value {
     })
 }
 
+/// A cluster's `typed_extension_protocol_options` that run the filter as an
+/// upstream HTTP filter (before the codec, where the chosen host is known).
+pub fn upstream_filter_options(wasm: &Path, plugin: &Value) -> Value {
+    json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http_protocol_options": {}},
+            "http_filters": [
+                wasm_filter(wasm, plugin),
+                {"name": "envoy.filters.http.upstream_codec",
+                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
+            ]
+        }
+    })
+}
+
+/// The gateway's listener on `127.0.0.1:port`: an HTTP connection manager
+/// with `virtual_hosts` and the router, as every test Envoy has it.
+pub fn gateway_listener(port: u16, virtual_hosts: Value) -> Value {
+    json!({
+        "name": "gateway",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "gateway",
+                "route_config": {"virtual_hosts": virtual_hosts},
+                "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+            }
+        }]}]
+    })
+}
+
 fn static_cluster(name: &str, hosts: &[SocketAddr]) -> Value {
     let endpoints: Vec<Value> = hosts
         .iter()
@@ -143,17 +178,7 @@ impl Cluster {
     fn to_json(&self, wasm: &Path) -> Value {
         let mut c = static_cluster(&self.name, &self.hosts);
         if let Some(plugin) = &self.plugin {
-            c["typed_extension_protocol_options"] = json!({
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http_protocol_options": {}},
-                    "http_filters": [
-                        wasm_filter(wasm, plugin),
-                        {"name": "envoy.filters.http.upstream_codec",
-                         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
-                    ]
-                }
-            });
+            c["typed_extension_protocol_options"] = upstream_filter_options(wasm, plugin);
         }
         if let Some(m) = &self.metadata {
             c["metadata"] = json!({"filter_metadata": m});
@@ -198,21 +223,8 @@ impl Gateway {
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
             "stats_config": {"stats_tags": stats_tags()},
             "static_resources": {
-                "listeners": [{
-                    "name": "gateway",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener.port()}},
-                    "filter_chains": [{"filters": [{
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                            "stat_prefix": "gateway",
-                            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
-                                "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
-                            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
-                        }
-                    }]}]
-                }],
+                "listeners": [gateway_listener(listener.port(), json!([{"name": "all", "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": route}]}]))],
                 "clusters": clusters
             }
         })

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::envoy::{stats_tags, tail, wasm_filter};
+use crate::envoy::{gateway_listener, stats_tags, tail, upstream_filter_options};
 use crate::pods::{INTENDED_HEADER, VIA_HEADER};
 use crate::process::{free_port, wait_for_port, Guard};
 use crate::traffic::{Http, Target};
@@ -91,17 +91,7 @@ impl GatewaySpec {
                 },
             });
             if let Some(plugin) = &self.plugin {
-                cluster["typed_extension_protocol_options"] = json!({
-                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                        "explicit_http_config": {"http_protocol_options": {}},
-                        "http_filters": [
-                            wasm_filter(wasm, plugin),
-                            {"name": "envoy.filters.http.upstream_codec",
-                             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
-                        ]
-                    }
-                });
+                cluster["typed_extension_protocol_options"] = upstream_filter_options(wasm, plugin);
             }
             clusters.push(cluster);
             vhosts.push(json!({
@@ -135,20 +125,7 @@ impl GatewaySpec {
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
             "stats_config": {"stats_tags": stats_tags()},
             "static_resources": {
-                "listeners": [{
-                    "name": "gateway",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener.port()}},
-                    "filter_chains": [{"filters": [{
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                            "stat_prefix": "gateway",
-                            "route_config": {"virtual_hosts": vhosts},
-                            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
-                        }
-                    }]}]
-                }],
+                "listeners": [gateway_listener(listener.port(), Value::Array(vhosts))],
                 "clusters": clusters
             }
         }))
