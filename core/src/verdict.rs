@@ -12,8 +12,12 @@
 //! 3. **member**: a live pod holding the IP is a member of the service (by its
 //!    slice or by the service's selector, so a scale-up is never rejected), or a
 //!    slice of the service lists the IP without a pod (hand-made endpoints).
-//! 4. **terminating**: the only members holding the IP are draining; allowed by
-//!    default, since they may still serve.
+//! 4. **terminating**: the only members holding the IP are draining and no
+//!    running pod outside the service holds it; allowed by default, since they
+//!    may still serve. A running (not terminating, not `hostNetwork`) stranger
+//!    beside a draining member means the IP was reused: the API still showing
+//!    the old pod is the very lag this project guards against, so that is
+//!    **recycled** (rule 6).
 //! 5. **host_network**: the IP is a node's, shared by `hostNetwork` pods, none of
 //!    them a member: a node IP is never judged recycled; allowed.
 //! 6. **recycled**: pods hold the IP, but none is a member of the service: the
@@ -180,7 +184,15 @@ fn reason(
     if members().any(|p| !p.terminating) || record.bare_services.contains(service) {
         return Reason::Member;
     }
-    if members().next().is_some() {
+    // The IP has a new owner while the member drains: the node gave the IP to
+    // the running pod, so the draining member can no longer be serving on it.
+    let running_stranger = || {
+        record
+            .pods
+            .iter()
+            .any(|p| !p.terminating && !p.host_network && !p.is_member_of(service))
+    };
+    if members().next().is_some() && !running_stranger() {
         return Reason::Terminating;
     }
     if record.pods.is_empty() {
@@ -280,6 +292,42 @@ mod tests {
         old.terminating = true;
         let r = record(vec![old, pod("cart-new", &[cart()])]);
         assert_eq!(judge(Some(&r)).reason, Reason::Member);
+    }
+
+    #[test]
+    fn a_running_stranger_beats_a_terminating_member() {
+        let mut draining = pod("cart-old", &[cart()]);
+        draining.terminating = true;
+        let r = record(vec![
+            pod("pay-new", &[ServiceKey::new("shop", "pay")]),
+            draining.clone(),
+        ]);
+        assert_eq!(
+            judge(Some(&r)),
+            Verdict {
+                reason: Reason::Recycled,
+                action: Action::Reject
+            }
+        );
+        // A pod of no service is a stranger as much as a pod of another one.
+        let r = record(vec![pod("batch-1", &[]), draining.clone()]);
+        assert_eq!(judge(Some(&r)).reason, Reason::Recycled);
+    }
+
+    #[test]
+    fn only_a_running_pod_off_the_host_network_takes_the_ip_from_a_draining_member() {
+        let mut draining = pod("cart-old", &[cart()]);
+        draining.terminating = true;
+        let mut also_draining = pod("pay-old", &[ServiceKey::new("shop", "pay")]);
+        also_draining.terminating = true;
+        let r = record(vec![draining.clone(), also_draining]);
+        assert_eq!(judge(Some(&r)).reason, Reason::Terminating);
+        let mut node = pod("node-exporter", &[ServiceKey::new("mon", "exporter")]);
+        node.host_network = true;
+        let mut draining_on_node = draining;
+        draining_on_node.host_network = true;
+        let r = record(vec![node, draining_on_node]);
+        assert_eq!(judge(Some(&r)).reason, Reason::Terminating);
     }
 
     #[test]

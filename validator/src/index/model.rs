@@ -228,6 +228,32 @@ impl Model {
     }
 }
 
+/// The verdict the rules promise for `service` on an IP the model predicts
+/// `live` for, stated from scratch (docs/index.md, "Who holds an IP"): a
+/// running member or a bare slice entry makes it a member; a draining member
+/// keeps it only while no running pod off the host network has taken the IP.
+fn expected_reason(live: &Live, service: &ServiceKey) -> Reason {
+    let (pods, bare) = live;
+    let member = |p: &PodHolder| p.services.iter().any(|m| m.service == *service);
+    let running = |p: &PodHolder| !p.terminating;
+    if bare.contains(service) || pods.iter().any(|p| member(p) && running(p)) {
+        return Reason::Member;
+    }
+    if pods.is_empty() {
+        return Reason::Destroyed;
+    }
+    let taken_over = pods
+        .iter()
+        .any(|p| running(p) && !p.host_network && !member(p));
+    if pods.iter().any(member) && !taken_over {
+        Reason::Terminating
+    } else if pods.iter().any(|p| p.host_network) {
+        Reason::HostNetwork
+    } else {
+        Reason::Recycled
+    }
+}
+
 /// True when slice entry `e` names the pod with `uid`.
 fn names(e: &Endpoint, uid: &str) -> bool {
     e.target_ref
@@ -408,6 +434,20 @@ fn check(index: &Index, model: &Model) -> Result<(), TestCaseError> {
         .map(|(ns, n)| ServiceKey::new(ns, n))
         .collect();
     prop_assert_eq!(&snapshot.services, &services);
+    // Every verdict the index's records lead to is the one the rules promise.
+    for record in &snapshot.records {
+        let live = expected.get(&record.ip).cloned().unwrap_or_default();
+        for service in &services {
+            let verdict = decide(&Policy::default(), true, service, true, Some(record));
+            prop_assert_eq!(
+                verdict.reason,
+                expected_reason(&live, service),
+                "{} for {}",
+                record.ip,
+                service
+            );
+        }
+    }
     // However old a tombstone, an IP no live member holds is never a member.
     for record in snapshot.records.iter().filter(|r| r.pods.is_empty()) {
         for service in &services {
