@@ -108,12 +108,19 @@ pub struct Args {
     #[arg(long, env = "STALEGUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
-    /// Address of the public API listener (`/v1`).
-    #[arg(long, env = "STALEGUARD_LISTEN", default_value = "0.0.0.0:8080")]
+    /// Address of the public API listener (`/v1`). Loopback unless told
+    /// otherwise: a validator started by hand serves nobody else (in a cluster,
+    /// `deploy/` sets `0.0.0.0:8080` and a token).
+    #[arg(long, env = "STALEGUARD_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: String,
 
     /// Address of the admin listener (`/healthz`, `/readyz`, `/metrics`).
-    #[arg(long, env = "STALEGUARD_ADMIN_LISTEN", default_value = "0.0.0.0:9090")]
+    /// Loopback unless told otherwise.
+    #[arg(
+        long,
+        env = "STALEGUARD_ADMIN_LISTEN",
+        default_value = "127.0.0.1:9090"
+    )]
     pub admin_listen: String,
 
     /// A file holding the bearer token `/v1` requires (a mounted Secret), re-read
@@ -406,9 +413,23 @@ mod tests {
     fn defaults_use_the_embedded_sample() {
         let c = parse(&[]).unwrap();
         assert_eq!(c.source, SourceConfig::Embedded);
+        assert_eq!(c.api.token_file, None);
         assert_eq!(c.index.tombstone_ttl, Duration::from_secs(600));
         assert_eq!(c.max_staleness, Duration::from_secs(300));
         assert!(!c.once);
+    }
+
+    #[test]
+    fn no_flags_serve_on_loopback_only() {
+        let c = parse(&[]).unwrap();
+        assert!(c.api.listen.ip().is_loopback(), "{}", c.api.listen);
+        assert!(
+            c.api.admin_listen.ip().is_loopback(),
+            "{}",
+            c.api.admin_listen
+        );
+        assert_eq!(c.api.listen, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(c.api.admin_listen, "127.0.0.1:9090".parse().unwrap());
     }
 
     #[test]
@@ -455,7 +476,7 @@ mod tests {
     fn api_flags_are_checked_with_the_rest() {
         let c = parse(&["--listen", "127.0.0.1:18080", "--max-wait", "30s"]).unwrap();
         assert_eq!(c.api.listen, "127.0.0.1:18080".parse().unwrap());
-        assert_eq!(c.api.admin_listen, "0.0.0.0:9090".parse().unwrap());
+        assert_eq!(c.api.admin_listen, "127.0.0.1:9090".parse().unwrap());
         assert_eq!(c.api.max_wait, Duration::from_secs(30));
         assert_eq!(c.api.shutdown_grace, Duration::from_secs(10));
         let err = parse(&[

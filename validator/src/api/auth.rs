@@ -1,6 +1,13 @@
 //! Bearer-token authentication for `/v1`, with the token read from a file (a
 //! mounted Secret) and re-read when the file changes, so a rotated Secret takes
 //! effect without a restart.
+//!
+//! The file holds one token per line, at most two: while a token is being
+//! rotated both the old and the new one are valid, so gateways can move from one
+//! to the other without a window of 401s (docs/api.md, "Rotating the token").
+//! Each token must be at least [`MIN_TOKEN_BYTES`] long and must not be the
+//! placeholder `deploy/` ships: a guessable token is refused at start rather
+//! than trusted.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -29,7 +36,51 @@ pub enum TokenError {
     /// The file holds no token.
     #[error("token file {0} is empty")]
     Empty(PathBuf),
+    /// A token is shorter than [`MIN_TOKEN_BYTES`].
+    #[error(
+        "token file {path}: token on line {line} is {len} bytes; use at least {MIN_TOKEN_BYTES} \
+         random bytes (e.g. `openssl rand -hex 32`)"
+    )]
+    TooShort {
+        /// The file.
+        path: PathBuf,
+        /// The line of the token, from 1.
+        line: usize,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A token is the placeholder shipped in `deploy/validator/token.txt`.
+    #[error(
+        "token file {path}: line {line} is the placeholder shipped in deploy/validator/token.txt; \
+         put a random token there (e.g. `openssl rand -hex 32`)"
+    )]
+    Placeholder {
+        /// The file.
+        path: PathBuf,
+        /// The line of the placeholder, from 1.
+        line: usize,
+    },
+    /// More than two tokens.
+    #[error(
+        "token file {path} holds {count} tokens; at most two (the current one and, while \
+         rotating, the next one), one per line"
+    )]
+    TooMany {
+        /// The file.
+        path: PathBuf,
+        /// How many non-empty lines it holds.
+        count: usize,
+    },
 }
+
+/// The shortest token accepted, in bytes.
+pub const MIN_TOKEN_BYTES: usize = 32;
+
+/// What `deploy/validator/token.txt` ships with; never accepted as a token.
+pub const PLACEHOLDER: &str = "replace-me-with-a-long-random-token";
+
+/// How many tokens may be valid at once: the current one and the next one.
+const MAX_TOKENS: usize = 2;
 
 /// The expected bearer token. Its `Debug` never shows the secret.
 #[derive(Clone)]
@@ -39,7 +90,8 @@ pub struct Token {
 }
 
 struct Loaded {
-    secret: Vec<u8>,
+    /// One or two tokens, each checked.
+    secrets: Vec<Vec<u8>>,
     modified: Option<SystemTime>,
 }
 
@@ -52,8 +104,9 @@ impl std::fmt::Debug for Token {
 }
 
 impl Token {
-    /// Reads the token from `path` (surrounding white space is ignored, as
-    /// `kubectl create secret --from-file` keeps a trailing newline).
+    /// Reads the tokens from `path`: one per line, at most two, surrounding
+    /// white space and blank lines ignored (`kubectl create secret --from-file`
+    /// keeps a trailing newline). Refuses a short token or the placeholder.
     pub fn from_file(path: &Path) -> Result<Self, TokenError> {
         let loaded = load(path)?;
         Ok(Self {
@@ -62,14 +115,22 @@ impl Token {
         })
     }
 
-    /// True when `presented` is the token. Constant time in the token's bytes.
+    /// True when `presented` is one of the tokens. Every token is compared, each
+    /// in constant time in its bytes, so timing tells nothing of which matched.
     pub fn verify(&self, presented: &[u8]) -> bool {
         let loaded = self.inner.read().unwrap_or_else(|e| e.into_inner());
-        bool::from(loaded.secret.as_slice().ct_eq(presented))
+        loaded
+            .secrets
+            .iter()
+            .fold(subtle::Choice::from(0), |any, secret| {
+                any | secret.as_slice().ct_eq(presented)
+            })
+            .into()
     }
 
     /// Re-reads the file every `period` when its modification time changed. A
-    /// file that became unreadable or empty keeps the old token and logs why.
+    /// file that became unreadable, empty or invalid keeps the old tokens and
+    /// logs why.
     pub async fn watch(self, period: Duration) {
         let mut tick = tokio::time::interval(period);
         loop {
@@ -87,8 +148,12 @@ impl Token {
             }
             match load(&self.path) {
                 Ok(loaded) => {
+                    tracing::info!(
+                        path = %self.path.display(),
+                        tokens = loaded.secrets.len(),
+                        "reloaded the API token"
+                    );
                     *self.inner.write().unwrap_or_else(|e| e.into_inner()) = loaded;
-                    tracing::info!(path = %self.path.display(), "reloaded the API token");
                 }
                 Err(error) => {
                     tracing::warn!(%error, "keeping the previous API token");
@@ -105,11 +170,50 @@ fn load(path: &Path) -> Result<Loaded, TokenError> {
     };
     let bytes = std::fs::read(path).map_err(read)?;
     let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
-    let secret = bytes.trim_ascii().to_vec();
-    if secret.is_empty() {
+    let lines: Vec<(usize, &[u8])> = bytes
+        .split(|b| *b == b'\n')
+        .map(<[u8]>::trim_ascii)
+        .enumerate()
+        .filter(|(_, line)| !line.is_empty())
+        .map(|(i, line)| (i + 1, line))
+        .collect();
+    if lines.is_empty() {
         return Err(TokenError::Empty(path.to_owned()));
     }
-    Ok(Loaded { secret, modified })
+    if lines.len() > MAX_TOKENS {
+        return Err(TokenError::TooMany {
+            path: path.to_owned(),
+            count: lines.len(),
+        });
+    }
+    for (line, secret) in &lines {
+        if *secret == PLACEHOLDER.as_bytes() {
+            return Err(TokenError::Placeholder {
+                path: path.to_owned(),
+                line: *line,
+            });
+        }
+        if secret.len() < MIN_TOKEN_BYTES {
+            return Err(TokenError::TooShort {
+                path: path.to_owned(),
+                line: *line,
+                len: secret.len(),
+            });
+        }
+    }
+    let secrets = lines.into_iter().map(|(_, s)| s.to_vec()).collect();
+    Ok(Loaded { secrets, modified })
+}
+
+/// The credentials of an `Authorization` value with the `Bearer` scheme, which
+/// like every HTTP auth scheme is case-insensitive (RFC 9110, 11.1).
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let value = value.trim_ascii();
+    let space = value.iter().position(|b| *b == b' ')?;
+    let (scheme, credentials) = value.split_at(space);
+    scheme
+        .eq_ignore_ascii_case(b"bearer")
+        .then(|| credentials.trim_ascii())
 }
 
 /// Middleware: lets a request through only with `Authorization: Bearer <token>`.
@@ -121,8 +225,7 @@ pub(crate) async fn require_token(
     let presented = request
         .headers()
         .get(AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-        .map(<[u8]>::trim_ascii);
+        .and_then(|v| bearer(v.as_bytes()));
     match presented {
         Some(presented) if token.verify(presented) => Ok(next.run(request).await),
         _ => Err(ApiError::Unauthorized),
@@ -133,24 +236,144 @@ pub(crate) async fn require_token(
 mod tests {
     use super::*;
 
+    const A: &str = "0123456789abcdef0123456789abcdef";
+    const B: &str = "fedcba9876543210fedcba9876543210";
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("sg-token-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     #[test]
     fn reads_trims_and_verifies_without_showing_the_secret() {
-        let dir = std::env::temp_dir().join(format!("sg-token-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("token");
-        std::fs::write(&path, "s3cret\n").unwrap();
+        let path = temp_dir("read").join("token");
+        std::fs::write(&path, format!("{A}\n")).unwrap();
         let token = Token::from_file(&path).unwrap();
-        assert!(token.verify(b"s3cret"));
-        assert!(!token.verify(b"s3cre"));
-        assert!(!token.verify(b"s3cret\n"));
+        assert!(token.verify(A.as_bytes()));
+        assert!(!token.verify(&A.as_bytes()[1..]));
+        assert!(!token.verify(format!("{A}\n").as_bytes()));
         assert!(!token.verify(b""));
-        assert!(!format!("{token:?}").contains("s3cret"));
+        assert!(!format!("{token:?}").contains(A));
 
         std::fs::write(&path, " \n").unwrap();
         assert!(matches!(Token::from_file(&path), Err(TokenError::Empty(_))));
         assert!(matches!(
-            Token::from_file(&dir.join("absent")),
+            Token::from_file(&path.with_file_name("absent")),
             Err(TokenError::Read { .. })
         ));
+    }
+
+    #[test]
+    fn a_token_shorter_than_32_bytes_is_refused_with_a_clear_error() {
+        let path = temp_dir("short").join("token");
+        std::fs::write(&path, "s3cret\n").unwrap();
+        let err = Token::from_file(&path).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TokenError::TooShort {
+                    len: 6,
+                    line: 1,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(text.contains("at least 32"), "{text}");
+        assert!(
+            !text.contains("s3cret"),
+            "the error shows the token: {text}"
+        );
+        std::fs::write(&path, &A[..31]).unwrap();
+        assert!(Token::from_file(&path).is_err());
+        std::fs::write(&path, A).unwrap();
+        assert!(Token::from_file(&path).is_ok());
+    }
+
+    #[test]
+    fn the_shipped_placeholder_is_refused() {
+        let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/validator/token.txt");
+        let err = Token::from_file(Path::new(shipped)).unwrap_err();
+        assert!(
+            matches!(err, TokenError::Placeholder { .. }),
+            "{shipped}: {err:?}"
+        );
+        assert!(err.to_string().contains("placeholder"), "{err}");
+    }
+
+    #[test]
+    fn two_tokens_are_valid_at_once_for_a_rotation_and_three_are_refused() {
+        let path = temp_dir("two").join("token");
+        std::fs::write(&path, format!("{A}\n\n  {B}  \n")).unwrap();
+        let token = Token::from_file(&path).unwrap();
+        assert!(token.verify(A.as_bytes()));
+        assert!(token.verify(B.as_bytes()));
+        assert!(!token.verify(format!("{A}\n{B}").as_bytes()));
+        std::fs::write(&path, format!("{A}\n{B}\n{A}x\n")).unwrap();
+        assert!(matches!(
+            Token::from_file(&path),
+            Err(TokenError::TooMany { count: 3, .. })
+        ));
+        std::fs::write(&path, format!("{A}\nshort\n")).unwrap();
+        assert!(matches!(
+            Token::from_file(&path),
+            Err(TokenError::TooShort { line: 2, .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_reload_that_drops_the_old_token_ends_the_rotation() {
+        let path = temp_dir("reload").join("token");
+        std::fs::write(&path, A).unwrap();
+        let token = Token::from_file(&path).unwrap();
+        let watcher = tokio::spawn(token.clone().watch(Duration::from_millis(10)));
+        // Make sure the modification time moves even on coarse clocks.
+        let bump = |content: String| {
+            let before = std::fs::metadata(&path).unwrap().modified().unwrap();
+            std::fs::write(&path, content).unwrap();
+            let file = std::fs::File::options().write(true).open(&path).unwrap();
+            file.set_modified(before + Duration::from_secs(1)).unwrap();
+        };
+        let until = |ok: &dyn Fn() -> bool| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !ok() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            ok()
+        };
+        bump(format!("{A}\n{B}\n"));
+        tokio::task::yield_now().await;
+        let t = token.clone();
+        assert!(
+            tokio::task::spawn_blocking(move || until(&|| t.verify(B.as_bytes())))
+                .await
+                .unwrap()
+        );
+        assert!(token.verify(A.as_bytes()), "both valid while rotating");
+        bump(format!("{B}\n"));
+        let t = token.clone();
+        assert!(
+            tokio::task::spawn_blocking(move || until(&|| !t.verify(A.as_bytes())))
+                .await
+                .unwrap()
+        );
+        assert!(token.verify(B.as_bytes()));
+        // An invalid file keeps what was valid.
+        bump("short\n".into());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(token.verify(B.as_bytes()));
+        watcher.abort();
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"BEARER   abc "), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"Basic abc"), None);
+        assert_eq!(bearer(b"Bearerabc"), None);
+        assert_eq!(bearer(b"abc"), None);
     }
 }

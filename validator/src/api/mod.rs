@@ -35,7 +35,7 @@ use staleguard_core::wire::WIRE_VERSION;
 use staleguard_core::{decide, Freshness, IpRecord, ServiceKey, Verdict};
 use tokio::sync::Semaphore;
 
-pub use auth::{Token, TokenError};
+pub use auth::{Token, TokenError, MIN_TOKEN_BYTES, PLACEHOLDER};
 pub use changes::FanOut;
 pub use error::ApiError;
 pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};

@@ -382,10 +382,11 @@ async fn bad_input_is_a_400_with_a_json_error() {
 
 #[tokio::test]
 async fn the_token_guards_v1() {
+    const SECRET: &str = "open-sesame-open-sesame-open-sesame";
     let dir = std::env::temp_dir().join(format!("sg-api-token-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("token");
-    std::fs::write(&path, "open-sesame\n").unwrap();
+    std::fs::write(&path, format!("{SECRET}\n")).unwrap();
     let token = Token::from_file(&path).unwrap();
     let f = fixture_with(synced_index(1000), Limits::default(), Some(token));
     let request = |auth: Option<&str>| {
@@ -395,19 +396,24 @@ async fn the_token_guards_v1() {
         }
         r.body(Body::empty()).unwrap()
     };
+    let basic = format!("Basic {SECRET}");
     for auth in [
         None,
         Some("Bearer wrong"),
-        Some("open-sesame"),
-        Some("Basic b3Blbg=="),
+        Some(SECRET),
+        Some(basic.as_str()),
     ] {
         let (status, body) = get_with(&f.app, request(auth)).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED, "{auth:?}");
         assert_eq!(body["error"]["code"], "unauthorized");
-        assert!(!body.to_string().contains("open-sesame"));
+        assert!(!body.to_string().contains(SECRET));
     }
-    let (status, _) = get_with(&f.app, request(Some("Bearer open-sesame"))).await;
-    assert_eq!(status, StatusCode::OK);
+    // The scheme is case-insensitive, as every HTTP auth scheme.
+    for scheme in ["Bearer", "bearer", "BEARER"] {
+        let auth = format!("{scheme} {SECRET}");
+        let (status, _) = get_with(&f.app, request(Some(&auth))).await;
+        assert_eq!(status, StatusCode::OK, "{auth}");
+    }
     // The admin listener needs no token.
     let (status, _) = get(&f.admin, "/healthz").await;
     assert_eq!(status, StatusCode::OK);
