@@ -19,6 +19,8 @@ pub mod synth;
 
 use std::time::{Duration, SystemTime};
 
+use tokio::task::JoinHandle;
+
 use crate::config::Config;
 use crate::index::Index;
 use crate::shared::SharedIndex;
@@ -36,6 +38,10 @@ pub enum RunError {
     /// `--once` gave up waiting for the initial sync.
     #[error("the initial sync did not finish within {0:?} (watch health: {1})")]
     SyncTimeout(Duration, String),
+    /// A source task ended or panicked: the index would freeze while the
+    /// process kept serving it, so the process stops (Kubernetes restarts it).
+    #[error("{0}; stopping so that the validator is restarted with live watches")]
+    SourceStopped(String),
 }
 
 /// Builds the shared index for `config`, with a random epoch.
@@ -49,32 +55,76 @@ pub fn shared_index(config: &Config) -> SharedIndex {
 
 /// Runs the validator: starts the source, waits for the initial sync, then
 /// either prints a summary and returns (`--once`) or keeps the index current and
-/// logs a summary whenever it changes, until SIGINT/SIGTERM.
+/// logs a summary whenever it changes, until SIGINT/SIGTERM or until a source
+/// task stops.
 pub async fn run(config: Config) -> Result<(), RunError> {
     let shared = shared_index(&config);
     let source_name = source::describe(&config.source);
-    tracing::info!(source = %source_name, epoch = shared.read().epoch(), "starting");
+    tracing::info!(source = %source_name, epoch = shared.epoch(), "starting");
     let tasks = source::start(&config.source, shared.clone()).await?;
+    run_with_sources(&config, &shared, &source_name, tasks).await
+}
+
+/// [`run`] with the source's tasks already started on `shared`. Should any of
+/// them end or panic, the index turns not fresh at once (`/healthz` fails,
+/// waiting long polls answer `fresh: false`), the listeners drain and this
+/// returns [`RunError::SourceStopped`], so the process exits non-zero.
+pub async fn run_with_sources(
+    config: &Config,
+    shared: &SharedIndex,
+    source_name: &str,
+    tasks: Vec<JoinHandle<()>>,
+) -> Result<(), RunError> {
+    let aborts: Vec<_> = tasks.iter().map(JoinHandle::abort_handle).collect();
+    let sources = watch_sources(tasks, shared.clone(), source_name.to_owned());
+    tokio::pin!(sources);
     let expiry = tokio::spawn(expire_tombstones(shared.clone()));
     let result = if config.once {
-        let synced = wait_for_sync(&shared, config.sync_timeout).await;
-        if synced {
-            print!("{}", summary::Summary::of(&shared, &source_name));
-            Ok(())
-        } else {
-            Err(RunError::SyncTimeout(
-                config.sync_timeout,
-                summary::watch_line(&shared),
-            ))
+        tokio::select! {
+            synced = wait_for_sync(shared, config.sync_timeout) => if synced {
+                print!("{}", summary::Summary::of(shared, source_name));
+                Ok(())
+            } else {
+                Err(RunError::SyncTimeout(
+                    config.sync_timeout,
+                    summary::watch_line(shared),
+                ))
+            },
+            stopped = &mut sources => Err(stopped),
         }
     } else {
-        serve_until_shutdown(&config, &shared, &source_name).await
+        serve_until_shutdown(config, shared, source_name, sources).await
     };
-    for task in tasks {
+    for task in aborts {
         task.abort();
     }
     expiry.abort();
     result
+}
+
+/// Waits for the first of `tasks` to finish (none should: sources run until
+/// aborted), marks the index failed and says which and how.
+async fn watch_sources(
+    tasks: Vec<JoinHandle<()>>,
+    shared: SharedIndex,
+    source_name: String,
+) -> RunError {
+    if tasks.is_empty() {
+        return std::future::pending().await;
+    }
+    let count = tasks.len();
+    let (outcome, which, _rest) = futures::future::select_all(tasks).await;
+    let how = match outcome {
+        Ok(()) => "ended",
+        Err(join) if join.is_panic() => "panicked",
+        Err(_) => "was cancelled",
+    };
+    let reason = format!(
+        "task {} of {count} of the source ({source_name}) {how}",
+        which + 1
+    );
+    shared.fail(reason.clone());
+    RunError::SourceStopped(reason)
 }
 
 /// Serves the API and logs index summaries until SIGINT/SIGTERM; then lets
@@ -83,6 +133,7 @@ async fn serve_until_shutdown(
     config: &Config,
     shared: &SharedIndex,
     source_name: &str,
+    sources: std::pin::Pin<&mut impl std::future::Future<Output = RunError>>,
 ) -> Result<(), RunError> {
     let token = config.api.token().map_err(api::ServeError::from)?;
     let listeners = api::Listeners::bind(&config.api).await?;
@@ -115,6 +166,13 @@ async fn serve_until_shutdown(
         // A listener that fails ends the process rather than leaving it
         // half-alive behind a readiness probe that still answers.
         result = &mut server => return joined(result),
+        // So does a source that stopped: its index would freeze. Waiting long
+        // polls answer (not fresh) and the listeners drain first.
+        stopped = sources => {
+            let _ = stop_tx.send(true);
+            let _ = joined(server.await);
+            return Err(stopped);
+        }
     }
     let _ = stop_tx.send(true);
     joined(server.await)

@@ -4,10 +4,17 @@
 //! Sources write through [`SharedIndex::apply_pod`] (and friends), which count
 //! the event, apply it and wake every subscriber when the generation moved.
 //! Readers take [`SharedIndex::read`] briefly; nothing awaits while holding it.
+//!
+//! Freshness never takes the lock (a snapshot build holding it for a large
+//! index must not stall every handler that asks how fresh the data is), and it
+//! is never claimed once the index can no longer be trusted to move: after a
+//! source task stopped ([`SharedIndex::fail`]) or a writer panicked with the
+//! lock held (a poisoned lock), every answer says not fresh and `/healthz`
+//! fails.
 
 use std::ops::Deref;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Pod, Service};
@@ -32,6 +39,13 @@ struct Inner {
     /// Reference point for the `last_heard` atomics.
     started: Instant,
     watches: [WatchCounters; 3],
+    /// Every kind finished its initial list, as of the last update; kept out
+    /// of the lock so freshness never waits for it.
+    synced: AtomicBool,
+    /// Why the index can no longer be trusted to move, once it cannot.
+    failure: OnceLock<String>,
+    /// The index's epoch, which never changes.
+    epoch: u64,
 }
 
 /// Counters of one watch. Plain atomics: metrics read them at scrape time.
@@ -95,6 +109,8 @@ impl SharedIndex {
     /// data stale.
     pub fn new(index: Index, max_staleness: Duration) -> Self {
         let (generation, _) = watch::channel(index.generation());
+        let synced = AtomicBool::new(index.synced());
+        let epoch = index.epoch();
         Self {
             inner: Arc::new(Inner {
                 index: RwLock::new(index),
@@ -102,6 +118,9 @@ impl SharedIndex {
                 max_staleness,
                 started: Instant::now(),
                 watches: Default::default(),
+                synced,
+                failure: OnceLock::new(),
+                epoch,
             }),
         }
     }
@@ -112,19 +131,53 @@ impl SharedIndex {
     }
 
     fn read_guard(&self) -> RwLockReadGuard<'_, Index> {
-        // A panic while writing cannot leave the index half-updated in a way
-        // readers could trip on worse than a stale answer; keep serving.
-        self.inner
-            .index
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        // A writer panicked with the lock held: the index may be half-updated
+        // and its source is gone. Keep answering (operators can still look),
+        // but never as fresh again.
+        self.inner.index.read().unwrap_or_else(|poisoned| {
+            self.poisoned();
+            poisoned.into_inner()
+        })
     }
 
     fn write_guard(&self) -> RwLockWriteGuard<'_, Index> {
-        self.inner
-            .index
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner.index.write().unwrap_or_else(|poisoned| {
+            self.poisoned();
+            poisoned.into_inner()
+        })
+    }
+
+    fn poisoned(&self) {
+        self.fail("a writer panicked while updating the index (poisoned lock)");
+    }
+
+    /// Marks the index as no longer moving (a source task stopped): from now on
+    /// it is never fresh and `/healthz` fails. The first reason sticks. Wakes
+    /// every subscriber, so waiting long polls answer `fresh: false` at once.
+    pub fn fail(&self, reason: impl Into<String>) {
+        let reason = reason.into();
+        if self.inner.failure.set(reason.clone()).is_ok() {
+            tracing::error!(%reason, "the index is no longer fresh");
+            self.inner.generation.send_modify(|_| {});
+        }
+    }
+
+    /// Why the index can no longer be trusted to move, if it cannot.
+    pub fn failure(&self) -> Option<&str> {
+        if self.inner.index.is_poisoned() {
+            self.poisoned();
+        }
+        self.inner.failure.get().map(String::as_str)
+    }
+
+    /// The epoch, without taking the lock (it never changes).
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    /// The current generation, without taking the lock.
+    pub fn generation(&self) -> u64 {
+        *self.inner.generation.borrow()
     }
 
     /// The current generation, notified on every effective change.
@@ -137,6 +190,7 @@ impl SharedIndex {
         let (result, generation) = {
             let mut index = self.write_guard();
             let result = f(&mut index);
+            self.inner.synced.store(index.synced(), Ordering::Release);
             (result, index.generation())
         };
         self.inner.generation.send_if_modified(|current| {
@@ -211,14 +265,15 @@ impl SharedIndex {
     /// and none was silent for longer than the staleness bound; the age is that
     /// of the least recently heard-from watch.
     pub fn freshness(&self) -> Freshness {
-        let synced = self.read_guard().synced();
+        let synced = self.inner.synced.load(Ordering::Acquire);
+        let failed = self.failure().is_some();
         let ages: Vec<Option<Duration>> = Kind::ALL.iter().map(|k| self.age(*k)).collect();
         let oldest = ages.iter().flatten().max().copied();
         let all_recent = ages
             .iter()
             .all(|a| a.is_some_and(|a| a <= self.inner.max_staleness));
         Freshness {
-            fresh: synced && all_recent,
+            fresh: synced && all_recent && !failed,
             age_ms: if synced {
                 oldest.map(|a| u64::try_from(a.as_millis()).unwrap_or(u64::MAX))
             } else {
@@ -313,6 +368,46 @@ mod tests {
         assert_eq!(health[1].errors, 1);
         assert!(health.iter().all(|h| h.synced));
         assert_eq!(health[2].events().map(|(_, n)| n).sum::<u64>(), 2);
+    }
+
+    #[test]
+    fn a_failed_source_is_never_fresh_again() {
+        let s = shared(Duration::from_secs(60));
+        sync_all(&s);
+        assert!(s.ready());
+        let mut rx = s.subscribe();
+        rx.borrow_and_update();
+        s.fail("the pod watch ended");
+        assert!(!s.freshness().fresh);
+        assert_eq!(s.failure(), Some("the pod watch ended"));
+        assert!(rx.has_changed().unwrap(), "waiting long polls are woken");
+        s.heard(Kind::Pod);
+        sync_all(&s);
+        assert!(!s.ready(), "events after the failure do not revive it");
+        s.fail("another reason");
+        assert_eq!(
+            s.failure(),
+            Some("the pod watch ended"),
+            "the first reason sticks"
+        );
+    }
+
+    #[test]
+    fn a_poisoned_lock_never_yields_a_fresh_answer() {
+        let s = shared(Duration::from_secs(60));
+        sync_all(&s);
+        assert!(s.ready());
+        let s2 = s.clone();
+        let panicked = std::thread::spawn(move || {
+            s2.update(|_| panic!("a bug while applying an event"));
+        })
+        .join();
+        assert!(panicked.is_err());
+        assert!(!s.freshness().fresh);
+        assert!(!s.ready());
+        assert!(s.failure().is_some_and(|f| f.contains("poisoned")));
+        // Reading still works, for operators, but says not fresh.
+        assert_eq!(s.read().epoch(), 1);
     }
 
     #[tokio::test]

@@ -65,7 +65,7 @@ pub(crate) async fn changes(
     // Subscribe before the first read, so a change between the two is not lost.
     let mut generations = state.index.subscribe();
     generations.borrow_and_update();
-    let position = answers::position(state.index.read().epoch(), q.epoch, q.since);
+    let position = answers::position(state.index.epoch(), q.epoch, q.since);
     let first = state.answers.get(&state.index, position, q.view);
     if wait.is_zero() || !first.empty || *state.shutdown.borrow() {
         return Ok(encoded(first));
@@ -91,6 +91,11 @@ pub(crate) async fn changes(
                 let next = state.answers.get(&state.index, position, q.view);
                 if !next.empty {
                     state.fan_out.observe(&state.metrics, next.generation);
+                    return Ok(encoded(next));
+                }
+                // Woken without a change: the index turned not fresh (a source
+                // stopped); say so now rather than at the next recheck.
+                if next.fresh != first.fresh {
                     return Ok(encoded(next));
                 }
             }

@@ -129,7 +129,7 @@ pub fn router(state: ApiState, token: Option<Token>) -> Router {
 /// only the kubelet and Prometheus reach it.
 pub fn admin_router(state: ApiState) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(state)
@@ -212,6 +212,19 @@ async fn verdict(
         freshness,
         record,
     }))
+}
+
+/// `200 ok` while the index can move; `503` once a source task stopped or a
+/// writer panicked, so the kubelet restarts a validator whose index froze.
+async fn healthz(State(state): State<ApiState>) -> Response {
+    match state.index.failure() {
+        None => "ok\n".into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not serving a live index: {reason}\n"),
+        )
+            .into_response(),
+    }
 }
 
 async fn readyz(State(state): State<ApiState>) -> Response {

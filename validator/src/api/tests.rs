@@ -285,6 +285,45 @@ async fn shutdown_answers_waiting_long_polls_at_once() {
 }
 
 #[tokio::test]
+async fn a_stopped_source_fails_healthz_and_answers_waiting_long_polls_as_not_fresh() {
+    let f = fixture();
+    let g = f.index.read().generation();
+    let app = f.app.clone();
+    let poll = tokio::spawn(async move {
+        get(
+            &app,
+            &format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30"),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!poll.is_finished(), "answered before anything happened");
+    let (status, _) = get(&f.admin, "/healthz").await;
+    assert_eq!(status, StatusCode::OK);
+    f.index.fail("the pod watch ended");
+    // Well before the one-second freshness recheck.
+    let (status, body) = tokio::time::timeout(Duration::from_millis(500), poll)
+        .await
+        .expect("the long poll answered at once")
+        .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    let Changes::Delta(delta) = changes(body) else {
+        panic!("expected a delta")
+    };
+    assert!(!delta.freshness.fresh);
+    let (status, body) = get(&f.admin, "/healthz").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        body.as_str().unwrap().contains("the pod watch ended"),
+        "{body}"
+    );
+    let (_, body) = get(&f.app, "/v1/snapshot").await;
+    assert_eq!(body["freshness"]["fresh"], false);
+    let (status, _) = get(&f.admin, "/readyz").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test]
 async fn long_polls_beyond_the_limit_get_429() {
     let limits = Limits {
         max_long_polls: 1,
