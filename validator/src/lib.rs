@@ -219,7 +219,7 @@ async fn log_changes(shared: &SharedIndex, source_name: &str) {
     loop {
         let generation = *generations.borrow_and_update();
         if last_logged != Some(generation) && shared.read().synced() {
-            summary::Summary::of(shared, source_name).log();
+            summary::Summary::counts(shared, source_name).log();
             last_logged = Some(generation);
         }
         tokio::select! {

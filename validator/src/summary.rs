@@ -19,13 +19,23 @@ pub struct Summary {
     pub stats: IndexStats,
     /// Freshness.
     pub freshness: Freshness,
-    /// Live members per service.
-    pub members: Vec<(ServiceKey, usize)>,
+    /// Live members per service; `None` in the summary logged on changes,
+    /// which must not walk every pod under the index lock each time.
+    pub members: Option<Vec<(ServiceKey, usize)>>,
 }
 
 impl Summary {
-    /// Takes a summary of `shared`.
+    /// Takes a full summary of `shared`, members per service included (a walk
+    /// over every pod: for `--once`, not for every change).
     pub fn of(shared: &SharedIndex, source: &str) -> Self {
+        let mut summary = Self::counts(shared, source);
+        summary.members = Some(shared.read().service_members());
+        summary
+    }
+
+    /// Takes the counts of `shared` only: constant work under the lock, for the
+    /// line logged on changes.
+    pub fn counts(shared: &SharedIndex, source: &str) -> Self {
         let freshness = shared.freshness();
         let index = shared.read();
         Self {
@@ -33,7 +43,7 @@ impl Summary {
             epoch: index.epoch(),
             stats: index.stats(),
             freshness,
-            members: index.service_members(),
+            members: None,
         }
     }
 
@@ -68,15 +78,16 @@ impl fmt::Display for Summary {
             "  pods {}  ips {}  services {}  slices {}  slice entries {}  tombstones {}",
             s.pods, s.ips, s.services, s.slices, s.slice_entries, s.tombstones
         )?;
-        writeln!(f, "  live members per service:")?;
-        let width = self
-            .members
-            .iter()
-            .map(|(k, _)| k.to_string().len())
-            .max()
-            .unwrap_or(0);
-        for (service, count) in &self.members {
-            writeln!(f, "    {:width$}  {count}", service.to_string())?;
+        if let Some(members) = &self.members {
+            writeln!(f, "  live members per service:")?;
+            let width = members
+                .iter()
+                .map(|(k, _)| k.to_string().len())
+                .max()
+                .unwrap_or(0);
+            for (service, count) in members {
+                writeln!(f, "    {:width$}  {count}", service.to_string())?;
+            }
         }
         if s.skipped.is_empty() {
             writeln!(f, "  skipped objects: none")?;
@@ -98,4 +109,50 @@ pub fn watch_line(shared: &SharedIndex) -> String {
         .map(|w| format!("{} synced={} errors={}", w.kind, w.synced, w.errors))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use kube::runtime::watcher::Event;
+
+    use super::*;
+    use crate::index::fixtures::{pod, service};
+    use crate::index::{Index, IndexConfig};
+
+    fn shared() -> SharedIndex {
+        let shared = SharedIndex::new(
+            Index::new(1, IndexConfig::default()),
+            Duration::from_secs(60),
+        );
+        let now = SystemTime::now();
+        let svc = service("shop", "cart").selector(&[("app", "cart")]).build();
+        shared.apply_service(Event::Apply(svc), now);
+        let p = pod("shop", "cart-1")
+            .ip("10.0.0.1")
+            .labels(&[("app", "cart")]);
+        shared.apply_pod(Event::Apply(p.build()), now);
+        shared
+    }
+
+    #[test]
+    fn the_change_log_line_counts_without_walking_the_pods() {
+        let s = shared();
+        let line = Summary::counts(&s, "test");
+        assert_eq!(line.members, None);
+        assert_eq!(line.stats.pods, 1);
+        assert!(!line.to_string().contains("members"));
+    }
+
+    #[test]
+    fn the_once_summary_lists_members_per_service() {
+        let s = shared();
+        let full = Summary::of(&s, "test");
+        assert_eq!(
+            full.members,
+            Some(vec![(ServiceKey::new("shop", "cart"), 1)])
+        );
+        assert!(full.to_string().contains("shop/cart  1"), "{full}");
+    }
 }
