@@ -25,6 +25,11 @@ struct RequestLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DocumentLabels {
+    document: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabels {
     resource: &'static str,
 }
@@ -47,6 +52,8 @@ pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     long_polls: Gauge<i64, std::sync::atomic::AtomicI64>,
     fan_out: Histogram,
+    answer_builds: Family<DocumentLabels, Counter>,
+    answer_build_time: Histogram,
 }
 
 /// Decrements the waiting long-poll gauge when dropped.
@@ -74,6 +81,11 @@ impl Metrics {
             requests: Family::default(),
             long_polls: Gauge::default(),
             fan_out: Histogram::new(buckets),
+            answer_builds: Family::default(),
+            // 0.1 ms .. ~1.6 s: a 150k-IP snapshot takes a few hundred ms.
+            answer_build_time: Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 15),
+            ),
         }
     }
 
@@ -95,6 +107,22 @@ impl Metrics {
         self.fan_out.observe(latency.as_secs_f64());
     }
 
+    /// Counts one answer built (`snapshot`, `delta` or `reset`) and how long
+    /// it took; every other client asking for it meanwhile shared it.
+    pub fn observe_answer_build(&self, document: &'static str, took: Duration) {
+        self.answer_builds
+            .get_or_create(&DocumentLabels { document })
+            .inc();
+        self.answer_build_time.observe(took.as_secs_f64());
+    }
+
+    /// Answers built so far, by document (`snapshot`, `delta`, `reset`).
+    pub fn answer_builds(&self, document: &'static str) -> u64 {
+        self.answer_builds
+            .get_or_create(&DocumentLabels { document })
+            .get()
+    }
+
     /// Encodes every metric, reading the index's state now.
     pub fn encode(&self, index: &SharedIndex) -> Result<String, std::fmt::Error> {
         let mut registry = Registry::with_prefix("staleguard");
@@ -113,6 +141,17 @@ impl Metrics {
             "Time from the first long poll answered with a generation to each later one",
             Unit::Seconds,
             self.fan_out.clone(),
+        );
+        registry.register(
+            "answer_builds",
+            "Snapshot, delta and reset answers built (each shared by every client asking meanwhile)",
+            self.answer_builds.clone(),
+        );
+        registry.register_with_unit(
+            "answer_build_duration",
+            "Time to build and encode one answer, off the async workers",
+            Unit::Seconds,
+            self.answer_build_time.clone(),
         );
         register_index(&mut registry, index);
         let mut text = String::new();

@@ -42,6 +42,8 @@ struct Inner {
     /// Every kind finished its initial list, as of the last update; kept out
     /// of the lock so freshness never waits for it.
     synced: AtomicBool,
+    /// The same per kind, for the health of each watch.
+    kinds_synced: [AtomicBool; 3],
     /// Why the index can no longer be trusted to move, once it cannot.
     failure: OnceLock<String>,
     /// The index's epoch, which never changes.
@@ -110,6 +112,7 @@ impl SharedIndex {
     pub fn new(index: Index, max_staleness: Duration) -> Self {
         let (generation, _) = watch::channel(index.generation());
         let synced = AtomicBool::new(index.synced());
+        let kinds_synced = Kind::ALL.map(|k| AtomicBool::new(index.kind_synced(k)));
         let epoch = index.epoch();
         Self {
             inner: Arc::new(Inner {
@@ -119,6 +122,7 @@ impl SharedIndex {
                 started: Instant::now(),
                 watches: Default::default(),
                 synced,
+                kinds_synced,
                 failure: OnceLock::new(),
                 epoch,
             }),
@@ -191,6 +195,10 @@ impl SharedIndex {
             let mut index = self.write_guard();
             let result = f(&mut index);
             self.inner.synced.store(index.synced(), Ordering::Release);
+            for kind in Kind::ALL {
+                self.inner.kinds_synced[kind.slot()]
+                    .store(index.kind_synced(kind), Ordering::Release);
+            }
             (result, index.generation())
         };
         self.inner.generation.send_if_modified(|current| {
@@ -289,7 +297,6 @@ impl SharedIndex {
 
     /// The health of each watch, in the order pod, service, endpointslice.
     pub fn watch_health(&self) -> Vec<WatchHealth> {
-        let index = self.read_guard();
         Kind::ALL
             .iter()
             .map(|kind| {
@@ -297,7 +304,7 @@ impl SharedIndex {
                 let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
                 WatchHealth {
                     kind: kind.as_str(),
-                    synced: index.kind_synced(*kind),
+                    synced: self.inner.kinds_synced[kind.slot()].load(Ordering::Acquire),
                     applies: load(&w.applies),
                     deletes: load(&w.deletes),
                     inits: load(&w.inits),

@@ -6,14 +6,27 @@
 //! once per client, is what keeps fan-out cheap. An entry lives at most
 //! [`MAX_AGE`], so the `freshness.age_ms` it carries is never more than that
 //! behind.
+//!
+//! Builds are **single flight**: while one is running, everyone asking for the
+//! same document waits for it instead of starting another (a snapshot in flight
+//! is joined even if the index moved meanwhile: a snapshot of any recent
+//! generation is a valid start, and the client's next poll brings it up to
+//! date). A reset answer is the snapshot document with the `kind` tag in
+//! front, so `/v1/snapshot` and resets share one build too. A build runs on
+//! the blocking pool, never on an async worker, and holds the index's read
+//! lock only to copy what it needs: slimming and JSON encoding happen after
+//! the lock is released.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
+use staleguard_core::wire::Delta;
 use staleguard_core::{Changes, Snapshot};
+use tokio::sync::OnceCell;
 
+use crate::metrics::Metrics;
 use crate::shared::SharedIndex;
 
 /// How long an encoded answer is reused.
@@ -54,34 +67,133 @@ pub(crate) struct Encoded {
     pub(crate) generation: u64,
 }
 
-#[derive(Debug, Default)]
-pub(crate) struct Answers {
-    entries: Mutex<HashMap<(Position, View), (Instant, Encoded)>>,
+/// What one build produces: a snapshot (served as such or as a reset), or what
+/// changed since a generation (a delta, or a reset when the log no longer
+/// covers it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Document {
+    Snapshot,
+    Since(u64),
 }
 
-impl Answers {
-    /// The answer for a client at `(epoch, since)` (or for a snapshot).
-    pub(crate) fn get(&self, index: &SharedIndex, position: Position, view: View) -> Encoded {
-        let freshness = index.freshness();
-        let generation = index.read().generation();
-        {
-            let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((built, hit)) = entries.get(&(position, view)) {
-                if hit.generation == generation
-                    && hit.fresh == freshness.fresh
-                    && built.elapsed() < MAX_AGE
-                {
-                    return hit.clone();
-                }
-            }
+impl Position {
+    fn document(self) -> Document {
+        match self {
+            Position::Snapshot | Position::Reset => Document::Snapshot,
+            Position::Since(since) => Document::Since(since),
         }
-        let encoded = build(index, position, view, freshness);
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        entries.retain(|_, (built, e)| {
-            e.generation == encoded.generation && built.elapsed() < MAX_AGE
-        });
-        entries.insert((position, view), (Instant::now(), encoded.clone()));
-        encoded
+    }
+}
+
+#[derive(Debug)]
+struct Built {
+    at: Instant,
+    encoded: Encoded,
+    /// For a snapshot document: the same snapshot as a `Changes::Reset`,
+    /// derived on first demand.
+    reset: OnceLock<Bytes>,
+}
+
+impl Built {
+    fn answer(&self, position: Position) -> Encoded {
+        match position {
+            Position::Reset => Encoded {
+                body: self
+                    .reset
+                    .get_or_init(|| reset_of(&self.encoded.body))
+                    .clone(),
+                ..self.encoded.clone()
+            },
+            Position::Snapshot | Position::Since(_) => self.encoded.clone(),
+        }
+    }
+}
+
+/// One document being built or built, for the generation and freshness it was
+/// asked at.
+#[derive(Debug)]
+struct Slot {
+    generation: u64,
+    fresh: bool,
+    cell: Arc<OnceCell<Arc<Built>>>,
+}
+
+impl Slot {
+    fn serves(&self, document: Document, generation: u64, fresh: bool) -> bool {
+        if self.fresh != fresh {
+            return false;
+        }
+        match self.cell.get() {
+            // In flight: a snapshot of a slightly older generation is still a
+            // valid start; a delta must be of this generation, or a long poll
+            // woken by the change would be told nothing happened.
+            None => self.generation == generation || document == Document::Snapshot,
+            Some(built) => self.generation == generation && built.at.elapsed() < MAX_AGE,
+        }
+    }
+}
+
+/// The answers being built and recently built.
+#[derive(Debug, Default)]
+pub(crate) struct Answers {
+    slots: Mutex<HashMap<(Document, View), Slot>>,
+}
+
+/// A build that could not finish (it panicked); the caller answers 500.
+#[derive(Debug, thiserror::Error)]
+#[error("building the answer failed: {0}")]
+pub(crate) struct BuildFailed(String);
+
+impl Answers {
+    /// The answer for a client at `position`: the one being built or recently
+    /// built for it, or a new build that others asking meanwhile will share.
+    pub(crate) async fn get(
+        &self,
+        index: &SharedIndex,
+        metrics: &Metrics,
+        position: Position,
+        view: View,
+    ) -> Result<Encoded, BuildFailed> {
+        let fresh = index.freshness().fresh;
+        let generation = index.generation();
+        let document = position.document();
+        let cell = {
+            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let reusable = slots
+                .get(&(document, view))
+                .is_some_and(|slot| slot.serves(document, generation, fresh));
+            if !reusable {
+                slots.retain(|_, slot| {
+                    slot.cell.get().is_none_or(|built| {
+                        slot.generation == generation && built.at.elapsed() < MAX_AGE
+                    })
+                });
+                slots.insert(
+                    (document, view),
+                    Slot {
+                        generation,
+                        fresh,
+                        cell: Arc::default(),
+                    },
+                );
+            }
+            match slots.get(&(document, view)) {
+                Some(slot) => slot.cell.clone(),
+                None => Arc::default(),
+            }
+        };
+        let built = cell
+            .get_or_try_init(|| async {
+                let index = index.clone();
+                let started = Instant::now();
+                let built = tokio::task::spawn_blocking(move || build(&index, document, view))
+                    .await
+                    .map_err(|e| BuildFailed(e.to_string()))?;
+                metrics.observe_answer_build(built.1, started.elapsed());
+                Ok::<_, BuildFailed>(Arc::new(built.0))
+            })
+            .await?;
+        Ok(built.answer(position))
     }
 }
 
@@ -93,51 +205,63 @@ pub(crate) fn position(ours: u64, epoch: Option<u64>, since: Option<u64>) -> Pos
     }
 }
 
-fn build(
-    index: &SharedIndex,
-    position: Position,
-    view: View,
-    freshness: staleguard_core::Freshness,
-) -> Encoded {
-    let slim = |records: &mut Vec<staleguard_core::IpRecord>| {
-        if view == View::Verdict {
-            *records = std::mem::take(records)
-                .into_iter()
-                .map(staleguard_core::IpRecord::verdict_view)
-                .collect();
+/// What a build copied out of the index.
+enum Copied {
+    Snapshot(Snapshot),
+    Delta(Delta),
+    Reset(Snapshot),
+}
+
+/// Builds `document` (on the blocking pool). Returns it with the kind of
+/// document it turned out to be, for the build counter.
+fn build(index: &SharedIndex, document: Document, view: View) -> (Built, &'static str) {
+    let copied = {
+        let guard = index.read();
+        // Taken with the lock held: a poisoned lock shows as not fresh.
+        let freshness = index.freshness();
+        match document {
+            Document::Snapshot => Copied::Snapshot(guard.snapshot(freshness)),
+            Document::Since(since) => match guard.changes_since(since, freshness.clone()) {
+                Some(delta) => Copied::Delta(delta),
+                None => Copied::Reset(guard.snapshot(freshness)),
+            },
         }
     };
-    let fresh = freshness.fresh;
-    let (document, empty, generation) = {
-        let index = index.read();
-        let snapshot = |index: &crate::index::Index| {
-            let mut s = index.snapshot(freshness.clone());
-            slim(&mut s.records);
-            s
-        };
-        match position {
-            Position::Snapshot => {
-                let s: Snapshot = snapshot(&index);
-                let g = s.generation;
-                (serde_json::to_vec(&s), false, g)
-            }
-            Position::Reset => {
-                let s = snapshot(&index);
-                let g = s.generation;
-                (serde_json::to_vec(&Changes::Reset(s)), false, g)
-            }
-            Position::Since(since) => match index.changes_since(since, freshness.clone()) {
-                Some(mut delta) => {
-                    slim(&mut delta.upserts);
-                    let (empty, g) = (delta.is_empty(), delta.generation);
-                    (serde_json::to_vec(&Changes::Delta(delta)), empty, g)
-                }
-                None => {
-                    let s = snapshot(&index);
-                    let g = s.generation;
-                    (serde_json::to_vec(&Changes::Reset(s)), false, g)
-                }
-            },
+    // The lock is released: the rest costs the index's writers nothing.
+    let slim = |records: Vec<staleguard_core::IpRecord>| match view {
+        View::Full => records,
+        View::Verdict => records
+            .into_iter()
+            .map(staleguard_core::IpRecord::verdict_view)
+            .collect(),
+    };
+    let (document, kind, empty, fresh, generation) = match copied {
+        Copied::Snapshot(mut s) => {
+            s.records = slim(s.records);
+            let meta = (false, s.freshness.fresh, s.generation);
+            (serde_json::to_vec(&s), "snapshot", meta.0, meta.1, meta.2)
+        }
+        Copied::Reset(mut s) => {
+            s.records = slim(s.records);
+            let meta = (false, s.freshness.fresh, s.generation);
+            (
+                serde_json::to_vec(&Changes::Reset(s)),
+                "reset",
+                meta.0,
+                meta.1,
+                meta.2,
+            )
+        }
+        Copied::Delta(mut d) => {
+            d.upserts = slim(d.upserts);
+            let meta = (d.is_empty(), d.freshness.fresh, d.generation);
+            (
+                serde_json::to_vec(&Changes::Delta(d)),
+                "delta",
+                meta.0,
+                meta.1,
+                meta.2,
+            )
         }
     };
     let body = document.unwrap_or_else(|error| {
@@ -146,10 +270,57 @@ fn build(
         tracing::error!(%error, "cannot serialize an answer");
         b"{}".to_vec()
     });
-    Encoded {
-        body: Bytes::from(body),
-        empty,
-        fresh,
-        generation,
+    let built = Built {
+        at: Instant::now(),
+        encoded: Encoded {
+            body: Bytes::from(body),
+            empty,
+            fresh,
+            generation,
+        },
+        reset: OnceLock::new(),
+    };
+    (built, kind)
+}
+
+/// A snapshot document as a `Changes::Reset`: serde writes an internally
+/// tagged variant as its content's object with the tag first, so the reset is
+/// the snapshot with `"kind":"reset",` after the opening brace (a unit test
+/// holds this to serde's own output). Copying bytes is far cheaper than a
+/// second build.
+fn reset_of(snapshot: &[u8]) -> Bytes {
+    match snapshot.split_first() {
+        Some((b'{', rest)) if rest.first().is_some_and(|b| *b != b'}') => {
+            const TAG: &[u8] = br#"{"kind":"reset","#;
+            let mut out = Vec::with_capacity(TAG.len() + rest.len());
+            out.extend_from_slice(TAG);
+            out.extend_from_slice(rest);
+            Bytes::from(out)
+        }
+        _ => Bytes::copy_from_slice(snapshot),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::{Index, IndexConfig};
+
+    #[test]
+    fn a_reset_is_the_snapshot_with_the_tag_in_front_byte_for_byte() {
+        let shared = SharedIndex::new(
+            Index::new(9, IndexConfig::default()),
+            Duration::from_secs(60),
+        );
+        let cluster = crate::synth::cluster(3, 4);
+        crate::synth::feed(&shared, cluster);
+        let snapshot = shared.read().snapshot(shared.freshness());
+        let ours = reset_of(&serde_json::to_vec(&snapshot).unwrap());
+        let serde = serde_json::to_vec(&Changes::Reset(snapshot)).unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&ours),
+            String::from_utf8_lossy(&serde)
+        );
+        assert_eq!(&reset_of(b"{}")[..], b"{}", "not a snapshot: left alone");
     }
 }

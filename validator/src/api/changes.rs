@@ -66,7 +66,10 @@ pub(crate) async fn changes(
     let mut generations = state.index.subscribe();
     generations.borrow_and_update();
     let position = answers::position(state.index.epoch(), q.epoch, q.since);
-    let first = state.answers.get(&state.index, position, q.view);
+    let first = state
+        .answers
+        .get(&state.index, &state.metrics, position, q.view)
+        .await?;
     if wait.is_zero() || !first.empty || *state.shutdown.borrow() {
         return Ok(encoded(first));
     }
@@ -88,7 +91,10 @@ pub(crate) async fn changes(
                 if changed.is_err() {
                     break;
                 }
-                let next = state.answers.get(&state.index, position, q.view);
+                let next = state
+                    .answers
+                    .get(&state.index, &state.metrics, position, q.view)
+                    .await?;
                 if !next.empty {
                     state.fan_out.observe(&state.metrics, next.generation);
                     return Ok(encoded(next));
@@ -108,7 +114,12 @@ pub(crate) async fn changes(
             _ = &mut deadline => break,
         }
     }
-    Ok(encoded(state.answers.get(&state.index, position, q.view)))
+    Ok(encoded(
+        state
+            .answers
+            .get(&state.index, &state.metrics, position, q.view)
+            .await?,
+    ))
 }
 
 pub(crate) fn encoded(answer: Encoded) -> Response {

@@ -20,6 +20,16 @@ pub enum ApiError {
     /// Too many long polls are open at once.
     #[error("too many concurrent long polls (limit {0}); retry later")]
     TooManyLongPolls(usize),
+    /// Building the answer failed (a bug; logged).
+    #[error("the answer could not be built; see the validator's log")]
+    Internal,
+}
+
+impl From<super::answers::BuildFailed> for ApiError {
+    fn from(failed: super::answers::BuildFailed) -> Self {
+        tracing::error!(error = %failed, "cannot answer");
+        ApiError::Internal
+    }
 }
 
 #[derive(Serialize)]
@@ -41,6 +51,7 @@ impl ApiError {
             ApiError::Unauthorized => "unauthorized",
             ApiError::NotFound(_) => "not_found",
             ApiError::TooManyLongPolls(_) => "too_many_long_polls",
+            ApiError::Internal => "internal",
         }
     }
 
@@ -50,6 +61,7 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::TooManyLongPolls(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 }

@@ -145,7 +145,13 @@ async fn snapshot(
     check_version(q.v)?;
     let answer = state
         .answers
-        .get(&state.index, answers::Position::Snapshot, q.view);
+        .get(
+            &state.index,
+            &state.metrics,
+            answers::Position::Snapshot,
+            q.view,
+        )
+        .await?;
     Ok(changes::encoded(answer))
 }
 

@@ -56,6 +56,7 @@ fn synced_index(change_log_capacity: usize) -> SharedIndex {
 
 struct Fixture {
     index: SharedIndex,
+    metrics: Arc<Metrics>,
     app: Router,
     admin: Router,
     shutdown: tokio::sync::watch::Sender<bool>,
@@ -63,8 +64,10 @@ struct Fixture {
 
 fn fixture_with(index: SharedIndex, limits: Limits, token: Option<Token>) -> Fixture {
     let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
-    let state = ApiState::new(index.clone(), Arc::new(Metrics::new()), limits, shutdown_rx);
+    let metrics = Arc::new(Metrics::new());
+    let state = ApiState::new(index.clone(), metrics.clone(), limits, shutdown_rx);
     Fixture {
+        metrics,
         app: router(state.clone(), token),
         admin: admin_router(state),
         index,
@@ -321,6 +324,82 @@ async fn a_stopped_source_fails_healthz_and_answers_waiting_long_polls_as_not_fr
     assert_eq!(body["freshness"]["fresh"], false);
     let (status, _) = get(&f.admin, "/readyz").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+/// Holds the index's write lock for `hold` on another thread, as a long event
+/// application would; returns the flag it sets just before letting go.
+fn hold_the_write_lock(index: &SharedIndex, hold: Duration) -> Arc<std::sync::atomic::AtomicBool> {
+    let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (index, flag) = (index.clone(), released.clone());
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        index.update(|_| {
+            locked_tx.send(()).unwrap();
+            std::thread::sleep(hold);
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+    });
+    locked_rx.recv().unwrap();
+    released
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_gateways_resetting_at_once_cost_one_build() {
+    let f = fixture();
+    // The first build is stuck behind a writer while the fleet arrives.
+    let released = hold_the_write_lock(&f.index, Duration::from_millis(300));
+    let mut polls = Vec::new();
+    for i in 0..50 {
+        let app = f.app.clone();
+        // Restarted gateways ask for a snapshot; gateways that saw the
+        // validator restart ask for changes with an epoch that is not ours.
+        let uri = if i % 2 == 0 {
+            "/v1/snapshot?view=verdict".to_owned()
+        } else {
+            format!("/v1/changes?view=verdict&epoch={}&since=1", EPOCH + 1)
+        };
+        polls.push(tokio::spawn(async move { get(&app, &uri).await }));
+    }
+    let mut generations = std::collections::BTreeSet::new();
+    for (i, poll) in polls.into_iter().enumerate() {
+        let (status, body) = poll.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        let generation = if i % 2 == 0 {
+            staleguard_core::Snapshot::from_json(body.to_string().as_bytes())
+                .unwrap()
+                .generation
+        } else {
+            let Changes::Reset(s) = changes(body) else {
+                panic!("expected a reset")
+            };
+            s.generation
+        };
+        generations.insert(generation);
+    }
+    assert!(released.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(generations.len(), 1);
+    assert_eq!(f.metrics.answer_builds("snapshot"), 1);
+    assert_eq!(f.metrics.answer_builds("reset"), 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_snapshot_build_never_blocks_the_async_workers() {
+    let f = fixture();
+    let released = hold_the_write_lock(&f.index, Duration::from_millis(500));
+    let app = f.app.clone();
+    let snapshot = tokio::spawn(async move { get(&app, "/v1/snapshot").await });
+    tokio::task::yield_now().await;
+    // The only worker thread is free while the build waits for the lock.
+    let (status, _) = get(&f.admin, "/healthz").await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = get(&f.admin, "/readyz").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        !released.load(std::sync::atomic::Ordering::SeqCst),
+        "the probes waited for the snapshot build"
+    );
+    let (status, _) = snapshot.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
 }
 
 #[tokio::test]
