@@ -3,6 +3,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use staleguard_core::ip::canonical;
 use staleguard_core::{decide, Action, Reason, ServiceKey, Verdict};
 
 use crate::config::{Config, Mode};
@@ -94,13 +95,16 @@ pub fn resolve_service(config: &Config, upstream: &Upstream) -> Option<ServiceKe
         .or_else(|| ServiceKey::from_istio_cluster(cluster))
 }
 
-/// Parses `IP:port` (`[v6]:port` too) or a bare IP.
+/// Parses `IP:port` (`[v6]:port` too) or a bare IP, in the canonical form the
+/// index keys IPs by: Envoy reports an IPv4-mapped endpoint as
+/// `[::ffff:a.b.c.d]:port`, and that host is `a.b.c.d`.
 pub fn parse_ip(address: &str) -> Option<IpAddr> {
     address
         .parse::<SocketAddr>()
         .map(|a| a.ip())
         .or_else(|_| address.parse::<IpAddr>())
         .ok()
+        .map(canonical)
 }
 
 /// Judges one request against the shared-data index at `now_ms`.
@@ -281,6 +285,27 @@ mod tests {
         assert_eq!(parse_ip("[fd00::1]:80"), Some("fd00::1".parse().unwrap()));
         assert_eq!(parse_ip("fd00::1"), Some("fd00::1".parse().unwrap()));
         assert_eq!(parse_ip("nonsense"), None);
+    }
+
+    #[test]
+    fn an_ipv4_mapped_host_is_judged_as_its_ipv4_address() {
+        let c = config("");
+        let s = store(&[record("10.0.0.1", vec![pod(&[cart()], false)])]);
+        assert_eq!(
+            parse_ip("[::ffff:10.0.0.1]:8080"),
+            Some("10.0.0.1".parse().unwrap())
+        );
+        let mapped = upstream(CART, "[::ffff:10.0.0.1]:8080");
+        assert_eq!(
+            effect(&judge(&c, &s, &mapped, 1_500)),
+            (Reason::Member, Effect::Allow),
+            "a live pod reached through its mapped address is no destroyed pod"
+        );
+        // Written under either form, an entry has one key.
+        assert_eq!(
+            ip_key(&"::ffff:10.0.0.1".parse().unwrap()),
+            ip_key(&"10.0.0.1".parse().unwrap())
+        );
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod check;
 pub mod config;
 pub mod lease;
 pub mod metrics;
+pub mod secret;
 pub mod store;
 pub mod sync;
 pub mod throttle;

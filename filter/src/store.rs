@@ -24,6 +24,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 
+use staleguard_core::ip::canonical;
 use staleguard_core::{IpRecord, ServiceKey};
 
 /// Why a shared-data operation failed.
@@ -95,9 +96,10 @@ pub const OWNERS_KEY: &str = "staleguard/owners";
 /// Key of the load id counter.
 pub const LOADS_KEY: &str = "staleguard/loads";
 
-/// Key of one IP's entry.
+/// Key of one IP's entry, by the IP's canonical form (writers and readers
+/// alike, whatever form they were handed).
 pub fn ip_key(ip: &IpAddr) -> String {
-    format!("staleguard/ip/{ip}")
+    format!("staleguard/ip/{}", canonical(*ip))
 }
 
 /// Key of one service's entry.

@@ -1,10 +1,12 @@
 //! The poller: keeps the shared-data index in step with the validator.
 //!
-//! A pure state machine, driven by the glue: [`Poller::next_request`] on every
-//! tick (and right after an answer) says what to ask the validator, if
-//! anything; [`Poller::on_response`] applies an answer to shared data;
-//! [`Poller::on_failure`] schedules a retry with exponential backoff and
-//! jitter. The cursor (epoch, generation, load) is taken from `meta` when the
+//! A pure state machine, driven by the glue: [`Poller::next_request`] says what
+//! to ask the validator, if anything; [`Poller::on_response`] applies an
+//! answer to shared data; [`Poller::on_failure`] schedules a retry with
+//! exponential backoff and jitter; [`Poller::wake_at_ms`] says when the poller
+//! next has something to do, so the glue arms its timer for that moment instead
+//! of waiting for the next lease tick; [`Poller::watchdog`] gives up on a call
+//! that has been out longer than any answer can take. The cursor (epoch, generation, load) is taken from `meta` when the
 //! poller starts, so a context that takes the lease over from a dead poller
 //! continues with deltas instead of reloading everything.
 //!
@@ -48,6 +50,11 @@ pub enum SyncError {
     /// Shared data refused a write.
     #[error("shared data: {0}")]
     Store(#[from] StoreError),
+    /// The request was out longer than any answer can take (a validator that
+    /// accepted the connection and never answered, or a host that never
+    /// called back): the watchdog gave up on it.
+    #[error("no answer after {0} ms: the watchdog gave up on the request")]
+    Timeout(u64),
 }
 
 impl SyncError {
@@ -59,6 +66,7 @@ impl SyncError {
             SyncError::Decode(_) => "decode",
             SyncError::Sequence { .. } => "sequence",
             SyncError::Store(_) => "store",
+            SyncError::Timeout(_) => "timeout",
         }
     }
 }
@@ -75,6 +83,35 @@ pub struct SyncConfig {
     /// Least time between two requests, even when answers come at once (a
     /// burst of changes, replicas answering resets in turn).
     pub min_interval_ms: u64,
+}
+
+/// What the host's timeout of a long poll adds to its wait: the validator
+/// answers an idle long poll after `wait` seconds, so an answer later than
+/// this is not coming.
+pub const LONG_POLL_SLACK_MS: u64 = 5_000;
+
+/// The host's timeout of a snapshot request: building, sending and receiving
+/// a 150k-IP snapshot takes about a second (docs/benchmarks.md).
+pub const SNAPSHOT_TIMEOUT_MS: u64 = 30_000;
+
+/// What the watchdog adds to the host's timeout before it gives up itself.
+pub const WATCHDOG_SLACK_MS: u64 = 2_000;
+
+impl SyncConfig {
+    /// The timeout to give the host for `request`.
+    pub fn request_timeout_ms(&self, request: &Request) -> u64 {
+        match request {
+            Request::Snapshot => SNAPSHOT_TIMEOUT_MS,
+            Request::Changes { wait_s, .. } => u64::from(*wait_s) * 1_000 + LONG_POLL_SLACK_MS,
+        }
+    }
+
+    /// How long `request` may be out before the watchdog gives up on it: the
+    /// host's timeout plus slack, so the host's own timeout normally fires
+    /// first and the watchdog only catches a call the host never reports.
+    pub fn watchdog_ms(&self, request: &Request) -> u64 {
+        self.request_timeout_ms(request) + WATCHDOG_SLACK_MS
+    }
 }
 
 /// A request to the validator.
@@ -139,6 +176,8 @@ pub struct Poller {
     /// Adopt the cursor from `meta` before the first request.
     adopted: bool,
     in_flight: Option<Request>,
+    /// When the watchdog gives up on the request in flight.
+    deadline_ms: u64,
     next_at_ms: u64,
     last_sent_ms: Option<u64>,
     failures: u32,
@@ -157,6 +196,7 @@ impl Poller {
             cursor: None,
             adopted: false,
             in_flight: None,
+            deadline_ms: 0,
             next_at_ms: 0,
             last_sent_ms: None,
             failures: 0,
@@ -200,13 +240,52 @@ impl Poller {
             },
         };
         self.in_flight = Some(request);
+        self.deadline_ms = now_ms.saturating_add(self.config.watchdog_ms(&request));
         self.last_sent_ms = Some(now_ms);
         Some(request)
+    }
+
+    /// The knobs this poller runs with.
+    pub fn config(&self) -> &SyncConfig {
+        &self.config
     }
 
     /// True while a request is out.
     pub fn in_flight(&self) -> bool {
         self.in_flight.is_some()
+    }
+
+    /// When the poller next has something to do: the moment the next request
+    /// may go out (after a backoff, or the least interval after the previous
+    /// request), or, while a request is out, the moment the watchdog gives up
+    /// on it. The glue arms its timer for this instant, so neither a quick
+    /// answer nor a backoff waits for a lease tick.
+    pub fn wake_at_ms(&self) -> u64 {
+        if self.in_flight.is_some() {
+            return self.deadline_ms;
+        }
+        let interval = self
+            .last_sent_ms
+            .map_or(0, |last| last.saturating_add(self.config.min_interval_ms));
+        self.next_at_ms.max(interval)
+    }
+
+    /// Gives up on a request that has been out past its watchdog deadline
+    /// ([`SyncConfig::watchdog_ms`]; its answer, should it ever come, must then
+    /// be ignored by the caller) and schedules the next attempt like any
+    /// failure. Returns the error to count.
+    pub fn watchdog(&mut self, now_ms: u64) -> Option<SyncError> {
+        let request = self.in_flight?;
+        if now_ms < self.deadline_ms {
+            return None;
+        }
+        let out_for = now_ms.saturating_sub(
+            self.deadline_ms
+                .saturating_sub(self.config.watchdog_ms(&request)),
+        );
+        let error = SyncError::Timeout(out_for);
+        self.on_failure(now_ms, &error);
+        Some(error)
     }
 
     /// Forgets the request in flight without judging it (the lease was lost:
@@ -460,6 +539,14 @@ mod tests {
         min_interval_ms: 0,
     };
 
+    /// What the glue builds from the shipped plugin configuration.
+    const SHIPPED: SyncConfig = SyncConfig {
+        wait_s: 30,
+        backoff_initial_ms: 500,
+        backoff_max_ms: 30_000,
+        min_interval_ms: 100,
+    };
+
     fn cart() -> ServiceKey {
         ServiceKey::new("shop", "cart")
     }
@@ -699,6 +786,107 @@ mod tests {
             .unwrap();
         assert_eq!(p.next_request(1_050, &store), None, "too soon");
         assert!(p.next_request(1_100, &store).is_some());
+    }
+
+    /// Drives the poller as the glue does with a timer that fires only at
+    /// `wake_at_ms` (and at `tick_ms` lease ticks): returns when each request
+    /// went out.
+    fn sends(p: &mut Poller, store: &MemoryStore, from: u64, until: u64, tick_ms: u64) -> Vec<u64> {
+        let mut sent = vec![];
+        let mut now = from;
+        while now < until {
+            if p.next_request(now, store).is_some() {
+                sent.push(now);
+                // Answered at once (a burst of changes).
+                p.in_flight = None;
+                p.failures = 0;
+                p.next_at_ms = now;
+            }
+            let next_tick = (now / tick_ms + 1) * tick_ms;
+            now = p.wake_at_ms().max(now + 1).min(next_tick);
+        }
+        sent
+    }
+
+    #[test]
+    fn a_quick_answer_is_followed_by_the_next_poll_at_the_least_interval_not_the_tick() {
+        let store = MemoryStore::default();
+        let mut p = Poller::new(SHIPPED, 7);
+        // The shipped tick is 1 s; answers come at once; the next poll is due
+        // 100 ms after the previous one, every time.
+        let sent = sends(&mut p, &store, 1_000, 2_000, 1_000);
+        assert_eq!(sent, (10..20).map(|i| i * 100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn backoff_delays_are_honoured_to_the_millisecond() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(SHIPPED, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &[])), &mut store)
+            .unwrap();
+        let mut now = p.wake_at_ms();
+        assert_eq!(now, 100, "the least interval after the snapshot request");
+        for attempt in 0..6 {
+            assert!(p.next_request(now, &store).is_some(), "attempt {attempt}");
+            p.on_failure(now, &SyncError::Status(503));
+            let due = p.wake_at_ms();
+            assert!(due > now, "a backoff lies ahead");
+            assert_eq!(
+                p.next_request(due - 1, &store),
+                None,
+                "not before it is due"
+            );
+            now = due;
+        }
+        // The wake-up time is exactly when the poller sends again.
+        assert!(p.next_request(now, &store).is_some());
+    }
+
+    #[test]
+    fn while_a_request_is_out_the_poller_wakes_for_its_watchdog() {
+        let store = MemoryStore::default();
+        let mut p = Poller::new(SHIPPED, 7);
+        assert_eq!(p.wake_at_ms(), 0, "a new poller is due at once");
+        let snapshot = p.next_request(1_000, &store).unwrap();
+        assert_eq!(
+            p.wake_at_ms(),
+            1_000 + SNAPSHOT_TIMEOUT_MS + WATCHDOG_SLACK_MS
+        );
+        assert_eq!(SHIPPED.watchdog_ms(&snapshot), 32_000);
+        let poll = Request::Changes {
+            epoch: 1,
+            since: 1,
+            wait_s: 30,
+        };
+        assert_eq!(SHIPPED.request_timeout_ms(&poll), 35_000);
+        assert_eq!(SHIPPED.watchdog_ms(&poll), 37_000);
+    }
+
+    #[test]
+    fn the_watchdog_gives_up_on_a_call_that_never_answers_and_backs_off() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
+            .unwrap();
+        let poll = p.next_request(10, &store).unwrap();
+        let limit = 10 + CFG.watchdog_ms(&poll);
+        assert_eq!(limit, 10 + 5_000 + LONG_POLL_SLACK_MS + WATCHDOG_SLACK_MS);
+        assert!(p.watchdog(limit - 1).is_none(), "not yet");
+        assert!(p.in_flight());
+        let error = p.watchdog(limit).unwrap();
+        assert_eq!(error.kind(), "timeout");
+        assert!(!p.in_flight(), "the call is forgotten");
+        assert!(p.watchdog(u64::MAX).is_none(), "nothing left to give up on");
+        // Retried after a backoff, from the same cursor: no reload.
+        let due = p.wake_at_ms();
+        assert!(due > limit);
+        assert_eq!(
+            p.next_request(due, &store).unwrap().path(),
+            "/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=5"
+        );
+        assert!(present(&store, "10.0.0.1"), "giving up keeps the data");
     }
 
     #[test]
