@@ -161,9 +161,8 @@ pub fn header_value(reason: Reason) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{
-        encode_record, encode_service, ip_key, service_key, MemoryStore, Meta, META_KEY,
-    };
+    use crate::buckets::{self, MIN_BUCKETS};
+    use crate::store::{encode_service, service_key, MemoryStore, Meta, META_KEY};
     use staleguard_core::wire::{Membership, Via};
     use staleguard_core::{IpRecord, PodHolder};
 
@@ -205,12 +204,13 @@ mod tests {
             synced_ms: 1_000,
             fresh: true,
             entries: records.len() as u64,
+            buckets: MIN_BUCKETS,
         };
         s.set(META_KEY, &meta.encode(), None).unwrap();
         s.set(&service_key(&cart()), &encode_service(1), None)
             .unwrap();
         for r in records {
-            s.set(&ip_key(&r.ip), &encode_record(1, r), None).unwrap();
+            buckets::put(&mut s, 1, MIN_BUCKETS, r).unwrap();
         }
         s
     }
@@ -303,8 +303,8 @@ mod tests {
         );
         // Written under either form, an entry has one key.
         assert_eq!(
-            ip_key(&"::ffff:10.0.0.1".parse().unwrap()),
-            ip_key(&"10.0.0.1".parse().unwrap())
+            buckets::key_of(&"::ffff:10.0.0.1".parse().unwrap(), MIN_BUCKETS),
+            buckets::key_of(&"10.0.0.1".parse().unwrap(), MIN_BUCKETS)
         );
     }
 
@@ -371,8 +371,13 @@ mod tests {
     #[test]
     fn corrupt_entries_count_as_stale_not_as_destroyed() {
         let mut s = store(&[]);
-        s.set(&ip_key(&"10.0.0.7".parse().unwrap()), b"1 {broken", None)
-            .unwrap();
+        let ip = "10.0.0.7".parse().unwrap();
+        s.set(
+            &buckets::key_of(&ip, MIN_BUCKETS),
+            b"1\n10.0.0.7 {broken",
+            None,
+        )
+        .unwrap();
         let c = config("");
         assert_eq!(
             effect(&judge(&c, &s, &upstream(CART, "10.0.0.7:1"), 1_000)),

@@ -15,15 +15,15 @@
 //! generation all lead to a full snapshot under a new load id (see
 //! [`crate::store`]).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 
 use staleguard_core::wire::{Delta, WireError};
-use staleguard_core::{Changes, ServiceKey, Snapshot};
+use staleguard_core::{Changes, IpRecord, ServiceKey, Snapshot};
 
+use crate::buckets::{self, Bucket};
 use crate::store::{
-    encode_record, encode_service, ip_key, next_id, service_key, Meta, SharedData, StoreError,
-    LOADS_KEY, META_KEY,
+    encode_service, next_id, service_key, Meta, SharedData, StoreError, LOADS_KEY, META_KEY,
 };
 
 /// Why an answer could not be applied.
@@ -183,8 +183,11 @@ pub struct Poller {
     failures: u32,
     rng: u64,
     entries: u64,
-    /// Keys this poller wrote non-empty, to clear them on a reset.
-    known_ips: HashSet<IpAddr>,
+    /// The bucket count of the layout in use (see [`crate::buckets`]).
+    buckets: u32,
+    /// Buckets of that layout this poller wrote non-empty, to clear on a
+    /// reset; and services likewise.
+    known_buckets: HashSet<u32>,
     known_services: HashSet<ServiceKey>,
 }
 
@@ -202,7 +205,8 @@ impl Poller {
             failures: 0,
             rng: seed | 1,
             entries: 0,
-            known_ips: HashSet::new(),
+            buckets: buckets::MIN_BUCKETS,
+            known_buckets: HashSet::new(),
             known_services: HashSet::new(),
         }
     }
@@ -228,6 +232,7 @@ impl Poller {
                         generation: meta.generation,
                     });
                     self.entries = meta.entries;
+                    self.buckets = meta.buckets;
                 }
             }
         }
@@ -408,29 +413,48 @@ impl Poller {
             services,
             records,
         } = snapshot;
-        let mut ips = HashSet::with_capacity(records.len());
+        // Lay the IPs out bucket by bucket: sorted by bucket, each bucket is
+        // built and written once, and only one is held at a time.
+        let layout = buckets::bucket_count(records.len() as u64);
+        let mut records = records;
+        records.sort_by_key(|r| buckets::bucket_of(&r.ip, layout));
+        let mut written = HashSet::new();
+        let mut entries = 0u64;
+        let mut current: Option<(u32, Bucket)> = None;
         for record in &records {
-            let value = encode_record(load, record);
-            store.set(&ip_key(&record.ip), &value, None)?;
-            if !value.is_empty() {
-                ips.insert(record.ip);
+            let index = buckets::bucket_of(&record.ip, layout);
+            if current.as_ref().is_some_and(|(i, _)| *i != index) {
+                if let Some((i, bucket)) = current.take() {
+                    entries += self.write_bucket(store, load, layout, i, &bucket, &mut written)?;
+                }
             }
+            current
+                .get_or_insert_with(|| (index, Bucket::default()))
+                .1
+                .put(record);
         }
+        if let Some((i, bucket)) = current.take() {
+            entries += self.write_bucket(store, load, layout, i, &bucket, &mut written)?;
+        }
+        drop(records);
         let services: HashSet<ServiceKey> = services.into_iter().collect();
         for service in &services {
             store.set(&service_key(service), &encode_service(load), None)?;
         }
-        // Entries the new snapshot lacks would be invalid anyway once meta
-        // names the new load; clearing them gives their memory back.
-        for ip in self.known_ips.difference(&ips) {
-            store.set(&ip_key(ip), b"", None)?;
+        // Buckets the new snapshot leaves empty, or of a layout it replaces,
+        // would be invalid anyway once meta names the new load; clearing them
+        // gives their memory back.
+        for index in &self.known_buckets {
+            if layout != self.buckets || !written.contains(index) {
+                store.set(&buckets::bucket_key(self.buckets, *index), b"", None)?;
+            }
         }
         for service in self.known_services.difference(&services) {
             store.set(&service_key(service), b"", None)?;
         }
-        self.known_ips = ips;
+        self.buckets = layout;
+        self.known_buckets = written;
         self.known_services = services;
-        let entries = self.known_ips.len() as u64;
         let meta = Meta {
             load,
             epoch,
@@ -438,6 +462,7 @@ impl Poller {
             synced_ms: now_ms,
             fresh: freshness.fresh,
             entries,
+            buckets: layout,
         };
         store.set(META_KEY, &meta.encode(), None)?;
         self.cursor = Some(Cursor {
@@ -476,7 +501,6 @@ impl Poller {
             });
         }
         let load = cursor.load;
-        let mut changed = 0u64;
         for service in &services_added {
             store.set(&service_key(service), &encode_service(load), None)?;
             self.known_services.insert(service.clone());
@@ -485,20 +509,36 @@ impl Poller {
             store.set(&service_key(service), b"", None)?;
             self.known_services.remove(service);
         }
+        // Edits grouped by bucket: each bucket read, edited and written once.
+        let mut edits: BTreeMap<u32, Vec<Edit<'_>>> = BTreeMap::new();
         for record in &upserts {
-            let value = encode_record(load, record);
-            store.set(&ip_key(&record.ip), &value, None)?;
-            changed += 1;
-            if value.is_empty() {
-                self.remove_entry(&record.ip);
-            } else if self.known_ips.insert(record.ip) {
-                self.entries += 1;
-            }
+            let index = buckets::bucket_of(&record.ip, self.buckets);
+            edits.entry(index).or_default().push(Edit::Put(record));
         }
         for ip in &removed {
-            store.set(&ip_key(ip), b"", None)?;
-            changed += 1;
-            self.remove_entry(ip);
+            let index = buckets::bucket_of(ip, self.buckets);
+            edits.entry(index).or_default().push(Edit::Remove(ip));
+        }
+        let changed = (upserts.len() + removed.len()) as u64;
+        for (index, edits) in edits {
+            let key = buckets::bucket_key(self.buckets, index);
+            let (value, _) = store.get(&key)?;
+            // A bucket of an older load is empty for readers: start afresh.
+            let mut bucket = Bucket::read(&value.unwrap_or_default(), load);
+            let mut delta = 0i64;
+            for edit in edits {
+                delta += match edit {
+                    Edit::Put(record) => bucket.put(record),
+                    Edit::Remove(ip) => bucket.remove(ip),
+                };
+            }
+            store.set(&key, &bucket.encode(load), None)?;
+            if bucket.is_empty() {
+                self.known_buckets.remove(&index);
+            } else {
+                self.known_buckets.insert(index);
+            }
+            self.entries = self.entries.saturating_add_signed(delta);
         }
         let meta = Meta {
             load,
@@ -507,27 +547,54 @@ impl Poller {
             synced_ms: now_ms,
             fresh: freshness.fresh,
             entries: self.entries,
+            buckets: self.buckets,
         };
         store.set(META_KEY, &meta.encode(), None)?;
         self.cursor = Some(Cursor {
             generation,
             ..cursor
         });
+        if buckets::outgrown(self.entries, self.buckets) {
+            // More than two IPs per bucket on average: readers' lookups grow.
+            // The next request is a snapshot, laid out with more buckets.
+            self.cursor = None;
+        }
         Ok(Applied::Delta { changed })
     }
 
-    fn remove_entry(&mut self, ip: &IpAddr) {
-        // After a takeover the poller does not know every key; `entries` is
-        // then an estimate that the next reset corrects.
-        if self.known_ips.remove(ip) {
-            self.entries = self.entries.saturating_sub(1);
+    /// Writes one bucket of a new load; returns its number of IPs.
+    fn write_bucket(
+        &self,
+        store: &mut dyn SharedData,
+        load: u64,
+        layout: u32,
+        index: u32,
+        bucket: &Bucket,
+        written: &mut HashSet<u32>,
+    ) -> Result<u64, StoreError> {
+        if bucket.is_empty() {
+            return Ok(0);
         }
+        store.set(
+            &buckets::bucket_key(layout, index),
+            &bucket.encode(load),
+            None,
+        )?;
+        written.insert(index);
+        Ok(bucket.len() as u64)
     }
+}
+
+/// One change to a bucket.
+enum Edit<'a> {
+    Put(&'a IpRecord),
+    Remove(&'a IpAddr),
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::buckets;
     use crate::store::{Entry, MemoryStore, View};
     use staleguard_core::wire::{Membership, Via};
     use staleguard_core::{Freshness, IpRecord, PodHolder};
@@ -887,6 +954,81 @@ mod tests {
             "/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=5"
         );
         assert!(present(&store, "10.0.0.1"), "giving up keeps the data");
+    }
+
+    fn v6(n: u32) -> String {
+        format!("fd00:10:244::{:x}:{:x}", n >> 16, n & 0xffff)
+    }
+
+    #[test]
+    fn shared_data_stays_bounded_by_the_live_index_under_ipv6_churn() {
+        // 100 live pods; 20,000 pods come and go, each with a new IPv6
+        // address (IPv6 pod IPs are rarely reused). Shared data cannot delete
+        // a key: what bounds it is reusing them.
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        let live: Vec<String> = (0..100).map(v6).collect();
+        let live: Vec<&str> = live.iter().map(String::as_str).collect();
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 1, &live)), &mut store)
+            .unwrap();
+        let keys_at_start = store.len();
+        for n in 100..20_100u32 {
+            let generation = u64::from(n) - 99;
+            let mut d = delta(9, generation, generation + 1);
+            d.upserts = vec![rec(&v6(n))];
+            if n > 100 {
+                d.removed = vec![v6(n - 1).parse().unwrap()];
+            }
+            p.next_request(u64::from(n) * 1_000, &store).unwrap();
+            p.on_response(0, 200, &json(&Changes::Delta(d)), &mut store)
+                .unwrap();
+        }
+        assert_eq!(p.entries(), 101);
+        assert!(present(&store, &v6(20_099)));
+        assert!(!present(&store, &v6(20_098)));
+        assert!(present(&store, &v6(7)));
+        let bound = buckets::MIN_BUCKETS as usize + 8;
+        assert!(
+            store.len() <= bound,
+            "{} keys after 20,000 IPs came and went (started with {keys_at_start}, bound {bound})",
+            store.len()
+        );
+        // Resets churn too: each new snapshot reuses the same buckets.
+        for round in 0..5u32 {
+            let ips: Vec<String> = (0..100).map(|i| v6(100_000 * (round + 1) + i)).collect();
+            let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+            p.next_request(u64::MAX / 2, &store).unwrap();
+            let reset = Changes::Reset(snapshot(10 + u64::from(round), 1, &ips));
+            p.on_response(0, 200, &json(&reset), &mut store).unwrap();
+            assert!(present(&store, ips[0]));
+        }
+        assert!(store.len() <= bound, "{} keys after resets", store.len());
+    }
+
+    #[test]
+    fn an_index_that_outgrows_its_buckets_is_laid_out_again_at_a_snapshot() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 1, &[])), &mut store)
+            .unwrap();
+        let grown: Vec<IpRecord> = (0..2_049).map(|n| rec(&v6(n))).collect();
+        p.next_request(1_000, &store).unwrap();
+        let mut d = delta(9, 1, 2);
+        d.upserts = grown.clone();
+        p.on_response(1_000, 200, &json(&Changes::Delta(d)), &mut store)
+            .unwrap();
+        assert_eq!(View::new(&store).meta().unwrap().buckets, 1_024);
+        assert!(present(&store, &v6(2_048)), "still served meanwhile");
+        assert_eq!(p.next_request(2_000, &store), Some(Request::Snapshot));
+        let ips: Vec<String> = (0..2_049).map(v6).collect();
+        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+        p.on_response(2_000, 200, &json(&snapshot(9, 2, &ips)), &mut store)
+            .unwrap();
+        let meta = View::new(&store).meta().unwrap();
+        assert_eq!((meta.buckets, meta.entries), (4_096, 2_049));
+        assert!(present(&store, &v6(2_048)) && present(&store, &v6(0)));
     }
 
     #[test]
