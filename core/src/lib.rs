@@ -7,13 +7,15 @@
 //! [`verdict::Verdict`]; both the filter (per request) and the validator (its
 //! `/v1/verdict` endpoint) call the same [`verdict::decide`], so an operator's
 //! `curl` and the data plane can never disagree. [`service`] names services and
-//! maps Envoy cluster names to them.
+//! maps Envoy cluster names to them. [`ip`] holds the one canonical form of an
+//! address that both sides key the index by.
 //!
 //! The crate has no I/O and no runtime: it compiles to `wasm32-wasip1` for the
 //! filter and to native code for the validator, and must never panic on any
 //! input (clippy denies `unwrap`, `expect` and `panic` outside tests).
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod ip;
 pub mod service;
 pub mod verdict;
 pub mod wire;

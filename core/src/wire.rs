@@ -189,7 +189,14 @@ pub struct Snapshot {
 }
 
 /// An answer to `GET /v1/changes`: a delta, or a full reset.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// On the wire the variant's fields sit next to a `kind` tag. Reading is not
+/// serde's internally tagged derive, which buffers the whole document into an
+/// intermediate tree before it can look at the tag (for a 150k-IP reset, a
+/// second copy of the index in the filter's VM): [`Changes`] reads every field
+/// of either variant straight into its typed value, in any order, and picks the
+/// variant by `kind` at the end.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Changes {
     /// What changed after the generation the client asked from.
@@ -197,6 +204,82 @@ pub enum Changes {
     /// The client's epoch is wrong or its generation was compacted away: start
     /// over from this snapshot.
     Reset(Snapshot),
+}
+
+/// The `kind` tag of a [`Changes`] document.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum ChangesKind {
+    Delta,
+    Reset,
+}
+
+/// Every field either variant of [`Changes`] may carry, each read directly into
+/// its type (no intermediate tree); unknown fields are skipped.
+#[derive(Deserialize)]
+struct ChangesFields {
+    kind: ChangesKind,
+    v: u32,
+    epoch: u64,
+    generation: u64,
+    freshness: Freshness,
+    // Delta.
+    #[serde(default)]
+    since: Option<u64>,
+    #[serde(default)]
+    services_added: Vec<ServiceKey>,
+    #[serde(default)]
+    services_removed: Vec<ServiceKey>,
+    #[serde(default)]
+    upserts: Vec<IpRecord>,
+    #[serde(default)]
+    removed: Vec<IpAddr>,
+    // Reset.
+    #[serde(default)]
+    services: Option<Vec<ServiceKey>>,
+    #[serde(default)]
+    records: Option<Vec<IpRecord>>,
+}
+
+impl<'de> Deserialize<'de> for Changes {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let ChangesFields {
+            kind,
+            v,
+            epoch,
+            generation,
+            freshness,
+            since,
+            services_added,
+            services_removed,
+            upserts,
+            removed,
+            services,
+            records,
+        } = ChangesFields::deserialize(deserializer)?;
+        Ok(match kind {
+            ChangesKind::Delta => Changes::Delta(Delta {
+                v,
+                epoch,
+                since: since.ok_or_else(|| D::Error::missing_field("since"))?,
+                generation,
+                freshness,
+                services_added,
+                services_removed,
+                upserts,
+                removed,
+            }),
+            ChangesKind::Reset => Changes::Reset(Snapshot {
+                v,
+                epoch,
+                generation,
+                freshness,
+                services: services.ok_or_else(|| D::Error::missing_field("services"))?,
+                records: records.ok_or_else(|| D::Error::missing_field("records"))?,
+            }),
+        })
+    }
 }
 
 /// Changes between two generations, compacted to the latest state of each IP
@@ -405,6 +488,55 @@ mod tests {
         let json = serde_json::to_string(&delta).unwrap();
         assert!(json.starts_with(r#"{"kind":"delta""#), "{json}");
         assert_eq!(Changes::from_json(json.as_bytes()).unwrap(), delta);
+    }
+
+    #[test]
+    fn a_reset_reads_in_any_field_order_and_needs_its_fields() {
+        let reset = Changes::Reset(Snapshot {
+            v: WIRE_VERSION,
+            epoch: 3,
+            generation: 9,
+            freshness: Freshness::default(),
+            services: vec![ServiceKey::new("shop", "cart")],
+            records: vec![record()],
+        });
+        let json = serde_json::to_string(&reset).unwrap();
+        assert!(json.starts_with(r#"{"kind":"reset""#), "{json}");
+        assert_eq!(Changes::from_json(json.as_bytes()).unwrap(), reset);
+        // The tag last, as another encoder may write it.
+        let rest = json.replacen(r#""kind":"reset","#, "", 1);
+        let reordered = format!(r#"{},"kind":"reset"}}"#, &rest[..rest.len() - 1]);
+        assert!(reordered.ends_with(r#""kind":"reset"}"#), "{reordered}");
+        assert_eq!(Changes::from_json(reordered.as_bytes()).unwrap(), reset);
+        // A reset without records, a delta without `since`: refused, named.
+        let no_records = br#"{"kind":"reset","v":1,"epoch":1,"generation":1,"freshness":{"fresh":true},"services":[]}"#;
+        let err = Changes::from_json(no_records).unwrap_err().to_string();
+        assert!(err.contains("missing field `records`"), "{err}");
+        let no_since =
+            br#"{"kind":"delta","v":1,"epoch":1,"generation":1,"freshness":{"fresh":true}}"#;
+        let err = Changes::from_json(no_since).unwrap_err().to_string();
+        assert!(err.contains("missing field `since`"), "{err}");
+    }
+
+    #[test]
+    fn a_reset_is_read_without_an_intermediate_tree() {
+        // serde's internally tagged derive buffers the whole document into a
+        // tree before it looks at the tag, so a bad field is only found once
+        // every record has been read, and its error has no position. Read
+        // straight into typed fields, the reader stops at the bad field.
+        let records = vec![r#"{"ip":"10.0.0.1"}"#; 1_000].join(",");
+        let json = format!(
+            r#"{{"kind":"reset","v":1,"epoch":"x","generation":1,"freshness":{{"fresh":true}},"services":[],"records":[{records}]}}"#
+        );
+        let Err(WireError::Malformed { source, .. }) = Changes::from_json(json.as_bytes()) else {
+            panic!("a string epoch must be refused");
+        };
+        // Buffered, the error has no position at all (line 0, column 0).
+        assert_eq!(source.line(), 1, "{source}");
+        assert!(
+            (1..40).contains(&source.column()),
+            "read past the bad field: {source}"
+        );
     }
 
     #[test]

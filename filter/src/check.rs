@@ -3,6 +3,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use staleguard_core::ip::canonical;
 use staleguard_core::{decide, Action, Reason, ServiceKey, Verdict};
 
 use crate::config::{Config, Mode};
@@ -94,13 +95,16 @@ pub fn resolve_service(config: &Config, upstream: &Upstream) -> Option<ServiceKe
         .or_else(|| ServiceKey::from_istio_cluster(cluster))
 }
 
-/// Parses `IP:port` (`[v6]:port` too) or a bare IP.
+/// Parses `IP:port` (`[v6]:port` too) or a bare IP, in the canonical form the
+/// index keys IPs by: Envoy reports an IPv4-mapped endpoint as
+/// `[::ffff:a.b.c.d]:port`, and that host is `a.b.c.d`.
 pub fn parse_ip(address: &str) -> Option<IpAddr> {
     address
         .parse::<SocketAddr>()
         .map(|a| a.ip())
         .or_else(|_| address.parse::<IpAddr>())
         .ok()
+        .map(canonical)
 }
 
 /// Judges one request against the shared-data index at `now_ms`.
@@ -157,9 +161,8 @@ pub fn header_value(reason: Reason) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{
-        encode_record, encode_service, ip_key, service_key, MemoryStore, Meta, META_KEY,
-    };
+    use crate::buckets::{self, MIN_BUCKETS};
+    use crate::store::{encode_service, service_key, MemoryStore, Meta, META_KEY};
     use staleguard_core::wire::{Membership, Via};
     use staleguard_core::{IpRecord, PodHolder};
 
@@ -201,12 +204,13 @@ mod tests {
             synced_ms: 1_000,
             fresh: true,
             entries: records.len() as u64,
+            buckets: MIN_BUCKETS,
         };
         s.set(META_KEY, &meta.encode(), None).unwrap();
         s.set(&service_key(&cart()), &encode_service(1), None)
             .unwrap();
         for r in records {
-            s.set(&ip_key(&r.ip), &encode_record(1, r), None).unwrap();
+            buckets::put(&mut s, 1, MIN_BUCKETS, r).unwrap();
         }
         s
     }
@@ -284,6 +288,27 @@ mod tests {
     }
 
     #[test]
+    fn an_ipv4_mapped_host_is_judged_as_its_ipv4_address() {
+        let c = config("");
+        let s = store(&[record("10.0.0.1", vec![pod(&[cart()], false)])]);
+        assert_eq!(
+            parse_ip("[::ffff:10.0.0.1]:8080"),
+            Some("10.0.0.1".parse().unwrap())
+        );
+        let mapped = upstream(CART, "[::ffff:10.0.0.1]:8080");
+        assert_eq!(
+            effect(&judge(&c, &s, &mapped, 1_500)),
+            (Reason::Member, Effect::Allow),
+            "a live pod reached through its mapped address is no destroyed pod"
+        );
+        // Written under either form, an entry has one key.
+        assert_eq!(
+            buckets::key_of(&"::ffff:10.0.0.1".parse().unwrap(), MIN_BUCKETS),
+            buckets::key_of(&"10.0.0.1".parse().unwrap(), MIN_BUCKETS)
+        );
+    }
+
+    #[test]
     fn verdicts_follow_the_index() {
         let c = config("");
         let s = store(&[
@@ -346,8 +371,13 @@ mod tests {
     #[test]
     fn corrupt_entries_count_as_stale_not_as_destroyed() {
         let mut s = store(&[]);
-        s.set(&ip_key(&"10.0.0.7".parse().unwrap()), b"1 {broken", None)
-            .unwrap();
+        let ip = "10.0.0.7".parse().unwrap();
+        s.set(
+            &buckets::key_of(&ip, MIN_BUCKETS),
+            b"1\n10.0.0.7 {broken",
+            None,
+        )
+        .unwrap();
         let c = config("");
         assert_eq!(
             effect(&judge(&c, &s, &upstream(CART, "10.0.0.7:1"), 1_000)),

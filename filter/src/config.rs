@@ -7,6 +7,8 @@
 use serde::Deserialize;
 use staleguard_core::{Policy, ServiceKey};
 
+use crate::secret::Secret;
+
 /// Why a plugin configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -52,9 +54,9 @@ pub struct RawConfig {
     /// `:authority` of validator requests (default: the cluster name).
     #[serde(default)]
     pub validator_authority: Option<String>,
-    /// Bearer token sent to the validator.
+    /// Bearer token sent to the validator (never shown by `Debug`).
     #[serde(default)]
-    pub token: Option<String>,
+    pub token: Option<Secret>,
     /// Long-poll wait in seconds (1..=60).
     #[serde(default = "default_wait_s")]
     pub poll_wait_s: u32,
@@ -181,7 +183,7 @@ impl Config {
                 raw.reject_header
             ));
         }
-        if let Some(token) = &raw.token {
+        if let Some(token) = raw.token.as_ref().map(Secret::expose) {
             if token.is_empty() || token.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
                 problems.push("token must be non-empty printable ASCII".to_owned());
             }
@@ -209,11 +211,6 @@ impl Config {
             .as_deref()
             .unwrap_or(&self.raw.validator_cluster)
     }
-
-    /// The timeout of one validator request: the long-poll wait plus slack.
-    pub fn request_timeout_ms(&self) -> u64 {
-        u64::from(self.raw.poll_wait_s) * 1000 + 5_000
-    }
 }
 
 fn is_header_name(s: &str) -> bool {
@@ -237,7 +234,6 @@ mod tests {
         assert_eq!(c.raw.policy.failure_policy, FailurePolicy::Open);
         assert!(c.raw.istio);
         assert_eq!(c.authority(), "sg");
-        assert_eq!(c.request_timeout_ms(), 35_000);
     }
 
     #[test]
@@ -254,6 +250,24 @@ mod tests {
         assert_eq!(c.raw.mode, Mode::Audit);
         assert_eq!(c.raw.clusters.len(), 2);
         assert_eq!(c.authority(), "v.sg.svc");
+    }
+
+    #[test]
+    fn no_debug_output_of_the_configuration_shows_the_token() {
+        let token = "s3cret-token-0123456789abcdef0123";
+        let json = format!(r#"{{"validator_cluster":"sg","token":"{token}"}}"#);
+        let c = Config::parse(json.as_bytes()).unwrap();
+        for shown in [format!("{c:?}"), format!("{c:#?}"), format!("{:?}", c.raw)] {
+            assert!(!shown.contains(token), "{shown}");
+            assert!(shown.contains("<redacted>"), "{shown}");
+        }
+        assert_eq!(c.raw.token.as_ref().map(Secret::expose), Some(token));
+        // Nor does a refusal: the message names the field, not the value.
+        let bad = format!(r#"{{"validator_cluster":"","token":"{token} x"}}"#);
+        let err = Config::parse(bad.as_bytes()).unwrap_err();
+        for shown in [err.to_string(), format!("{err:?}")] {
+            assert!(!shown.contains("s3cret"), "{shown}");
+        }
     }
 
     #[test]

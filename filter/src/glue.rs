@@ -127,6 +127,11 @@ struct Root {
     lease: Option<Lease>,
     poller: Option<Poller>,
     in_flight: Option<u32>,
+    /// When the lease is next renewed (every `tick_ms`).
+    lease_due_ms: u64,
+    /// The timer period last set: the timer is re-armed for whatever comes
+    /// first, the lease or the poller's next step.
+    timer_ms: u64,
 }
 
 impl Root {
@@ -139,6 +144,42 @@ impl Root {
             lease: None,
             poller: None,
             in_flight: None,
+            lease_due_ms: 0,
+            timer_ms: 0,
+        }
+    }
+
+    /// Arms the root context's timer for the next thing to do: the lease
+    /// renewal (every `tick_ms`) or, while this context polls, the poller's
+    /// next step (the next long poll, a backoff's end, the watchdog). Envoy
+    /// re-creates the timer from now when the period changes, and a period
+    /// that stays the same keeps the running timer, which can then only fire
+    /// early (a harmless extra tick), never late.
+    fn arm_timer(&mut self, now: u64) {
+        let Some(config) = &self.config else { return };
+        let mut due = self.lease_due_ms;
+        if self.lease.as_ref().is_some_and(Lease::is_held) {
+            if let Some(poller) = &self.poller {
+                due = due.min(poller.wake_at_ms());
+            }
+        }
+        let period = due.saturating_sub(now).clamp(1, config.raw.tick_ms);
+        if period != self.timer_ms
+            && hostcalls::set_tick_period(Duration::from_millis(period)).is_ok()
+        {
+            self.timer_ms = period;
+        }
+    }
+
+    /// Gives up on a call that has been out too long (its answer, if it ever
+    /// comes, is ignored) and counts it.
+    fn watchdog(&mut self, now: u64) {
+        let Some(poller) = self.poller.as_mut() else {
+            return;
+        };
+        if let Some(error) = poller.watchdog(now) {
+            self.in_flight = None;
+            self.sync_error(&error);
         }
     }
 
@@ -150,7 +191,11 @@ impl Root {
             return;
         };
         let path = request.path();
-        let bearer = config.raw.token.as_ref().map(|t| format!("Bearer {t}"));
+        let bearer = config
+            .raw
+            .token
+            .as_ref()
+            .map(|t| format!("Bearer {}", t.expose()));
         let mut headers = vec![
             (":method", "GET"),
             (":path", path.as_str()),
@@ -160,7 +205,7 @@ impl Root {
         if let Some(b) = &bearer {
             headers.push(("authorization", b.as_str()));
         }
-        let timeout = Duration::from_millis(config.request_timeout_ms());
+        let timeout = Duration::from_millis(poller.config().request_timeout_ms(&request));
         match hostcalls::dispatch_http_call(
             &config.raw.validator_cluster,
             headers,
@@ -181,6 +226,39 @@ impl Root {
         }
     }
 
+    /// Renews (or takes, or observes) the lease; the holder polls.
+    fn lease_tick(&mut self, now: u64) {
+        let Some(lease) = self.lease.as_mut() else {
+            return;
+        };
+        match lease.tick(&mut HostStore, now) {
+            LeaseState::NotHeld => {
+                if let Some(p) = self.poller.as_mut() {
+                    if p.in_flight() || p.generation().is_some() {
+                        log::info!("[ctx {}] staleguard: not the poller any more", self.id);
+                    }
+                    p.stand_down();
+                }
+                self.in_flight = None;
+            }
+            LeaseState::Acquired => {
+                self.metrics
+                    .borrow_mut()
+                    .inc(metrics::SYNC_LEASE_ACQUIRED, 1);
+                log::info!(
+                    "[ctx {}] staleguard: took the poller lease (owner {})",
+                    self.id,
+                    lease.owner()
+                );
+            }
+            LeaseState::Held => {
+                self.watchdog(now);
+                self.poll(now);
+            }
+        }
+        self.publish_gauges(now);
+    }
+
     fn sync_error(&self, error: &SyncError) {
         self.metrics
             .borrow_mut()
@@ -191,6 +269,11 @@ impl Root {
     fn publish_gauges(&self, now: u64) {
         let Some(config) = &self.config else { return };
         let mut m = self.metrics.borrow_mut();
+        if self.lease.as_ref().is_some_and(Lease::is_held) {
+            // Pages of 64 KiB, of this VM: the one that decodes the answers.
+            let pages = core::arch::wasm32::memory_size(0) as u64;
+            m.gauge(metrics::GAUGE_VM_MEMORY_BYTES, pages * 65_536);
+        }
         match View::new(&HostStore).meta() {
             Some(meta) => {
                 m.gauge(metrics::GAUGE_GENERATION, meta.generation);
@@ -241,6 +324,7 @@ impl Context for Root {
             let error = SyncError::Transport("no answer (timeout or reset)".to_owned());
             poller.on_failure(now, &error);
             self.sync_error(&error);
+            self.arm_timer(now);
             return;
         };
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
@@ -283,11 +367,13 @@ impl Context for Root {
             }
             Err(error) => {
                 self.sync_error(&error);
+                self.arm_timer(now);
                 return;
             }
         }
         self.publish_gauges(now);
         self.poll(now);
+        self.arm_timer(now);
     }
 }
 
@@ -320,7 +406,10 @@ impl RootContext for Root {
         self.lease = Some(lease);
         self.poller = Some(Poller::new(sync, random_u64()));
         self.in_flight = None;
-        let _ = hostcalls::set_tick_period(Duration::from_millis(config.raw.tick_ms));
+        self.lease_due_ms = 0;
+        if hostcalls::set_tick_period(Duration::from_millis(config.raw.tick_ms)).is_ok() {
+            self.timer_ms = config.raw.tick_ms;
+        }
         log::info!(
             "[ctx {}] staleguard: configured (mode {:?}, validator cluster {:?}, owner {owner})",
             self.id,
@@ -333,32 +422,19 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         let now = now_ms();
-        let Some(lease) = self.lease.as_mut() else {
+        if now < self.lease_due_ms {
+            // Woken for the poller, between two lease renewals.
+            if self.lease.as_ref().is_some_and(Lease::is_held) {
+                self.watchdog(now);
+                self.poll(now);
+            }
+            self.arm_timer(now);
             return;
-        };
-        match lease.tick(&mut HostStore, now) {
-            LeaseState::NotHeld => {
-                if let Some(p) = self.poller.as_mut() {
-                    if p.in_flight() || p.generation().is_some() {
-                        log::info!("[ctx {}] staleguard: not the poller any more", self.id);
-                    }
-                    p.stand_down();
-                }
-                self.in_flight = None;
-            }
-            LeaseState::Acquired => {
-                self.metrics
-                    .borrow_mut()
-                    .inc(metrics::SYNC_LEASE_ACQUIRED, 1);
-                log::info!(
-                    "[ctx {}] staleguard: took the poller lease (owner {})",
-                    self.id,
-                    lease.owner()
-                );
-            }
-            LeaseState::Held => self.poll(now),
         }
-        self.publish_gauges(now);
+        let tick_ms = self.config.as_ref().map_or(1_000, |c| c.raw.tick_ms);
+        self.lease_due_ms = now.saturating_add(tick_ms);
+        self.lease_tick(now);
+        self.arm_timer(now);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

@@ -3,17 +3,20 @@
 //! Runs in Envoy as an *upstream* HTTP filter (one per cluster) and checks the
 //! host Envoy chose against a local copy of the validator's index. Start with
 //! [`check`] (one request's verdict), then [`sync`] (how the index is kept in
-//! step with the validator), [`store`] (its layout in Envoy shared data) and
+//! step with the validator), [`store`] (its layout in Envoy shared data, with
+//! IP entries in [`buckets`]) and
 //! [`lease`] (why exactly one VM per Envoy process polls). All of these are
 //! plain Rust over the [`store::SharedData`] trait and are tested natively;
 //! `glue` (built for `wasm32` only) is the thin proxy-wasm layer. The design
 //! and its reasons are in `docs/filter.md`.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod buckets;
 pub mod check;
 pub mod config;
 pub mod lease;
 pub mod metrics;
+pub mod secret;
 pub mod store;
 pub mod sync;
 pub mod throttle;

@@ -36,8 +36,20 @@ pub const GAUGE_FRESH: &str = "staleguard.index_fresh";
 /// shared data, on the thread that holds the lease.
 pub const GAUGE_SYNC_APPLY_US: &str = "staleguard.sync_apply_us";
 
+/// Gauge: bytes of linear memory of this Wasm VM. A Wasm memory never
+/// shrinks, so this is the VM's peak: what the largest snapshot or reset it
+/// decoded cost it, and whether the index it holds stays bounded.
+pub const GAUGE_VM_MEMORY_BYTES: &str = "staleguard.vm_memory_bytes";
+
 /// Sync error kinds (labels of [`sync_errors`]).
-pub const SYNC_ERROR_KINDS: [&str; 5] = ["status", "transport", "decode", "sequence", "store"];
+pub const SYNC_ERROR_KINDS: [&str; 6] = [
+    "status",
+    "transport",
+    "decode",
+    "sequence",
+    "store",
+    "timeout",
+];
 
 /// Per-request counter: `staleguard.requests.reason.<reason>.action.<action>`.
 pub fn requests(reason: Reason, effect: Effect) -> String {

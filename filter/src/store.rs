@@ -4,27 +4,30 @@
 //! depend on the size of the index (three `get_shared_data` calls, each copying
 //! one small value):
 //!
-//! | key                          | value                                              |
-//! |------------------------------|----------------------------------------------------|
-//! | `staleguard/meta`            | [`Meta`]: `m1 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES` |
-//! | `staleguard/ip/<ip>`         | `LOAD <IpRecord JSON>`, or empty (absent)          |
-//! | `staleguard/svc/<ns>/<name>` | `LOAD`, or empty (absent)                          |
-//! | `staleguard/lease`           | `OWNER EXPIRES_MS` (see [`crate::lease`])          |
-//! | `staleguard/owners`          | last owner id handed out                           |
-//! | `staleguard/loads`           | last load id handed out                            |
+//! | key                            | value                                                    |
+//! |--------------------------------|----------------------------------------------------------|
+//! | `staleguard/meta`              | [`Meta`]: `m2 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS` |
+//! | `staleguard/ipb/<B>/<i>`       | bucket `i` of `B`: `LOAD` and a line per IP (see [`crate::buckets`]), or empty |
+//! | `staleguard/svc/<ns>/<name>`   | `LOAD`, or empty (absent)                                |
+//! | `staleguard/lease`             | `OWNER EXPIRES_MS` (see [`crate::lease`])                |
+//! | `staleguard/owners`            | last owner id handed out                                 |
+//! | `staleguard/loads`             | last load id handed out                                  |
 //!
-//! Shared data cannot delete keys, so "absent" is an empty value. Every entry
+//! Shared data cannot delete keys, so "absent" is an empty value, and IPs share
+//! hash buckets so that the keys are reused as IPs come and go. Every entry
 //! carries the *load* (one per full snapshot) that wrote it; readers accept an
 //! entry only when its load is at least the load in `meta`. A full resync takes
-//! a fresh load id, writes every entry of the new snapshot, and then flips
+//! a fresh load id, writes every bucket of the new snapshot, and then flips
 //! `meta`: entries the new snapshot does not have are invalid from that moment,
 //! even those the poller cannot clear (a poller that took over from a dead one
-//! does not know its key set).
+//! does not know which buckets its predecessor wrote).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 
 use staleguard_core::{IpRecord, ServiceKey};
+
+use crate::buckets;
 
 /// Why a shared-data operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -95,11 +98,6 @@ pub const OWNERS_KEY: &str = "staleguard/owners";
 /// Key of the load id counter.
 pub const LOADS_KEY: &str = "staleguard/loads";
 
-/// Key of one IP's entry.
-pub fn ip_key(ip: &IpAddr) -> String {
-    format!("staleguard/ip/{ip}")
-}
-
 /// Key of one service's entry.
 pub fn service_key(service: &ServiceKey) -> String {
     format!("staleguard/svc/{service}")
@@ -120,28 +118,33 @@ pub struct Meta {
     pub fresh: bool,
     /// IPs in the index.
     pub entries: u64,
+    /// The bucket count of the IP entries' layout (see [`crate::buckets`]).
+    pub buckets: u32,
 }
 
 impl Meta {
-    /// Encodes as `m1 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES`.
+    /// Encodes as `m2 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS`.
     pub fn encode(&self) -> Vec<u8> {
         format!(
-            "m1 {} {} {} {} {} {}",
+            "m2 {} {} {} {} {} {} {}",
             self.load,
             self.epoch,
             self.generation,
             self.synced_ms,
             u8::from(self.fresh),
-            self.entries
+            self.entries,
+            self.buckets
         )
         .into_bytes()
     }
 
-    /// Decodes [`Meta::encode`]'s output; anything else is `None`.
+    /// Decodes [`Meta::encode`]'s output; anything else is `None` (also the
+    /// `m1` of releases with a key per IP: no data until the new poller's first
+    /// load, which the failure policy covers).
     pub fn decode(bytes: &[u8]) -> Option<Self> {
         let text = std::str::from_utf8(bytes).ok()?;
         let mut parts = text.split(' ');
-        if parts.next()? != "m1" {
+        if parts.next()? != "m2" {
             return None;
         }
         let mut num = || parts.next()?.parse::<u64>().ok();
@@ -156,6 +159,7 @@ impl Meta {
                 _ => return None,
             },
             entries: num()?,
+            buckets: u32::try_from(num()?).ok().filter(|b| b.is_power_of_two())?,
         };
         parts.next().is_none().then_some(meta)
     }
@@ -163,20 +167,6 @@ impl Meta {
     /// True when the data may be trusted at `now_ms`.
     pub fn is_fresh(&self, now_ms: u64, max_staleness_ms: u64) -> bool {
         self.fresh && now_ms.saturating_sub(self.synced_ms) <= max_staleness_ms
-    }
-}
-
-/// Encodes an IP entry: `LOAD <record JSON>`; a vacant record is empty.
-pub fn encode_record(load: u64, record: &IpRecord) -> Vec<u8> {
-    if record.is_vacant() {
-        return Vec::new();
-    }
-    let mut out = format!("{load} ").into_bytes();
-    // Serializing a plain data struct cannot fail; an empty value (absent) is
-    // the safe reading if it ever did.
-    match serde_json::to_writer(&mut out, record) {
-        Ok(()) => out,
-        Err(_) => Vec::new(),
     }
 }
 
@@ -191,7 +181,8 @@ pub enum Entry<T> {
     Corrupt,
 }
 
-/// Splits `LOAD rest` and checks the load against `meta_load`.
+/// Splits `LOAD rest` and checks the load against `meta_load` (service
+/// entries are the bare load).
 fn split_load(bytes: &[u8], meta_load: u64) -> Entry<&[u8]> {
     if bytes.is_empty() {
         return Entry::Absent;
@@ -215,18 +206,6 @@ fn split_load(bytes: &[u8], meta_load: u64) -> Entry<&[u8]> {
         Some(load) if load >= meta_load => Entry::Present(rest.get(1..).unwrap_or_default()),
         Some(_) => Entry::Absent,
         None => Entry::Corrupt,
-    }
-}
-
-/// Decodes an IP entry written by [`encode_record`].
-pub fn decode_record(bytes: &[u8], meta_load: u64) -> Entry<IpRecord> {
-    match split_load(bytes, meta_load) {
-        Entry::Present(json) => match serde_json::from_slice::<IpRecord>(json) {
-            Ok(record) => Entry::Present(record),
-            Err(_) => Entry::Corrupt,
-        },
-        Entry::Absent => Entry::Absent,
-        Entry::Corrupt => Entry::Corrupt,
     }
 }
 
@@ -310,8 +289,8 @@ impl<'a, S: SharedData + ?Sized> View<'a, S> {
             Ok(v) => decode_service(&v, meta.load),
             Err(()) => Entry::Corrupt,
         };
-        let record = match read(ip_key(ip)) {
-            Ok(v) => decode_record(&v, meta.load),
+        let record = match read(buckets::key_of(ip, meta.buckets)) {
+            Ok(v) => buckets::find(&v, ip, meta.load),
             Err(()) => Entry::Corrupt,
         };
         Lookup {
@@ -325,24 +304,6 @@ impl<'a, S: SharedData + ?Sized> View<'a, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use staleguard_core::PodHolder;
-
-    fn record(ip: &str) -> IpRecord {
-        IpRecord {
-            ip: ip.parse().unwrap(),
-            pods: vec![PodHolder {
-                namespace: "shop".into(),
-                name: "cart-1".into(),
-                uid: "u1".into(),
-                services: vec![],
-                ready: true,
-                terminating: false,
-                host_network: false,
-            }],
-            bare_services: vec![],
-            tombstone: None,
-        }
-    }
 
     #[test]
     fn meta_round_trips_and_rejects_garbage() {
@@ -353,14 +314,17 @@ mod tests {
             synced_ms: 1_700_000_000_000,
             fresh: true,
             entries: 12,
+            buckets: 1_024,
         };
         assert_eq!(Meta::decode(&m.encode()), Some(m));
         for bad in [
             &b""[..],
-            b"m1",
+            b"m2",
+            b"m1 1 1 1 1 1 1",
             b"m2 1 1 1 1 1 1",
-            b"m1 1 1 1 1 2 1",
-            b"m1 1 1 1 1 1 1 1",
+            b"m2 1 1 1 1 2 1 1024",
+            b"m2 1 1 1 1 1 1 1000",
+            b"m2 1 1 1 1 1 1 1024 1",
         ] {
             assert_eq!(
                 Meta::decode(bad),
@@ -385,23 +349,6 @@ mod tests {
             "a clock step back is not staleness"
         );
         assert!(!Meta { fresh: false, ..m }.is_fresh(10_000, 3_000));
-    }
-
-    #[test]
-    fn records_are_valid_from_their_load_on() {
-        let r = record("10.0.0.1");
-        let bytes = encode_record(5, &r);
-        assert_eq!(decode_record(&bytes, 5), Entry::Present(r.clone()));
-        assert_eq!(decode_record(&bytes, 4), Entry::Present(r));
-        assert_eq!(decode_record(&bytes, 6), Entry::Absent);
-        assert_eq!(decode_record(b"", 0), Entry::Absent);
-        assert_eq!(decode_record(b"x {}", 0), Entry::Corrupt);
-        assert_eq!(decode_record(b"1 {", 0), Entry::Corrupt);
-        let vacant = IpRecord {
-            pods: vec![],
-            ..record("10.0.0.2")
-        };
-        assert!(encode_record(5, &vacant).is_empty());
     }
 
     #[test]

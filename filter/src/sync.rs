@@ -1,10 +1,12 @@
 //! The poller: keeps the shared-data index in step with the validator.
 //!
-//! A pure state machine, driven by the glue: [`Poller::next_request`] on every
-//! tick (and right after an answer) says what to ask the validator, if
-//! anything; [`Poller::on_response`] applies an answer to shared data;
-//! [`Poller::on_failure`] schedules a retry with exponential backoff and
-//! jitter. The cursor (epoch, generation, load) is taken from `meta` when the
+//! A pure state machine, driven by the glue: [`Poller::next_request`] says what
+//! to ask the validator, if anything; [`Poller::on_response`] applies an
+//! answer to shared data; [`Poller::on_failure`] schedules a retry with
+//! exponential backoff and jitter; [`Poller::wake_at_ms`] says when the poller
+//! next has something to do, so the glue arms its timer for that moment instead
+//! of waiting for the next lease tick; [`Poller::watchdog`] gives up on a call
+//! that has been out longer than any answer can take. The cursor (epoch, generation, load) is taken from `meta` when the
 //! poller starts, so a context that takes the lease over from a dead poller
 //! continues with deltas instead of reloading everything.
 //!
@@ -13,15 +15,15 @@
 //! generation all lead to a full snapshot under a new load id (see
 //! [`crate::store`]).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 
 use staleguard_core::wire::{Delta, WireError};
-use staleguard_core::{Changes, ServiceKey, Snapshot};
+use staleguard_core::{Changes, IpRecord, ServiceKey, Snapshot};
 
+use crate::buckets::{self, Bucket};
 use crate::store::{
-    encode_record, encode_service, ip_key, next_id, service_key, Meta, SharedData, StoreError,
-    LOADS_KEY, META_KEY,
+    encode_service, next_id, service_key, Meta, SharedData, StoreError, LOADS_KEY, META_KEY,
 };
 
 /// Why an answer could not be applied.
@@ -48,6 +50,11 @@ pub enum SyncError {
     /// Shared data refused a write.
     #[error("shared data: {0}")]
     Store(#[from] StoreError),
+    /// The request was out longer than any answer can take (a validator that
+    /// accepted the connection and never answered, or a host that never
+    /// called back): the watchdog gave up on it.
+    #[error("no answer after {0} ms: the watchdog gave up on the request")]
+    Timeout(u64),
 }
 
 impl SyncError {
@@ -59,6 +66,7 @@ impl SyncError {
             SyncError::Decode(_) => "decode",
             SyncError::Sequence { .. } => "sequence",
             SyncError::Store(_) => "store",
+            SyncError::Timeout(_) => "timeout",
         }
     }
 }
@@ -75,6 +83,35 @@ pub struct SyncConfig {
     /// Least time between two requests, even when answers come at once (a
     /// burst of changes, replicas answering resets in turn).
     pub min_interval_ms: u64,
+}
+
+/// What the host's timeout of a long poll adds to its wait: the validator
+/// answers an idle long poll after `wait` seconds, so an answer later than
+/// this is not coming.
+pub const LONG_POLL_SLACK_MS: u64 = 5_000;
+
+/// The host's timeout of a snapshot request: building, sending and receiving
+/// a 150k-IP snapshot takes about a second (docs/benchmarks.md).
+pub const SNAPSHOT_TIMEOUT_MS: u64 = 30_000;
+
+/// What the watchdog adds to the host's timeout before it gives up itself.
+pub const WATCHDOG_SLACK_MS: u64 = 2_000;
+
+impl SyncConfig {
+    /// The timeout to give the host for `request`.
+    pub fn request_timeout_ms(&self, request: &Request) -> u64 {
+        match request {
+            Request::Snapshot => SNAPSHOT_TIMEOUT_MS,
+            Request::Changes { wait_s, .. } => u64::from(*wait_s) * 1_000 + LONG_POLL_SLACK_MS,
+        }
+    }
+
+    /// How long `request` may be out before the watchdog gives up on it: the
+    /// host's timeout plus slack, so the host's own timeout normally fires
+    /// first and the watchdog only catches a call the host never reports.
+    pub fn watchdog_ms(&self, request: &Request) -> u64 {
+        self.request_timeout_ms(request) + WATCHDOG_SLACK_MS
+    }
 }
 
 /// A request to the validator.
@@ -139,13 +176,18 @@ pub struct Poller {
     /// Adopt the cursor from `meta` before the first request.
     adopted: bool,
     in_flight: Option<Request>,
+    /// When the watchdog gives up on the request in flight.
+    deadline_ms: u64,
     next_at_ms: u64,
     last_sent_ms: Option<u64>,
     failures: u32,
     rng: u64,
     entries: u64,
-    /// Keys this poller wrote non-empty, to clear them on a reset.
-    known_ips: HashSet<IpAddr>,
+    /// The bucket count of the layout in use (see [`crate::buckets`]).
+    buckets: u32,
+    /// Buckets of that layout this poller wrote non-empty, to clear on a
+    /// reset; and services likewise.
+    known_buckets: HashSet<u32>,
     known_services: HashSet<ServiceKey>,
 }
 
@@ -157,12 +199,14 @@ impl Poller {
             cursor: None,
             adopted: false,
             in_flight: None,
+            deadline_ms: 0,
             next_at_ms: 0,
             last_sent_ms: None,
             failures: 0,
             rng: seed | 1,
             entries: 0,
-            known_ips: HashSet::new(),
+            buckets: buckets::MIN_BUCKETS,
+            known_buckets: HashSet::new(),
             known_services: HashSet::new(),
         }
     }
@@ -188,6 +232,7 @@ impl Poller {
                         generation: meta.generation,
                     });
                     self.entries = meta.entries;
+                    self.buckets = meta.buckets;
                 }
             }
         }
@@ -200,13 +245,52 @@ impl Poller {
             },
         };
         self.in_flight = Some(request);
+        self.deadline_ms = now_ms.saturating_add(self.config.watchdog_ms(&request));
         self.last_sent_ms = Some(now_ms);
         Some(request)
+    }
+
+    /// The knobs this poller runs with.
+    pub fn config(&self) -> &SyncConfig {
+        &self.config
     }
 
     /// True while a request is out.
     pub fn in_flight(&self) -> bool {
         self.in_flight.is_some()
+    }
+
+    /// When the poller next has something to do: the moment the next request
+    /// may go out (after a backoff, or the least interval after the previous
+    /// request), or, while a request is out, the moment the watchdog gives up
+    /// on it. The glue arms its timer for this instant, so neither a quick
+    /// answer nor a backoff waits for a lease tick.
+    pub fn wake_at_ms(&self) -> u64 {
+        if self.in_flight.is_some() {
+            return self.deadline_ms;
+        }
+        let interval = self
+            .last_sent_ms
+            .map_or(0, |last| last.saturating_add(self.config.min_interval_ms));
+        self.next_at_ms.max(interval)
+    }
+
+    /// Gives up on a request that has been out past its watchdog deadline
+    /// ([`SyncConfig::watchdog_ms`]; its answer, should it ever come, must then
+    /// be ignored by the caller) and schedules the next attempt like any
+    /// failure. Returns the error to count.
+    pub fn watchdog(&mut self, now_ms: u64) -> Option<SyncError> {
+        let request = self.in_flight?;
+        if now_ms < self.deadline_ms {
+            return None;
+        }
+        let out_for = now_ms.saturating_sub(
+            self.deadline_ms
+                .saturating_sub(self.config.watchdog_ms(&request)),
+        );
+        let error = SyncError::Timeout(out_for);
+        self.on_failure(now_ms, &error);
+        Some(error)
     }
 
     /// Forgets the request in flight without judging it (the lease was lost:
@@ -329,29 +413,48 @@ impl Poller {
             services,
             records,
         } = snapshot;
-        let mut ips = HashSet::with_capacity(records.len());
+        // Lay the IPs out bucket by bucket: sorted by bucket, each bucket is
+        // built and written once, and only one is held at a time.
+        let layout = buckets::bucket_count(records.len() as u64);
+        let mut records = records;
+        records.sort_by_key(|r| buckets::bucket_of(&r.ip, layout));
+        let mut written = HashSet::new();
+        let mut entries = 0u64;
+        let mut current: Option<(u32, Bucket)> = None;
         for record in &records {
-            let value = encode_record(load, record);
-            store.set(&ip_key(&record.ip), &value, None)?;
-            if !value.is_empty() {
-                ips.insert(record.ip);
+            let index = buckets::bucket_of(&record.ip, layout);
+            if current.as_ref().is_some_and(|(i, _)| *i != index) {
+                if let Some((i, bucket)) = current.take() {
+                    entries += self.write_bucket(store, load, layout, i, &bucket, &mut written)?;
+                }
             }
+            current
+                .get_or_insert_with(|| (index, Bucket::default()))
+                .1
+                .put(record);
         }
+        if let Some((i, bucket)) = current.take() {
+            entries += self.write_bucket(store, load, layout, i, &bucket, &mut written)?;
+        }
+        drop(records);
         let services: HashSet<ServiceKey> = services.into_iter().collect();
         for service in &services {
             store.set(&service_key(service), &encode_service(load), None)?;
         }
-        // Entries the new snapshot lacks would be invalid anyway once meta
-        // names the new load; clearing them gives their memory back.
-        for ip in self.known_ips.difference(&ips) {
-            store.set(&ip_key(ip), b"", None)?;
+        // Buckets the new snapshot leaves empty, or of a layout it replaces,
+        // would be invalid anyway once meta names the new load; clearing them
+        // gives their memory back.
+        for index in &self.known_buckets {
+            if layout != self.buckets || !written.contains(index) {
+                store.set(&buckets::bucket_key(self.buckets, *index), b"", None)?;
+            }
         }
         for service in self.known_services.difference(&services) {
             store.set(&service_key(service), b"", None)?;
         }
-        self.known_ips = ips;
+        self.buckets = layout;
+        self.known_buckets = written;
         self.known_services = services;
-        let entries = self.known_ips.len() as u64;
         let meta = Meta {
             load,
             epoch,
@@ -359,6 +462,7 @@ impl Poller {
             synced_ms: now_ms,
             fresh: freshness.fresh,
             entries,
+            buckets: layout,
         };
         store.set(META_KEY, &meta.encode(), None)?;
         self.cursor = Some(Cursor {
@@ -397,7 +501,6 @@ impl Poller {
             });
         }
         let load = cursor.load;
-        let mut changed = 0u64;
         for service in &services_added {
             store.set(&service_key(service), &encode_service(load), None)?;
             self.known_services.insert(service.clone());
@@ -406,20 +509,36 @@ impl Poller {
             store.set(&service_key(service), b"", None)?;
             self.known_services.remove(service);
         }
+        // Edits grouped by bucket: each bucket read, edited and written once.
+        let mut edits: BTreeMap<u32, Vec<Edit<'_>>> = BTreeMap::new();
         for record in &upserts {
-            let value = encode_record(load, record);
-            store.set(&ip_key(&record.ip), &value, None)?;
-            changed += 1;
-            if value.is_empty() {
-                self.remove_entry(&record.ip);
-            } else if self.known_ips.insert(record.ip) {
-                self.entries += 1;
-            }
+            let index = buckets::bucket_of(&record.ip, self.buckets);
+            edits.entry(index).or_default().push(Edit::Put(record));
         }
         for ip in &removed {
-            store.set(&ip_key(ip), b"", None)?;
-            changed += 1;
-            self.remove_entry(ip);
+            let index = buckets::bucket_of(ip, self.buckets);
+            edits.entry(index).or_default().push(Edit::Remove(ip));
+        }
+        let changed = (upserts.len() + removed.len()) as u64;
+        for (index, edits) in edits {
+            let key = buckets::bucket_key(self.buckets, index);
+            let (value, _) = store.get(&key)?;
+            // A bucket of an older load is empty for readers: start afresh.
+            let mut bucket = Bucket::read(&value.unwrap_or_default(), load);
+            let mut delta = 0i64;
+            for edit in edits {
+                delta += match edit {
+                    Edit::Put(record) => bucket.put(record),
+                    Edit::Remove(ip) => bucket.remove(ip),
+                };
+            }
+            store.set(&key, &bucket.encode(load), None)?;
+            if bucket.is_empty() {
+                self.known_buckets.remove(&index);
+            } else {
+                self.known_buckets.insert(index);
+            }
+            self.entries = self.entries.saturating_add_signed(delta);
         }
         let meta = Meta {
             load,
@@ -428,27 +547,54 @@ impl Poller {
             synced_ms: now_ms,
             fresh: freshness.fresh,
             entries: self.entries,
+            buckets: self.buckets,
         };
         store.set(META_KEY, &meta.encode(), None)?;
         self.cursor = Some(Cursor {
             generation,
             ..cursor
         });
+        if buckets::outgrown(self.entries, self.buckets) {
+            // More than two IPs per bucket on average: readers' lookups grow.
+            // The next request is a snapshot, laid out with more buckets.
+            self.cursor = None;
+        }
         Ok(Applied::Delta { changed })
     }
 
-    fn remove_entry(&mut self, ip: &IpAddr) {
-        // After a takeover the poller does not know every key; `entries` is
-        // then an estimate that the next reset corrects.
-        if self.known_ips.remove(ip) {
-            self.entries = self.entries.saturating_sub(1);
+    /// Writes one bucket of a new load; returns its number of IPs.
+    fn write_bucket(
+        &self,
+        store: &mut dyn SharedData,
+        load: u64,
+        layout: u32,
+        index: u32,
+        bucket: &Bucket,
+        written: &mut HashSet<u32>,
+    ) -> Result<u64, StoreError> {
+        if bucket.is_empty() {
+            return Ok(0);
         }
+        store.set(
+            &buckets::bucket_key(layout, index),
+            &bucket.encode(load),
+            None,
+        )?;
+        written.insert(index);
+        Ok(bucket.len() as u64)
     }
+}
+
+/// One change to a bucket.
+enum Edit<'a> {
+    Put(&'a IpRecord),
+    Remove(&'a IpAddr),
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::buckets;
     use crate::store::{Entry, MemoryStore, View};
     use staleguard_core::wire::{Membership, Via};
     use staleguard_core::{Freshness, IpRecord, PodHolder};
@@ -458,6 +604,14 @@ mod tests {
         backoff_initial_ms: 100,
         backoff_max_ms: 1_000,
         min_interval_ms: 0,
+    };
+
+    /// What the glue builds from the shipped plugin configuration.
+    const SHIPPED: SyncConfig = SyncConfig {
+        wait_s: 30,
+        backoff_initial_ms: 500,
+        backoff_max_ms: 30_000,
+        min_interval_ms: 100,
     };
 
     fn cart() -> ServiceKey {
@@ -699,6 +853,182 @@ mod tests {
             .unwrap();
         assert_eq!(p.next_request(1_050, &store), None, "too soon");
         assert!(p.next_request(1_100, &store).is_some());
+    }
+
+    /// Drives the poller as the glue does with a timer that fires only at
+    /// `wake_at_ms` (and at `tick_ms` lease ticks): returns when each request
+    /// went out.
+    fn sends(p: &mut Poller, store: &MemoryStore, from: u64, until: u64, tick_ms: u64) -> Vec<u64> {
+        let mut sent = vec![];
+        let mut now = from;
+        while now < until {
+            if p.next_request(now, store).is_some() {
+                sent.push(now);
+                // Answered at once (a burst of changes).
+                p.in_flight = None;
+                p.failures = 0;
+                p.next_at_ms = now;
+            }
+            let next_tick = (now / tick_ms + 1) * tick_ms;
+            now = p.wake_at_ms().max(now + 1).min(next_tick);
+        }
+        sent
+    }
+
+    #[test]
+    fn a_quick_answer_is_followed_by_the_next_poll_at_the_least_interval_not_the_tick() {
+        let store = MemoryStore::default();
+        let mut p = Poller::new(SHIPPED, 7);
+        // The shipped tick is 1 s; answers come at once; the next poll is due
+        // 100 ms after the previous one, every time.
+        let sent = sends(&mut p, &store, 1_000, 2_000, 1_000);
+        assert_eq!(sent, (10..20).map(|i| i * 100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn backoff_delays_are_honoured_to_the_millisecond() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(SHIPPED, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &[])), &mut store)
+            .unwrap();
+        let mut now = p.wake_at_ms();
+        assert_eq!(now, 100, "the least interval after the snapshot request");
+        for attempt in 0..6 {
+            assert!(p.next_request(now, &store).is_some(), "attempt {attempt}");
+            p.on_failure(now, &SyncError::Status(503));
+            let due = p.wake_at_ms();
+            assert!(due > now, "a backoff lies ahead");
+            assert_eq!(
+                p.next_request(due - 1, &store),
+                None,
+                "not before it is due"
+            );
+            now = due;
+        }
+        // The wake-up time is exactly when the poller sends again.
+        assert!(p.next_request(now, &store).is_some());
+    }
+
+    #[test]
+    fn while_a_request_is_out_the_poller_wakes_for_its_watchdog() {
+        let store = MemoryStore::default();
+        let mut p = Poller::new(SHIPPED, 7);
+        assert_eq!(p.wake_at_ms(), 0, "a new poller is due at once");
+        let snapshot = p.next_request(1_000, &store).unwrap();
+        assert_eq!(
+            p.wake_at_ms(),
+            1_000 + SNAPSHOT_TIMEOUT_MS + WATCHDOG_SLACK_MS
+        );
+        assert_eq!(SHIPPED.watchdog_ms(&snapshot), 32_000);
+        let poll = Request::Changes {
+            epoch: 1,
+            since: 1,
+            wait_s: 30,
+        };
+        assert_eq!(SHIPPED.request_timeout_ms(&poll), 35_000);
+        assert_eq!(SHIPPED.watchdog_ms(&poll), 37_000);
+    }
+
+    #[test]
+    fn the_watchdog_gives_up_on_a_call_that_never_answers_and_backs_off() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
+            .unwrap();
+        let poll = p.next_request(10, &store).unwrap();
+        let limit = 10 + CFG.watchdog_ms(&poll);
+        assert_eq!(limit, 10 + 5_000 + LONG_POLL_SLACK_MS + WATCHDOG_SLACK_MS);
+        assert!(p.watchdog(limit - 1).is_none(), "not yet");
+        assert!(p.in_flight());
+        let error = p.watchdog(limit).unwrap();
+        assert_eq!(error.kind(), "timeout");
+        assert!(!p.in_flight(), "the call is forgotten");
+        assert!(p.watchdog(u64::MAX).is_none(), "nothing left to give up on");
+        // Retried after a backoff, from the same cursor: no reload.
+        let due = p.wake_at_ms();
+        assert!(due > limit);
+        assert_eq!(
+            p.next_request(due, &store).unwrap().path(),
+            "/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=5"
+        );
+        assert!(present(&store, "10.0.0.1"), "giving up keeps the data");
+    }
+
+    fn v6(n: u32) -> String {
+        format!("fd00:10:244::{:x}:{:x}", n >> 16, n & 0xffff)
+    }
+
+    #[test]
+    fn shared_data_stays_bounded_by_the_live_index_under_ipv6_churn() {
+        // 100 live pods; 20,000 pods come and go, each with a new IPv6
+        // address (IPv6 pod IPs are rarely reused). Shared data cannot delete
+        // a key: what bounds it is reusing them.
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        let live: Vec<String> = (0..100).map(v6).collect();
+        let live: Vec<&str> = live.iter().map(String::as_str).collect();
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 1, &live)), &mut store)
+            .unwrap();
+        let keys_at_start = store.len();
+        for n in 100..20_100u32 {
+            let generation = u64::from(n) - 99;
+            let mut d = delta(9, generation, generation + 1);
+            d.upserts = vec![rec(&v6(n))];
+            if n > 100 {
+                d.removed = vec![v6(n - 1).parse().unwrap()];
+            }
+            p.next_request(u64::from(n) * 1_000, &store).unwrap();
+            p.on_response(0, 200, &json(&Changes::Delta(d)), &mut store)
+                .unwrap();
+        }
+        assert_eq!(p.entries(), 101);
+        assert!(present(&store, &v6(20_099)));
+        assert!(!present(&store, &v6(20_098)));
+        assert!(present(&store, &v6(7)));
+        let bound = buckets::MIN_BUCKETS as usize + 8;
+        assert!(
+            store.len() <= bound,
+            "{} keys after 20,000 IPs came and went (started with {keys_at_start}, bound {bound})",
+            store.len()
+        );
+        // Resets churn too: each new snapshot reuses the same buckets.
+        for round in 0..5u32 {
+            let ips: Vec<String> = (0..100).map(|i| v6(100_000 * (round + 1) + i)).collect();
+            let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+            p.next_request(u64::MAX / 2, &store).unwrap();
+            let reset = Changes::Reset(snapshot(10 + u64::from(round), 1, &ips));
+            p.on_response(0, 200, &json(&reset), &mut store).unwrap();
+            assert!(present(&store, ips[0]));
+        }
+        assert!(store.len() <= bound, "{} keys after resets", store.len());
+    }
+
+    #[test]
+    fn an_index_that_outgrows_its_buckets_is_laid_out_again_at_a_snapshot() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 1, &[])), &mut store)
+            .unwrap();
+        let grown: Vec<IpRecord> = (0..2_049).map(|n| rec(&v6(n))).collect();
+        p.next_request(1_000, &store).unwrap();
+        let mut d = delta(9, 1, 2);
+        d.upserts = grown.clone();
+        p.on_response(1_000, 200, &json(&Changes::Delta(d)), &mut store)
+            .unwrap();
+        assert_eq!(View::new(&store).meta().unwrap().buckets, 1_024);
+        assert!(present(&store, &v6(2_048)), "still served meanwhile");
+        assert_eq!(p.next_request(2_000, &store), Some(Request::Snapshot));
+        let ips: Vec<String> = (0..2_049).map(v6).collect();
+        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+        p.on_response(2_000, 200, &json(&snapshot(9, 2, &ips)), &mut store)
+            .unwrap();
+        let meta = View::new(&store).meta().unwrap();
+        assert_eq!((meta.buckets, meta.entries), (4_096, 2_049));
+        assert!(present(&store, &v6(2_048)) && present(&store, &v6(0)));
     }
 
     #[test]

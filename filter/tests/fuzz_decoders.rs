@@ -15,10 +15,11 @@
 
 use std::time::Instant;
 
+use staleguard_filter::buckets;
 use staleguard_filter::config::Config;
 use staleguard_filter::lease::Lease;
 use staleguard_filter::store::{
-    decode_record, decode_service, MemoryStore, Meta, SharedData, View, LEASE_KEY, META_KEY,
+    decode_service, MemoryStore, Meta, SharedData, View, LEASE_KEY, META_KEY,
 };
 use staleguard_filter::sync::{Poller, SyncConfig};
 
@@ -125,7 +126,9 @@ fn mutate(rng: &mut Rng, input: &mut Vec<u8>) {
 fn feed(input: &[u8], rng: &mut Rng) {
     let _ = Config::parse(input);
     let _ = Meta::decode(input);
-    let _ = decode_record(input, rng.next() % 4);
+    let ip = "10.0.0.1".parse().unwrap();
+    let _ = buckets::find(input, &ip, rng.next() % 4);
+    let _ = buckets::Bucket::read(input, rng.next() % 4);
     let _ = decode_service(input, rng.next() % 4);
 
     // Validator answers through the poller, starting from a synced index.
@@ -148,9 +151,8 @@ fn feed(input: &[u8], rng: &mut Rng) {
 
     // Garbage in shared data: meta, an IP entry, the lease.
     store.set(META_KEY, input, None).unwrap();
-    let ip = "10.0.0.1".parse().unwrap();
     store
-        .set(&staleguard_filter::store::ip_key(&ip), input, None)
+        .set(&buckets::key_of(&ip, buckets::MIN_BUCKETS), input, None)
         .unwrap();
     let _ = View::new(&store).lookup(&"shop/cart".parse().unwrap(), &ip);
     store.set(LEASE_KEY, input, None).unwrap();

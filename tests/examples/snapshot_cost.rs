@@ -23,7 +23,7 @@ use serde_json::json;
 use staleguard_core::{Changes, Freshness, IpRecord};
 use staleguard_filter::store::MemoryStore;
 use staleguard_filter::sync::{Poller, Request, SyncConfig};
-use staleguard_tests::envoy::{test_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::shared::SharedIndex;
@@ -164,8 +164,7 @@ fn main() -> Result<()> {
         Ok::<_, anyhow::Error>(addr)
     })?;
     let host = "127.0.1.250:9".parse()?;
-    let plugin =
-        test_plugin(json!({"poll_wait_s": 30, "max_staleness_ms": 600_000, "tick_ms": 200}));
+    let plugin = shipped_plugin(json!({}));
     let gateway = Gateway {
         concurrency: 1,
         validator,

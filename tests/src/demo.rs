@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use serde_json::json;
 
-use crate::envoy::test_plugin;
+use crate::envoy::shipped_plugin;
 use crate::gateway::{GatewaySpec, STAT_FRESH};
 use crate::pods::Tally;
 use crate::scene::{Deps, Expect, Scene};
@@ -101,7 +101,7 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
         }
         anyhow::Ok(world)
     };
-    let plugin = test_plugin(json!({"poll_wait_s": 5, "max_staleness_ms": 15000}));
+    let plugin = shipped_plugin(json!({}));
     let specs = [
         GatewaySpec {
             name: GUARDED.into(),

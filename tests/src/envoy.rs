@@ -68,17 +68,52 @@ pub struct Gateway {
     pub dynamic: Vec<Cluster>,
 }
 
-/// A plugin configuration for tests: fast ticks, short polls, short staleness.
-pub fn test_plugin(extra: Value) -> Value {
-    let mut base = json!({
-        "validator_cluster": "staleguard-validator",
-        "poll_wait_s": 1,
-        "max_staleness_ms": 3000,
-        "tick_ms": 100,
-        "lease_ttl_ms": 1000,
-        "backoff_initial_ms": 100,
-        "backoff_max_ms": 500
-    });
+/// The JSON blocks under `value: |` in a YAML file: the plugin
+/// configurations of a shipped manifest.
+pub fn plugin_configs_in(yaml: &str) -> Vec<String> {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let mut out = vec![];
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim_end().ends_with("value: |") {
+            let indent = line.len() - line.trim_start().len();
+            let block: Vec<&str> = lines[i + 1..]
+                .iter()
+                .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() > indent)
+                .copied()
+                .collect();
+            out.push(block.join("\n"));
+        }
+    }
+    out
+}
+
+/// Keys of the shipped plugin configuration that describe one gateway's
+/// topology (which cluster is which service, the validator's DNS name), not
+/// how the filter behaves: a test gateway brings its own.
+const TOPOLOGY_KEYS: [&str; 3] = ["clusters", "istio", "validator_authority"];
+
+/// The plugin configuration `deploy/envoy/envoy.yaml` ships, read from that
+/// file, without its topology keys. What tests, the demo and benchmarks run.
+pub fn shipped_plugin_config() -> Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/envoy/envoy.yaml");
+    let yaml = std::fs::read_to_string(path).unwrap_or_default();
+    let mut config = plugin_configs_in(&yaml)
+        .first()
+        .and_then(|c| serde_json::from_str::<Value>(c).ok())
+        .unwrap_or_else(|| panic!("no plugin configuration (`value: |` JSON) in {path}"));
+    if let Some(object) = config.as_object_mut() {
+        for key in TOPOLOGY_KEYS {
+            object.remove(key);
+        }
+    }
+    config
+}
+
+/// The shipped plugin configuration ([`shipped_plugin_config`]) with `extra`
+/// fields on top: topology (`clusters`, `istio`), a `token`, or the knob a
+/// test is about. A test that turns a knob names it in its title.
+pub fn shipped_plugin(extra: Value) -> Value {
+    let mut base = shipped_plugin_config();
     if let (Some(b), Some(e)) = (base.as_object_mut(), extra.as_object()) {
         for (k, v) in e {
             b.insert(k.clone(), v.clone());

@@ -30,6 +30,9 @@ pub enum Behaviour {
     Status(u16),
     /// Answers 200 with a body that is not a wire document.
     Garbage,
+    /// Accepts every request and never answers it: holds the connection open
+    /// (up to two minutes) until the behaviour changes, then hangs up.
+    Hang,
 }
 
 #[derive(Debug)]
@@ -256,6 +259,21 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
         Behaviour::Down => return Answer::Hangup,
         Behaviour::Status(code) => return Answer::status(code, "fake failure"),
         Behaviour::Garbage => return Answer::json(b"{\"kind\":\"delta\",\"v\":1,\"oops".to_vec()),
+        Behaviour::Hang => {
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while s.behaviour == Behaviour::Hang {
+                let now = Instant::now();
+                if now >= deadline {
+                    break;
+                }
+                s = shared
+                    .1
+                    .wait_timeout(s, deadline - now)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+            return Answer::Hangup;
+        }
     }
     if let Some(token) = &s.token {
         if req.headers.get("authorization") != Some(&format!("Bearer {token}")) {

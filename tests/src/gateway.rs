@@ -208,12 +208,12 @@ pub fn stat_requests(reason: &str, action: &str) -> String {
 }
 
 impl GatewaySpec {
-    /// A gateway running the filter with the test plugin configuration
-    /// (fast polls, 3 s staleness) plus `extra` fields.
+    /// A gateway running the filter with the shipped plugin configuration
+    /// plus `extra` fields (a test that turns a knob names it in its title).
     pub fn guarded(name: &str, extra: Value) -> Self {
         Self {
             name: name.into(),
-            plugin: Some(crate::envoy::test_plugin(extra)),
+            plugin: Some(crate::envoy::shipped_plugin(extra)),
             concurrency: 1,
             detach: false,
         }

@@ -6,8 +6,8 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{test_plugin, Cluster, Gateway};
-use staleguard_tests::fake_validator::FakeValidator;
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::tinyhttp::named_host;
 
 const DYN: &str = "outbound|8080|dyn|cart.shop.svc.cluster.local";
@@ -16,8 +16,9 @@ const DYN: &str = "outbound|8080|dyn|cart.shop.svc.cluster.local";
 fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     let gone = named_host("127.0.1.41", "ghost")?;
     let validator = FakeValidator::start(3)?;
-    validator.set_index(vec![ServiceKey::new("shop", "cart")], vec![]);
-    let good = Cluster::new(DYN, gone.addr(), Some(test_plugin(json!({}))));
+    let cart = ServiceKey::new("shop", "cart");
+    validator.set_index(vec![cart.clone()], vec![]);
+    let good = Cluster::new(DYN, gone.addr(), Some(shipped_plugin(json!({}))));
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
@@ -33,7 +34,7 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     })?;
 
     let rejected = envoy.stat("cluster_manager.cds.update_rejected")?;
-    let typo = test_plugin(json!({"mdoe": "audit"}));
+    let typo = shipped_plugin(json!({"mdoe": "audit"}));
     envoy.update_clusters(&[Cluster::new(DYN, gone.addr(), Some(typo))])?;
     envoy.eventually("the update to be rejected", Duration::from_secs(20), |e| {
         Ok(e.stat("cluster_manager.cds.update_rejected")? > rejected)
@@ -48,7 +49,7 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     assert_eq!((r.status, r.header("x-staleguard")), (503, "destroyed"));
 
     // Out-of-range values are refused too, all reported in one line.
-    let bad = test_plugin(json!({"reject_status": 42, "poll_wait_s": 99}));
+    let bad = shipped_plugin(json!({"reject_status": 42, "poll_wait_s": 99}));
     let rejected = envoy.stat("cluster_manager.cds.update_rejected")?;
     envoy.update_clusters(&[Cluster::new(DYN, gone.addr(), Some(bad))])?;
     envoy.eventually(
@@ -65,7 +66,7 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     assert_eq!(envoy.get(DYN)?.status, 503);
 
     // A good update is taken: audit mode now lets the request through.
-    let audit = test_plugin(json!({"mode": "audit"}));
+    let audit = shipped_plugin(json!({"mode": "audit"}));
     envoy.update_clusters(&[Cluster::new(DYN, gone.addr(), Some(audit))])?;
     envoy.eventually("the audit config to apply", Duration::from_secs(20), |e| {
         Ok(e.get(DYN)?.status == 200)
@@ -73,13 +74,19 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
 
     // The update replaced the plugin and its root contexts: the old poller
     // released its lease (on_done), a new root context took it over.
+    envoy.eventually("the lease taken over", Duration::from_secs(20), |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_lease_acquired")? == 2)
+    })?;
+    // Each change answers the long poll that is out; the next one follows.
     let polls = validator.requests().len();
-    std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(
-        envoy.stat("wasmcustom.staleguard.sync_lease_acquired")?,
-        2,
-        "the new plugin's root context took the lease over"
-    );
+    for i in 0..2 {
+        let open = validator.requests().len();
+        validator.upsert(pod(&format!("127.0.2.{i}"), "other", &[&cart], false));
+        assert!(
+            validator.wait_for(Duration::from_secs(10), |log| log.len() > open),
+            "polling stopped after the update"
+        );
+    }
     assert_eq!(
         envoy.stat("wasmcustom.staleguard.sync_resets")?,
         1,

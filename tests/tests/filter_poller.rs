@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{test_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::tinyhttp::named_host;
 
@@ -22,7 +22,7 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
         vec![cart.clone()],
         vec![pod("127.0.1.31", "cart-1", &[&cart], false)],
     );
-    let plugin = Some(test_plugin(json!({})));
+    let plugin = Some(shipped_plugin(json!({})));
     let names: Vec<String> = (0..3)
         .map(|i| format!("outbound|8080|s{i}|cart.shop.svc.cluster.local"))
         .collect();
@@ -50,8 +50,16 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
         assert_eq!(envoy.get(&names[1])?.status, 503);
         assert_eq!(envoy.get(&names[2])?.status, 200);
     }
-    // Several long-poll rounds (wait=1s).
-    std::thread::sleep(Duration::from_secs(4));
+    // Several long-poll rounds: each change answers the poll that is out.
+    for i in 0..3 {
+        let open = validator.requests().len();
+        validator.upsert(pod(&format!("127.0.2.{i}"), "other", &[&cart], false));
+        assert!(
+            validator.wait_for(Duration::from_secs(10), |log| log.len() > open),
+            "the next long poll follows an answer"
+        );
+    }
+    std::thread::sleep(Duration::from_secs(1));
     let requests = validator.requests();
     let snapshots = requests
         .iter()
@@ -63,16 +71,16 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
         1,
         "two pollers overlapped: {requests:#?}"
     );
-    assert!(requests.len() >= 4, "long polls continue: {requests:#?}");
+    assert!(requests.len() >= 5, "long polls continue: {requests:#?}");
     assert!(
-        requests.len() <= 8,
-        "one poller, ~1 request/s: {requests:#?}"
+        requests.len() <= 6,
+        "one poller, one long poll per answer: {requests:#?}"
     );
     assert_eq!(envoy.stat("wasmcustom.staleguard.sync_lease_acquired")?, 1);
     assert_eq!(
         envoy.stat("wasmcustom.staleguard.sync_polls")?,
         requests.len() as u64
     );
-    assert_eq!(envoy.stat("wasmcustom.staleguard.index_entries")?, 1);
+    assert_eq!(envoy.stat("wasmcustom.staleguard.index_entries")?, 4);
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{test_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
 use staleguard_tests::tinyhttp::named_host;
 
@@ -29,7 +29,9 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
         );
     }
     // Fail closed, so any stale moment would show as a rejected live host.
-    let plugin = Some(test_plugin(json!({"policy": {"failure_policy": "closed"}})));
+    let plugin = Some(shipped_plugin(
+        json!({"policy": {"failure_policy": "closed"}}),
+    ));
     let gateway = Gateway {
         concurrency: 1,
         validator: a.addr(),
@@ -55,14 +57,18 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
         std::thread::sleep(Duration::from_millis(100));
     }
 
-    // Replica b goes down: its polls fail, a's keep the data fresh.
+    // Replica b goes down: its polls fail, a's keep the data fresh and
+    // deliver a's changes (a long poll to a holds until one comes).
     b.set_behaviour(Behaviour::Down);
-    let polls_a = a.requests().len();
     for _ in 0..40 {
         assert_eq!(envoy.get(LIVE)?.status, 200, "stale with a healthy replica");
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(a.requests().len() > polls_a + 2, "a kept being polled");
+    a.upsert(pod("127.0.1.62", "cart-2", &[&cart], false));
+    envoy.eventually("a's change while b is down", Duration::from_secs(20), |e| {
+        Ok(e.get(GONE)?.status == 200)
+    })?;
+    assert_eq!(envoy.get(LIVE)?.status, 200);
     assert!(
         envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?
             + envoy.stat("wasmcustom.staleguard.sync_errors.kind.transport")?

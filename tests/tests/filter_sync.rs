@@ -1,13 +1,17 @@
 //! The filter's sync in real Envoy: the validator goes down (stale data under
 //! both failure policies), restarts with a new epoch (full resync), answers
 //! garbage, calls its own data stale, and requires a bearer token.
+//!
+//! Knobs: `max_staleness_ms` 3000 (so data turns stale within the test),
+//! which needs `poll_wait_s` 1 (staleness must exceed the wait), and
+//! `backoff_max_ms` 500 (so recovery after an outage is prompt).
 
 use std::time::Duration;
 
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{test_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
 use staleguard_tests::tinyhttp::named_host;
 
@@ -27,7 +31,8 @@ fn expect(envoy: &mut Envoy, what: &str, cluster: &str, status: u16, reason: &st
 }
 
 #[test]
-fn sync_failures_restarts_and_freshness_in_real_envoy() -> Result<()> {
+fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1_backoff_max_ms_500(
+) -> Result<()> {
     let cart = ServiceKey::new("shop", "cart");
     let host = named_host("127.0.1.21", "host")?;
     let validator = FakeValidator::start(41)?;
@@ -35,7 +40,10 @@ fn sync_failures_restarts_and_freshness_in_real_envoy() -> Result<()> {
     validator.set_index(vec![cart.clone()], vec![]);
 
     let plugin = |policy: &str| {
-        Some(test_plugin(json!({
+        Some(shipped_plugin(json!({
+            "max_staleness_ms": 3000,
+            "poll_wait_s": 1,
+            "backoff_max_ms": 500,
             "token": "s3cret",
             "policy": {"failure_policy": policy}
         })))

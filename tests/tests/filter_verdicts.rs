@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{tail, test_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
 /// A node IP held by a hostNetwork pod of another service.
@@ -52,7 +52,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
         ],
     );
 
-    let guarded = Some(test_plugin(json!({})));
+    let guarded = Some(shipped_plugin(json!({})));
     let node_cluster = istio("node");
     let gateway = Gateway {
         concurrency: 1,
@@ -67,7 +67,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
             Cluster::new(
                 &istio("draining-strict"),
                 draining.addr(),
-                Some(test_plugin(json!({"policy": {"terminating": "reject"}}))),
+                Some(shipped_plugin(json!({"policy": {"terminating": "reject"}}))),
             ),
             Cluster::new(
                 "outbound|80||ext.other.svc.cluster.local",
@@ -79,19 +79,19 @@ fn verdicts_in_real_envoy() -> Result<()> {
             Cluster::new(
                 "legacy-cart",
                 gone.addr(),
-                Some(test_plugin(
+                Some(shipped_plugin(
                     json!({"clusters": [{"name": "legacy-cart", "service": "shop/cart"}]}),
                 )),
             ),
             Cluster::new(
                 &istio("audit"),
                 gone.addr(),
-                Some(test_plugin(json!({"mode": "audit"}))),
+                Some(shipped_plugin(json!({"mode": "audit"}))),
             ),
             Cluster::new(
                 &istio("custom"),
                 gone.addr(),
-                Some(test_plugin(
+                Some(shipped_plugin(
                     json!({"reject_status": 421, "reject_header": "x-sg-verdict"}),
                 )),
             ),

@@ -395,8 +395,8 @@ pub(crate) fn pod_facts(
                 .collect(),
         };
         for text in texts {
-            match text.trim().parse::<IpAddr>() {
-                Ok(ip) if !ips.contains(&ip) => ips.push(canonical(ip)),
+            match text.trim().parse::<IpAddr>().map(canonical) {
+                Ok(ip) if !ips.contains(&ip) => ips.push(ip),
                 Ok(_) => {}
                 Err(_) => skips.push(Skip::InvalidIp),
             }
@@ -561,16 +561,8 @@ pub(crate) fn slice_facts(
 }
 
 /// IPv4-mapped IPv6 addresses are IPv4 addresses: one IP, one key (also how
-/// the index looks an IP up).
-pub(crate) fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6
-            .to_ipv4_mapped()
-            .map(IpAddr::V4)
-            .unwrap_or(IpAddr::V6(v6)),
-        v4 => v4,
-    }
-}
+/// the index looks an IP up). The rule lives in core, shared with the filter.
+pub(crate) use staleguard_core::ip::canonical;
 
 #[cfg(test)]
 mod tests {
