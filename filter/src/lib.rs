@@ -12,6 +12,7 @@
 
 pub mod check;
 pub mod config;
+pub mod guard;
 pub mod lease;
 pub mod metrics;
 pub mod store;

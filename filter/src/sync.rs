@@ -17,8 +17,9 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 
 use staleguard_core::wire::{Delta, WireError};
-use staleguard_core::{Changes, ServiceKey, Snapshot};
+use staleguard_core::{Changes, Policy, ServiceKey, Snapshot};
 
+use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
 use crate::store::{
     encode_record, encode_service, ip_key, next_id, service_key, Meta, SharedData, StoreError,
     LOADS_KEY, META_KEY,
@@ -122,6 +123,9 @@ pub enum Applied {
         /// IPs written or cleared.
         changed: u64,
     },
+    /// The blast-radius guard held the answer: nothing was written and the
+    /// previous data keeps serving (see [`crate::guard`]).
+    Held,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,6 +151,7 @@ pub struct Poller {
     /// Keys this poller wrote non-empty, to clear them on a reset.
     known_ips: HashSet<IpAddr>,
     known_services: HashSet<ServiceKey>,
+    guard: Guard,
 }
 
 impl Poller {
@@ -164,7 +169,25 @@ impl Poller {
             entries: 0,
             known_ips: HashSet::new(),
             known_services: HashSet::new(),
+            guard: Guard::new(GuardConfig::default(), Policy::default()),
         }
+    }
+
+    /// Replaces the blast-radius guard (the default one judges under the
+    /// default policy).
+    pub fn with_guard(mut self, guard: Guard) -> Self {
+        self.guard = guard;
+        self
+    }
+
+    /// What the guard did with the last answer, once.
+    pub fn take_guard_event(&mut self) -> Option<GuardEvent> {
+        self.guard.take_event()
+    }
+
+    /// True while the guard holds an answer back.
+    pub fn guard_holding(&self) -> bool {
+        self.guard.holding()
     }
 
     /// The request to send now, if one is due and none is in flight. The
@@ -218,6 +241,7 @@ impl Poller {
         self.cursor = None;
         self.failures = 0;
         self.next_at_ms = 0;
+        self.guard.reset();
     }
 
     /// The generation applied last, if any.
@@ -241,6 +265,12 @@ impl Poller {
         let request = self.in_flight.take();
         let result = self.apply(now_ms, request, status, body, store);
         match &result {
+            // Ask again, with backoff: the answer may be corrected, or
+            // persist until the guard confirms it.
+            Ok(Applied::Held) => {
+                self.failures = self.failures.saturating_add(1);
+                self.next_at_ms = now_ms.saturating_add(self.backoff_ms());
+            }
             Ok(_) => {
                 self.failures = 0;
                 self.next_at_ms = now_ms;
@@ -320,6 +350,9 @@ impl Poller {
         snapshot: Snapshot,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
+        if !self.guard.admit(now_ms, Answer::Reset(&snapshot)) {
+            return Ok(Applied::Held);
+        }
         let load = next_id(store, LOADS_KEY)?;
         let Snapshot {
             v: _,
@@ -328,16 +361,17 @@ impl Poller {
             freshness,
             services,
             records,
-        } = snapshot;
+        } = &snapshot;
+        let (epoch, generation) = (*epoch, *generation);
         let mut ips = HashSet::with_capacity(records.len());
-        for record in &records {
+        for record in records {
             let value = encode_record(load, record);
             store.set(&ip_key(&record.ip), &value, None)?;
             if !value.is_empty() {
                 ips.insert(record.ip);
             }
         }
-        let services: HashSet<ServiceKey> = services.into_iter().collect();
+        let services: HashSet<ServiceKey> = services.iter().cloned().collect();
         for service in &services {
             store.set(&service_key(service), &encode_service(load), None)?;
         }
@@ -367,6 +401,7 @@ impl Poller {
             generation,
         });
         self.entries = entries;
+        self.guard.applied(Answer::Reset(&snapshot));
         Ok(Applied::Reset { entries })
     }
 
@@ -386,7 +421,8 @@ impl Poller {
             services_removed,
             upserts,
             removed,
-        } = delta;
+        } = &delta;
+        let (epoch, since, generation) = (*epoch, *since, *generation);
         let Some(cursor) = self.cursor else {
             return Err(SyncError::Sequence { since, ours: 0 });
         };
@@ -396,17 +432,20 @@ impl Poller {
                 ours: cursor.generation,
             });
         }
+        if !self.guard.admit(now_ms, Answer::Delta(&delta)) {
+            return Ok(Applied::Held);
+        }
         let load = cursor.load;
         let mut changed = 0u64;
-        for service in &services_added {
+        for service in services_added {
             store.set(&service_key(service), &encode_service(load), None)?;
             self.known_services.insert(service.clone());
         }
-        for service in &services_removed {
+        for service in services_removed {
             store.set(&service_key(service), b"", None)?;
             self.known_services.remove(service);
         }
-        for record in &upserts {
+        for record in upserts {
             let value = encode_record(load, record);
             store.set(&ip_key(&record.ip), &value, None)?;
             changed += 1;
@@ -416,7 +455,7 @@ impl Poller {
                 self.entries += 1;
             }
         }
-        for ip in &removed {
+        for ip in removed {
             store.set(&ip_key(ip), b"", None)?;
             changed += 1;
             self.remove_entry(ip);
@@ -434,6 +473,7 @@ impl Poller {
             generation,
             ..cursor
         });
+        self.guard.applied(Answer::Delta(&delta));
         Ok(Applied::Delta { changed })
     }
 
@@ -699,6 +739,100 @@ mod tests {
             .unwrap();
         assert_eq!(p.next_request(1_050, &store), None, "too soon");
         assert!(p.next_request(1_100, &store).is_some());
+    }
+
+    #[test]
+    fn the_guard_holds_an_empty_reset_and_the_old_data_keeps_serving() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        let ips: Vec<String> = (1..=20).map(|i| format!("10.0.0.{i}")).collect();
+        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &ips)), &mut store)
+            .unwrap();
+        let before = View::new(&store).meta().unwrap();
+        let mut empty = snapshot(10, 1, &[]);
+        empty.services = vec![cart()];
+        let empty = json(&Changes::Reset(empty));
+
+        p.next_request(10, &store);
+        assert_eq!(
+            p.on_response(10, 200, &empty, &mut store).unwrap(),
+            Applied::Held
+        );
+        assert!(matches!(
+            p.take_guard_event(),
+            Some(GuardEvent::Held(b)) if b.lost_ips == 20
+        ));
+        assert_eq!(View::new(&store).meta(), Some(before), "nothing written");
+        assert!(present(&store, "10.0.0.1"));
+        // Asked again after a backoff, from the same cursor.
+        assert_eq!(p.next_request(10, &store), None);
+        let again = p.next_request(200, &store).unwrap();
+        assert_eq!(
+            again.path(),
+            Request::Changes {
+                epoch: 9,
+                since: 3,
+                wait_s: 5
+            }
+            .path()
+        );
+        p.on_response(200, 200, &empty, &mut store).unwrap();
+        // Still there after confirm_ms: the change is taken as real.
+        p.next_request(60_010, &store);
+        assert_eq!(
+            p.on_response(60_010, 200, &empty, &mut store).unwrap(),
+            Applied::Reset { entries: 0 }
+        );
+        assert!(matches!(
+            p.take_guard_event(),
+            Some(GuardEvent::Confirmed(_))
+        ));
+        assert!(!present(&store, "10.0.0.1"));
+    }
+
+    #[test]
+    fn the_guard_lets_a_delta_of_tombstones_through_at_once() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        let ips: Vec<String> = (1..=250)
+            .map(|i| format!("10.0.{}.{}", i / 200, i % 200))
+            .collect();
+        let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &refs)), &mut store)
+            .unwrap();
+        p.next_request(0, &store);
+        let mut d = delta(9, 3, 233);
+        d.upserts = ips[20..]
+            .iter()
+            .map(|ip| IpRecord {
+                pods: vec![],
+                tombstone: Some(staleguard_core::wire::Tombstone {
+                    pod: format!("shop/cart-{ip}"),
+                    uid: String::new(),
+                    services: vec![cart()],
+                    since_ms: 1,
+                }),
+                ..rec(ip)
+            })
+            .collect();
+        assert_eq!(
+            p.on_response(5, 200, &json(&Changes::Delta(d)), &mut store)
+                .unwrap(),
+            Applied::Delta { changed: 230 }
+        );
+        assert_eq!(p.take_guard_event(), None);
+        let pods = |ip: &str| match View::new(&store)
+            .lookup(&cart(), &ip.parse().unwrap())
+            .record
+        {
+            Entry::Present(r) => r.pods.len(),
+            _ => usize::MAX,
+        };
+        assert_eq!(pods(&ips[100]), 0, "written: only the tombstone is left");
+        assert_eq!(pods(&ips[0]), 1);
     }
 
     #[test]
