@@ -69,6 +69,8 @@ pub struct Gateway {
 }
 
 /// A plugin configuration for tests: fast ticks, short polls, short staleness.
+/// The guard confirms a held change after as long as data takes to turn
+/// stale, as the shipped defaults do (60 s each).
 pub fn test_plugin(extra: Value) -> Value {
     let mut base = json!({
         "validator_cluster": "staleguard-validator",
@@ -77,7 +79,8 @@ pub fn test_plugin(extra: Value) -> Value {
         "tick_ms": 100,
         "lease_ttl_ms": 1000,
         "backoff_initial_ms": 100,
-        "backoff_max_ms": 500
+        "backoff_max_ms": 500,
+        "guard": {"confirm_ms": 3000}
     });
     if let (Some(b), Some(e)) = (base.as_object_mut(), extra.as_object()) {
         for (k, v) in e {
