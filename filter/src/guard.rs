@@ -158,6 +158,8 @@ pub struct Baseline {
     /// Allowed IPs per service id.
     members: Vec<u64>,
     ips: HashMap<IpAddr, IpFacts>,
+    /// IPs allowed for at least one service.
+    allowed_ips: u64,
     known: HashSet<ServiceKey>,
     /// False until the poller applied a full snapshot itself (a poller that
     /// took over from a dead one has nothing to compare with).
@@ -244,6 +246,7 @@ impl Guard {
                     names: std::mem::take(&mut self.baseline.names),
                     members: Vec::new(),
                     ips: HashMap::with_capacity(snapshot.records.len()),
+                    allowed_ips: 0,
                     known: snapshot.services.iter().cloned().collect(),
                     armed: true,
                 };
@@ -281,22 +284,24 @@ impl Guard {
         let b = &self.baseline;
         let mut lost_by_service: HashMap<u32, u64> = HashMap::new();
         let mut blast = Blast {
-            allowed_ips: b.ips.values().filter(|f| !f.allowed.is_empty()).count() as u64,
+            allowed_ips: b.allowed_ips,
             ..Blast::default()
         };
+        let in_delta = matches!(answer, Answer::Delta(_));
         let mut judge =
-            |ip: &IpAddr, new: Option<&IpRecord>, known: &dyn Fn(&ServiceKey) -> bool| {
-                let Some(old) = b.ips.get(ip) else { return };
+            |old: &IpFacts, new: Option<&IpRecord>, known: &dyn Fn(&ServiceKey) -> bool| {
                 let mut lost = false;
                 let mut evidenced = false;
                 for &id in old.allowed.iter() {
                     let Some(service) = b.service(id) else {
                         continue;
                     };
-                    if !known(service) || allows(&self.policy, service, new) {
+                    // The verdict first: it is cheaper than the set lookup, and
+                    // almost always still allows.
+                    if allows(&self.policy, service, new) || !known(service) {
                         continue;
                     }
-                    if has_evidence(service, old, new, matches!(answer, Answer::Delta(_))) {
+                    if has_evidence(service, old, new, in_delta) {
                         evidenced = true;
                     } else {
                         lost = true;
@@ -312,10 +317,22 @@ impl Guard {
         match answer {
             Answer::Reset(snapshot) => {
                 let known: HashSet<&ServiceKey> = snapshot.services.iter().collect();
-                let records: HashMap<IpAddr, &IpRecord> =
-                    snapshot.records.iter().map(|r| (r.ip, r)).collect();
-                for ip in b.ips.keys() {
-                    judge(ip, records.get(ip).copied(), &|s| known.contains(s));
+                let known = |s: &ServiceKey| known.contains(s);
+                let mut seen = 0usize;
+                for record in &snapshot.records {
+                    if let Some(old) = b.ips.get(&record.ip) {
+                        seen += 1;
+                        judge(old, Some(record), &known);
+                    }
+                }
+                if seen < b.ips.len() {
+                    // Only when the reset lacks some IPs: which ones.
+                    let present: HashSet<IpAddr> = snapshot.records.iter().map(|r| r.ip).collect();
+                    for (ip, old) in &b.ips {
+                        if !present.contains(ip) {
+                            judge(old, None, &known);
+                        }
+                    }
                 }
             }
             Answer::Delta(delta) => {
@@ -324,10 +341,14 @@ impl Guard {
                         || (b.known.contains(s) && !delta.services_removed.contains(s))
                 };
                 for record in &delta.upserts {
-                    judge(&record.ip, Some(record), &known);
+                    if let Some(old) = b.ips.get(&record.ip) {
+                        judge(old, Some(record), &known);
+                    }
                 }
                 for ip in &delta.removed {
-                    judge(ip, None, &known);
+                    if let Some(old) = b.ips.get(ip) {
+                        judge(old, None, &known);
+                    }
                 }
             }
         }
@@ -387,6 +408,9 @@ impl Baseline {
             // Destroyed or vacant: nothing to lose, nothing to remember.
             return;
         }
+        if !allowed.is_empty() {
+            self.allowed_ips += 1;
+        }
         self.ips.insert(
             record.ip,
             IpFacts {
@@ -398,6 +422,9 @@ impl Baseline {
 
     fn remove(&mut self, ip: &IpAddr) {
         if let Some(old) = self.ips.remove(ip) {
+            if !old.allowed.is_empty() {
+                self.allowed_ips = self.allowed_ips.saturating_sub(1);
+            }
             for id in old.allowed.iter() {
                 if let Some(n) = self.members.get_mut(*id as usize) {
                     *n = n.saturating_sub(1);
