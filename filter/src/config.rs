@@ -7,6 +7,7 @@
 use serde::Deserialize;
 use staleguard_core::{Policy, ServiceKey};
 
+use crate::guard::GuardConfig;
 use crate::secret::Secret;
 
 /// Why a plugin configuration was refused.
@@ -93,6 +94,9 @@ pub struct RawConfig {
     /// Mapping rules for plain Envoy, tried first, in order.
     #[serde(default)]
     pub clusters: Vec<ClusterRule>,
+    /// The blast-radius guard (see [`crate::guard`]); on by default.
+    #[serde(default)]
+    pub guard: GuardConfig,
 }
 
 fn default_wait_s() -> u32 {
@@ -197,6 +201,7 @@ impl Config {
                 )),
             }
         }
+        problems.extend(raw.guard.problems());
         if problems.is_empty() {
             Ok(Self { raw })
         } else {
@@ -234,6 +239,28 @@ mod tests {
         assert_eq!(c.raw.policy.failure_policy, FailurePolicy::Open);
         assert!(c.raw.istio);
         assert_eq!(c.authority(), "sg");
+        assert_eq!(c.raw.guard, GuardConfig::default());
+        assert!(c.raw.guard.enabled);
+    }
+
+    #[test]
+    fn guard_knobs_parse_and_are_checked() {
+        let c = Config::parse(
+            br#"{"validator_cluster":"sg","guard":{"max_loss_percent":80,"confirm_ms":5000}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.raw.guard.max_loss_percent, 80);
+        assert_eq!(c.raw.guard.confirm_ms, 5_000);
+        assert_eq!(c.raw.guard.min_ips, GuardConfig::default().min_ips);
+        let err = Config::parse(
+            br#"{"validator_cluster":"sg","guard":{"max_loss_percent":0,"min_service_ips":0}}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("guard.max_loss_percent"), "{err}");
+        assert!(err.to_string().contains("guard.min_service_ips"), "{err}");
+        let err =
+            Config::parse(br#"{"validator_cluster":"sg","guard":{"enable":false}}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field `enable`"), "{err}");
     }
 
     #[test]

@@ -15,6 +15,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Metr
 
 use crate::check::{header_value, judge, Effect, Outcome, Upstream};
 use crate::config::Config;
+use crate::guard::{Guard, GuardEvent};
 use crate::lease::{Lease, LeaseState};
 use crate::metrics;
 use crate::store::{SharedData, StoreError, View};
@@ -237,6 +238,10 @@ impl Root {
                     if p.in_flight() || p.generation().is_some() {
                         log::info!("[ctx {}] staleguard: not the poller any more", self.id);
                     }
+                    if p.guard_holding() {
+                        // A successor starts without a hold.
+                        self.metrics.borrow_mut().gauge(metrics::GUARD_HOLDING, 0);
+                    }
                     p.stand_down();
                 }
                 self.in_flight = None;
@@ -264,6 +269,43 @@ impl Root {
             .borrow_mut()
             .inc(&metrics::sync_errors(error.kind()), 1);
         log::warn!("[ctx {}] staleguard: sync failed: {error}", self.id);
+    }
+
+    fn guard_event(&self, event: Option<GuardEvent>) {
+        let mut m = self.metrics.borrow_mut();
+        match event {
+            None => {}
+            Some(GuardEvent::Held(blast)) => {
+                m.inc(metrics::GUARD_HELD_TOTAL, 1);
+                m.gauge(metrics::GUARD_HOLDING, 1);
+                m.gauge(metrics::GUARD_HELD_IPS, blast.lost_ips);
+                log::warn!(
+                    "[ctx {}] staleguard: guard held a validator answer ({}): it would reject {} of {} allowed IPs without tombstone or new holder; the previous data keeps serving",
+                    self.id,
+                    blast.tripped.as_ref().map_or_else(String::new, ToString::to_string),
+                    blast.lost_ips,
+                    blast.allowed_ips
+                );
+            }
+            Some(GuardEvent::Confirmed(blast)) => {
+                m.inc(metrics::GUARD_CONFIRMED_TOTAL, 1);
+                m.gauge(metrics::GUARD_HOLDING, 0);
+                log::warn!(
+                    "[ctx {}] staleguard: guard confirmed a held change that persisted: applying it ({} of {} allowed IPs now rejected)",
+                    self.id,
+                    blast.lost_ips,
+                    blast.allowed_ips
+                );
+            }
+            Some(GuardEvent::Released) => {
+                m.inc(metrics::GUARD_RELEASED_TOTAL, 1);
+                m.gauge(metrics::GUARD_HOLDING, 0);
+                log::info!(
+                    "[ctx {}] staleguard: guard released: the validator's answer no longer trips it",
+                    self.id
+                );
+            }
+        }
     }
 
     fn publish_gauges(&self, now: u64) {
@@ -365,12 +407,15 @@ impl Context for Root {
                     );
                 }
             }
+            Ok(Applied::Held) => {}
             Err(error) => {
                 self.sync_error(&error);
                 self.arm_timer(now);
                 return;
             }
         }
+        let event = poller.take_guard_event();
+        self.guard_event(event);
         self.publish_gauges(now);
         self.poll(now);
         self.arm_timer(now);
@@ -404,7 +449,10 @@ impl RootContext for Root {
             let _ = lease.tick(&mut HostStore, now_ms());
         }
         self.lease = Some(lease);
-        self.poller = Some(Poller::new(sync, random_u64()));
+        self.poller = Some(
+            Poller::new(sync, random_u64())
+                .with_guard(Guard::new(config.raw.guard, config.raw.policy)),
+        );
         self.in_flight = None;
         self.lease_due_ms = 0;
         if hostcalls::set_tick_period(Duration::from_millis(config.raw.tick_ms)).is_ok() {

@@ -14,6 +14,7 @@
 pub mod buckets;
 pub mod check;
 pub mod config;
+pub mod guard;
 pub mod lease;
 pub mod metrics;
 pub mod secret;

@@ -41,6 +41,17 @@ pub const GAUGE_SYNC_APPLY_US: &str = "staleguard.sync_apply_us";
 /// decoded cost it, and whether the index it holds stays bounded.
 pub const GAUGE_VM_MEMORY_BYTES: &str = "staleguard.vm_memory_bytes";
 
+/// Validator answers the blast-radius guard held back (see `crate::guard`).
+pub const GUARD_HELD_TOTAL: &str = "staleguard.guard_held_total";
+/// Held changes applied because they persisted for `guard.confirm_ms`.
+pub const GUARD_CONFIRMED_TOTAL: &str = "staleguard.guard_confirmed_total";
+/// Holds ended by an answer that no longer tripped the guard.
+pub const GUARD_RELEASED_TOTAL: &str = "staleguard.guard_released_total";
+/// Gauge: 1 while the guard holds an answer back, else 0.
+pub const GUARD_HOLDING: &str = "staleguard.guard_holding";
+/// Gauge: IPs the last held answer would have rejected without evidence.
+pub const GUARD_HELD_IPS: &str = "staleguard.guard_held_ips";
+
 /// Sync error kinds (labels of [`sync_errors`]).
 pub const SYNC_ERROR_KINDS: [&str; 6] = [
     "status",

@@ -19,9 +19,10 @@ use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 
 use staleguard_core::wire::{Delta, WireError};
-use staleguard_core::{Changes, IpRecord, ServiceKey, Snapshot};
+use staleguard_core::{Changes, IpRecord, Policy, ServiceKey, Snapshot};
 
 use crate::buckets::{self, Bucket};
+use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
 use crate::store::{
     encode_service, next_id, service_key, Meta, SharedData, StoreError, LOADS_KEY, META_KEY,
 };
@@ -159,6 +160,9 @@ pub enum Applied {
         /// IPs written or cleared.
         changed: u64,
     },
+    /// The blast-radius guard held the answer: nothing was written and the
+    /// previous data keeps serving (see [`crate::guard`]).
+    Held,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,6 +193,7 @@ pub struct Poller {
     /// reset; and services likewise.
     known_buckets: HashSet<u32>,
     known_services: HashSet<ServiceKey>,
+    guard: Guard,
 }
 
 impl Poller {
@@ -208,7 +213,25 @@ impl Poller {
             buckets: buckets::MIN_BUCKETS,
             known_buckets: HashSet::new(),
             known_services: HashSet::new(),
+            guard: Guard::new(GuardConfig::default(), Policy::default()),
         }
+    }
+
+    /// Replaces the blast-radius guard (the default one judges under the
+    /// default policy).
+    pub fn with_guard(mut self, guard: Guard) -> Self {
+        self.guard = guard;
+        self
+    }
+
+    /// What the guard did with the last answer, once.
+    pub fn take_guard_event(&mut self) -> Option<GuardEvent> {
+        self.guard.take_event()
+    }
+
+    /// True while the guard holds an answer back.
+    pub fn guard_holding(&self) -> bool {
+        self.guard.holding()
     }
 
     /// The request to send now, if one is due and none is in flight. The
@@ -302,6 +325,7 @@ impl Poller {
         self.cursor = None;
         self.failures = 0;
         self.next_at_ms = 0;
+        self.guard.reset();
     }
 
     /// The generation applied last, if any.
@@ -325,6 +349,12 @@ impl Poller {
         let request = self.in_flight.take();
         let result = self.apply(now_ms, request, status, body, store);
         match &result {
+            // Ask again, with backoff: the answer may be corrected, or
+            // persist until the guard confirms it.
+            Ok(Applied::Held) => {
+                self.failures = self.failures.saturating_add(1);
+                self.next_at_ms = now_ms.saturating_add(self.backoff_ms());
+            }
             Ok(_) => {
                 self.failures = 0;
                 self.next_at_ms = now_ms;
@@ -401,10 +431,19 @@ impl Poller {
     fn load_snapshot(
         &mut self,
         now_ms: u64,
-        snapshot: Snapshot,
+        mut snapshot: Snapshot,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
+        if !self.guard.admit(now_ms, Answer::Reset(&snapshot)) {
+            return Ok(Applied::Held);
+        }
         let load = next_id(store, LOADS_KEY)?;
+        // Lay the IPs out bucket by bucket: sorted by bucket, each bucket is
+        // built and written once, and only one is held at a time.
+        let layout = buckets::bucket_count(snapshot.records.len() as u64);
+        snapshot
+            .records
+            .sort_by_key(|r| buckets::bucket_of(&r.ip, layout));
         let Snapshot {
             v: _,
             epoch,
@@ -412,16 +451,12 @@ impl Poller {
             freshness,
             services,
             records,
-        } = snapshot;
-        // Lay the IPs out bucket by bucket: sorted by bucket, each bucket is
-        // built and written once, and only one is held at a time.
-        let layout = buckets::bucket_count(records.len() as u64);
-        let mut records = records;
-        records.sort_by_key(|r| buckets::bucket_of(&r.ip, layout));
+        } = &snapshot;
+        let (epoch, generation) = (*epoch, *generation);
         let mut written = HashSet::new();
         let mut entries = 0u64;
         let mut current: Option<(u32, Bucket)> = None;
-        for record in &records {
+        for record in records {
             let index = buckets::bucket_of(&record.ip, layout);
             if current.as_ref().is_some_and(|(i, _)| *i != index) {
                 if let Some((i, bucket)) = current.take() {
@@ -436,8 +471,7 @@ impl Poller {
         if let Some((i, bucket)) = current.take() {
             entries += self.write_bucket(store, load, layout, i, &bucket, &mut written)?;
         }
-        drop(records);
-        let services: HashSet<ServiceKey> = services.into_iter().collect();
+        let services: HashSet<ServiceKey> = services.iter().cloned().collect();
         for service in &services {
             store.set(&service_key(service), &encode_service(load), None)?;
         }
@@ -471,6 +505,7 @@ impl Poller {
             generation,
         });
         self.entries = entries;
+        self.guard.applied(Answer::Reset(&snapshot));
         Ok(Applied::Reset { entries })
     }
 
@@ -490,7 +525,8 @@ impl Poller {
             services_removed,
             upserts,
             removed,
-        } = delta;
+        } = &delta;
+        let (epoch, since, generation) = (*epoch, *since, *generation);
         let Some(cursor) = self.cursor else {
             return Err(SyncError::Sequence { since, ours: 0 });
         };
@@ -500,22 +536,25 @@ impl Poller {
                 ours: cursor.generation,
             });
         }
+        if !self.guard.admit(now_ms, Answer::Delta(&delta)) {
+            return Ok(Applied::Held);
+        }
         let load = cursor.load;
-        for service in &services_added {
+        for service in services_added {
             store.set(&service_key(service), &encode_service(load), None)?;
             self.known_services.insert(service.clone());
         }
-        for service in &services_removed {
+        for service in services_removed {
             store.set(&service_key(service), b"", None)?;
             self.known_services.remove(service);
         }
         // Edits grouped by bucket: each bucket read, edited and written once.
         let mut edits: BTreeMap<u32, Vec<Edit<'_>>> = BTreeMap::new();
-        for record in &upserts {
+        for record in upserts {
             let index = buckets::bucket_of(&record.ip, self.buckets);
             edits.entry(index).or_default().push(Edit::Put(record));
         }
-        for ip in &removed {
+        for ip in removed {
             let index = buckets::bucket_of(ip, self.buckets);
             edits.entry(index).or_default().push(Edit::Remove(ip));
         }
@@ -559,6 +598,7 @@ impl Poller {
             // The next request is a snapshot, laid out with more buckets.
             self.cursor = None;
         }
+        self.guard.applied(Answer::Delta(&delta));
         Ok(Applied::Delta { changed })
     }
 
@@ -964,9 +1004,14 @@ mod tests {
     fn shared_data_stays_bounded_by_the_live_index_under_ipv6_churn() {
         // 100 live pods; 20,000 pods come and go, each with a new IPv6
         // address (IPv6 pod IPs are rarely reused). Shared data cannot delete
-        // a key: what bounds it is reusing them.
+        // a key: what bounds it is reusing them. The guard is off: the resets
+        // below replace every IP at once, which it would hold.
         let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
+        let off = GuardConfig {
+            enabled: false,
+            ..GuardConfig::default()
+        };
+        let mut p = Poller::new(CFG, 7).with_guard(Guard::new(off, Policy::default()));
         let live: Vec<String> = (0..100).map(v6).collect();
         let live: Vec<&str> = live.iter().map(String::as_str).collect();
         p.next_request(0, &store);
@@ -1029,6 +1074,100 @@ mod tests {
         let meta = View::new(&store).meta().unwrap();
         assert_eq!((meta.buckets, meta.entries), (4_096, 2_049));
         assert!(present(&store, &v6(2_048)) && present(&store, &v6(0)));
+    }
+
+    #[test]
+    fn the_guard_holds_an_empty_reset_and_the_old_data_keeps_serving() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        let ips: Vec<String> = (1..=20).map(|i| format!("10.0.0.{i}")).collect();
+        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &ips)), &mut store)
+            .unwrap();
+        let before = View::new(&store).meta().unwrap();
+        let mut empty = snapshot(10, 1, &[]);
+        empty.services = vec![cart()];
+        let empty = json(&Changes::Reset(empty));
+
+        p.next_request(10, &store);
+        assert_eq!(
+            p.on_response(10, 200, &empty, &mut store).unwrap(),
+            Applied::Held
+        );
+        assert!(matches!(
+            p.take_guard_event(),
+            Some(GuardEvent::Held(b)) if b.lost_ips == 20
+        ));
+        assert_eq!(View::new(&store).meta(), Some(before), "nothing written");
+        assert!(present(&store, "10.0.0.1"));
+        // Asked again after a backoff, from the same cursor.
+        assert_eq!(p.next_request(10, &store), None);
+        let again = p.next_request(200, &store).unwrap();
+        assert_eq!(
+            again.path(),
+            Request::Changes {
+                epoch: 9,
+                since: 3,
+                wait_s: 5
+            }
+            .path()
+        );
+        p.on_response(200, 200, &empty, &mut store).unwrap();
+        // Still there after confirm_ms: the change is taken as real.
+        p.next_request(60_010, &store);
+        assert_eq!(
+            p.on_response(60_010, 200, &empty, &mut store).unwrap(),
+            Applied::Reset { entries: 0 }
+        );
+        assert!(matches!(
+            p.take_guard_event(),
+            Some(GuardEvent::Confirmed(_))
+        ));
+        assert!(!present(&store, "10.0.0.1"));
+    }
+
+    #[test]
+    fn the_guard_lets_a_delta_of_tombstones_through_at_once() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        let ips: Vec<String> = (1..=250)
+            .map(|i| format!("10.0.{}.{}", i / 200, i % 200))
+            .collect();
+        let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &refs)), &mut store)
+            .unwrap();
+        p.next_request(0, &store);
+        let mut d = delta(9, 3, 233);
+        d.upserts = ips[20..]
+            .iter()
+            .map(|ip| IpRecord {
+                pods: vec![],
+                tombstone: Some(staleguard_core::wire::Tombstone {
+                    pod: format!("shop/cart-{ip}"),
+                    uid: String::new(),
+                    services: vec![cart()],
+                    since_ms: 1,
+                }),
+                ..rec(ip)
+            })
+            .collect();
+        assert_eq!(
+            p.on_response(5, 200, &json(&Changes::Delta(d)), &mut store)
+                .unwrap(),
+            Applied::Delta { changed: 230 }
+        );
+        assert_eq!(p.take_guard_event(), None);
+        let pods = |ip: &str| match View::new(&store)
+            .lookup(&cart(), &ip.parse().unwrap())
+            .record
+        {
+            Entry::Present(r) => r.pods.len(),
+            _ => usize::MAX,
+        };
+        assert_eq!(pods(&ips[100]), 0, "written: only the tombstone is left");
+        assert_eq!(pods(&ips[0]), 1);
     }
 
     #[test]

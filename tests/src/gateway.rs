@@ -197,6 +197,8 @@ pub const STAT_GENERATION: &str = "wasmcustom.staleguard.index_generation";
 pub const STAT_FRESH: &str = "wasmcustom.staleguard.index_fresh";
 /// The filter's full-resync counter.
 pub const STAT_RESETS: &str = "wasmcustom.staleguard.sync_resets";
+/// Validator answers the filter's blast-radius guard held back.
+pub const STAT_GUARD_HELD: &str = "wasmcustom.staleguard.guard_held_total";
 
 /// The filter's per-request counter in `/stats/prometheus` (labels
 /// `staleguard_reason`, `staleguard_action`).

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use staleguard_core::{decide, IpRecord, Policy, ServiceKey, Verdict};
 use staleguard_validator::index::{Index, IndexConfig};
+use staleguard_validator::scope::{PodScope, Selector};
 use staleguard_validator::shared::SharedIndex;
 use staleguard_validator::source::kube::{start, Scope};
 use tokio::task::JoinHandle;
@@ -35,7 +36,8 @@ impl KubeSource {
         Self::start_with(server, max_staleness, Scope::default()).await
     }
 
-    /// Starts the three watches over `scope` with a staleness bound.
+    /// Starts the three watches over `scope` with a staleness bound; the
+    /// index knows the scope, as the validator's does from its flags.
     pub async fn start_with(
         server: &ApiServer,
         max_staleness: Duration,
@@ -46,7 +48,19 @@ impl KubeSource {
             http::header::USER_AGENT,
             http::HeaderValue::from_static(VALIDATOR_USER_AGENT),
         ));
-        let shared = SharedIndex::new(Index::new(1, IndexConfig::default()), max_staleness);
+        let pod_selector = match scope.pod_selector.as_deref().map(Selector::parse) {
+            Some(Ok(s)) => Some(s),
+            Some(Err(e)) => bail!("pod selector: {e}"),
+            None => None,
+        };
+        let index_config = IndexConfig {
+            scope: PodScope {
+                namespace: scope.namespace.clone(),
+                pod_selector,
+            },
+            ..IndexConfig::default()
+        };
+        let shared = SharedIndex::new(Index::new(1, index_config), max_staleness);
         let tasks = start(config, scope, shared.clone())?;
         Ok(Self { shared, tasks })
     }

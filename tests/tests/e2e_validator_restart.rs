@@ -1,13 +1,16 @@
 //! The validator dies mid-traffic and comes back: under the default policy
 //! (fail open) nothing is rejected while it is away, even once the filter's
 //! data turns stale; after the restart (a new epoch) the filter resyncs and
-//! enforcement resumes.
+//! enforcement resumes. The new validator never saw the pods that went while
+//! it was away (no tombstones), and they are 6 of 10: the blast-radius guard
+//! holds that reset until it persists for `guard.confirm_ms`, failing open
+//! meanwhile, then applies it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 
 use serde_json::json;
-use staleguard_tests::gateway::{stat_requests, GatewaySpec, STAT_FRESH};
+use staleguard_tests::gateway::{stat_requests, GatewaySpec, STAT_FRESH, STAT_GUARD_HELD};
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{self, Scene, SYNC_TIMEOUT};
 use staleguard_tests::traffic::{burst, Load};
@@ -80,6 +83,18 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
     scene.sync(&expect).await.unwrap();
 
     let guarded = scene.gateway("guarded").unwrap();
+    let stats = guarded.stats(&scene.http).await.unwrap();
+    let count = |name: &str| stats.get(name).copied().unwrap_or(0);
+    println!(
+        "guard: {} answers held, {} confirmed",
+        count(STAT_GUARD_HELD),
+        count("wasmcustom.staleguard.guard_confirmed_total")
+    );
+    assert!(
+        count(STAT_GUARD_HELD) >= 1,
+        "60% gone without evidence is held"
+    );
+    assert_eq!(count("wasmcustom.staleguard.guard_confirmed_total"), 1);
     let after = burst(&scene.http, &guarded.target("api"), 600, 4).await;
     let landed = via(&scene.world.tallies_at(&gone), "guarded");
     println!(

@@ -292,3 +292,72 @@ async fn slice_and_pod_events_in_both_orders() {
     assert_eq!(source.verdict(ip_a, &cart).reason, Reason::Destroyed);
     assert_eq!(source.verdict(ip_b, &cart).reason, Reason::Member);
 }
+
+/// `--pod-selector app=pay`: the validator never sees cart's pods. A running
+/// cart pod listed in cart's slice must not be judged destroyed for cart:
+/// cart is out of scope, treated as unknown (allowed), and the index says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_narrowed_pod_watch_never_judges_the_pods_it_does_not_see() {
+    let Some(server) = ApiServer::start().await.unwrap() else {
+        return;
+    };
+    let cluster = Cluster::new(server.client());
+    cluster.namespace(NS).await.unwrap();
+    cluster.service(NS, "cart", 8080).await.unwrap();
+    cluster.service(NS, "pay", 8080).await.unwrap();
+    let scope = staleguard_validator::source::kube::Scope {
+        pod_selector: Some("app=pay".into()),
+        ..Default::default()
+    };
+    let source = KubeSource::start_with(&server, Duration::from_secs(120), scope)
+        .await
+        .unwrap();
+    source.synced().await.unwrap();
+    let (cart, pay) = (ServiceKey::new(NS, "cart"), ServiceKey::new(NS, "pay"));
+    let (cart_ip, pay_ip) = ("10.1.3.1", "10.1.3.2");
+
+    cluster.pod(NS, "cart-1", "cart").await.unwrap();
+    let cart_1 = cluster.run_pod(NS, "cart-1", cart_ip, true).await.unwrap();
+    cluster
+        .slice(NS, "cart", 8080, &[SliceEndpoint::pod(cart_ip, &cart_1)])
+        .await
+        .unwrap();
+    cluster.pod(NS, "pay-1", "pay").await.unwrap();
+    let pay_1 = cluster.run_pod(NS, "pay-1", pay_ip, true).await.unwrap();
+    cluster
+        .slice(NS, "pay", 8080, &[SliceEndpoint::pod(pay_ip, &pay_1)])
+        .await
+        .unwrap();
+    source
+        .wait_for("pay-1 is a member of pay by its slice", WAIT, |ix| {
+            ix.record(pay_ip.parse().unwrap()).is_some_and(|r| {
+                r.pods
+                    .iter()
+                    .flat_map(|p| &p.services)
+                    .any(|m| m.service == pay && m.via == Via::Both)
+            })
+        })
+        .await
+        .unwrap();
+    source
+        .wait_for("cart's slice seen", WAIT, |ix| ix.stats().slices == 2)
+        .await
+        .unwrap();
+
+    // The watch really is narrowed: cart-1 is invisible.
+    assert_eq!(source.record(cart_ip), None);
+    let verdict = source.verdict(cart_ip, &cart);
+    assert_eq!(verdict.reason, Reason::UnknownService, "not destroyed");
+    assert_eq!(verdict.action, Action::Allow);
+    let why = source.shared.read().out_of_scope(&cart).map(str::to_owned);
+    let why = why.expect("the index says why cart is not judged");
+    assert!(
+        why.contains("does not imply --pod-selector \"app=pay\""),
+        "{why}"
+    );
+    // pay, which the scope covers, is judged as ever: its member is allowed,
+    // and an IP none of its (all visible) pods holds is rejected.
+    assert_eq!(source.verdict(pay_ip, &pay).reason, Reason::Member);
+    assert_eq!(source.verdict(cart_ip, &pay).reason, Reason::Destroyed);
+    drop(server);
+}

@@ -13,6 +13,7 @@ use staleguard_core::service::is_dns_label;
 
 use crate::api::ApiConfig;
 use crate::index::IndexConfig;
+use crate::scope::{PodScope, Selector};
 
 /// Where the objects come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -60,7 +61,9 @@ pub struct Args {
     pub namespace: Option<String>,
 
     /// With `--source kube`: a label selector for Pods (e.g. `app in (a,b)`).
-    /// [default: all pods]
+    /// A Service whose own selector does not imply it, or that has no
+    /// selector, is then out of scope: treated as unknown, since it may have
+    /// members the validator does not see (docs/index.md). [default: all pods]
     #[arg(long, env = "STALEGUARD_POD_SELECTOR")]
     pub pod_selector: Option<String>,
 
@@ -239,6 +242,7 @@ impl Config {
         if args.change_log_capacity == 0 {
             problems.push("--change-log-capacity: must be at least 1".into());
         }
+        let mut scope = PodScope::default();
         let source = match args.source {
             SourceKind::File => {
                 for (flag, set) in [
@@ -270,14 +274,18 @@ impl Config {
                         ));
                     }
                 }
-                for (flag, sel) in [
-                    ("pod-selector", &args.pod_selector),
-                    ("service-selector", &args.service_selector),
-                ] {
-                    if let Some(sel) = sel {
-                        if let Err(e) = check_selector(sel) {
-                            problems.push(format!("--{flag} {sel:?}: {e}"));
-                        }
+                if let Some(sel) = &args.service_selector {
+                    if let Err(e) = check_selector(sel) {
+                        problems.push(format!("--service-selector {sel:?}: {e}"));
+                    }
+                }
+                // Parsed, not only checked: which services the index may
+                // judge depends on it.
+                scope.namespace = args.namespace.clone();
+                if let Some(sel) = &args.pod_selector {
+                    match Selector::parse(sel) {
+                        Ok(s) => scope.pod_selector = Some(s),
+                        Err(e) => problems.push(format!("--pod-selector {sel:?}: {e}")),
                     }
                 }
                 let text = args.watch_timeout.as_deref().unwrap_or("60s");
@@ -319,6 +327,7 @@ impl Config {
             index: IndexConfig {
                 tombstone_ttl,
                 change_log_capacity: args.change_log_capacity,
+                scope,
             },
             max_staleness,
             sync_timeout,
@@ -520,6 +529,27 @@ mod tests {
             err.to_string().contains("--watch-timeout only applies"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_pod_scope_reaches_the_index() {
+        let c = parse(&[
+            "--source",
+            "kube",
+            "--namespace",
+            "shop",
+            "--pod-selector",
+            "app in (cart,pay)",
+        ])
+        .unwrap();
+        assert_eq!(c.index.scope.namespace.as_deref(), Some("shop"));
+        assert_eq!(
+            c.index.scope.pod_selector.map(|s| s.to_string()),
+            Some("app in (cart,pay)".to_owned())
+        );
+        assert!(parse(&[]).unwrap().index.scope.is_whole_cluster());
+        let err = parse(&["--source", "kube", "--pod-selector", "app is cart"]).unwrap_err();
+        assert!(err.to_string().contains("--pod-selector"), "{err}");
     }
 
     #[test]

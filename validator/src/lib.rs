@@ -12,6 +12,7 @@ pub mod api;
 pub mod config;
 pub mod index;
 pub mod metrics;
+pub mod scope;
 pub mod shared;
 pub mod source;
 pub mod summary;

@@ -168,9 +168,13 @@ fn gauge(value: u64) -> Gauge<u64, AtomicU64> {
 
 fn register_index(registry: &mut Registry, shared: &SharedIndex) {
     let freshness = shared.freshness();
-    let (generation, stats) = {
+    let (generation, stats, out_of_scope) = {
         let index = shared.read();
-        (index.generation(), index.stats())
+        (
+            index.generation(),
+            index.stats(),
+            index.out_of_scope_count(),
+        )
     };
     registry.register("index_generation", "Index generation", gauge(generation));
     registry.register("index_pods", "Pods in the index", gauge(stats.pods as u64));
@@ -179,6 +183,11 @@ fn register_index(registry: &mut Registry, shared: &SharedIndex) {
         "index_services",
         "Services in the index",
         gauge(stats.services as u64),
+    );
+    registry.register(
+        "index_services_out_of_scope",
+        "Services treated as unknown because they may have members outside --namespace/--pod-selector",
+        gauge(out_of_scope as u64),
     );
     registry.register(
         "index_tombstones",

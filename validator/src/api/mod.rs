@@ -203,9 +203,13 @@ async fn verdict(
         unknown_service: q.unknown_service.unwrap_or(Action::Allow),
     };
     let freshness = state.index.freshness();
-    let (known, record) = {
+    let (known, record, out_of_scope) = {
         let index = state.index.read();
-        (index.knows_service(&service), index.record(ip))
+        (
+            index.knows_service(&service),
+            index.record(ip),
+            index.out_of_scope(&service).map(str::to_owned),
+        )
     };
     let verdict = decide(&policy, freshness.fresh, &service, known, record.as_ref());
     Ok(json(&VerdictAnswer {
@@ -215,6 +219,7 @@ async fn verdict(
         port,
         verdict,
         service_known: known,
+        out_of_scope,
         freshness,
         record,
     }))
@@ -389,6 +394,10 @@ struct VerdictAnswer {
     port: Option<u16>,
     verdict: Verdict,
     service_known: bool,
+    /// Why an existing service is treated as unknown: the watches may not
+    /// see all of its members (`--namespace`, `--pod-selector`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    out_of_scope: Option<String>,
     freshness: Freshness,
     #[serde(skip_serializing_if = "Option::is_none")]
     record: Option<IpRecord>,

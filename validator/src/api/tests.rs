@@ -591,3 +591,64 @@ async fn metrics_show_the_index_and_the_requests() {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }
 }
+
+#[tokio::test]
+async fn a_verdict_for_a_service_outside_the_pod_scope_says_why_it_is_unknown() {
+    // `--pod-selector app=pay`: cart's pods are not watched, so its slice
+    // entry names a pod the index never sees.
+    let config = IndexConfig {
+        scope: crate::scope::PodScope {
+            namespace: None,
+            pod_selector: Some(crate::scope::Selector::parse("app=pay").unwrap()),
+        },
+        ..IndexConfig::default()
+    };
+    let shared = SharedIndex::new(Index::new(EPOCH, config), Duration::from_secs(60));
+    let now = SystemTime::now();
+    shared.apply_service(Event::Init, now);
+    for name in ["cart", "pay"] {
+        let svc = service("shop", name).selector(&[("app", name)]).build();
+        shared.apply_service(Event::InitApply(svc), now);
+    }
+    shared.apply_service(Event::InitDone, now);
+    shared.apply_pod(Event::Init, now);
+    let p = pod("shop", "pay-1")
+        .ip("10.0.0.9")
+        .labels(&[("app", "pay")])
+        .build();
+    shared.apply_pod(Event::InitApply(p), now);
+    shared.apply_pod(Event::InitDone, now);
+    shared.apply_slice(Event::Init, now);
+    let s = slice("shop", "cart-abc", "cart")
+        .port("http", 8080)
+        .endpoint("10.0.0.1", Some("uid-cart-1"))
+        .build();
+    shared.apply_slice(Event::InitApply(s), now);
+    shared.apply_slice(Event::InitDone, now);
+    let f = fixture_with(shared, Limits::default(), None);
+
+    let (_, body) = get(&f.app, "/v1/verdict?service=shop/cart&ip=10.0.0.1").await;
+    assert_eq!(body["verdict"]["reason"], "unknown_service", "{body}");
+    assert_eq!(body["verdict"]["action"], "allow", "{body}");
+    assert_eq!(body["service_known"], false);
+    let why = body["out_of_scope"].as_str().unwrap();
+    assert!(
+        why.contains("app=cart does not imply --pod-selector"),
+        "{why}"
+    );
+    // The service the scope covers is judged as before.
+    let (_, body) = get(&f.app, "/v1/verdict?service=shop/pay&ip=10.0.0.9").await;
+    assert_eq!(body["verdict"]["reason"], "member", "{body}");
+    assert!(body.get("out_of_scope").is_none(), "{body}");
+    let (_, body) = get(&f.app, "/v1/verdict?service=shop/pay&ip=10.0.0.1").await;
+    assert_eq!(body["verdict"]["reason"], "destroyed", "{body}");
+    // Gateways do not get it as a known service either.
+    let (_, body) = get(&f.app, "/v1/snapshot").await;
+    assert_eq!(body["services"], serde_json::json!(["shop/pay"]), "{body}");
+    let (_, metrics) = get(&f.admin, "/metrics").await;
+    let metrics = metrics.as_str().unwrap_or_default().to_owned();
+    assert!(
+        metrics.contains("staleguard_index_services_out_of_scope 1"),
+        "{metrics}"
+    );
+}

@@ -68,6 +68,7 @@ use self::objects::{
 };
 pub use self::objects::{Kind, Skip};
 use self::table::{Id, Named, Table};
+use crate::scope::PodScope;
 
 /// How the index behaves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,6 +78,9 @@ pub struct IndexConfig {
     /// How many keys (IPs and services) the change log remembers; a client
     /// further behind gets a reset.
     pub change_log_capacity: usize,
+    /// Which pods the watches cover: services that may have members outside
+    /// it are out of scope, treated as unknown (see [`crate::scope`]).
+    pub scope: PodScope,
 }
 
 impl Default for IndexConfig {
@@ -84,6 +88,7 @@ impl Default for IndexConfig {
         Self {
             tombstone_ttl: Duration::from_secs(600),
             change_log_capacity: 100_000,
+            scope: PodScope::default(),
         }
     }
 }
@@ -222,6 +227,8 @@ pub struct Index {
     /// Per namespace, its pods' ids.
     ns_pods: HashMap<Arc<str>, Vec<Id>>,
     services: HashMap<Arc<ServiceKey>, ServiceFacts>,
+    /// Services the scope excludes, with the reason (not in `services`).
+    out_of_scope: HashMap<Arc<ServiceKey>, Arc<str>>,
     /// Per namespace, the services that have a selector.
     ns_selectors: HashMap<Arc<str>, Vec<Arc<ServiceKey>>>,
     slices: Table<SliceState>,
@@ -262,6 +269,7 @@ impl Index {
             unmatched: HashMap::default(),
             ns_pods: HashMap::default(),
             services: HashMap::default(),
+            out_of_scope: HashMap::default(),
             ns_selectors: HashMap::default(),
             slices: Table::default(),
             ips: HashMap::default(),
@@ -402,6 +410,7 @@ impl Index {
                     for key in gone {
                         self.remove_service(&key);
                     }
+                    self.out_of_scope.retain(|k, _| keep.contains(k));
                     for facts in listed {
                         self.upsert_service(facts);
                     }
@@ -626,6 +635,17 @@ impl Index {
     /// True when a Service object `service` exists (in the watched scope).
     pub fn knows_service(&self, service: &ServiceKey) -> bool {
         self.services.contains_key(service)
+    }
+
+    /// Why `service` exists but is treated as unknown: it may have members
+    /// the watches do not cover (see [`crate::scope`]).
+    pub fn out_of_scope(&self, service: &ServiceKey) -> Option<&str> {
+        self.out_of_scope.get(service).map(|why| &**why)
+    }
+
+    /// How many services are out of scope.
+    pub fn out_of_scope_count(&self) -> usize {
+        self.out_of_scope.len()
     }
 
     /// Every service known, sorted.
@@ -946,6 +966,17 @@ impl Index {
     // --- services ---
 
     fn upsert_service(&mut self, facts: ServiceFacts) {
+        let selector = facts
+            .selector
+            .as_deref()
+            .map(|labels| labels.iter().map(|(k, v)| (&**k, &**v)));
+        if let Some(why) = self.config.scope.excludes(&facts.key.namespace, selector) {
+            // Judging it could call a live pod we do not watch destroyed.
+            self.remove_service(&facts.key);
+            self.out_of_scope.insert(facts.key, why.into());
+            return;
+        }
+        self.out_of_scope.remove(&facts.key);
         let key = facts.key.clone();
         let old_selector = match self.services.get(&key) {
             Some(old) if *old == facts => return,
@@ -963,6 +994,7 @@ impl Index {
     }
 
     fn remove_service(&mut self, key: &ServiceKey) {
+        self.out_of_scope.remove(key);
         let Some(old) = self.services.remove(key) else {
             return;
         };

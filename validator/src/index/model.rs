@@ -467,6 +467,7 @@ fn run(ops: Vec<Op>, checkpoints: Vec<usize>, capacity: usize) -> Result<(), Tes
         IndexConfig {
             tombstone_ttl: Duration::from_secs(300),
             change_log_capacity: capacity,
+            ..IndexConfig::default()
         },
     );
     let mut model = Model::new();

@@ -775,3 +775,78 @@ fn a_finished_or_terminating_pod_never_holds_an_ip_provisionally() {
     assert_eq!(verdict(&ix, &cart, "10.0.0.2"), Reason::Destroyed);
     assert_eq!(verdict(&ix, &cart, "10.0.0.3"), Reason::Destroyed);
 }
+
+#[test]
+fn a_pod_scope_treats_services_it_may_not_cover_as_unknown() {
+    // `--pod-selector app in (cart,pay)`: cart is covered, web is not (its
+    // pods would be invisible and its live IPs read as destroyed).
+    let mut ix = Index::new(
+        7,
+        IndexConfig {
+            scope: crate::scope::PodScope {
+                namespace: None,
+                pod_selector: Some(crate::scope::Selector::parse("app in (cart,pay)").unwrap()),
+            },
+            ..IndexConfig::default()
+        },
+    );
+    let web = key("shop", "web");
+    let cart = key("shop", "cart");
+    ix.apply_service(Event::Init, t(0));
+    for (name, app) in [("cart", "cart"), ("web", "web")] {
+        let svc = service("shop", name).selector(&[("app", app)]).build();
+        ix.apply_service(Event::InitApply(svc), t(0));
+    }
+    ix.apply_service(Event::InitApply(service("shop", "ext").build()), t(0));
+    ix.apply_service(Event::InitDone, t(0));
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "web-abc", "web")
+                .endpoint("10.0.0.5", Some("uid-web-1"))
+                .build(),
+        ),
+        t(0),
+    );
+    assert!(ix.knows_service(&cart));
+    assert!(!ix.knows_service(&web));
+    assert!(ix.out_of_scope(&web).is_some());
+    assert!(ix
+        .out_of_scope(&key("shop", "ext"))
+        .unwrap()
+        .contains("no selector"));
+    assert_eq!(verdict(&ix, &web, "10.0.0.5"), Reason::UnknownService);
+    assert_eq!(verdict(&ix, &cart, "10.0.0.5"), Reason::Destroyed);
+    assert_eq!(ix.out_of_scope_count(), 2);
+
+    // web's selector changes to one the scope covers: judged from now on,
+    // and gateways hear of it.
+    let g = ix.generation();
+    ix.apply_service(
+        Event::Apply(service("shop", "web").selector(&[("app", "pay")]).build()),
+        t(1),
+    );
+    assert!(ix.knows_service(&web));
+    assert_eq!(ix.out_of_scope(&web), None);
+    assert!(ix.generation() > g);
+    let delta = ix.changes_since(g, Freshness::default()).unwrap();
+    assert_eq!(delta.services_added, vec![web.clone()]);
+    // And back out: gateways drop it.
+    let g = ix.generation();
+    ix.apply_service(
+        Event::Apply(service("shop", "web").selector(&[("tier", "x")]).build()),
+        t(2),
+    );
+    assert!(!ix.knows_service(&web));
+    let delta = ix.changes_since(g, Freshness::default()).unwrap();
+    assert_eq!(delta.services_removed, vec![web.clone()]);
+    // Deleted, or gone at a relist: no reason is kept for it.
+    ix.apply_service(Event::Delete(service("shop", "web").build()), t(3));
+    assert_eq!(ix.out_of_scope(&web), None);
+    ix.apply_service(Event::Init, t(4));
+    ix.apply_service(
+        Event::InitApply(service("shop", "cart").selector(&[("app", "cart")]).build()),
+        t(4),
+    );
+    ix.apply_service(Event::InitDone, t(4));
+    assert_eq!(ix.out_of_scope_count(), 0);
+}

@@ -1,0 +1,152 @@
+//! What the blast-radius guard costs the poller, natively, next to what the
+//! poller pays anyway for the same answer (decoding its JSON).
+//!
+//! ```text
+//! cargo run --release -p staleguard-filter --example guard_cost
+//! ```
+//!
+//! `IPS` (150000) IPs in `SERVICES` (1000) services, `ROUNDS` (7), medians.
+//! For a reset: building the baseline from it (`applied`), and judging a
+//! second reset against it (`assess`: one with nothing lost, one empty); for
+//! a delta of `CHANGES` (100) deletions with tombstones: `assess`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::{Duration, Instant};
+
+use staleguard_core::wire::{Delta, Membership, Tombstone, Via};
+use staleguard_core::{Freshness, IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
+use staleguard_filter::guard::{Answer, Guard, GuardConfig};
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn service(i: usize) -> ServiceKey {
+    ServiceKey::new("shop", format!("svc-{i}"))
+}
+
+fn record(i: usize, services: usize) -> IpRecord {
+    IpRecord {
+        ip: std::net::IpAddr::from([10, (i >> 16) as u8, (i >> 8) as u8, i as u8]),
+        pods: vec![PodHolder {
+            namespace: "shop".into(),
+            name: format!("svc-{}-{i}", i % services),
+            uid: String::new(),
+            services: vec![Membership {
+                service: service(i % services),
+                via: Via::Both,
+                ports: vec![],
+                conditions: None,
+            }],
+            ready: true,
+            terminating: false,
+            host_network: false,
+        }],
+        bare_services: vec![],
+        tombstone: None,
+    }
+}
+
+fn snapshot(services: usize, records: Vec<IpRecord>) -> Snapshot {
+    Snapshot {
+        v: 1,
+        epoch: 1,
+        generation: 1,
+        freshness: Freshness {
+            fresh: true,
+            age_ms: None,
+        },
+        services: (0..services).map(service).collect(),
+        records,
+    }
+}
+
+fn time<T>(rounds: usize, mut f: impl FnMut() -> T) -> Duration {
+    median(
+        (0..rounds)
+            .map(|_| {
+                let started = Instant::now();
+                std::hint::black_box(f());
+                started.elapsed()
+            })
+            .collect(),
+    )
+}
+
+fn main() {
+    let ips = env("IPS", 150_000);
+    let services = env("SERVICES", 1000);
+    let changes = env("CHANGES", 100);
+    let rounds = env("ROUNDS", 7).max(1);
+
+    let full = snapshot(services, (0..ips).map(|i| record(i, services)).collect());
+    let json = serde_json::to_vec(&full).unwrap();
+    let empty = snapshot(services, vec![]);
+    let delta = Delta {
+        v: 1,
+        epoch: 1,
+        since: 1,
+        generation: 2,
+        freshness: full.freshness.clone(),
+        services_added: vec![],
+        services_removed: vec![],
+        upserts: (0..changes)
+            .map(|i| IpRecord {
+                pods: vec![],
+                tombstone: Some(Tombstone {
+                    pod: format!("shop/svc-{}-{i}", i % services),
+                    uid: String::new(),
+                    services: vec![service(i % services)],
+                    since_ms: 1,
+                }),
+                ..record(i, services)
+            })
+            .collect(),
+        removed: vec![],
+    };
+
+    let decode = time(rounds, || Snapshot::from_json(&json).unwrap());
+    let mut guard = Guard::new(GuardConfig::default(), Policy::default());
+    let baseline = time(rounds, || guard.applied(Answer::Reset(&full)));
+    let same = time(rounds, || guard.assess(Answer::Reset(&full)));
+    let all_gone = time(rounds, || guard.assess(Answer::Reset(&empty)));
+    assert!(guard.assess(Answer::Reset(&empty)).tripped.is_some());
+    let tombstones = time(rounds.max(101), || guard.assess(Answer::Delta(&delta)));
+    assert!(guard.assess(Answer::Delta(&delta)).tripped.is_none());
+
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "{ips} IPs in {services} services, snapshot {} MB, medians of {rounds}:",
+        json.len() / 1_000_000
+    );
+    println!(
+        "  decode the snapshot (paid anyway)     {:>9.1} ms",
+        ms(decode)
+    );
+    println!(
+        "  guard: baseline from the reset         {:>9.1} ms ({:.0}% of decode)",
+        ms(baseline),
+        100.0 * baseline.as_secs_f64() / decode.as_secs_f64()
+    );
+    println!(
+        "  guard: assess a reset, nothing lost    {:>9.1} ms ({:.0}% of decode)",
+        ms(same),
+        100.0 * same.as_secs_f64() / decode.as_secs_f64()
+    );
+    println!(
+        "  guard: assess an empty reset (held)    {:>9.1} ms",
+        ms(all_gone)
+    );
+    println!(
+        "  guard: assess a delta of {changes} tombstones  {:>9.3} ms",
+        ms(tombstones)
+    );
+}
