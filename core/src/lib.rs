@@ -8,13 +8,14 @@
 //! `/v1/verdict` endpoint) call the same [`verdict::decide`], so an operator's
 //! `curl` and the data plane can never disagree. [`service`] names services;
 //! [`cluster`] maps a gateway's Envoy clusters to them, for the filter and the
-//! audit alike.
+//! audit alike; [`batch`] is the audit's one-request verdict query.
 //!
 //! The crate has no I/O and no runtime: it compiles to `wasm32-wasip1` for the
 //! filter and to native code for the validator, and must never panic on any
 //! input (clippy denies `unwrap`, `expect` and `panic` outside tests).
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod batch;
 pub mod cluster;
 pub mod service;
 pub mod verdict;
