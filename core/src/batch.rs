@@ -18,12 +18,16 @@ use crate::wire::{Freshness, IpRecord};
 pub const MAX_ITEMS: usize = 200_000;
 
 /// One endpoint to judge: the service its cluster routes to, and its IP.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VerdictQuery {
     /// The service the gateway cluster routes to.
     pub service: ServiceKey,
     /// The endpoint's IP.
     pub ip: IpAddr,
+    /// The rules for this item, when they differ from the request's (a
+    /// gateway whose clusters carry different plugin configurations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<Policy>,
 }
 
 /// The body of `POST /v1/verdicts`.

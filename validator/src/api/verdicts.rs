@@ -56,7 +56,7 @@ pub fn judge_all(shared: &SharedIndex, request: &VerdictsRequest) -> VerdictsAns
                 service: q.service.clone(),
                 ip: q.ip,
                 verdict: decide(
-                    &request.policy,
+                    q.policy.as_ref().unwrap_or(&request.policy),
                     freshness.fresh,
                     &q.service,
                     known,
