@@ -84,6 +84,11 @@ pub struct AuditArgs {
     #[arg(long, value_enum, default_value_t = Output::Table)]
     pub output: Output,
 
+    /// In the table, list only stale endpoints (the summary still counts
+    /// every endpoint).
+    #[arg(long)]
+    pub stale_only: bool,
+
     /// How long each request may take.
     #[arg(long, default_value = "10s")]
     pub timeout: String,
@@ -147,6 +152,8 @@ pub struct Audit {
     pub every: Option<(Duration, SocketAddr)>,
     /// `--output`.
     pub output: Output,
+    /// `--stale-only`.
+    pub stale_only: bool,
 }
 
 /// Why an audit could not finish.
@@ -295,6 +302,7 @@ impl Audit {
             client: Client::new(timeout),
             every,
             output: args.output,
+            stale_only: args.stale_only,
         })
     }
 }
@@ -334,7 +342,7 @@ pub async fn run(argv: impl IntoIterator<Item = String>) -> i32 {
     match audit_once(&audit).await {
         Ok(report) => {
             match audit.output {
-                Output::Table => print!("{}", report.table(now_ms())),
+                Output::Table => print!("{}", report.table(now_ms(), audit.stale_only)),
                 Output::Json => println!("{:#}", report.to_json()),
             }
             report.exit().code()
@@ -400,10 +408,8 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     }
     let clusters = clusters
         .into_iter()
-        .map(|(cluster, service, pending)| ClusterReport {
-            name: cluster.name.clone(),
-            service,
-            findings: pending
+        .map(|(cluster, service, pending)| {
+            let mut findings: Vec<Finding> = pending
                 .into_iter()
                 .map(|(endpoint, slot)| match slot {
                     Ok(i) => {
@@ -423,7 +429,14 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
                         holders: Vec::new(),
                     },
                 })
-                .collect(),
+                .collect();
+            // By IP, numerically: 10.0.0.9 before 10.0.0.10.
+            findings.sort_by(|a, b| (a.ip, &a.address).cmp(&(b.ip, &b.address)));
+            ClusterReport {
+                name: cluster.name.clone(),
+                service,
+                findings,
+            }
         })
         .collect();
     Ok(Report {

@@ -210,8 +210,9 @@ impl Report {
     }
 
     /// The table, the summary per cluster and a verdict line. `now_ms` dates
-    /// the "since" column.
-    pub fn table(&self, now_ms: u64) -> String {
+    /// the "since" column; `stale_only` leaves the other endpoints out of the
+    /// table (not out of the summary).
+    pub fn table(&self, now_ms: u64, stale_only: bool) -> String {
         let mut rows = vec![[
             "CLUSTER".to_owned(),
             "ENDPOINT".to_owned(),
@@ -222,7 +223,11 @@ impl Report {
             "HELD BY".to_owned(),
         ]];
         for c in &self.clusters {
-            for f in &c.findings {
+            for f in c
+                .findings
+                .iter()
+                .filter(|f| !stale_only || f.judgement.is_stale())
+            {
                 rows.push([
                     c.name.clone(),
                     f.address.clone(),
@@ -451,7 +456,7 @@ mod tests {
         assert_eq!((stale.stale(), stale.exit()), (2, Exit::Stale));
         let blind = report(vec![finding(verdict(Reason::Stale, Action::Allow))], false);
         assert_eq!(blind.exit(), Exit::NotFresh);
-        assert!(blind.table(0).contains("NOT FRESH"));
+        assert!(blind.table(0, false).contains("NOT FRESH"));
     }
 
     #[test]
@@ -459,11 +464,11 @@ mod tests {
         let mut destroyed = finding(verdict(Reason::Destroyed, Action::Reject));
         destroyed.since_ms = Some(1_764_543_200_000);
         destroyed.holders = vec!["was shop/cart-3".into()];
-        let r = report(
-            vec![finding(verdict(Reason::Member, Action::Allow)), destroyed],
-            true,
-        );
-        let table = r.table(1_764_543_200_000 + 720_000);
+        let mut member = finding(verdict(Reason::Member, Action::Allow));
+        member.holders = vec!["shop/cart-0".into()];
+        let r = report(vec![member, destroyed], true);
+        let table = r.table(1_764_543_200_000 + 720_000, false);
+        assert!(table.contains("shop/cart-0"), "{table}");
         assert!(table.contains("DESTROYED"), "{table}");
         assert!(table.contains("2025-11-30T22:53:20Z (12m ago)"), "{table}");
         assert!(
@@ -474,6 +479,10 @@ mod tests {
             table.contains("1 stale endpoint(s) in 1 of 1 cluster(s)"),
             "{table}"
         );
+        let stale_only = r.table(0, true);
+        assert!(!stale_only.contains("shop/cart-0"), "{stale_only}");
+        assert!(stale_only.contains("DESTROYED"), "{stale_only}");
+        assert!(stale_only.contains("1 destroyed, 1 member"), "{stale_only}");
         let json = r.to_json();
         assert_eq!(json["summary"]["stale"], 1);
         assert_eq!(json["exit_status"], 1);
