@@ -475,3 +475,70 @@ async fn broken_admin_output_an_unreachable_admin_and_an_unreachable_validator_e
     let run = setup.audit(&["--admin", &admin]).await;
     assert_eq!(run.code, 2, "{}", run.stderr);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_continuous_audit_serves_stale_endpoints_by_gateway_cluster_and_reason() {
+    let Some(mut setup) = Setup::start().await else {
+        return;
+    };
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
+        .parse()
+        .unwrap();
+    let mut cmd = Command::new(&setup.deps.validator);
+    cmd.arg("audit")
+        .args(["--admin", &setup.admin.to_string()])
+        .args(["--validator", &setup.validator_url()])
+        .args(["--gateway", "gw-b", "--every", "1s"])
+        .args(["--metrics-listen", &listen.to_string()]);
+    let mut sidecar = Guard::spawn("audit-sidecar", cmd).unwrap();
+    wait_for_port(&mut sidecar, listen, Duration::from_secs(30)).unwrap();
+    let http = Http::new();
+    let metrics = |want: Vec<String>| {
+        let http = http.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let text = http
+                    .get(&format!("http://{listen}/metrics"))
+                    .await
+                    .map(|r| r.text())
+                    .unwrap_or_default();
+                if want.iter().all(|w| text.contains(w.as_str())) {
+                    return text;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "metrics never showed {want:?}:\n{text}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let stale = |cluster: &str, reason: &str| {
+        format!(
+            "staleguard_audit_stale_endpoints{{gateway=\"gw-b\",cluster=\"{cluster}\",reason=\"{reason}\"}} 1\n"
+        )
+    };
+    let text = metrics(vec![
+        stale(CART, "destroyed"),
+        stale(CART, "recycled"),
+        stale(CART_PLAIN, "destroyed"),
+        stale(CART_PLAIN, "recycled"),
+        "staleguard_audit_endpoints{gateway=\"gw-b\",reason=\"unmapped\"} 2\n".into(),
+        "staleguard_audit_runs_total{gateway=\"gw-b\",outcome=\"stale\"}".into(),
+        "staleguard_audit_last_success_timestamp_seconds{gateway=\"gw-b\"}".into(),
+    ])
+    .await;
+    assert!(!text.contains(&format!("cluster=\"{PAY}\"")), "{text}");
+    assert!(text.contains("# TYPE staleguard_audit_run_duration_seconds gauge"));
+
+    // The validator goes away: runs fail and are counted, and the last
+    // findings stay for the alert.
+    setup.validator.kill();
+    let text = metrics(vec![
+        "staleguard_audit_runs_total{gateway=\"gw-b\",outcome=\"validator_unreachable\"}".into(),
+    ])
+    .await;
+    assert!(text.contains(&stale(CART, "destroyed")), "{text}");
+    sidecar.check_alive().unwrap();
+}
