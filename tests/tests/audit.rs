@@ -477,7 +477,7 @@ async fn broken_admin_output_an_unreachable_admin_and_an_unreachable_validator_e
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_continuous_audit_serves_stale_endpoints_by_gateway_cluster_and_reason() {
+async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cluster_and_reason() {
     let Some(mut setup) = Setup::start().await else {
         return;
     };

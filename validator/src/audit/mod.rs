@@ -560,3 +560,91 @@ fn now_ms() -> u64 {
 pub fn wants_audit(first: Option<&str>) -> bool {
     first == Some("audit")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Audit, AuditError> {
+        let args = AuditArgs::try_parse_from(std::iter::once("audit").chain(args.iter().copied()))
+            .map_err(|e| AuditError::Usage(e.to_string()))?;
+        Audit::from_args(args)
+    }
+
+    #[test]
+    fn the_shipped_sidecar_runs_a_valid_continuous_audit() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/audit/gateway-sidecar.yaml"
+        );
+        let doc: serde_yaml::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let container = &doc["spec"]["template"]["spec"]["containers"][0];
+        let args: Vec<&str> = container["args"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert_eq!(args[0], "audit");
+        let audit = parse(&args[1..]).unwrap();
+        assert_eq!(
+            audit.endpoints,
+            EndpointSource::Admin("http://127.0.0.1:15000".into())
+        );
+        assert!(matches!(
+            audit.verdicts,
+            VerdictSource::Validator {
+                token_file: Some(_),
+                ..
+            }
+        ));
+        let (every, listen) = audit.every.unwrap();
+        assert_eq!(every, Duration::from_secs(30));
+        let port = container["ports"][0]["containerPort"].as_u64().unwrap();
+        assert_eq!(u64::from(listen.port()), port);
+        let mount = container["volumeMounts"][0]["mountPath"].as_str().unwrap();
+        let token = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--token-file="))
+            .unwrap();
+        assert!(token.starts_with(mount), "{token} not under {mount}");
+    }
+
+    #[test]
+    fn bad_flags_are_reported_together() {
+        let err = parse(&[
+            "--admin",
+            "localhost",
+            "--validator",
+            "https://v:8080",
+            "--timeout",
+            "1ms",
+            "--every",
+            "soon",
+        ])
+        .unwrap_err();
+        let text = err.to_string();
+        assert_eq!(err.exit(), Exit::Usage);
+        for flag in ["--admin", "--validator", "--timeout", "--every"] {
+            assert!(text.contains(flag), "{flag}: {text}");
+        }
+        let err = parse(&[
+            "--config-dump",
+            "d.json",
+            "--cluster-file",
+            "c.yaml",
+            "--token-file",
+            "t",
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("--token-file only applies"),
+            "{err}"
+        );
+        assert!(
+            parse(&["--admin", "127.0.0.1:1"]).is_err(),
+            "a verdict source is required"
+        );
+    }
+}
