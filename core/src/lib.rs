@@ -6,15 +6,18 @@
 //! service a gateway cluster means, and the freshness of the data into a
 //! [`verdict::Verdict`]; both the filter (per request) and the validator (its
 //! `/v1/verdict` endpoint) call the same [`verdict::decide`], so an operator's
-//! `curl` and the data plane can never disagree. [`service`] names services and
-//! maps Envoy cluster names to them. [`ip`] holds the one canonical form of an
-//! address that both sides key the index by.
+//! `curl` and the data plane can never disagree. [`service`] names services;
+//! [`cluster`] maps a gateway's Envoy clusters to them, for the filter and the
+//! audit alike; [`batch`] is the audit's one-request verdict query. [`ip`] holds
+//! the one canonical form of an address that both sides key the index by.
 //!
 //! The crate has no I/O and no runtime: it compiles to `wasm32-wasip1` for the
 //! filter and to native code for the validator, and must never panic on any
 //! input (clippy denies `unwrap`, `expect` and `panic` outside tests).
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod batch;
+pub mod cluster;
 pub mod ip;
 pub mod service;
 pub mod verdict;

@@ -67,32 +67,12 @@ pub enum Outcome {
 
 /// The service a cluster routes to: configured rules first, then (with
 /// `istio`) the cluster metadata, then the `outbound|PORT|SUBSET|FQDN` name.
+/// The rule lives in `staleguard_core::cluster`, shared with the audit.
 pub fn resolve_service(config: &Config, upstream: &Upstream) -> Option<ServiceKey> {
-    let cluster = upstream.cluster.as_deref().unwrap_or_default();
-    if cluster == config.raw.validator_cluster {
-        // The poller's own requests may run through this filter (an Istio
-        // patch applied to every cluster); judging them could lock the
-        // filter out of the very data that would clear a fail-closed verdict.
-        return None;
-    }
-    for rule in &config.raw.clusters {
-        let hit = match (&rule.name, &rule.prefix) {
-            (Some(name), _) => name == cluster,
-            (None, Some(prefix)) => cluster.starts_with(prefix.as_str()),
-            (None, None) => false,
-        };
-        if hit {
-            return Some(rule.service.clone());
-        }
-    }
-    if !config.raw.istio {
-        return None;
-    }
-    upstream
-        .istio_service_host
-        .as_deref()
-        .and_then(ServiceKey::from_fqdn)
-        .or_else(|| ServiceKey::from_istio_cluster(cluster))
+    config.cluster_map().resolve(
+        upstream.cluster.as_deref().unwrap_or_default(),
+        upstream.istio_service_host.as_deref(),
+    )
 }
 
 /// Parses `IP:port` (`[v6]:port` too) or a bare IP, in the canonical form the

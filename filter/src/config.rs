@@ -5,7 +5,9 @@
 //! reports every problem at once, so one reload fixes them all.
 
 use serde::Deserialize;
-use staleguard_core::{Policy, ServiceKey};
+use staleguard_core::cluster::ClusterMap;
+pub use staleguard_core::cluster::ClusterRule;
+use staleguard_core::Policy;
 
 use crate::guard::GuardConfig;
 use crate::secret::Secret;
@@ -30,20 +32,6 @@ pub enum Mode {
     Enforce,
     /// Count and log, never block.
     Audit,
-}
-
-/// A plain-Envoy mapping rule: a cluster name (exact or prefix) to a service.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClusterRule {
-    /// Exact cluster name.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// Cluster name prefix (used when `name` is absent).
-    #[serde(default)]
-    pub prefix: Option<String>,
-    /// The service the cluster routes to.
-    pub service: ServiceKey,
 }
 
 /// The plugin configuration as written (JSON in the Wasm filter's `configuration`).
@@ -89,7 +77,7 @@ pub struct RawConfig {
     #[serde(default)]
     pub policy: Policy,
     /// Derive services from Istio cluster metadata and `outbound|...` names.
-    #[serde(default = "default_true")]
+    #[serde(default = "staleguard_core::cluster::default_istio")]
     pub istio: bool,
     /// Mapping rules for plain Envoy, tried first, in order.
     #[serde(default)]
@@ -122,9 +110,6 @@ fn default_reject_status() -> u32 {
 }
 fn default_reject_header() -> String {
     "x-staleguard".to_owned()
-}
-fn default_true() -> bool {
-    true
 }
 
 /// A checked configuration.
@@ -193,12 +178,8 @@ impl Config {
             }
         }
         for (i, rule) in raw.clusters.iter().enumerate() {
-            match (&rule.name, &rule.prefix) {
-                (Some(n), None) if !n.is_empty() => {}
-                (None, Some(p)) if !p.is_empty() => {}
-                _ => problems.push(format!(
-                    "clusters[{i}] needs exactly one non-empty `name` or `prefix`"
-                )),
+            if let Some(problem) = rule.problem() {
+                problems.push(format!("clusters[{i}] {problem}"));
             }
         }
         problems.extend(raw.guard.problems());
@@ -215,6 +196,16 @@ impl Config {
             .validator_authority
             .as_deref()
             .unwrap_or(&self.raw.validator_cluster)
+    }
+
+    /// How this configuration maps clusters to services (the rule shared with
+    /// `staleguard-validator audit`).
+    pub fn cluster_map(&self) -> ClusterMap<'_> {
+        ClusterMap {
+            validator_cluster: &self.raw.validator_cluster,
+            istio: self.raw.istio,
+            rules: &self.raw.clusters,
+        }
     }
 }
 

@@ -8,6 +8,10 @@
 //! new answers on an address, as in a real cluster where an IP is reused well
 //! after the deletion is visible (see [`crate::world`]).
 //!
+//! While the control plane is stuck, the demo also audits both gateways
+//! (`staleguard-validator audit`, see docs/audit.md): the endpoints each still
+//! holds that are destroyed or recycled, found with no traffic at all.
+//!
 //! The table counts where requests *landed*, at the simulated pods, by gateway:
 //! that is the number an operator cares about (requests that reached a dead or
 //! wrong pod), not what any log claims.
@@ -67,15 +71,17 @@ enum Step {
     Freeze,
     ScaleDown,
     Recycle,
+    Audit,
     Drain,
     Unfreeze,
     ScaleUp,
 }
 
-const CYCLE: [(u64, Step); 6] = [
+const CYCLE: [(u64, Step); 7] = [
     (2, Step::Freeze),
     (4, Step::ScaleDown),
     (9, Step::Recycle),
+    (11, Step::Audit),
     (14, Step::Drain),
     (22, Step::Unfreeze),
     (26, Step::ScaleUp),
@@ -168,7 +174,7 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
         if let Some(&(at, step)) = CYCLE.get(next_step) {
             if cycle_start.elapsed() >= Duration::from_secs(at) {
                 next_step += 1;
-                play(&mut scene, &mut ui, options, step, &mut frozen_since).await?;
+                play(&mut scene, &mut ui, deps, options, step, &mut frozen_since).await?;
             }
         } else if cycle_start.elapsed() >= Duration::from_secs(CYCLE_SECS) {
             next_step = 0;
@@ -195,6 +201,7 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
 async fn play(
     scene: &mut Scene,
     ui: &mut Ui,
+    deps: &Deps,
     options: &Options,
     step: Step,
     frozen_since: &mut Option<Instant>,
@@ -233,6 +240,39 @@ async fn play(
                 expect.len(),
                 t0.elapsed().as_secs_f64()
             ));
+        }
+        Step::Audit => {
+            // What an operator sees with no traffic at all: the endpoints
+            // each gateway still holds that are gone or someone else's.
+            ui.audits.clear();
+            for gateway in &scene.gateways {
+                let args = |extra: &[&str]| -> Vec<String> {
+                    [
+                        "--admin",
+                        &gateway.admin.to_string(),
+                        "--validator",
+                        &format!("http://{}", scene.validator.listen),
+                        "--gateway",
+                        &gateway.name,
+                    ]
+                    .iter()
+                    .chain(extra)
+                    .map(|s| s.to_string())
+                    .collect()
+                };
+                let json = crate::audit::run(&deps.validator, &args(&["--output", "json"])).await?;
+                let line = match json.json() {
+                    Ok(doc) => audit_line(&doc),
+                    Err(_) => format!("audit failed ({}): {}", json.code, json.stderr.trim()),
+                };
+                ui.audits.push((gateway.name.clone(), line));
+                if !ui.live {
+                    let table =
+                        crate::audit::run(&deps.validator, &args(&["--stale-only"])).await?;
+                    print!("{}", table.stdout);
+                }
+            }
+            ui.event("audited both gateways (staleguard-validator audit): see \"audit\"");
         }
         Step::Drain => {
             let mut expect = Vec::new();
@@ -435,6 +475,8 @@ struct Ui {
     started: Instant,
     events: VecDeque<String>,
     urls: Vec<(String, String)>,
+    /// The last audit of each gateway: `(gateway, one line)`.
+    audits: Vec<(String, String)>,
     drawn: bool,
 }
 
@@ -445,6 +487,7 @@ impl Ui {
             started,
             events: VecDeque::new(),
             urls: Vec::new(),
+            audits: Vec::new(),
             drawn: false,
         }
     }
@@ -633,6 +676,16 @@ impl Ui {
         }
         let _ = writeln!(f, "  {line}");
 
+        if !self.audits.is_empty() {
+            let _ = writeln!(
+                f,
+                "\n{}",
+                bold("audit while stuck (staleguard-validator audit: no traffic needed)")
+            );
+            for (gateway, line) in &self.audits {
+                let _ = writeln!(f, "  {gateway:<10} {line}");
+            }
+        }
         let _ = writeln!(f, "\n{}", bold("events"));
         for e in &self.events {
             let _ = writeln!(f, "  {e}");
@@ -646,6 +699,30 @@ impl Ui {
         }
         f
     }
+}
+
+/// One line of an audit's JSON report: stale endpoints and where they are,
+/// by service and reason.
+fn audit_line(doc: &serde_json::Value) -> String {
+    let mut parts = Vec::new();
+    for cluster in doc["clusters"].as_array().into_iter().flatten() {
+        let reasons = &cluster["summary"]["by_reason"];
+        let stale: Vec<String> = ["destroyed", "recycled"]
+            .iter()
+            .filter_map(|r| reasons[*r].as_u64().map(|n| format!("{n} {r}")))
+            .collect();
+        if !stale.is_empty() {
+            let service = cluster["service"].as_str().unwrap_or("?");
+            parts.push(format!("{service}: {}", stale.join(", ")));
+        }
+    }
+    format!(
+        "{} stale of {} endpoints{}{}",
+        doc["summary"]["stale"],
+        doc["summary"]["endpoints"],
+        if parts.is_empty() { "" } else { " · " },
+        parts.join("; ")
+    )
 }
 
 /// `12345` as `12,345`.

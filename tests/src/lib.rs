@@ -15,8 +15,11 @@
 //! (k8s.io/apiserver + etcd, see docs/apiserver.md), writes objects as the real
 //! actors do and injects faults; [`kube_source`] runs the validator's watchers
 //! against it.
+//!
+//! [`audit`] runs `staleguard-validator audit` against a gateway's admin port.
 
 pub mod apiserver;
+pub mod audit;
 pub mod demo;
 pub mod eds;
 pub mod envoy;

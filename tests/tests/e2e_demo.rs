@@ -1,6 +1,7 @@
 //! Smoke test of the one-command demo: `staleguard-demo --duration` runs the
 //! story non-interactively, reports that the guard stopped every misrouted
-//! request while the unguarded gateway let some through, and leaves nothing
+//! request while the unguarded gateway let some through, prints the audit of
+//! both gateways while the control plane is stuck, and leaves nothing
 //! listening behind it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -50,6 +51,26 @@ fn the_demo_runs_reports_and_cleans_up() {
     assert!(
         stdout.contains(" destroyed (guard in sync after"),
         "{stdout}"
+    );
+
+    // While stuck, it printed the audit of both gateways: the same frozen
+    // EDS, so the same stale endpoints, guarded or not.
+    for gateway in ["guarded", "unguarded"] {
+        assert!(
+            stdout.contains(&format!(
+                "audit of gateway {gateway}: verdicts from http://"
+            )),
+            "no audit of {gateway}:\n{stdout}"
+        );
+    }
+    let stale_lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("(shop/checkout): ") && l.ends_with(" STALE"))
+        .collect();
+    assert_eq!(stale_lines.len(), 2, "{stdout}");
+    assert_eq!(
+        stale_lines[0], stale_lines[1],
+        "both gateways hold the same"
     );
 
     // Every admin address it printed is closed: Envoy and the validator are gone.

@@ -39,7 +39,8 @@ pub enum LogFormat {
 #[command(
     name = "staleguard-validator",
     version,
-    about = "Watches Pods, Services and EndpointSlices and keeps a fresh pod IP -> identity index"
+    about = "Watches Pods, Services and EndpointSlices and keeps a fresh pod IP -> identity index",
+    after_help = "Subcommand: `staleguard-validator audit --help` audits a gateway's endpoints (docs/audit.md)."
 )]
 pub struct Args {
     /// Where objects come from.

@@ -5,10 +5,12 @@
 //! into per-IP records (its rules are in `docs/index.md`); [`shared`] puts it
 //! behind a lock with freshness and watch health; [`source`] feeds it from the
 //! Kubernetes API or a file; [`config`] reads flags and environment; [`run`]
-//! wires them together.
+//! wires them together. [`audit`] is the `audit` subcommand: what a gateway
+//! holds that the index says is gone.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod api;
+pub mod audit;
 pub mod config;
 pub mod index;
 pub mod metrics;

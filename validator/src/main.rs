@@ -6,17 +6,13 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let format = args.log_format;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    // Logs go to stderr so that `--once` output on stdout stays clean.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
+    let mut argv = std::env::args().skip(1);
+    if staleguard_validator::audit::wants_audit(argv.next().as_deref()) {
+        init_logs(LogFormat::Text);
+        std::process::exit(staleguard_validator::audit::run(argv).await);
     }
+    let args = Args::parse();
+    init_logs(args.log_format);
     let config = match Config::from_args(args) {
         Ok(config) => config,
         Err(error) => {
@@ -26,4 +22,16 @@ async fn main() -> anyhow::Result<()> {
     };
     staleguard_validator::run(config).await?;
     Ok(())
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Logs go to stderr so that `--once` and audit output on stdout stay clean.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
 }

@@ -254,3 +254,141 @@ fn register_index(registry: &mut Registry, shared: &SharedIndex) {
         staleness,
     );
 }
+
+// === the audit's metrics ===
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AuditStaleLabels {
+    gateway: String,
+    cluster: String,
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AuditReasonLabels {
+    gateway: String,
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AuditRunLabels {
+    gateway: String,
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GatewayLabels {
+    gateway: String,
+}
+
+/// What one audit run found, for [`AuditMetrics::record`].
+#[derive(Debug, Clone, Default)]
+pub struct AuditFindings {
+    /// Stale endpoints by `(cluster, reason)`.
+    pub stale: Vec<(String, &'static str, u64)>,
+    /// Every endpoint by reason code (`unmapped` and `no_address` included).
+    pub by_reason: Vec<(&'static str, u64)>,
+}
+
+/// The metrics of `staleguard-validator audit --every` (`docs/metrics.md`).
+///
+/// The findings of the last run that judged the gateway stay until the next
+/// such run: a failing run changes `audit_runs_total` and leaves
+/// `audit_last_success_timestamp_seconds` to age, which is what an alert on a
+/// broken audit watches.
+#[derive(Debug, Default)]
+pub struct AuditMetrics {
+    stale: Family<AuditStaleLabels, Gauge>,
+    endpoints: Family<AuditReasonLabels, Gauge>,
+    runs: Family<AuditRunLabels, Counter>,
+    duration: Family<GatewayLabels, Gauge<f64, AtomicU64>>,
+    last_success: Family<GatewayLabels, Gauge<f64, AtomicU64>>,
+}
+
+impl AuditMetrics {
+    /// Records one run: its outcome label, how long it took and, when it
+    /// judged the gateway, its findings; `now` is its end.
+    pub fn record(
+        &self,
+        gateway: &str,
+        outcome: &'static str,
+        took: Duration,
+        findings: Option<&AuditFindings>,
+        now: std::time::SystemTime,
+    ) {
+        let gw = || GatewayLabels {
+            gateway: gateway.to_owned(),
+        };
+        self.runs
+            .get_or_create(&AuditRunLabels {
+                gateway: gateway.to_owned(),
+                outcome,
+            })
+            .inc();
+        self.duration.get_or_create(&gw()).set(took.as_secs_f64());
+        let Some(findings) = findings else {
+            return;
+        };
+        // A cluster that is clean now must not keep its old series.
+        self.stale.clear();
+        for (cluster, reason, n) in &findings.stale {
+            self.stale
+                .get_or_create(&AuditStaleLabels {
+                    gateway: gateway.to_owned(),
+                    cluster: cluster.clone(),
+                    reason,
+                })
+                .set(*n as i64);
+        }
+        self.endpoints.clear();
+        for (reason, n) in &findings.by_reason {
+            self.endpoints
+                .get_or_create(&AuditReasonLabels {
+                    gateway: gateway.to_owned(),
+                    reason,
+                })
+                .set(*n as i64);
+        }
+        let since_epoch = now
+            .duration_since(std::time::SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        self.last_success
+            .get_or_create(&gw())
+            .set(since_epoch.as_secs_f64());
+    }
+
+    /// Encodes the audit's metrics.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut registry = Registry::with_prefix("staleguard");
+        registry.register(
+            "audit_stale_endpoints",
+            "Endpoints the gateway holds that are destroyed or recycled, by cluster and reason, at the last audit that judged it",
+            self.stale.clone(),
+        );
+        registry.register(
+            "audit_endpoints",
+            "Endpoints the gateway holds by reason (verdict reasons, unmapped, no_address), at the last audit that judged it",
+            self.endpoints.clone(),
+        );
+        registry.register(
+            "audit_runs",
+            "Audit runs by outcome (clean, stale, admin_malformed, admin_unreachable, validator_unreachable, not_fresh, usage)",
+            self.runs.clone(),
+        );
+        registry.register_with_unit(
+            "audit_run_duration",
+            "How long the last audit run took",
+            Unit::Seconds,
+            self.duration.clone(),
+        );
+        registry.register_with_unit(
+            "audit_last_success_timestamp",
+            "When the last audit that judged the gateway ended, in seconds since the Unix epoch",
+            Unit::Seconds,
+            self.last_success.clone(),
+        );
+        let mut text = String::new();
+        encode(&mut text, &registry)?;
+        Ok(text)
+    }
+}

@@ -6,7 +6,8 @@
 //! delta, or at once as a full reset when `E` is not this process's epoch or
 //! `G` was compacted away. So hundreds of gateways stay in sync at the cost of
 //! the changes, not of the index. `GET /v1/ips/{ip}` and `GET /v1/verdict` are
-//! for operators and scripts. `docs/api.md` documents every field and error.
+//! for operators and scripts; `POST /v1/verdicts` judges many endpoints at
+//! once for `staleguard-validator audit`. `docs/api.md` documents every field and error.
 //!
 //! The admin listener ([`admin_router`]) serves `/healthz`, `/readyz` and
 //! `/metrics` on a separate port, so probes and scrapes never share limits or
@@ -17,6 +18,7 @@ mod auth;
 mod changes;
 mod error;
 mod serve;
+mod verdicts;
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -27,7 +29,7 @@ use axum::extract::{MatchedPath, Path, Query, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use staleguard_core::verdict::{Action, FailurePolicy, Policy};
@@ -39,6 +41,7 @@ pub use auth::{Token, TokenError, MIN_TOKEN_BYTES, PLACEHOLDER};
 pub use changes::FanOut;
 pub use error::ApiError;
 pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};
+pub use verdicts::judge_all;
 
 use crate::metrics::Metrics;
 use crate::shared::SharedIndex;
@@ -108,7 +111,13 @@ pub fn router(state: ApiState, token: Option<Token>) -> Router {
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/changes", get(changes::changes))
         .route("/v1/ips/{ip}", get(ip_record))
-        .route("/v1/verdict", get(verdict));
+        .route("/v1/verdict", get(verdict))
+        .route(
+            "/v1/verdicts",
+            post(verdicts::verdicts).layer(axum::extract::DefaultBodyLimit::max(
+                verdicts::MAX_BODY_BYTES,
+            )),
+        );
     if let Some(token) = token {
         v1 = v1.layer(middleware::from_fn_with_state(token, auth::require_token));
     }
@@ -323,6 +332,7 @@ fn route_label(path: &str) -> &'static str {
         "/v1/changes" => "changes",
         "/v1/ips/{ip}" => "ips",
         "/v1/verdict" => "verdict",
+        "/v1/verdicts" => "verdicts",
         _ => "other",
     }
 }

@@ -652,3 +652,98 @@ async fn a_verdict_for_a_service_outside_the_pod_scope_says_why_it_is_unknown() 
         "{metrics}"
     );
 }
+
+// === POST /v1/verdicts ===
+
+fn post_json(uri: &str, body: &str, auth: Option<&str>) -> Request<Body> {
+    let mut r = Request::post(uri).header("content-type", "application/json");
+    if let Some(auth) = auth {
+        r = r.header("authorization", auth);
+    }
+    r.body(Body::from(body.to_owned())).unwrap()
+}
+
+#[tokio::test]
+async fn batch_verdicts_match_the_single_ones_in_order() {
+    let f = fixture();
+    delete_cart_2(&f.index);
+    let queries = [
+        ("shop/cart", "10.0.0.1"),
+        ("shop/cart", "10.0.0.2"),
+        ("shop/cart", "10.0.0.9"),
+        ("shop/cart", "10.7.7.7"),
+        ("shop/other", "10.0.0.1"),
+    ];
+    let items: Vec<Value> = queries
+        .iter()
+        .map(|(s, ip)| serde_json::json!({"service": s, "ip": ip}))
+        .collect();
+    let body = serde_json::json!({"items": items}).to_string();
+    let (status, answer) = get_with(&f.app, post_json("/v1/verdicts", &body, None)).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let answer: staleguard_core::batch::VerdictsAnswer = serde_json::from_value(answer).unwrap();
+    assert_eq!(answer.generation, f.index.read().generation());
+    assert!(answer.freshness.fresh);
+    assert_eq!(answer.items.len(), queries.len());
+    for ((service, ip), item) in queries.iter().zip(&answer.items) {
+        let (_, single) = get(&f.app, &format!("/v1/verdict?service={service}&ip={ip}")).await;
+        assert_eq!(item.service.to_string(), *service);
+        assert_eq!(item.ip.to_string(), *ip);
+        assert_eq!(
+            serde_json::to_value(item.verdict).unwrap(),
+            single["verdict"]
+        );
+        assert_eq!(item.service_known, single["service_known"]);
+    }
+    let tombstone = answer.items[1].record.as_ref().unwrap().tombstone.as_ref();
+    assert!(tombstone.is_some_and(|t| t.uid.is_empty()), "verdict view");
+
+    let strict = r#"{"policy":{"unknown_service":"reject"},"items":[{"service":"shop/other","ip":"10.0.0.1"}]}"#;
+    let (_, answer) = get_with(&f.app, post_json("/v1/verdicts", strict, None)).await;
+    assert_eq!(answer["items"][0]["verdict"]["action"], "reject");
+}
+
+#[tokio::test]
+async fn batch_verdicts_refuse_bad_bodies_and_need_the_token() {
+    let f = fixture();
+    for body in [
+        "",
+        "{",
+        "[]",
+        r#"{"items":[{"service":"cart","ip":"10.0.0.1"}]}"#,
+        r#"{"items":[{"service":"shop/cart","ip":"10.0.0.256"}]}"#,
+        r#"{"policy":{"fail":"open"},"items":[]}"#,
+    ] {
+        let (status, answer) = get_with(&f.app, post_json("/v1/verdicts", body, None)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {answer}");
+        assert_eq!(answer["error"]["code"], "bad_request", "{body}");
+    }
+    let (status, _) = get_with(
+        &f.app,
+        post_json("/v1/verdicts?v=2", r#"{"items":[]}"#, None),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    let dir = std::env::temp_dir().join(format!("sg-api-batch-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("token");
+    // At least 32 bytes: shorter tokens are refused at start.
+    std::fs::write(&path, "open-sesame-open-sesame-open-sesame\n").unwrap();
+    let token = Token::from_file(&path).unwrap();
+    let f = fixture_with(synced_index(1000), Limits::default(), Some(token));
+    let body = r#"{"items":[{"service":"shop/cart","ip":"10.0.0.1"}]}"#;
+    let (status, _) = get_with(&f.app, post_json("/v1/verdicts", body, None)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, answer) = get_with(
+        &f.app,
+        post_json(
+            "/v1/verdicts",
+            body,
+            Some("Bearer open-sesame-open-sesame-open-sesame"),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["items"][0]["verdict"]["reason"], "member");
+}

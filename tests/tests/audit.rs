@@ -1,0 +1,546 @@
+//! `staleguard-validator audit` against real Envoy 1.40 whose file-based EDS
+//! holds valid, destroyed, recycled, terminating, hostNetwork and unmapped
+//! endpoints, against a saved config dump, and against broken admin output,
+//! an unreachable admin port and an unreachable validator.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use staleguard_tests::audit::{self, AuditRun, Broken};
+use staleguard_tests::eds::EdsFile;
+use staleguard_tests::envoy::{
+    gateway_listener, shipped_plugin, stats_tags, upstream_filter_options,
+};
+use staleguard_tests::process::{free_port, wait_for_port, Guard};
+use staleguard_tests::scene::{self, Deps};
+use staleguard_tests::traffic::Http;
+use staleguard_tests::validator::Validator;
+use staleguard_tests::world::write_atomically;
+
+const CART: &str = "outbound|80||cart.shop.svc.cluster.local";
+const PAY: &str = "outbound|80||pay.shop.svc.cluster.local";
+/// A plain-Envoy name the plugin's `clusters` rule maps to shop/cart.
+const CART_PLAIN: &str = "shop-cart";
+/// A cluster no rule and no Istio name maps: the filter leaves it alone.
+const LEGACY: &str = "legacy-backend";
+
+const MEMBER: &str = "127.0.3.1";
+const TERMINATING: &str = "127.0.3.2";
+const RECYCLED: &str = "127.0.3.3";
+const HOST_NETWORK: &str = "127.0.3.4";
+const DESTROYED: &str = "127.0.3.5";
+const UNMAPPED: &str = "127.0.3.9";
+
+fn pod(name: &str, app: &str, ip: &str, terminating: bool, host_network: bool) -> Value {
+    let mut metadata = json!({"name": name, "namespace": "shop", "uid": format!("uid-{name}"),
+        "labels": {"app": app}});
+    if terminating {
+        metadata["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    }
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
+        "spec": {"hostNetwork": host_network, "containers": [{"name": "app", "image": "x"}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                   "conditions": [{"type": "Ready", "status": "True"}]}})
+}
+
+fn service(name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": "shop", "uid": format!("svc-{name}")},
+        "spec": {"selector": {"app": name}, "ports": [{"name": "http", "port": 80}]}})
+}
+
+/// The cluster's truth; `with_doomed` keeps the pod whose deletion the test
+/// then shows (so the validator remembers it with a tombstone).
+fn truth(with_doomed: bool) -> Value {
+    let mut items = vec![
+        service("cart"),
+        service("pay"),
+        service("agent"),
+        pod("cart-0", "cart", MEMBER, false, false),
+        pod("cart-1", "cart", TERMINATING, true, false),
+        pod("pay-0", "pay", RECYCLED, false, false),
+        pod("agent-node-1", "agent", HOST_NETWORK, false, true),
+    ];
+    if with_doomed {
+        items.push(pod("cart-2", "cart", DESTROYED, false, false));
+    }
+    json!({"apiVersion": "v1", "kind": "List", "items": items})
+}
+
+fn eds_cluster(name: &str, eds: &EdsFile, wasm: Option<(&Path, &Value)>) -> Value {
+    let mut cluster = json!({
+        "name": name, "type": "EDS", "connect_timeout": "1s",
+        "eds_cluster_config": {"service_name": eds.resource(), "eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": eds.path().display().to_string()}}}
+    });
+    if let Some((wasm, plugin)) = wasm {
+        cluster["typed_extension_protocol_options"] = upstream_filter_options(wasm, plugin);
+    }
+    cluster
+}
+
+fn static_cluster(name: &str, addr: SocketAddr) -> Value {
+    json!({"name": name, "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {
+                "address": addr.ip().to_string(), "port_value": addr.port()}}}}]}]}})
+}
+
+/// A validator on the truth, and an Envoy whose stuck EDS still lists the
+/// pods of before.
+struct Setup {
+    _one_at_a_time: tokio::sync::MutexGuard<'static, ()>,
+    dir: PathBuf,
+    deps: Deps,
+    validator: Validator,
+    _envoy: Guard,
+    admin: SocketAddr,
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Setup {
+    async fn start() -> Option<Self> {
+        let deps = scene::deps()?;
+        // One Envoy at a time: the machine is small, and ports picked free
+        // by concurrent setups could collide.
+        static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let guard = ONE_AT_A_TIME.lock().await;
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "staleguard-audit-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let http = Http::new();
+        let truth_path = dir.join("cluster.json");
+        write_atomically(&truth_path, truth(true).to_string().as_bytes()).unwrap();
+        let validator = Validator::start(
+            &http,
+            &deps.validator,
+            &truth_path,
+            &["--file-poll", "100ms"],
+            false,
+        )
+        .await
+        .unwrap();
+        // cart-2 goes away: its IP keeps a tombstone, and the gateway's
+        // (frozen) EDS still lists it.
+        write_atomically(&truth_path, truth(false).to_string().as_bytes()).unwrap();
+        let destroyed = DESTROYED.parse().unwrap();
+        validator
+            .wait_verdicts(
+                &http,
+                &[("shop/cart".into(), destroyed, "destroyed")],
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap();
+
+        let port = 8080;
+        let addr = |ip: &str| SocketAddr::new(ip.parse().unwrap(), port);
+        let mut cart_eds = EdsFile::new(dir.join("eds-cart.json"), "cart");
+        cart_eds
+            .write(&[MEMBER, TERMINATING, RECYCLED, HOST_NETWORK, DESTROYED].map(addr))
+            .unwrap();
+        let mut pay_eds = EdsFile::new(dir.join("eds-pay.json"), "pay");
+        pay_eds.write(&[addr(RECYCLED)]).unwrap();
+
+        let plugin = shipped_plugin(json!({
+            "clusters": [{"name": CART_PLAIN, "service": "shop/cart"}]
+        }));
+        let guarded = Some((deps.wasm.as_path(), &plugin));
+        let listener: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
+            .parse()
+            .unwrap();
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
+            .parse()
+            .unwrap();
+        let bootstrap = json!({
+            "node": {"id": "staleguard-audit", "cluster": "staleguard-gateway"},
+            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
+            "stats_config": {"stats_tags": stats_tags()},
+            "static_resources": {
+                "listeners": [gateway_listener(listener.port(), json!([{"name": "all", "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": CART}}]}]))],
+                "clusters": [
+                    eds_cluster(CART, &cart_eds, guarded),
+                    eds_cluster(CART_PLAIN, &cart_eds, guarded),
+                    eds_cluster(PAY, &pay_eds, guarded),
+                    static_cluster(LEGACY, addr(UNMAPPED)),
+                    static_cluster("staleguard-validator", validator.listen),
+                ]
+            }
+        });
+        let config = dir.join("envoy.json");
+        std::fs::write(&config, serde_json::to_vec_pretty(&bootstrap).unwrap()).unwrap();
+        let mut cmd = Command::new(&deps.envoy);
+        cmd.arg("-c")
+            .arg(&config)
+            .args([
+                "--concurrency",
+                "1",
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+            ])
+            .args(["--base-id", &free_port().unwrap().to_string()]);
+        let mut envoy = Guard::spawn("envoy-audit", cmd).unwrap();
+        wait_for_port(&mut envoy, listener, Duration::from_secs(60)).unwrap();
+        // Until every EDS cluster has its endpoints.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let stats = http
+                .get(&format!("http://{admin}/stats?filter=membership_total"))
+                .await
+                .map(|r| r.text())
+                .unwrap_or_default();
+            let has =
+                |c: &str, n: u32| stats.contains(&format!("cluster.{c}.membership_total: {n}"));
+            if has(CART, 5) && has(CART_PLAIN, 5) && has(PAY, 1) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "EDS not loaded:\n{stats}\n{}",
+                envoy.output()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Some(Self {
+            _one_at_a_time: guard,
+            dir,
+            deps,
+            validator,
+            _envoy: envoy,
+            admin,
+        })
+    }
+
+    async fn audit(&self, args: &[&str]) -> AuditRun {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        audit::run(&self.deps.validator, &args).await.unwrap()
+    }
+
+    fn validator_url(&self) -> String {
+        format!("http://{}", self.validator.listen)
+    }
+}
+
+/// `(cluster, address, reason)` of every endpoint in a JSON report.
+fn rows(report: &Value) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for c in report["clusters"].as_array().unwrap() {
+        for e in c["endpoints"].as_array().unwrap() {
+            out.insert((
+                c["name"].as_str().unwrap().to_owned(),
+                e["address"].as_str().unwrap().to_owned(),
+                e["reason"].as_str().unwrap().to_owned(),
+            ));
+        }
+    }
+    out
+}
+
+fn expected(validator: SocketAddr) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for cluster in [CART, CART_PLAIN] {
+        for (ip, reason) in [
+            (MEMBER, "member"),
+            (TERMINATING, "terminating"),
+            (RECYCLED, "recycled"),
+            (HOST_NETWORK, "host_network"),
+            (DESTROYED, "destroyed"),
+        ] {
+            out.insert((cluster.into(), format!("{ip}:8080"), reason.into()));
+        }
+    }
+    out.insert((PAY.into(), format!("{RECYCLED}:8080"), "member".into()));
+    out.insert((LEGACY.into(), format!("{UNMAPPED}:8080"), "unmapped".into()));
+    out.insert((
+        "staleguard-validator".into(),
+        validator.to_string(),
+        "unmapped".into(),
+    ));
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_of_a_live_gateway_names_every_stale_endpoint_and_exits_1() {
+    let Some(setup) = Setup::start().await else {
+        return;
+    };
+    let admin = setup.admin.to_string();
+    let url = setup.validator_url();
+    let run = setup
+        .audit(&[
+            "--admin",
+            &admin,
+            "--validator",
+            &url,
+            "--output",
+            "json",
+            "--gateway",
+            "gw-a",
+        ])
+        .await;
+    assert_eq!(
+        run.code, 1,
+        "stale endpoints exit 1\n{}\n{}",
+        run.stdout, run.stderr
+    );
+    let report = run.json().unwrap();
+    assert_eq!(
+        rows(&report),
+        expected(setup.validator.listen),
+        "{report:#}"
+    );
+    assert_eq!(
+        report["summary"]["stale"], 4,
+        "2 clusters x (destroyed + recycled)"
+    );
+    assert_eq!(report["gateway"], "gw-a");
+    let cart = report["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == CART)
+        .unwrap();
+    assert_eq!(cart["service"], "shop/cart");
+    assert_eq!(cart["summary"]["stale"], 2);
+    let destroyed = cart["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["reason"] == "destroyed")
+        .unwrap();
+    assert!(destroyed["since_ms"].as_u64().unwrap() > 0, "{destroyed}");
+    assert_eq!(destroyed["holders"], json!(["was shop/cart-2"]));
+    let recycled = cart["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["reason"] == "recycled")
+        .unwrap();
+    assert_eq!(recycled["holders"], json!(["shop/pay-0"]));
+    assert_eq!(recycled["verdict"], "reject");
+
+    // The table says the same, with a summary per cluster.
+    let run = setup.audit(&["--admin", &admin, "--validator", &url]).await;
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    println!("{}", run.stdout);
+    for needle in [
+        "CLUSTER",
+        "DESTROYED",
+        "RECYCLED",
+        &format!("{CART} (shop/cart): 5 endpoints: 1 destroyed, 1 host_network, 1 member, 1 recycled, 1 terminating -> 2 STALE"),
+        &format!("{LEGACY} (no service): 1 endpoints: 1 unmapped"),
+        "4 stale endpoint(s) in 2 of 5 cluster(s), 13 endpoint(s) checked",
+    ] {
+        assert!(run.stdout.contains(needle), "missing {needle:?}:\n{}", run.stdout);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saved_config_dump_audits_like_the_live_gateway() {
+    let Some(setup) = Setup::start().await else {
+        return;
+    };
+    let http = Http::new();
+    let dump = http
+        .get(&format!("http://{}/config_dump?include_eds", setup.admin))
+        .await
+        .unwrap();
+    assert_eq!(dump.status, 200);
+    let path = setup.dir.join("config_dump.json");
+    std::fs::write(&path, &dump.body).unwrap();
+    let path = path.display().to_string();
+    let url = setup.validator_url();
+    let run = setup
+        .audit(&[
+            "--config-dump",
+            &path,
+            "--validator",
+            &url,
+            "--output",
+            "json",
+        ])
+        .await;
+    assert_eq!(run.code, 1, "{}\n{}", run.stdout, run.stderr);
+    let report = run.json().unwrap();
+    assert_eq!(
+        rows(&report),
+        expected(setup.validator.listen),
+        "{report:#}"
+    );
+    assert_eq!(report["gateway"], "config_dump.json");
+
+    // And judged by a cluster dump through the file source, no validator.
+    let truth = setup.dir.join("cluster.json").display().to_string();
+    let run = setup
+        .audit(&[
+            "--config-dump",
+            &path,
+            "--cluster-file",
+            &truth,
+            "--output",
+            "json",
+        ])
+        .await;
+    assert_eq!(run.code, 1, "{}\n{}", run.stdout, run.stderr);
+    assert_eq!(rows(&run.json().unwrap()), expected(setup.validator.listen));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_admin_output_an_unreachable_admin_and_an_unreachable_validator_exit_distinctly() {
+    let Some(setup) = Setup::start().await else {
+        return;
+    };
+    let url = setup.validator_url();
+    let live = Http::new()
+        .get(&format!("http://{}/clusters?format=json", setup.admin))
+        .await
+        .unwrap()
+        .text();
+    let half = live[..live.len() / 2].to_owned();
+    for (broken, what) in [
+        (Broken::Body(half.clone()), "truncated"),
+        (Broken::CutOff(half), "broke off"),
+        (
+            Broken::Body("<html>not envoy</html>".into()),
+            "not complete JSON",
+        ),
+        (
+            Broken::Body(r#"{"stats":[]}"#.into()),
+            "not Envoy admin output",
+        ),
+    ] {
+        let (addr, server) = audit::fake_admin(broken.clone()).await.unwrap();
+        let run = setup
+            .audit(&["--admin", &addr.to_string(), "--validator", &url])
+            .await;
+        server.abort();
+        assert_eq!(run.code, 3, "{broken:?}: {}", run.stderr);
+        assert!(
+            run.stderr.contains("malformed or truncated"),
+            "{}",
+            run.stderr
+        );
+        assert!(run.stderr.contains(what), "{what}: {}", run.stderr);
+    }
+
+    let nobody = format!("127.0.0.1:{}", free_port().unwrap());
+    let run = setup
+        .audit(&["--admin", &nobody, "--validator", &url])
+        .await;
+    assert_eq!(run.code, 4, "{}", run.stderr);
+    assert!(
+        run.stderr.contains("gateway admin is unreachable"),
+        "{}",
+        run.stderr
+    );
+    assert!(run.stderr.contains(&nobody), "{}", run.stderr);
+
+    let admin = setup.admin.to_string();
+    let run = setup
+        .audit(&[
+            "--admin",
+            &admin,
+            "--validator",
+            &nobody,
+            "--output",
+            "json",
+        ])
+        .await;
+    assert_eq!(run.code, 5, "{}", run.stderr);
+    assert!(run.stderr.contains("cannot get verdicts"), "{}", run.stderr);
+    let doc = run.json().unwrap();
+    assert_eq!(doc["error"]["kind"], "validator_unreachable");
+    assert_eq!(doc["exit_status"], 5);
+
+    let missing = setup.dir.join("no-such-dump.json").display().to_string();
+    let run = setup
+        .audit(&["--config-dump", &missing, "--validator", &url])
+        .await;
+    assert_eq!(run.code, 4, "{}", run.stderr);
+    let run = setup.audit(&["--admin", &admin]).await;
+    assert_eq!(run.code, 2, "{}", run.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cluster_and_reason() {
+    let Some(mut setup) = Setup::start().await else {
+        return;
+    };
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
+        .parse()
+        .unwrap();
+    let mut cmd = Command::new(&setup.deps.validator);
+    cmd.arg("audit")
+        .args(["--admin", &setup.admin.to_string()])
+        .args(["--validator", &setup.validator_url()])
+        .args(["--gateway", "gw-b", "--every", "1s"])
+        .args(["--metrics-listen", &listen.to_string()]);
+    let mut sidecar = Guard::spawn("audit-sidecar", cmd).unwrap();
+    wait_for_port(&mut sidecar, listen, Duration::from_secs(30)).unwrap();
+    let http = Http::new();
+    let metrics = |want: Vec<String>| {
+        let http = http.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let text = http
+                    .get(&format!("http://{listen}/metrics"))
+                    .await
+                    .map(|r| r.text())
+                    .unwrap_or_default();
+                if want.iter().all(|w| text.contains(w.as_str())) {
+                    return text;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "metrics never showed {want:?}:\n{text}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let stale = |cluster: &str, reason: &str| {
+        format!(
+            "staleguard_audit_stale_endpoints{{gateway=\"gw-b\",cluster=\"{cluster}\",reason=\"{reason}\"}} 1\n"
+        )
+    };
+    let text = metrics(vec![
+        stale(CART, "destroyed"),
+        stale(CART, "recycled"),
+        stale(CART_PLAIN, "destroyed"),
+        stale(CART_PLAIN, "recycled"),
+        "staleguard_audit_endpoints{gateway=\"gw-b\",reason=\"unmapped\"} 2\n".into(),
+        "staleguard_audit_runs_total{gateway=\"gw-b\",outcome=\"stale\"}".into(),
+        "staleguard_audit_last_success_timestamp_seconds{gateway=\"gw-b\"}".into(),
+    ])
+    .await;
+    assert!(!text.contains(&format!("cluster=\"{PAY}\"")), "{text}");
+    assert!(text.contains("# TYPE staleguard_audit_run_duration_seconds gauge"));
+
+    // The validator goes away: runs fail and are counted, and the last
+    // findings stay for the alert.
+    setup.validator.kill();
+    let text = metrics(vec![
+        "staleguard_audit_runs_total{gateway=\"gw-b\",outcome=\"validator_unreachable\"}".into(),
+    ])
+    .await;
+    assert!(text.contains(&stale(CART, "destroyed")), "{text}");
+    sidecar.check_alive().unwrap();
+}

@@ -1,0 +1,597 @@
+//! What a gateway holds: its clusters, the endpoints of each, and how each
+//! cluster maps to a service, read from Envoy's admin output.
+//!
+//! Two inputs, one model ([`Gateway`]):
+//! - the live admin API: `/clusters?format=json` for the hosts the load
+//!   balancer has now, plus `/config_dump` for what the endpoint list does not
+//!   carry (Istio cluster metadata and the staleguard plugin configuration);
+//! - a saved `/config_dump?include_eds` file: clusters, their plugin
+//!   configuration and their endpoints (`EndpointsConfigDump`, keyed by the
+//!   EDS service name, which may differ from the cluster name).
+//!
+//! The plugin configuration is found where the filter finds it: in the Wasm
+//! filter attached to the cluster (`typed_extension_protocol_options`), else in
+//! one attached gateway-wide (a router's `upstream_http_filters`, ECDS). Any
+//! Wasm filter whose configuration is a JSON object with `validator_cluster` is
+//! staleguard's.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+
+use serde::Deserialize;
+use serde_json::Value;
+use staleguard_core::cluster::{default_istio, ClusterMap, ClusterRule};
+use staleguard_core::{Policy, ServiceKey};
+
+/// Why admin output could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// Not JSON (truncated output ends mid-document).
+    #[error("{what} is not complete JSON ({source}); truncated or not Envoy admin output?")]
+    Json {
+        /// Which document.
+        what: String,
+        /// The parser's complaint.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// JSON, but not of the expected shape.
+    #[error("{what} is not Envoy admin output: {detail}")]
+    Shape {
+        /// Which document.
+        what: String,
+        /// What is missing or wrong.
+        detail: String,
+    },
+}
+
+/// The part of a staleguard plugin configuration the audit needs, read
+/// leniently (the filter checks the whole configuration strictly).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct PluginView {
+    /// The cluster that reaches the validator (never judged).
+    #[serde(default)]
+    pub validator_cluster: String,
+    /// Derive services from Istio metadata and names.
+    #[serde(default = "default_istio")]
+    pub istio: bool,
+    /// Mapping rules for plain Envoy.
+    #[serde(default)]
+    pub clusters: Vec<ClusterRule>,
+    /// The verdict policy.
+    #[serde(default)]
+    pub policy: Policy,
+}
+
+impl Default for PluginView {
+    /// What a gateway without the filter is audited by: Istio names and
+    /// metadata, the default policy.
+    fn default() -> Self {
+        Self {
+            validator_cluster: String::new(),
+            istio: default_istio(),
+            clusters: Vec::new(),
+            policy: Policy::default(),
+        }
+    }
+}
+
+impl PluginView {
+    /// Reads a plugin configuration (the JSON text in the Wasm filter's
+    /// `configuration`).
+    pub fn parse(text: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    /// The cluster map this configuration implies.
+    pub fn cluster_map(&self) -> ClusterMap<'_> {
+        ClusterMap {
+            validator_cluster: &self.validator_cluster,
+            istio: self.istio,
+            rules: &self.clusters,
+        }
+    }
+}
+
+/// One endpoint a cluster holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// The address as Envoy shows it (`IP:port`, or a pipe or name).
+    pub address: String,
+    /// The IP, when the address is an IP socket address.
+    pub ip: Option<IpAddr>,
+}
+
+/// One cluster of the gateway.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Cluster {
+    /// The cluster name.
+    pub name: String,
+    /// `filter_metadata.istio.services[0].host`, if present.
+    pub istio_service_host: Option<String>,
+    /// The staleguard plugin configuration attached to this cluster.
+    pub plugin: Option<PluginView>,
+    /// The endpoints.
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// A gateway's clusters, sorted by name.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Gateway {
+    /// The clusters.
+    pub clusters: Vec<Cluster>,
+    /// The staleguard plugin configuration attached gateway-wide, if any.
+    pub plugin: Option<PluginView>,
+    /// Things worth telling the operator (a plugin configuration that does
+    /// not parse, several different gateway-wide ones).
+    pub notes: Vec<String>,
+}
+
+impl Gateway {
+    /// The plugin configuration a cluster is resolved with: `forced` (the
+    /// `--plugin-config` flag), else the cluster's own, else the
+    /// gateway-wide one, else the defaults.
+    pub fn plugin_for<'a>(
+        &'a self,
+        cluster: &'a Cluster,
+        forced: Option<&'a PluginView>,
+        defaults: &'a PluginView,
+    ) -> &'a PluginView {
+        forced
+            .or(cluster.plugin.as_ref())
+            .or(self.plugin.as_ref())
+            .unwrap_or(defaults)
+    }
+
+    /// The service `cluster` routes to, resolved as the filter resolves it.
+    pub fn service_of(
+        &self,
+        cluster: &Cluster,
+        forced: Option<&PluginView>,
+        defaults: &PluginView,
+    ) -> Option<ServiceKey> {
+        self.plugin_for(cluster, forced, defaults)
+            .cluster_map()
+            .resolve(&cluster.name, cluster.istio_service_host.as_deref())
+    }
+}
+
+// === /clusters?format=json ===
+
+#[derive(Debug, Deserialize)]
+struct ClustersJson {
+    #[serde(default)]
+    cluster_statuses: Vec<ClusterStatus>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ClusterStatus {
+    name: String,
+    #[serde(default)]
+    host_statuses: Vec<HostStatus>,
+}
+
+#[derive(Debug, Deserialize)]
+struct HostStatus {
+    #[serde(default)]
+    address: Option<Value>,
+}
+
+/// Reads `/clusters?format=json`: each cluster's name and hosts.
+pub fn parse_clusters(bytes: &[u8]) -> Result<Vec<Cluster>, GatewayError> {
+    let what = "/clusters?format=json";
+    let value: Value = serde_json::from_slice(bytes).map_err(|source| GatewayError::Json {
+        what: what.into(),
+        source,
+    })?;
+    let shape = |detail: String| GatewayError::Shape {
+        what: what.into(),
+        detail,
+    };
+    let Some(object) = value.as_object() else {
+        return Err(shape("the document is not a JSON object".into()));
+    };
+    // Envoy omits an empty list: `{}` is a gateway with no clusters; any
+    // other object without the list is not this endpoint's output.
+    if !object.is_empty() && !object.contains_key("cluster_statuses") {
+        return Err(shape("no `cluster_statuses`".into()));
+    }
+    let parsed: ClustersJson = serde_json::from_value(value).map_err(|e| shape(e.to_string()))?;
+    Ok(parsed
+        .cluster_statuses
+        .into_iter()
+        .map(|c| Cluster {
+            name: c.name,
+            endpoints: c
+                .host_statuses
+                .iter()
+                .map(|h| endpoint(h.address.as_ref()))
+                .collect(),
+            ..Cluster::default()
+        })
+        .collect())
+}
+
+/// An endpoint from an `envoy.config.core.v3.Address` in JSON.
+fn endpoint(address: Option<&Value>) -> Endpoint {
+    let socket = address.and_then(|a| a.get("socket_address"));
+    let host = socket
+        .and_then(|s| s.get("address"))
+        .and_then(Value::as_str);
+    let port = socket
+        .and_then(|s| s.get("port_value"))
+        .and_then(Value::as_u64);
+    match (host, port) {
+        (Some(host), Some(port)) => {
+            let ip = host.parse::<IpAddr>().ok();
+            let address = match ip {
+                Some(ip) => SocketAddr::new(ip, port as u16).to_string(),
+                None => format!("{host}:{port}"),
+            };
+            Endpoint { address, ip }
+        }
+        (Some(host), None) => Endpoint {
+            address: host.to_owned(),
+            ip: host.parse().ok(),
+        },
+        _ => Endpoint {
+            address: address.map_or_else(|| "?".to_owned(), |a| compact(a, 80)),
+            ip: None,
+        },
+    }
+}
+
+fn compact(value: &Value, max: usize) -> String {
+    let text = value.to_string();
+    if text.len() <= max {
+        return text;
+    }
+    let mut cut = max;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &text[..cut])
+}
+
+// === /config_dump ===
+
+/// Reads a `/config_dump` (with or without `include_eds`): clusters with
+/// their metadata, plugin configuration and, when the dump has them, their
+/// endpoints; and the gateway-wide plugin configuration.
+pub fn parse_config_dump(bytes: &[u8], what: &str) -> Result<Gateway, GatewayError> {
+    let value: Value = serde_json::from_slice(bytes).map_err(|source| GatewayError::Json {
+        what: what.into(),
+        source,
+    })?;
+    let Some(configs) = value.get("configs").and_then(Value::as_array) else {
+        return Err(GatewayError::Shape {
+            what: what.into(),
+            detail: "no `configs` list".into(),
+        });
+    };
+    let mut gateway = Gateway::default();
+    // EDS resource name -> the clusters that read it.
+    let mut eds_names: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    let mut assignments = Vec::new();
+    let mut wide = Vec::new();
+    for config in configs {
+        let kind = config.get("@type").and_then(Value::as_str).unwrap_or("");
+        if kind.ends_with(".ClustersConfigDump") {
+            for list in ["static_clusters", "dynamic_active_clusters"] {
+                for entry in config
+                    .get(list)
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    let Some(cluster) = entry.get("cluster") else {
+                        continue;
+                    };
+                    let Some(name) = cluster.get("name").and_then(Value::as_str) else {
+                        continue;
+                    };
+                    let eds_name = cluster
+                        .pointer("/eds_cluster_config/service_name")
+                        .and_then(Value::as_str)
+                        .filter(|s| !s.is_empty())
+                        .unwrap_or(name);
+                    eds_names
+                        .entry(eds_name.to_owned())
+                        .or_default()
+                        .push(gateway.clusters.len());
+                    let mut found = Vec::new();
+                    plugin_configs(cluster, &mut found);
+                    gateway.clusters.push(Cluster {
+                        name: name.to_owned(),
+                        istio_service_host: cluster
+                            .pointer("/metadata/filter_metadata/istio/services/0/host")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned),
+                        plugin: pick(found, &format!("cluster {name}"), &mut gateway.notes),
+                        endpoints: Vec::new(),
+                    });
+                }
+            }
+        } else if kind.ends_with(".EndpointsConfigDump") {
+            for list in ["static_endpoint_configs", "dynamic_endpoint_configs"] {
+                for entry in config
+                    .get(list)
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    if let Some(cla) = entry.get("endpoint_config") {
+                        assignments.push(cla);
+                    }
+                }
+            }
+        } else if !kind.ends_with(".BootstrapConfigDump") {
+            // Listeners (a router's upstream filters), ECDS, ...: the
+            // bootstrap only repeats static clusters and listeners.
+            plugin_configs(config, &mut wide);
+        }
+    }
+    for cla in assignments {
+        let Some(name) = cla.get("cluster_name").and_then(Value::as_str) else {
+            continue;
+        };
+        let endpoints: Vec<Endpoint> = cla
+            .get("endpoints")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .flat_map(|locality| {
+                locality
+                    .get("lb_endpoints")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+            })
+            .map(|lb| endpoint(lb.pointer("/endpoint/address")))
+            .collect();
+        for &i in eds_names.get(name).into_iter().flatten() {
+            gateway.clusters[i]
+                .endpoints
+                .extend(endpoints.iter().cloned());
+        }
+    }
+    gateway.plugin = pick(wide, "the gateway's listeners", &mut gateway.notes);
+    gateway.clusters.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(gateway)
+}
+
+/// Merges the live endpoint lists into what the config dump says about the
+/// clusters: the load balancer's hosts are the truth of what is routed to.
+pub fn merge(mut config: Gateway, live: Vec<Cluster>) -> Gateway {
+    let mut by_name: BTreeMap<String, Cluster> = std::mem::take(&mut config.clusters)
+        .into_iter()
+        .map(|c| (c.name.clone(), c))
+        .collect();
+    config.clusters = live
+        .into_iter()
+        .map(|mut c| {
+            if let Some(known) = by_name.remove(&c.name) {
+                c.istio_service_host = known.istio_service_host;
+                c.plugin = known.plugin;
+            }
+            c
+        })
+        .collect();
+    config.clusters.sort_by(|a, b| a.name.cmp(&b.name));
+    config
+}
+
+/// Every staleguard plugin configuration (text) under `value`.
+fn plugin_configs(value: &Value, out: &mut Vec<Result<PluginView, String>>) {
+    match value {
+        Value::Object(map) => {
+            let is_wasm = map
+                .get("@type")
+                .and_then(Value::as_str)
+                .is_some_and(|t| t.ends_with("envoy.extensions.filters.http.wasm.v3.Wasm"));
+            if is_wasm {
+                let text = value
+                    .pointer("/config/configuration/value")
+                    .and_then(Value::as_str);
+                if let Some(text) = text {
+                    let ours = serde_json::from_str::<Value>(text)
+                        .ok()
+                        .is_some_and(|v| v.get("validator_cluster").is_some());
+                    if ours {
+                        out.push(PluginView::parse(text).map_err(|e| e.to_string()));
+                    }
+                }
+                return;
+            }
+            for v in map.values() {
+                plugin_configs(v, out);
+            }
+        }
+        Value::Array(items) => {
+            for v in items {
+                plugin_configs(v, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The one configuration among `found`, noting what is odd.
+fn pick(
+    found: Vec<Result<PluginView, String>>,
+    place: &str,
+    notes: &mut Vec<String>,
+) -> Option<PluginView> {
+    let mut good: Vec<PluginView> = Vec::new();
+    for f in found {
+        match f {
+            Ok(p) => {
+                if !good.contains(&p) {
+                    good.push(p);
+                }
+            }
+            Err(e) => notes.push(format!(
+                "{place}: a staleguard plugin configuration does not parse ({e}); ignored"
+            )),
+        }
+    }
+    if good.len() > 1 {
+        notes.push(format!(
+            "{place}: {} different staleguard plugin configurations; the first one maps clusters",
+            good.len()
+        ));
+    }
+    good.into_iter().next()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLUSTERS: &str = r#"{"cluster_statuses":[
+        {"name":"legacy","host_statuses":[{"address":{"socket_address":{"address":"127.0.1.9","port_value":80}},"health_status":{"eds_health_status":"HEALTHY"}}]},
+        {"name":"outbound|80||cart.shop.svc.cluster.local","eds_service_name":"cart","host_statuses":[
+            {"address":{"socket_address":{"address":"127.0.1.1","port_value":8080}}},
+            {"address":{"socket_address":{"address":"fd00::1","port_value":8080}}},
+            {"address":{"pipe":{"path":"/tmp/sock"}}}]},
+        {"name":"empty"}]}"#;
+
+    fn dump() -> String {
+        let plugin = r#"{"validator_cluster":"sg","istio":false,"clusters":[{"name":"legacy","service":"shop/legacy"}],"policy":{"terminating":"reject"}}"#;
+        serde_json::json!({"configs": [
+            {"@type": "type.googleapis.com/envoy.admin.v3.BootstrapConfigDump", "bootstrap": {}},
+            {"@type": "type.googleapis.com/envoy.admin.v3.ClustersConfigDump",
+             "static_clusters": [
+                {"cluster": {"name": "legacy", "typed_extension_protocol_options": {"x": {"http_filters": [
+                    {"name": "envoy.filters.http.wasm", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                        "config": {"root_id": "staleguard", "configuration": {
+                            "@type": "type.googleapis.com/google.protobuf.StringValue", "value": plugin}}}}]}}}},
+                {"cluster": {"name": "outbound|80||cart.shop.svc.cluster.local",
+                    "eds_cluster_config": {"service_name": "cart"},
+                    "metadata": {"filter_metadata": {"istio": {"services": [{"host": "cart.shop.svc.cluster.local"}]}}}}}
+             ],
+             "dynamic_active_clusters": [{"cluster": {"name": "outbound|80||pay.shop.svc.cluster.local"}}]},
+            {"@type": "type.googleapis.com/envoy.admin.v3.EndpointsConfigDump",
+             "static_endpoint_configs": [
+                {"endpoint_config": {"cluster_name": "legacy", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.1.9", "port_value": 80}}}}]}]}},
+                {"endpoint_config": {"cluster_name": "cart", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.1.1", "port_value": 8080}}}},
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.1.2", "port_value": 8080}}}}]}]}}
+             ]},
+            {"@type": "type.googleapis.com/envoy.admin.v3.ListenersConfigDump"}
+        ]})
+        .to_string()
+    }
+
+    #[test]
+    fn reads_clusters_and_their_hosts() {
+        let clusters = parse_clusters(CLUSTERS.as_bytes()).unwrap();
+        assert_eq!(clusters.len(), 3);
+        assert_eq!(clusters[0].endpoints[0].address, "127.0.1.9:80");
+        let cart = &clusters[1].endpoints;
+        assert_eq!(cart[0].ip, Some("127.0.1.1".parse().unwrap()));
+        assert_eq!(cart[1].address, "[fd00::1]:8080");
+        assert_eq!(cart[2].ip, None, "a pipe has no IP");
+        assert!(clusters[2].endpoints.is_empty());
+        assert!(parse_clusters(b"{}").unwrap().is_empty());
+    }
+
+    #[test]
+    fn truncated_or_foreign_admin_output_is_refused_with_a_reason() {
+        let cut = &CLUSTERS.as_bytes()[..CLUSTERS.len() / 2];
+        let err = parse_clusters(cut).unwrap_err();
+        assert!(matches!(err, GatewayError::Json { .. }), "{err}");
+        assert!(err.to_string().contains("truncated"), "{err}");
+        for foreign in [
+            &b"[]"[..],
+            b"{\"stats\":[]}",
+            b"{\"cluster_statuses\":{}}",
+            b"{\"cluster_statuses\":[{\"host_statuses\":[]}]}",
+            b"<html>admin</html>",
+            b"",
+        ] {
+            assert!(parse_clusters(foreign).is_err(), "{foreign:?}");
+        }
+        assert!(parse_config_dump(b"{\"configs\":", "dump").is_err());
+        let err = parse_config_dump(b"{\"stats\":1}", "dump").unwrap_err();
+        assert!(err.to_string().contains("no `configs`"), "{err}");
+    }
+
+    #[test]
+    fn a_config_dump_gives_endpoints_by_eds_name_metadata_and_plugin_configs() {
+        let gateway = parse_config_dump(dump().as_bytes(), "dump").unwrap();
+        let names: Vec<&str> = gateway.clusters.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "legacy",
+                "outbound|80||cart.shop.svc.cluster.local",
+                "outbound|80||pay.shop.svc.cluster.local"
+            ]
+        );
+        let legacy = &gateway.clusters[0];
+        let plugin = legacy.plugin.as_ref().unwrap();
+        assert!(!plugin.istio);
+        assert_eq!(plugin.policy.terminating, staleguard_core::Action::Reject);
+        assert_eq!(legacy.endpoints.len(), 1);
+        let cart = &gateway.clusters[1];
+        assert_eq!(cart.endpoints.len(), 2, "EDS service name `cart`");
+        assert_eq!(
+            cart.istio_service_host.as_deref(),
+            Some("cart.shop.svc.cluster.local")
+        );
+        assert!(gateway.plugin.is_none() && gateway.notes.is_empty());
+
+        let defaults = PluginView::default();
+        let service = |c: &Cluster| gateway.service_of(c, None, &defaults);
+        assert_eq!(service(legacy), Some(ServiceKey::new("shop", "legacy")));
+        assert_eq!(service(cart), Some(ServiceKey::new("shop", "cart")));
+        let no_istio = PluginView {
+            istio: false,
+            ..PluginView::default()
+        };
+        assert_eq!(gateway.service_of(cart, Some(&no_istio), &defaults), None);
+    }
+
+    #[test]
+    fn live_hosts_keep_what_the_dump_knows_about_their_cluster() {
+        let config = parse_config_dump(dump().as_bytes(), "dump").unwrap();
+        let live = parse_clusters(CLUSTERS.as_bytes()).unwrap();
+        let merged = merge(config, live);
+        let names: Vec<&str> = merged.clusters.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "empty",
+                "legacy",
+                "outbound|80||cart.shop.svc.cluster.local"
+            ],
+            "the live list decides which clusters and hosts there are"
+        );
+        assert!(merged.clusters[0].plugin.is_none());
+        assert!(merged.clusters[1].plugin.is_some());
+        assert_eq!(merged.clusters[2].endpoints.len(), 3);
+        assert!(merged.clusters[2].istio_service_host.is_some());
+    }
+
+    #[test]
+    fn gateway_wide_and_broken_plugin_configs_are_noted() {
+        let wasm = |value: &str| {
+            serde_json::json!({"@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {"configuration": {"value": value}}})
+        };
+        let doc = serde_json::json!({"configs": [
+            {"@type": "type.googleapis.com/envoy.admin.v3.ListenersConfigDump",
+             "dynamic_listeners": [{"upstream_http_filters": [
+                wasm(r#"{"validator_cluster":"sg","istio":true}"#),
+                wasm(r#"{"validator_cluster":"sg","clusters":"not a list"}"#),
+                wasm(r#"{"something":"else"}"#)]}]}
+        ]});
+        let gateway = parse_config_dump(doc.to_string().as_bytes(), "dump").unwrap();
+        assert_eq!(gateway.plugin.as_ref().unwrap().validator_cluster, "sg");
+        assert_eq!(gateway.notes.len(), 1, "{:?}", gateway.notes);
+        assert!(gateway.notes[0].contains("does not parse"));
+    }
+}
