@@ -161,6 +161,60 @@ pub fn upstream_filter_options(wasm: &Path, plugin: &Value) -> Value {
     })
 }
 
+/// The twin of a guarded cluster, for the replay of rejected requests
+/// (`on_reject: retry`), as `deploy/envoy/envoy.yaml` has it: `cluster` (the
+/// guarded cluster's JSON: same endpoints or EDS source, same transport
+/// socket) renamed `<name><twin_suffix>`, with the override-host load balancer
+/// reading `endpoint_header` (round robin as the fallback), and the filter in
+/// its twin role in a VM of its own (`vm_id` `staleguard-twin`: a callout into
+/// the VM that made it would re-enter it). `None` when `plugin` asks for no
+/// replay.
+pub fn twin_cluster(cluster: &Value, wasm: &Path, plugin: &Value) -> Option<Value> {
+    let retry = plugin.get("retry")?;
+    if plugin.get("on_reject").and_then(Value::as_str) == Some("reject") {
+        return None;
+    }
+    let suffix = retry
+        .get("twin_suffix")
+        .and_then(Value::as_str)
+        .unwrap_or("|staleguard-twin");
+    let header = retry
+        .get("endpoint_header")
+        .and_then(Value::as_str)
+        .unwrap_or("x-gateway-destination-endpoint");
+    let mut twin = cluster.clone();
+    let name = format!("{}{suffix}", cluster.get("name")?.as_str()?);
+    twin["name"] = json!(name);
+    if twin.get("load_assignment").is_some() {
+        twin["load_assignment"]["cluster_name"] = json!(name);
+    }
+    twin["load_balancing_policy"] = json!({"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [{"header": header}],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}
+            }}]}
+        }
+    }}]});
+    let mut filter = wasm_filter(wasm, &json!({"replay_twin": {"endpoint_header": header}}));
+    filter["typed_config"]["config"]["vm_config"]["vm_id"] = json!("staleguard-twin");
+    twin["typed_extension_protocol_options"] = json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http_protocol_options": {}},
+            "http_filters": [
+                filter,
+                {"name": "envoy.filters.http.upstream_codec",
+                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
+            ]
+        }
+    });
+    Some(twin)
+}
+
 /// The gateway's listener on `127.0.0.1:port`: an HTTP connection manager
 /// with `virtual_hosts` and the router, as every test Envoy has it.
 pub fn gateway_listener(port: u16, virtual_hosts: Value) -> Value {
@@ -210,6 +264,13 @@ impl Cluster {
         }
     }
 
+    /// The cluster, and its twin when the plugin replays rejections.
+    fn with_twin(&self, wasm: &Path) -> Vec<Value> {
+        let c = self.to_json(wasm);
+        let twin = self.plugin.as_ref().and_then(|p| twin_cluster(&c, wasm, p));
+        std::iter::once(c).chain(twin).collect()
+    }
+
     fn to_json(&self, wasm: &Path) -> Value {
         let mut c = static_cluster(&self.name, &self.hosts);
         if let Some(plugin) = &self.plugin {
@@ -244,7 +305,22 @@ impl Gateway {
         cds: &Path,
     ) -> Value {
         let route = json!({"cluster_header": "x-cluster", "timeout": "5s"});
-        let mut clusters: Vec<Value> = self.clusters.iter().map(|c| c.to_json(wasm)).collect();
+        // Routes for the replay tests: a prefix rewrite, a short route
+        // timeout, and none at all (the replay's own timeout then applies).
+        let routes = json!([
+            {"match": {"prefix": "/rewrite/"}, "route":
+                {"cluster_header": "x-cluster", "timeout": "5s", "prefix_rewrite": "/rewritten/"}},
+            {"match": {"prefix": "/short-timeout/"}, "route":
+                {"cluster_header": "x-cluster", "timeout": "1s"}},
+            {"match": {"prefix": "/no-timeout/"}, "route":
+                {"cluster_header": "x-cluster", "timeout": "0s"}},
+            {"match": {"prefix": "/"}, "route": route}
+        ]);
+        let mut clusters: Vec<Value> = self
+            .clusters
+            .iter()
+            .flat_map(|c| c.with_twin(wasm))
+            .collect();
         let validators: Vec<SocketAddr> = std::iter::once(self.validator)
             .chain(self.replicas.iter().copied())
             .collect();
@@ -259,7 +335,7 @@ impl Gateway {
             "stats_config": {"stats_tags": stats_tags()},
             "static_resources": {
                 "listeners": [gateway_listener(listener.port(), json!([{"name": "all", "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": route}]}]))],
+                    "routes": routes}]))],
                 "clusters": clusters
             }
         })
@@ -307,6 +383,24 @@ impl Envoy {
     pub fn get(&mut self, cluster: &str) -> Result<Response> {
         self.guard.check_alive()?;
         tinyhttp::get(self.listener, "/", &[("x-cluster", cluster)])
+    }
+
+    /// Sends `method target` with `body` through the gateway to `cluster`.
+    pub fn send(
+        &mut self,
+        cluster: &str,
+        method: &str,
+        target: &str,
+        body: Option<&[u8]>,
+    ) -> Result<Response> {
+        self.guard.check_alive()?;
+        tinyhttp::request(
+            self.listener,
+            method,
+            target,
+            &[("x-cluster", cluster)],
+            body,
+        )
     }
 
     /// An admin page.
@@ -374,8 +468,9 @@ impl Envoy {
 fn write_cds(path: &Path, wasm: &Path, clusters: &[Cluster]) -> Result<()> {
     let resources: Vec<Value> = clusters
         .iter()
+        .flat_map(|c| c.with_twin(wasm))
         .map(|c| {
-            let mut v = c.to_json(wasm);
+            let mut v = c;
             v["@type"] = json!("type.googleapis.com/envoy.config.cluster.v3.Cluster");
             v
         })
