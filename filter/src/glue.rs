@@ -560,6 +560,8 @@ struct Pending {
     reason: staleguard_core::Reason,
     /// Body size of the last answer.
     body_size: usize,
+    /// Headers of the last answer.
+    answer: Vec<(String, String)>,
 }
 
 impl Filter {
@@ -620,6 +622,7 @@ impl Filter {
             headers,
             reason,
             body_size: 0,
+            answer: Vec::new(),
         });
         Ok(step)
     }
@@ -670,29 +673,29 @@ impl Filter {
                 }
                 Step::Deliver => {
                     let body_size = pending.body_size;
-                    self.finish(ReplayOutcome::Answered);
                     let status =
                         hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
                             .ok()
                             .flatten()
                             .and_then(|s| s.parse::<u32>().ok())
                             .unwrap_or(502);
-                    let headers: Vec<(String, String)> =
-                        hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
-                            .unwrap_or_default()
-                            .into_iter()
-                            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
-                            .collect();
+                    let headers = std::mem::take(&mut pending.answer);
+                    let filler = replay::head_filler(&pending.headers, &headers);
+                    self.finish(ReplayOutcome::Answered);
                     let headers = replay::response_headers(&headers);
                     let headers: Vec<(&str, &str)> = headers
                         .iter()
                         .map(|(k, v)| (k.as_str(), v.as_str()))
                         .collect();
-                    let body =
-                        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                            .ok()
-                            .flatten()
-                            .unwrap_or_default();
+                    let body = match filler {
+                        Some(n) => vec![b' '; n],
+                        None => {
+                            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                                .ok()
+                                .flatten()
+                                .unwrap_or_default()
+                        }
+                    };
                     let _ = hostcalls::send_http_response(status, headers, Some(&body));
                     return;
                 }
@@ -750,20 +753,15 @@ impl Context for Filter {
         pending.token = None;
         pending.body_size = body_size;
         // A failed call has no header map (asking for one is BadArgument).
-        let result = if headers == 0 {
-            CallResult::Failed
-        } else if hostcalls::get_map_value(
-            MapType::HttpCallResponseHeaders,
-            replay::TWIN_MISS_HEADER,
-        )
-        .ok()
-        .flatten()
-        .is_some()
-        {
-            CallResult::TwinMiss
-        } else {
-            CallResult::Answer
-        };
+        let answer = (headers > 0).then(|| {
+            hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+                .collect::<Vec<_>>()
+        });
+        let result = replay::classify(answer.as_deref());
+        pending.answer = answer.unwrap_or_default();
         let step = pending.replay.on_result(now_ms(), result);
         self.drive(step);
     }

@@ -264,10 +264,26 @@ pub fn response_headers(headers: &[(String, String)]) -> Vec<(String, String)> {
             !k.starts_with(':')
                 && !HOP_BY_HOP.contains(&k.as_str())
                 && k != TWIN_MISS_HEADER
-                && k != "x-envoy-upstream-service-time"
+                && k != UPSTREAM_TIME_HEADER
         })
         .cloned()
         .collect()
+}
+
+/// The largest HEAD body [`head_filler`] stands in for.
+pub const HEAD_FILLER_MAX: usize = 1 << 20;
+
+/// For a HEAD, a stand-in body of the answer's `content-length`: Envoy's local
+/// reply drops `content-type` and `content-length` when the body is empty, and
+/// never sends a body to a HEAD, so a filler keeps the live host's headers
+/// intact. `None` for other methods, or past [`HEAD_FILLER_MAX`].
+pub fn head_filler(request: &[(String, String)], answer: &[(String, String)]) -> Option<usize> {
+    if header(request, ":method") != Some("HEAD") {
+        return None;
+    }
+    header(answer, "content-length")
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| (1..=HEAD_FILLER_MAX).contains(n))
 }
 
 /// The replay's timeout: the route's (the router's hint header) when it is
@@ -286,8 +302,35 @@ pub enum CallResult {
     Answer,
     /// The twin's pick was not a named host: nothing was sent.
     TwinMiss,
-    /// No answer: a reset, a refused connection, or the call's timeout.
+    /// No host's answer: a reset, a refused connection.
     Failed,
+    /// The call's timeout passed (the twin leg's router answered 504).
+    TimedOut,
+}
+
+/// The header Envoy's router adds to an answer that came from a host (and
+/// not to its own replies: a timeout, a refused connection, no host).
+pub const UPSTREAM_TIME_HEADER: &str = "x-envoy-upstream-service-time";
+
+/// What a twin call's answer headers say (`None`: the call failed with no
+/// answer at all).
+pub fn classify(answer: Option<&[(String, String)]>) -> CallResult {
+    let Some(headers) = answer else {
+        return CallResult::Failed;
+    };
+    if header(headers, TWIN_MISS_HEADER).is_some() {
+        CallResult::TwinMiss
+    } else if header(headers, UPSTREAM_TIME_HEADER).is_none() {
+        // The twin leg's router answered itself (its timeout, a connection
+        // the member refused): no host's answer to give the client.
+        if header(headers, ":status") == Some("504") {
+            CallResult::TimedOut
+        } else {
+            CallResult::Failed
+        }
+    } else {
+        CallResult::Answer
+    }
 }
 
 /// What the glue does next.
@@ -337,6 +380,7 @@ impl Replay {
     pub fn on_result(&mut self, now_ms: u64, result: CallResult) -> Step {
         match result {
             CallResult::Answer => Step::Deliver,
+            CallResult::TimedOut => Step::Fail(Outcome::Timeout),
             // A call that failed at its deadline is the timeout; one that
             // failed sooner (a member that died since the index said live,
             // a refused connection) is worth the next batch.
@@ -587,6 +631,21 @@ mod tests {
     }
 
     #[test]
+    fn a_head_gets_a_filler_of_the_answers_length() {
+        let head = h(&[(":method", "HEAD")]);
+        let get = h(&[(":method", "GET")]);
+        let answer = h(&[("content-length", "42")]);
+        assert_eq!(head_filler(&head, &answer), Some(42));
+        assert_eq!(head_filler(&get, &answer), None);
+        assert_eq!(head_filler(&head, &h(&[("content-length", "0")])), None);
+        assert_eq!(
+            head_filler(&head, &h(&[("content-length", "999999999")])),
+            None
+        );
+        assert_eq!(head_filler(&head, &[]), None);
+    }
+
+    #[test]
     fn the_timeout_is_the_routes_when_readable() {
         let r = RetryConfig::default();
         assert_eq!(
@@ -635,6 +694,11 @@ mod tests {
             replay.on_result(500, CallResult::Failed),
             Step::Fail(Outcome::Timeout)
         );
+        let (mut replay, _) = Replay::start(vec![b("10.0.0.2:80"), b("10.0.0.3:80")], 0, 500);
+        assert_eq!(
+            replay.on_result(499, CallResult::TimedOut),
+            Step::Fail(Outcome::Timeout)
+        );
         assert_eq!(
             Replay::start(vec![], 0, 500).1,
             Step::Fail(Outcome::Exhausted)
@@ -651,6 +715,19 @@ mod tests {
             text_headers(vec![("a".into(), vec![0xff])]),
             Err(Ineligible::Encoding)
         );
+    }
+
+    #[test]
+    fn only_a_hosts_answer_is_an_answer() {
+        assert_eq!(classify(None), CallResult::Failed);
+        let host = h(&[(":status", "500"), (UPSTREAM_TIME_HEADER, "3")]);
+        assert_eq!(classify(Some(&host)), CallResult::Answer);
+        let envoy_timeout = h(&[(":status", "504"), ("content-type", "text/plain")]);
+        assert_eq!(classify(Some(&envoy_timeout)), CallResult::TimedOut);
+        let refused = h(&[(":status", "503"), ("content-type", "text/plain")]);
+        assert_eq!(classify(Some(&refused)), CallResult::Failed);
+        let miss = h(&[(":status", "503"), (TWIN_MISS_HEADER, "1")]);
+        assert_eq!(classify(Some(&miss)), CallResult::TwinMiss);
     }
 
     #[test]

@@ -27,11 +27,12 @@ fn pay() -> ServiceKey {
     ServiceKey::new("shop", "pay")
 }
 
-/// A pod's server: answers 203 with its name in a header and the body, two
-/// cookies, and the path it got; `delay` before answering.
-fn host(ip: &str, name: &str, delay: Duration) -> Result<Server> {
+/// A pod's server on `ip:port` (0: any): answers 203 with its name in a
+/// header and the body, two cookies, and the method and path it got; `delay`
+/// before answering.
+fn host(ip: &str, port: u16, name: &str, delay: Duration) -> Result<Server> {
     let name = name.to_owned();
-    let bind: SocketAddr = format!("{ip}:0").parse()?;
+    let bind: SocketAddr = format!("{ip}:{port}").parse()?;
     Server::start(bind, move |req| {
         std::thread::sleep(delay);
         Answer::Respond {
@@ -51,25 +52,14 @@ fn retry_plugin(retry: Value) -> Value {
     test_plugin(json!({ "retry": retry }))
 }
 
-/// Every host of `servers` on the same port as `port_of` (the twin names
-/// members on the stale pick's port, as an EDS cluster of pods has them).
+/// Hosts on `ips`, all on one port (the replay names members on the stale
+/// pick's port, as an EDS cluster of pods has them), named `<name>-<i>`.
 fn same_port(ips: &[&str], name: &str) -> Result<Vec<Server>> {
-    let first = host(ips[0], &format!("{name}-0"), Duration::ZERO)?;
+    let first = host(ips[0], 0, &format!("{name}-0"), Duration::ZERO)?;
     let port = first.addr().port();
     let mut out = vec![first];
     for (i, ip) in ips.iter().enumerate().skip(1) {
-        let bind: SocketAddr = format!("{ip}:{port}").parse()?;
-        let name = format!("{name}-{i}");
-        out.push(Server::start(bind, move |req| Answer::Respond {
-            status: 203,
-            headers: vec![
-                ("x-host".into(), name.clone()),
-                ("content-type".into(), "text/x-pod".into()),
-                ("set-cookie".into(), "a=1".into()),
-                ("set-cookie".into(), "b=2".into()),
-            ],
-            body: format!("host={name} {} {}", req.method, req.target).into_bytes(),
-        })?);
+        out.push(host(ip, port, &format!("{name}-{i}"), Duration::ZERO)?);
     }
     Ok(out)
 }
@@ -108,6 +98,7 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
             pod("127.0.3.2", "cart-a", &[&cart()], false),
             pod("127.0.3.3", "cart-b", &[&cart()], false),
             pod("127.0.3.4", "pay-1", &[&pay()], false),
+            pod("127.0.3.5", "cart-slow", &[&cart()], false),
         ],
     );
     let mixed = |name: &str, plugin: Value| Cluster {
@@ -116,12 +107,35 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         plugin: Some(plugin),
         metadata: None,
     };
+    let stale_only = Cluster {
+        name: istio("all-stale"),
+        hosts: vec![gone.addr(), recycled.addr()],
+        plugin: Some(retry_plugin(json!({}))),
+        metadata: None,
+    };
+    let slow = host(
+        "127.0.3.5",
+        gone.addr().port(),
+        "slow",
+        Duration::from_secs(3),
+    )?;
+    let slow_cluster = Cluster {
+        name: istio("slow"),
+        hosts: vec![gone.addr(), slow.addr()],
+        plugin: Some(retry_plugin(json!({"timeout_ms": 500}))),
+        metadata: None,
+    };
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
         replicas: vec![],
         dynamic: vec![],
-        clusters: vec![mixed("retry", retry_plugin(json!({})))],
+        clusters: vec![
+            mixed("retry", retry_plugin(json!({}))),
+            mixed("one-by-one", retry_plugin(json!({"hosts_per_attempt": 1}))),
+            stale_only,
+            slow_cluster,
+        ],
     };
     let Some(mut envoy) = gateway.start()? else {
         return Ok(());
@@ -151,5 +165,121 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
             + envoy.stat("wasmcustom.staleguard.requests.reason.recycled.action.retry")?
     );
     assert_eq!(live_a.hits() + live_b.hits(), 40);
+
+    // A prefix rewrite: the replay carries the rewritten path.
+    for i in 0..10 {
+        let r = envoy.send(&istio("retry"), "GET", &format!("/rewrite/{i}"), None)?;
+        assert_live(&r, &envoy, &live, "GET", &format!("/rewritten/{i}"));
+    }
+    // HEAD: the live host's status and headers, no body.
+    for _ in 0..10 {
+        let r = envoy.send(&istio("retry"), "HEAD", "/h", None)?;
+        assert_live(&r, &envoy, &live, "HEAD", "/h");
+        assert_eq!(r.body, "", "{r:?}");
+    }
+    let replayed_before_posts =
+        envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")?;
+    assert!(
+        replayed_before_posts >= answered + 5,
+        "GET and HEAD replays"
+    );
+
+    // A POST with a body is not replayed: a stale pick is rejected.
+    let mut rejected = 0;
+    for i in 0..20 {
+        let r = envoy.send(
+            &istio("retry"),
+            "POST",
+            &format!("/p/{i}"),
+            Some(b"payload"),
+        )?;
+        match r.status {
+            203 => assert_live(&r, &envoy, &live, "POST", &format!("/p/{i}")),
+            503 => {
+                assert!(
+                    ["destroyed", "recycled"].contains(&r.header("x-staleguard")),
+                    "{r:?}"
+                );
+                rejected += 1;
+            }
+            _ => panic!("{r:?}"),
+        }
+    }
+    assert!(
+        rejected >= 5,
+        "half the picks are stale, {rejected} rejected"
+    );
+    assert_eq!(
+        envoy.stat("wasmcustom.staleguard.retries_total.outcome.not_eligible_body")?,
+        rejected
+    );
+
+    // The twin's own pick stale: named one at a time, the index's members
+    // include one (.3 answers for cart-b) the twin may miss on; every miss is
+    // failed by the twin and the next member named.
+    validator.upsert(pod("127.0.3.9", "cart-elsewhere", &[&cart()], false));
+    envoy.eventually("the new member", Duration::from_secs(10), |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_deltas")? >= 1)
+    })?;
+    for i in 0..30 {
+        let target = format!("/one/{i}");
+        let r = envoy.send(&istio("one-by-one"), "GET", &target, None)?;
+        assert_live(&r, &envoy, &live, "GET", &target);
+    }
+    assert!(
+        envoy.stat("wasmcustom.staleguard.twin_picks_total.outcome.miss")? >= 1,
+        "no twin miss in 15 replays naming one of three members at a time"
+    );
+
+    // Every host stale: the normal rejection, nothing sent.
+    for _ in 0..10 {
+        let r = envoy.send(&istio("all-stale"), "GET", "/", None)?;
+        assert_eq!(r.status, 503, "{r:?}");
+        assert!(
+            ["destroyed", "recycled"].contains(&r.header("x-staleguard")),
+            "{r:?}"
+        );
+    }
+    assert!(envoy.stat("wasmcustom.staleguard.retries_total.outcome.exhausted")? >= 10);
+
+    // A slow live host: the replay's own timeout (no route timeout) gives a
+    // 504 after 0.5 s; a direct pick waits for the answer.
+    let mut timeouts = 0;
+    while timeouts == 0 {
+        let started = std::time::Instant::now();
+        let r = envoy.send(&istio("slow"), "GET", "/no-timeout/", None)?;
+        match r.status {
+            504 => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(2),
+                    "{:?}",
+                    started.elapsed()
+                );
+                timeouts += 1;
+            }
+            203 => assert_eq!(r.header("x-host"), "slow"),
+            _ => panic!("{r:?}"),
+        }
+    }
+    assert_eq!(
+        envoy.stat("wasmcustom.staleguard.retries_total.outcome.timeout")?,
+        1
+    );
+    // With the route's 1 s timeout, every request ends in about a second.
+    for _ in 0..2 {
+        let started = std::time::Instant::now();
+        let r = envoy.send(&istio("slow"), "GET", "/short-timeout/", None)?;
+        assert_eq!(r.status, 504, "{r:?}");
+        assert!(
+            started.elapsed() < Duration::from_millis(2_500),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    assert_eq!(
+        gone.hits() + recycled.hits(),
+        0,
+        "a stale host got a request"
+    );
     Ok(())
 }
