@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{tail, test_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::tinyhttp::{Answer, Response, Server};
 
@@ -49,7 +49,7 @@ fn host(ip: &str, port: u16, name: &str, delay: Duration) -> Result<Server> {
 }
 
 fn retry_plugin(retry: Value) -> Value {
-    test_plugin(json!({ "retry": retry }))
+    shipped_plugin(json!({ "retry": retry }))
 }
 
 /// Hosts on `ips`, all on one port (the replay names members on the stale
