@@ -283,3 +283,65 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
     );
     Ok(())
 }
+
+/// The demo's proportions: 90% of a service's endpoints stale (half of them
+/// destroyed, half recycled to another service), the control plane stuck.
+#[test]
+fn ninety_percent_stale_endpoints_still_answer_from_live_pods() -> Result<()> {
+    let ips: Vec<String> = (1..=20).map(|i| format!("127.0.4.{i}")).collect();
+    let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
+    let servers = same_port(&refs, "p")?;
+    // p-0 and p-1 are live cart pods; p-2..p-10 destroyed; p-11..p-19 pay's.
+    let mut records = vec![
+        pod(&ips[0], "cart-0", &[&cart()], false),
+        pod(&ips[1], "cart-1", &[&cart()], false),
+    ];
+    for ip in &ips[11..] {
+        records.push(pod(ip, &format!("pay-{ip}"), &[&pay()], false));
+    }
+    let validator = FakeValidator::start(52)?;
+    validator.set_index(vec![cart(), pay()], records);
+    let gateway = Gateway {
+        concurrency: 1,
+        validator: validator.addr(),
+        replicas: vec![],
+        dynamic: vec![],
+        clusters: vec![Cluster {
+            name: istio("ninety"),
+            hosts: servers.iter().map(Server::addr).collect(),
+            plugin: Some(retry_plugin(json!({}))),
+            metadata: None,
+        }],
+    };
+    let Some(mut envoy) = gateway.start()? else {
+        return Ok(());
+    };
+    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+    })?;
+    let total = 2_000u64;
+    let mut answered = 0u64;
+    let mut failures = Vec::new();
+    for i in 0..total {
+        let target = format!("/n/{i}");
+        let r = envoy.send(&istio("ninety"), "GET", &target, None)?;
+        if r.status == 203
+            && ["p-0", "p-1"].contains(&r.header("x-host"))
+            && r.body == format!("host={} GET {target}", r.header("x-host"))
+        {
+            answered += 1;
+        } else if failures.len() < 5 {
+            failures.push(r);
+        }
+    }
+    let stale_hits: u64 = servers[2..].iter().map(Server::hits).sum();
+    assert_eq!(stale_hits, 0, "requests reached stale hosts");
+    assert!(
+        answered * 1000 >= total * 999,
+        "{answered} of {total} answered by a live cart pod; first failures: {failures:?}"
+    );
+    let replayed = envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")?;
+    assert!(replayed >= total * 8 / 10, "only {replayed} replays");
+    println!("ninety percent stale: {answered} of {total} answered by a live pod, {replayed} of them replayed, 0 at a stale host");
+    Ok(())
+}
