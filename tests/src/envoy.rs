@@ -35,7 +35,9 @@ pub fn stats_tags() -> Value {
         {"tag_name": "staleguard_action",
          "regex": "^wasmcustom\\.staleguard\\.requests\\.reason\\.[a-z_]+(\\.action\\.([a-z_]+))$"},
         {"tag_name": "staleguard_error_kind",
-         "regex": "^wasmcustom\\.staleguard\\.sync_errors(\\.kind\\.([a-z_]+))$"}
+         "regex": "^wasmcustom\\.staleguard\\.sync_errors(\\.kind\\.([a-z_]+))$"},
+        {"tag_name": "staleguard_outcome",
+         "regex": "^wasmcustom\\.staleguard\\.(?:retries_total|twin_picks_total)(\\.outcome\\.([a-z_]+))$"}
     ])
 }
 

@@ -281,6 +281,14 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         0,
         "a stale host got a request"
     );
+
+    // The outcomes are labels in Prometheus, as docs/metrics.md says.
+    let prom = envoy.admin("/stats/prometheus")?;
+    for outcome in ["answered", "exhausted", "timeout", "not_eligible_body"] {
+        let series = format!("staleguard_retries_total{{staleguard_outcome=\"{outcome}\"}}");
+        assert!(prom.contains(&series), "no {series} in:\n{prom}");
+    }
+    assert!(prom.contains("staleguard_twin_picks_total{staleguard_outcome=\"miss\"}"));
     Ok(())
 }
 
