@@ -307,7 +307,12 @@ impl Config {
     /// Why `on_reject: retry` was asked for but cannot work, if it was: the
     /// line `on_configure` logs, since the filter then rejects instead.
     pub fn retry_warning(&self) -> Option<String> {
-        if self.raw.on_reject != Some(OnReject::Retry) {
+        let asked = match self.raw.on_reject {
+            Some(OnReject::Retry) => true,
+            Some(OnReject::Reject) => false,
+            None => self.raw.retry.is_some(),
+        };
+        if !asked {
             return None;
         }
         if self.raw.retry.is_none() {
@@ -502,6 +507,11 @@ mod tests {
         .unwrap();
         assert!(audit.replay().is_none());
         assert!(audit.retry_warning().unwrap().contains("audit"));
+        let audit_by_default =
+            Config::parse(br#"{"validator_cluster":"sg","retry":{},"mode":"audit"}"#).unwrap();
+        assert!(audit_by_default.retry_warning().unwrap().contains("audit"));
+        let working = Config::parse(br#"{"validator_cluster":"sg","retry":{}}"#).unwrap();
+        assert_eq!(working.retry_warning(), None);
     }
 
     #[test]

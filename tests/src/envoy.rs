@@ -346,6 +346,12 @@ impl Gateway {
     /// Starts Envoy; `None` (after a SKIP line) when Envoy or the module is
     /// missing outside CI.
     pub fn start(&self) -> Result<Option<Envoy>> {
+        self.start_with(|_| Ok(()))
+    }
+
+    /// Like [`Gateway::start`], with `edit` applied to the bootstrap first
+    /// (a test that brings clusters of its own, such as generated twins).
+    pub fn start_with(&self, edit: impl FnOnce(&mut Value) -> Result<()>) -> Result<Option<Envoy>> {
         let Some((envoy, wasm)) = dependencies() else {
             return Ok(None);
         };
@@ -359,7 +365,8 @@ impl Gateway {
         std::fs::create_dir_all(&dir)?;
         let cds = dir.join("cds.json");
         write_cds(&cds, &wasm, &self.dynamic)?;
-        let config = self.bootstrap(&wasm, listener, admin, &cds);
+        let mut config = self.bootstrap(&wasm, listener, admin, &cds);
+        edit(&mut config)?;
         let path = dir.join("envoy.json");
         std::fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
         let mut cmd = Command::new(envoy);
