@@ -217,6 +217,67 @@ pub fn twin_cluster(cluster: &Value, wasm: &Path, plugin: &Value) -> Option<Valu
     Some(twin)
 }
 
+/// The full-fidelity path for requests with bodies, as
+/// `deploy/envoy/body-path.yaml` ships it: the outer route sends them to the
+/// cluster `staleguard-body`, whose one endpoint is the internal listener
+/// `staleguard-body`, whose route (`inner_route`) leads to the guarded
+/// cluster. A rejection there (a 503 with `reject_header`) is an answer the
+/// outer router retries, `retries` times, body included; each retry is a new
+/// pick. Returns the outer route for `prefix` and edits `bootstrap` (the
+/// bootstrap extension, the internal listener and its cluster).
+pub fn body_path(
+    bootstrap: &mut Value,
+    prefix: &str,
+    inner_route: Value,
+    reject_header: &str,
+    retries: u32,
+) -> Value {
+    bootstrap["bootstrap_extensions"] = json!([{
+        "name": "envoy.bootstrap.internal_listener",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"}
+    }]);
+    let listener = json!({
+        "name": "staleguard-body",
+        "internal_listener": {},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "staleguard_body",
+                "route_config": {"virtual_hosts": [{"name": "inner", "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": inner_route}]}]},
+                "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+            }
+        }]}]
+    });
+    let cluster = json!({
+        "name": "staleguard-body",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "staleguard-body", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"envoy_internal_address": {"server_listener_name": "staleguard-body"}}}}
+        ]}]}
+    });
+    if let Some(l) = bootstrap["static_resources"]["listeners"].as_array_mut() {
+        l.push(listener);
+    }
+    if let Some(c) = bootstrap["static_resources"]["clusters"].as_array_mut() {
+        c.push(cluster);
+    }
+    json!({
+        "match": {"prefix": prefix},
+        "route": {
+            "cluster": "staleguard-body",
+            "timeout": "5s",
+            "retry_policy": {
+                "retry_on": "retriable-headers",
+                "retriable_headers": [{"name": reject_header, "present_match": true}],
+                "num_retries": retries
+            }
+        }
+    })
+}
+
 /// The gateway's listener on `127.0.0.1:port`: an HTTP connection manager
 /// with `virtual_hosts` and the router, as every test Envoy has it.
 pub fn gateway_listener(port: u16, virtual_hosts: Value) -> Value {

@@ -23,6 +23,8 @@ pub struct Request {
     pub target: String,
     /// Headers, names lowercased.
     pub headers: BTreeMap<String, String>,
+    /// The body (`content-length` bytes).
+    pub body: Vec<u8>,
 }
 
 impl Request {
@@ -167,6 +169,7 @@ fn serve_one(stream: TcpStream, handler: &Handler, hits: &AtomicU64) -> Result<(
         method: parts.next().unwrap_or_default().to_owned(),
         target: parts.next().unwrap_or_default().to_owned(),
         headers: BTreeMap::new(),
+        body: Vec::new(),
     };
     let mut content_length = 0usize;
     loop {
@@ -183,8 +186,8 @@ fn serve_one(stream: TcpStream, handler: &Handler, hits: &AtomicU64) -> Result<(
             request.headers.insert(k, v);
         }
     }
-    let mut body = vec![0u8; content_length];
-    reader.read_exact(&mut body)?;
+    request.body = vec![0u8; content_length];
+    reader.read_exact(&mut request.body)?;
     let answer = handler(&request);
     hits.fetch_add(1, Ordering::SeqCst);
     let mut stream = stream;

@@ -353,3 +353,93 @@ fn ninety_percent_stale_endpoints_still_answer_from_live_pods() -> Result<()> {
     println!("ninety percent stale: {answered} of {total} answered by a live pod, {replayed} of them replayed, 0 at a stale host");
     Ok(())
 }
+
+/// The full-fidelity option for requests with bodies (`deploy/envoy/body-path.yaml`):
+/// through an internal listener, a rejection is an answer the outer router
+/// retries with the body; every request is answered by a live host with its
+/// body intact, none reaches the stale host.
+#[test]
+fn body_path_retries_posts_through_the_internal_listener() -> Result<()> {
+    let ips = ["127.0.6.1", "127.0.6.2", "127.0.6.3"];
+    let first = echo_host(ips[0], 0, "b-0")?;
+    let port = first.addr().port();
+    let servers = vec![
+        first,
+        echo_host(ips[1], port, "b-1")?,
+        echo_host(ips[2], port, "b-2")?,
+    ];
+    let validator = FakeValidator::start(53)?;
+    validator.set_index(
+        vec![cart()],
+        vec![
+            pod(ips[1], "cart-1", &[&cart()], false),
+            pod(ips[2], "cart-2", &[&cart()], false),
+        ],
+    );
+    let gateway = Gateway {
+        concurrency: 1,
+        validator: validator.addr(),
+        replicas: vec![],
+        dynamic: vec![],
+        clusters: vec![Cluster {
+            name: istio("body"),
+            hosts: servers.iter().map(Server::addr).collect(),
+            plugin: Some(retry_plugin(json!({}))),
+            metadata: None,
+        }],
+    };
+    let Some(mut envoy) = gateway.start_with(|bootstrap| {
+        let outer = staleguard_tests::envoy::body_path(
+            bootstrap,
+            "/body/",
+            json!({"cluster_header": "x-cluster", "timeout": "5s"}),
+            "x-staleguard",
+            3,
+        );
+        let routes = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+            [0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+            .as_array_mut()
+            .ok_or_else(|| anyhow::anyhow!("no routes"))?;
+        routes.insert(0, outer);
+        Ok(())
+    })?
+    else {
+        return Ok(());
+    };
+    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+    })?;
+    for i in 0..30 {
+        let body = format!("payload {i} {}", "x".repeat(i * 100));
+        let r = envoy.send(
+            &istio("body"),
+            "POST",
+            &format!("/body/{i}"),
+            Some(body.as_bytes()),
+        )?;
+        assert_eq!(r.status, 201, "{r:?}\n{}", tail(&envoy.log(), 30));
+        assert!(["b-1", "b-2"].contains(&r.header("x-host")), "{r:?}");
+        assert_eq!(r.body, format!("POST /body/{i} {body}"));
+    }
+    assert_eq!(servers[0].hits(), 0, "the stale host got a request");
+    assert!(
+        envoy.stat("wasmcustom.staleguard.requests.reason.destroyed.action.reject")? >= 5,
+        "a third of the picks are stale"
+    );
+    Ok(())
+}
+
+/// A pod's server that echoes method, path and body, with a 201.
+fn echo_host(ip: &str, port: u16, name: &str) -> Result<Server> {
+    let name = name.to_owned();
+    let bind: SocketAddr = format!("{ip}:{port}").parse()?;
+    Server::start(bind, move |req| Answer::Respond {
+        status: 201,
+        headers: vec![("x-host".into(), name.clone())],
+        body: [
+            format!("{} {} ", req.method, req.target).into_bytes(),
+            req.body.clone(),
+        ]
+        .concat(),
+    })
+}
