@@ -363,7 +363,7 @@ fn body_path_retries_posts_through_the_internal_listener() -> Result<()> {
     let ips = ["127.0.6.1", "127.0.6.2", "127.0.6.3"];
     let first = echo_host(ips[0], 0, "b-0")?;
     let port = first.addr().port();
-    let servers = vec![
+    let servers = [
         first,
         echo_host(ips[1], port, "b-1")?,
         echo_host(ips[2], port, "b-2")?,
