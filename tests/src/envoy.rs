@@ -473,6 +473,11 @@ impl Envoy {
         )
     }
 
+    /// Envoy's process id.
+    pub fn pid(&self) -> u32 {
+        self.guard.pid()
+    }
+
     /// An admin page.
     pub fn admin(&self, target: &str) -> Result<String> {
         Ok(tinyhttp::get(self.admin, target, &[])?.body)
