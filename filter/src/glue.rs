@@ -661,12 +661,16 @@ impl Filter {
                         }
                         Err(status) => {
                             // No twin cluster (a deploy without one) or no
-                            // room for a call: this batch failed.
-                            log::warn!(
-                                "[ctx {}] staleguard: cannot call the twin {:?}: {status:?}",
-                                self.id,
-                                pending.twin_cluster
-                            );
+                            // room for a call: this batch failed. Logged
+                            // within the verdict log budget: a missing twin
+                            // fails every replay.
+                            if self.log_budget.borrow_mut().allow(now_ms()).is_some() {
+                                log::warn!(
+                                    "[ctx {}] staleguard: cannot call the twin cluster {:?} ({status:?}): is it configured? (docs/filter.md, \"Retry\")",
+                                    self.id,
+                                    pending.twin_cluster
+                                );
+                            }
                             step = pending.replay.on_result(now_ms(), CallResult::Failed);
                         }
                     }

@@ -135,9 +135,19 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
             mixed("one-by-one", retry_plugin(json!({"hosts_per_attempt": 1}))),
             stale_only,
             slow_cluster,
+            mixed("no-twin", retry_plugin(json!({}))),
         ],
     };
-    let Some(mut envoy) = gateway.start()? else {
+    // A replay path configured without its twin cluster: rejections stay
+    // rejections, and the log says why.
+    let Some(mut envoy) = gateway.start_with(|bootstrap| {
+        let no_twin = format!("{}|staleguard-twin", istio("no-twin"));
+        if let Some(clusters) = bootstrap["static_resources"]["clusters"].as_array_mut() {
+            clusters.retain(|c| c["name"] != no_twin.as_str());
+        }
+        Ok(())
+    })?
+    else {
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
@@ -281,6 +291,25 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         0,
         "a stale host got a request"
     );
+
+    // No twin: the normal rejection, nothing at the stale hosts, a log line.
+    for _ in 0..10 {
+        let r = envoy.send(&istio("no-twin"), "GET", "/", None)?;
+        match r.status {
+            203 => assert_live(&r, &envoy, &live, "GET", "/"),
+            503 => assert!(
+                ["destroyed", "recycled"].contains(&r.header("x-staleguard")),
+                "{r:?}"
+            ),
+            _ => panic!("{r:?}"),
+        }
+    }
+    assert!(
+        envoy.log().contains("cannot call the twin cluster"),
+        "{}",
+        tail(&envoy.log(), 30)
+    );
+    assert_eq!(gone.hits() + recycled.hits(), 0);
 
     // The outcomes are labels in Prometheus, as docs/metrics.md says.
     let prom = envoy.admin("/stats/prometheus")?;
