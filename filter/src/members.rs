@@ -276,6 +276,59 @@ mod tests {
     }
 
     #[test]
+    fn the_poller_keeps_the_lists() {
+        use crate::sync::{Poller, SyncConfig};
+        use staleguard_core::wire::Delta;
+        use staleguard_core::{Changes, Freshness, Snapshot};
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(
+            SyncConfig {
+                wait_s: 5,
+                backoff_initial_ms: 100,
+                backoff_max_ms: 1_000,
+                min_interval_ms: 0,
+            },
+            7,
+        );
+        let fresh = Freshness {
+            fresh: true,
+            age_ms: None,
+        };
+        p.next_request(0, &store);
+        let snapshot = Snapshot {
+            v: 1,
+            epoch: 1,
+            generation: 1,
+            freshness: fresh.clone(),
+            services: vec![cart(), pay()],
+            records: vec![
+                rec("10.0.0.1", &cart(), true, false),
+                rec("10.0.0.2", &cart(), true, false),
+            ],
+        };
+        p.on_response(0, 200, &serde_json::to_vec(&snapshot).unwrap(), &mut store)
+            .unwrap();
+        let load = crate::store::View::new(&store).meta().unwrap().load;
+        assert_eq!(ips(&read(&store, &cart(), load)), ["10.0.0.1", "10.0.0.2"]);
+        p.next_request(0, &store);
+        let delta = Changes::Delta(Delta {
+            v: 1,
+            epoch: 1,
+            since: 1,
+            generation: 2,
+            freshness: fresh,
+            services_added: vec![],
+            services_removed: vec![],
+            upserts: vec![rec("10.0.0.2", &pay(), true, false)],
+            removed: vec!["10.0.0.1".parse().unwrap()],
+        });
+        p.on_response(1, 200, &serde_json::to_vec(&delta).unwrap(), &mut store)
+            .unwrap();
+        assert!(read(&store, &cart(), load).is_empty());
+        assert_eq!(ips(&read(&store, &pay(), load)), ["10.0.0.2"]);
+    }
+
+    #[test]
     fn a_snapshot_writes_lists_and_deltas_keep_them_right() {
         let mut s = MemoryStore::default();
         let records = vec![
