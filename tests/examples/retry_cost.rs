@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{body_path, test_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{body_path, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::tinyhttp::{self, named_host};
 
@@ -76,8 +76,8 @@ fn main() -> Result<()> {
         vec![cart.clone()],
         vec![pod("127.0.7.2", "live", &[&cart], false)],
     );
-    let off = test_plugin(json!({}));
-    let on = test_plugin(json!({"retry": {}}));
+    let off = shipped_plugin(json!({"on_reject": "reject"}));
+    let on = shipped_plugin(json!({}));
     let gateway = Gateway {
         concurrency: 1,
         validator: validator.addr(),
@@ -162,7 +162,11 @@ fn main() -> Result<()> {
     let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut latency: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     for round in 0..rounds {
-        for (i, m) in modes.iter().enumerate() {
+        // Each round starts with another mode, so no mode always runs first
+        // (or last) while the machine's load drifts.
+        for k in 0..modes.len() {
+            let i = (k + round) % modes.len();
+            let m = &modes[i];
             let before = cpu_ns(envoy.pid())?;
             for _ in 0..requests {
                 let t = Instant::now();

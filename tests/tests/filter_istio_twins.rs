@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{tail, test_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::tinyhttp::named_host;
 
@@ -141,7 +141,7 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
         clusters: vec![Cluster {
             name: CLUSTER.into(),
             hosts: vec![gone.addr(), live_a.addr(), live_b.addr()],
-            plugin: Some(test_plugin(json!({"retry": {}}))),
+            plugin: Some(shipped_plugin(json!({"retry": {}}))),
             metadata: None,
         }],
     };
