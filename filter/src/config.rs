@@ -34,6 +34,77 @@ pub enum Mode {
     Audit,
 }
 
+/// What happens to a request the verdict rejects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnReject {
+    /// Answer locally with `reject_status` and the reason header.
+    Reject,
+    /// Replay an eligible request to a live member through the twin cluster
+    /// (see [`crate::replay`]); reject what cannot be replayed.
+    Retry,
+}
+
+/// The replay path: how a rejected request reaches a live member instead.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// The twin of a guarded cluster is named `<cluster><twin_suffix>`: same
+    /// endpoints, the override-host load balancer, and the filter in its twin
+    /// role (docs/filter.md).
+    #[serde(default = "default_twin_suffix")]
+    pub twin_suffix: String,
+    /// Methods that may be replayed (requests without a body only).
+    #[serde(default = "default_retry_methods")]
+    pub methods: Vec<String>,
+    /// Calls to the twin at most, each naming a fresh batch of members.
+    #[serde(default = "default_retry_attempts")]
+    pub attempts: u32,
+    /// Members named per call (the twin takes the first that is one of its
+    /// endpoints).
+    #[serde(default = "default_hosts_per_attempt")]
+    pub hosts_per_attempt: u32,
+    /// Timeout of the whole replay when the route's is not readable
+    /// (`x-envoy-expected-rq-timeout-ms`).
+    #[serde(default = "default_retry_timeout_ms")]
+    pub timeout_ms: u64,
+    /// The header the twin's load balancer reads the members from.
+    #[serde(default = "default_endpoint_header")]
+    pub endpoint_header: String,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            twin_suffix: default_twin_suffix(),
+            methods: default_retry_methods(),
+            attempts: default_retry_attempts(),
+            hosts_per_attempt: default_hosts_per_attempt(),
+            timeout_ms: default_retry_timeout_ms(),
+            endpoint_header: default_endpoint_header(),
+        }
+    }
+}
+
+fn default_twin_suffix() -> String {
+    "|staleguard-twin".to_owned()
+}
+fn default_retry_methods() -> Vec<String> {
+    ["GET", "HEAD", "OPTIONS"].map(str::to_owned).to_vec()
+}
+fn default_retry_attempts() -> u32 {
+    3
+}
+fn default_hosts_per_attempt() -> u32 {
+    8
+}
+fn default_retry_timeout_ms() -> u64 {
+    15_000
+}
+fn default_endpoint_header() -> String {
+    "x-gateway-destination-endpoint".to_owned()
+}
+
 /// The plugin configuration as written (JSON in the Wasm filter's `configuration`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -85,6 +156,13 @@ pub struct RawConfig {
     /// The blast-radius guard (see [`crate::guard`]); on by default.
     #[serde(default)]
     pub guard: GuardConfig,
+    /// `reject` or `retry`; default `retry` when `retry` (the replay path)
+    /// is configured, else `reject`.
+    #[serde(default)]
+    pub on_reject: Option<OnReject>,
+    /// The replay path; its presence makes `retry` the default.
+    #[serde(default)]
+    pub retry: Option<RetryConfig>,
 }
 
 fn default_wait_s() -> u32 {
@@ -183,11 +261,49 @@ impl Config {
             }
         }
         problems.extend(raw.guard.problems());
+        if let Some(retry) = &raw.retry {
+            retry_problems(retry, &mut problems);
+        }
         if problems.is_empty() {
             Ok(Self { raw })
         } else {
             Err(ConfigError::Invalid(problems))
         }
+    }
+
+    /// The replay path, when rejected requests are to be replayed: `retry`
+    /// asked for (or defaulted to), a replay path configured, and enforcing.
+    pub fn replay(&self) -> Option<&RetryConfig> {
+        let wanted = self.raw.on_reject.unwrap_or(if self.raw.retry.is_some() {
+            OnReject::Retry
+        } else {
+            OnReject::Reject
+        });
+        match (wanted, self.raw.mode) {
+            (OnReject::Retry, Mode::Enforce) => self.raw.retry.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// Why `on_reject: retry` was asked for but cannot work, if it was: the
+    /// line `on_configure` logs, since the filter then rejects instead.
+    pub fn retry_warning(&self) -> Option<String> {
+        let asked = match self.raw.on_reject {
+            Some(OnReject::Retry) => true,
+            Some(OnReject::Reject) => false,
+            None => self.raw.retry.is_some(),
+        };
+        if !asked {
+            return None;
+        }
+        if self.raw.retry.is_none() {
+            return Some(
+                "on_reject is retry but no replay path is configured (the `retry` block naming the twin clusters): rejecting instead"
+                    .to_owned(),
+            );
+        }
+        (self.raw.mode == Mode::Audit)
+            .then(|| "on_reject is retry but mode is audit, which lets every request through: nothing is replayed".to_owned())
     }
 
     /// The `:authority` of validator requests.
@@ -206,6 +322,41 @@ impl Config {
             istio: self.raw.istio,
             rules: &self.raw.clusters,
         }
+    }
+}
+
+fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
+    if retry.twin_suffix.is_empty() {
+        // An empty suffix would make the twin the guarded cluster itself.
+        problems.push("retry.twin_suffix must not be empty".to_owned());
+    }
+    for m in &retry.methods {
+        if m.is_empty() || !m.bytes().all(|b| b.is_ascii_uppercase()) {
+            problems.push(format!("retry.methods: {m:?} is not an uppercase method"));
+        } else if m == "CONNECT" {
+            problems.push("retry.methods: CONNECT cannot be replayed".to_owned());
+        }
+    }
+    if !(1..=10).contains(&retry.attempts) {
+        problems.push(format!("retry.attempts {} not in 1..=10", retry.attempts));
+    }
+    if !(1..=64).contains(&retry.hosts_per_attempt) {
+        problems.push(format!(
+            "retry.hosts_per_attempt {} not in 1..=64",
+            retry.hosts_per_attempt
+        ));
+    }
+    if !(1..=3_600_000).contains(&retry.timeout_ms) {
+        problems.push(format!(
+            "retry.timeout_ms {} not in 1..=3600000",
+            retry.timeout_ms
+        ));
+    }
+    if !is_header_name(&retry.endpoint_header) {
+        problems.push(format!(
+            "retry.endpoint_header {:?} is not a lowercase header name",
+            retry.endpoint_header
+        ));
     }
 }
 
@@ -318,6 +469,56 @@ mod tests {
             panic!("expected Invalid, got {err}");
         };
         assert_eq!(problems.len(), 8, "{problems:?}");
+    }
+
+    #[test]
+    fn retry_is_the_default_where_a_replay_path_is_configured() {
+        let plain = Config::parse(br#"{"validator_cluster":"sg"}"#).unwrap();
+        assert!(plain.replay().is_none());
+        assert_eq!(plain.retry_warning(), None);
+        let with_path = Config::parse(br#"{"validator_cluster":"sg","retry":{}}"#).unwrap();
+        let retry = with_path.replay().unwrap();
+        assert_eq!(retry.twin_suffix, "|staleguard-twin");
+        assert_eq!(retry.methods, ["GET", "HEAD", "OPTIONS"]);
+        assert_eq!((retry.attempts, retry.hosts_per_attempt), (3, 8));
+        let opted_out =
+            Config::parse(br#"{"validator_cluster":"sg","retry":{},"on_reject":"reject"}"#)
+                .unwrap();
+        assert!(opted_out.replay().is_none());
+    }
+
+    #[test]
+    fn retry_that_cannot_work_says_why() {
+        let no_path = Config::parse(br#"{"validator_cluster":"sg","on_reject":"retry"}"#).unwrap();
+        assert!(no_path.replay().is_none());
+        assert!(no_path.retry_warning().unwrap().contains("no replay path"));
+        let audit = Config::parse(
+            br#"{"validator_cluster":"sg","on_reject":"retry","retry":{},"mode":"audit"}"#,
+        )
+        .unwrap();
+        assert!(audit.replay().is_none());
+        assert!(audit.retry_warning().unwrap().contains("audit"));
+        let audit_by_default =
+            Config::parse(br#"{"validator_cluster":"sg","retry":{},"mode":"audit"}"#).unwrap();
+        assert!(audit_by_default.retry_warning().unwrap().contains("audit"));
+        let working = Config::parse(br#"{"validator_cluster":"sg","retry":{}}"#).unwrap();
+        assert_eq!(working.retry_warning(), None);
+    }
+
+    #[test]
+    fn bad_retry_settings_are_reported_together() {
+        let err = Config::parse(
+            br#"{"validator_cluster":"sg","retry":{"twin_suffix":"","methods":["get","CONNECT"],
+            "attempts":0,"hosts_per_attempt":65,"timeout_ms":0,"endpoint_header":"X"}}"#,
+        )
+        .unwrap_err();
+        let ConfigError::Invalid(problems) = err else {
+            panic!("expected Invalid, got {err}");
+        };
+        assert_eq!(problems.len(), 7, "{problems:?}");
+        let err =
+            Config::parse(br#"{"validator_cluster":"sg","retry":{"atempts":2}}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field `atempts`"), "{err}");
     }
 
     #[test]

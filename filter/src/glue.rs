@@ -6,6 +6,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -17,7 +18,11 @@ use crate::check::{header_value, judge, Effect, Outcome, Upstream};
 use crate::config::Config;
 use crate::guard::{Guard, GuardEvent};
 use crate::lease::{Lease, LeaseState};
+use crate::members;
 use crate::metrics;
+use crate::replay::{
+    self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
+};
 use crate::store::{SharedData, StoreError, View};
 use crate::sync::{Applied, Poller, SyncConfig, SyncError};
 use crate::throttle::Throttle;
@@ -133,6 +138,7 @@ struct Root {
     /// The timer period last set: the timer is re-armed for whatever comes
     /// first, the lease or the poller's next step.
     timer_ms: u64,
+    twin: Option<Rc<TwinConfig>>,
 }
 
 impl Root {
@@ -147,6 +153,7 @@ impl Root {
             in_flight: None,
             lease_due_ms: 0,
             timer_ms: 0,
+            twin: None,
         }
     }
 
@@ -428,6 +435,24 @@ impl RootContext for Root {
             .ok()
             .flatten()
             .unwrap_or_default();
+        // A twin cluster's filter (docs/filter.md, "Retry"): no index, no
+        // poller; it only checks its pick against the hosts the origin named.
+        match TwinConfig::parse(&bytes) {
+            Ok(Some(twin)) => {
+                log::info!(
+                    "[ctx {}] staleguard: configured as a replay twin (endpoint header {:?})",
+                    self.id,
+                    twin.endpoint_header
+                );
+                self.twin = Some(Rc::new(twin));
+                return true;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                log::error!("[ctx {}] staleguard: {e}", self.id);
+                return false;
+            }
+        }
         let config = match Config::parse(&bytes) {
             Ok(c) => c,
             Err(e) => {
@@ -464,6 +489,16 @@ impl RootContext for Root {
             config.raw.mode,
             config.raw.validator_cluster
         );
+        if let Some(warning) = config.retry_warning() {
+            log::warn!("[ctx {}] staleguard: {warning}", self.id);
+        } else if let Some(retry) = config.replay() {
+            log::info!(
+                "[ctx {}] staleguard: rejected requests without a body are replayed to live members through the twin clusters (`<cluster>{}`), up to {} attempts",
+                self.id,
+                retry.twin_suffix,
+                retry.attempts
+            );
+        }
         self.config = Some(Rc::new(config));
         true
     }
@@ -493,6 +528,8 @@ impl RootContext for Root {
             config: self.config.clone(),
             metrics: self.metrics.clone(),
             log_budget: self.log_budget.clone(),
+            twin: self.twin.clone(),
+            replay: None,
         }))
     }
 
@@ -508,12 +545,237 @@ struct Filter {
     config: Option<Rc<Config>>,
     metrics: Rc<RefCell<Metrics>>,
     log_budget: Rc<RefCell<Throttle>>,
+    /// Set in a twin cluster's VM: this instance only checks its pick.
+    twin: Option<Rc<TwinConfig>>,
+    /// A replay in flight (see `crate::replay`).
+    replay: Option<Pending>,
 }
 
-impl Context for Filter {}
+/// What a paused request needs to go on replaying.
+struct Pending {
+    replay: Replay,
+    token: Option<u32>,
+    twin_cluster: String,
+    headers: Vec<(String, String)>,
+    reason: staleguard_core::Reason,
+    /// Body size of the last answer.
+    body_size: usize,
+    /// Headers of the last answer.
+    answer: Vec<(String, String)>,
+}
+
+impl Filter {
+    /// The twin's whole job: let through a pick the origin named (without the
+    /// endpoint header), fail any other at once.
+    fn twin_request(&mut self, twin: &TwinConfig) -> Action {
+        let named = hostcalls::get_map_value(MapType::HttpRequestHeaders, &twin.endpoint_header)
+            .ok()
+            .flatten();
+        let address = property(vec!["upstream", "address"]);
+        let ok = replay::twin_pick_is_named(named.as_deref(), address.as_deref());
+        self.metrics.borrow_mut().inc(&metrics::twin_picks(ok), 1);
+        if ok {
+            let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &twin.endpoint_header);
+            return Action::Continue;
+        }
+        log::debug!(
+            "[ctx {}] staleguard twin: pick {address:?} not among {named:?}",
+            self.id
+        );
+        let _ = hostcalls::send_http_response(503, vec![(replay::TWIN_MISS_HEADER, "1")], None);
+        Action::Pause
+    }
+
+    fn reject(&self, config: &Config, status: u32, reason: staleguard_core::Reason) {
+        let reason = header_value(reason);
+        let headers = vec![(config.raw.reject_header.as_str(), reason)];
+        let body = format!("staleguard: {reason}\n");
+        let _ = hostcalls::send_http_response(status, headers, Some(body.as_bytes()));
+    }
+
+    /// Starts replaying a rejected request, or says why it cannot be.
+    fn start_replay(
+        &mut self,
+        retry: &crate::config::RetryConfig,
+        service: &staleguard_core::ServiceKey,
+        cluster: &str,
+        stale: Option<SocketAddr>,
+        reason: staleguard_core::Reason,
+        end_of_stream: bool,
+    ) -> Result<Step, Ineligible> {
+        let raw = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
+        let headers = replay::text_headers(raw)?;
+        replay::eligibility(retry, &headers, end_of_stream)?;
+        let batches = match (View::new(&HostStore).meta(), stale) {
+            (Some(meta), Some(stale)) => {
+                let live = members::read(&HostStore, service, meta.load);
+                replay::plan(retry, &live, stale, random_u64())
+            }
+            _ => Vec::new(),
+        };
+        let timeout = replay::timeout_ms(retry, &headers);
+        let (state, step) = Replay::start(batches, now_ms(), timeout);
+        self.replay = Some(Pending {
+            replay: state,
+            token: None,
+            twin_cluster: format!("{cluster}{}", retry.twin_suffix),
+            headers,
+            reason,
+            body_size: 0,
+            answer: Vec::new(),
+        });
+        Ok(step)
+    }
+
+    /// Carries out `step`s until one waits for an answer (`Pause`) or ends the
+    /// request.
+    fn drive(&mut self, mut step: Step) {
+        loop {
+            let Some(config) = self.config.clone() else {
+                return;
+            };
+            let Some(retry) = config.replay() else {
+                return;
+            };
+            let Some(pending) = self.replay.as_mut() else {
+                return;
+            };
+            match step {
+                Step::Send { hosts, timeout_ms } => {
+                    let headers =
+                        replay::request_headers(&pending.headers, &retry.endpoint_header, &hosts);
+                    let headers: Vec<(&str, &str)> = headers
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect();
+                    match hostcalls::dispatch_http_call(
+                        &pending.twin_cluster,
+                        headers,
+                        None,
+                        vec![],
+                        Duration::from_millis(timeout_ms),
+                    ) {
+                        Ok(token) => {
+                            pending.token = Some(token);
+                            return;
+                        }
+                        Err(status) => {
+                            // No twin cluster (a deploy without one) or no
+                            // room for a call: this batch failed. Logged
+                            // within the verdict log budget: a missing twin
+                            // fails every replay.
+                            if self.log_budget.borrow_mut().allow(now_ms()).is_some() {
+                                log::warn!(
+                                    "[ctx {}] staleguard: cannot call the twin cluster {:?} ({status:?}): is it configured? (docs/filter.md, \"Retry\")",
+                                    self.id,
+                                    pending.twin_cluster
+                                );
+                            }
+                            step = pending.replay.on_result(now_ms(), CallResult::Failed);
+                        }
+                    }
+                }
+                Step::Deliver => {
+                    let body_size = pending.body_size;
+                    let status =
+                        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+                            .ok()
+                            .flatten()
+                            .and_then(|s| s.parse::<u32>().ok())
+                            .unwrap_or(502);
+                    let headers = std::mem::take(&mut pending.answer);
+                    let filler = replay::head_filler(&pending.headers, &headers);
+                    self.finish(ReplayOutcome::Answered);
+                    let headers = replay::response_headers(&headers);
+                    let headers: Vec<(&str, &str)> = headers
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect();
+                    let body = match filler {
+                        Some(n) => vec![b' '; n],
+                        None => {
+                            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                                .ok()
+                                .flatten()
+                                .unwrap_or_default()
+                        }
+                    };
+                    let _ = hostcalls::send_http_response(status, headers, Some(&body));
+                    return;
+                }
+                Step::Fail(ReplayOutcome::Timeout) => {
+                    self.finish(ReplayOutcome::Timeout);
+                    // What the router itself answers when a route times out.
+                    let _ = hostcalls::send_http_response(
+                        504,
+                        vec![("content-type", "text/plain")],
+                        Some(b"upstream request timeout"),
+                    );
+                    return;
+                }
+                Step::Fail(outcome) => {
+                    let reason = pending.reason;
+                    self.finish(outcome);
+                    if let Effect::Reject { status } = reject_effect(&config) {
+                        self.reject(&config, status, reason);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self, outcome: ReplayOutcome) {
+        if let Some(pending) = self.replay.take() {
+            if outcome != ReplayOutcome::Answered {
+                log::debug!(
+                    "[ctx {}] staleguard: replay ended {} after {} calls",
+                    self.id,
+                    outcome.as_str(),
+                    pending.replay.attempts()
+                );
+            }
+        }
+        self.metrics.borrow_mut().inc(&metrics::retries(outcome), 1);
+    }
+}
+
+fn reject_effect(config: &Config) -> Effect {
+    Effect::Reject {
+        status: config.raw.reject_status,
+    }
+}
+
+impl Context for Filter {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _: usize) {
+        let Some(pending) = self.replay.as_mut() else {
+            return;
+        };
+        if pending.token != Some(token) {
+            return;
+        }
+        pending.token = None;
+        pending.body_size = body_size;
+        // A failed call has no header map (asking for one is BadArgument).
+        let answer = (headers > 0).then(|| {
+            hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+                .collect::<Vec<_>>()
+        });
+        let result = replay::classify(answer.as_deref());
+        pending.answer = answer.unwrap_or_default();
+        let step = pending.replay.on_result(now_ms(), result);
+        self.drive(step);
+    }
+}
 
 impl HttpContext for Filter {
-    fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
+    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
+        if let Some(twin) = self.twin.clone() {
+            return self.twin_request(&twin);
+        }
         let Some(config) = self.config.clone() else {
             return Action::Continue;
         };
@@ -554,8 +816,37 @@ impl HttpContext for Filter {
                 effect,
             } => (service, ip, verdict, effect),
         };
-        m.inc(&metrics::requests(verdict.reason, effect), 1);
         drop(m);
+        // A rejection becomes a replay where one is configured and the
+        // request is eligible; the decision is `crate::replay`'s.
+        let mut replay_step = None;
+        if let (Effect::Reject { .. }, Some(retry)) = (effect, config.replay()) {
+            let stale = upstream
+                .address
+                .as_deref()
+                .and_then(|a| a.parse::<SocketAddr>().ok());
+            let cluster = upstream.cluster.as_deref().unwrap_or_default();
+            match self.start_replay(
+                retry,
+                &service,
+                cluster,
+                stale,
+                verdict.reason,
+                end_of_stream,
+            ) {
+                Ok(step) => replay_step = Some(step),
+                Err(cause) => self
+                    .metrics
+                    .borrow_mut()
+                    .inc(&metrics::retries(ReplayOutcome::NotEligible(cause)), 1),
+            }
+        }
+        let counter = if replay_step.is_some() {
+            metrics::requests_replayed(verdict.reason)
+        } else {
+            metrics::requests(verdict.reason, effect)
+        };
+        self.metrics.borrow_mut().inc(&counter, 1);
         if effect != Effect::Allow {
             if let Some(skipped) = self.log_budget.borrow_mut().allow(now_ms()) {
                 let more = if skipped > 0 {
@@ -563,21 +854,26 @@ impl HttpContext for Filter {
                 } else {
                     String::new()
                 };
+                let action = if replay_step.is_some() {
+                    "retry"
+                } else {
+                    effect.as_str()
+                };
                 log::info!(
-                    "[ctx {}] staleguard: {} host {ip} of {service}: {}{more}",
+                    "[ctx {}] staleguard: {action} host {ip} of {service}: {}{more}",
                     self.id,
-                    effect.as_str(),
                     verdict.reason.as_str()
                 );
             }
         }
+        if let Some(step) = replay_step {
+            self.drive(step);
+            return Action::Pause;
+        }
         match effect {
             Effect::Allow | Effect::Audit => Action::Continue,
             Effect::Reject { status } => {
-                let reason = header_value(verdict.reason);
-                let headers = vec![(config.raw.reject_header.as_str(), reason)];
-                let body = format!("staleguard: {reason}\n");
-                let _ = hostcalls::send_http_response(status, headers, Some(body.as_bytes()));
+                self.reject(&config, status, verdict.reason);
                 Action::Pause
             }
         }

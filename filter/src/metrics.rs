@@ -9,6 +9,7 @@
 use staleguard_core::Reason;
 
 use crate::check::Effect;
+use crate::replay::Outcome;
 
 /// Requests whose cluster maps to no service (passed untouched).
 pub const REQUESTS_UNMAPPED: &str = "staleguard.requests_unmapped";
@@ -71,6 +72,29 @@ pub fn requests(reason: Reason, effect: Effect) -> String {
     )
 }
 
+/// Per-request counter of a rejected request that was replayed instead:
+/// `staleguard.requests.reason.<reason>.action.retry` (whatever the replay's
+/// outcome, which [`retries`] counts).
+pub fn requests_replayed(reason: Reason) -> String {
+    format!(
+        "staleguard.requests.reason.{}.action.retry",
+        reason.as_str()
+    )
+}
+
+/// Replay counter: `staleguard.retries_total.outcome.<outcome>` (outcomes:
+/// `answered`, `exhausted`, `timeout`, `not_eligible_<cause>`).
+pub fn retries(outcome: Outcome) -> String {
+    format!("staleguard.retries_total.outcome.{}", outcome.as_str())
+}
+
+/// The twin's picks: `staleguard.twin_picks_total.outcome.named` (a host the
+/// origin named: let through) or `.miss` (failed at once, nothing sent).
+pub fn twin_picks(named: bool) -> String {
+    let outcome = if named { "named" } else { "miss" };
+    format!("staleguard.twin_picks_total.outcome.{outcome}")
+}
+
 /// Sync error counter: `staleguard.sync_errors.kind.<kind>`.
 pub fn sync_errors(kind: &str) -> String {
     format!("staleguard.sync_errors.kind.{kind}")
@@ -95,5 +119,17 @@ mod tests {
             }
         }
         assert_eq!(names.len(), Reason::ALL.len() * effects.len());
+        assert_eq!(
+            retries(Outcome::NotEligible(crate::replay::Ineligible::Body)),
+            "staleguard.retries_total.outcome.not_eligible_body"
+        );
+        assert_eq!(
+            requests_replayed(Reason::Recycled),
+            "staleguard.requests.reason.recycled.action.retry"
+        );
+        assert_eq!(
+            twin_picks(false),
+            "staleguard.twin_picks_total.outcome.miss"
+        );
     }
 }

@@ -23,8 +23,9 @@ use staleguard_core::{Changes, IpRecord, Policy, ServiceKey, Snapshot};
 
 use crate::buckets::{self, Bucket};
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
+use crate::members;
 use crate::store::{
-    encode_service, next_id, service_key, Meta, SharedData, StoreError, LOADS_KEY, META_KEY,
+    encode_service, next_id, service_key, Entry, Meta, SharedData, StoreError, LOADS_KEY, META_KEY,
 };
 
 /// Why an answer could not be applied.
@@ -471,6 +472,7 @@ impl Poller {
         if let Some((i, bucket)) = current.take() {
             entries += self.write_bucket(store, load, layout, i, &bucket, &mut written)?;
         }
+        members::write_snapshot(store, load, records)?;
         let services: HashSet<ServiceKey> = services.iter().cloned().collect();
         for service in &services {
             store.set(&service_key(service), &encode_service(load), None)?;
@@ -562,8 +564,21 @@ impl Poller {
         for (index, edits) in edits {
             let key = buckets::bucket_key(self.buckets, index);
             let (value, _) = store.get(&key)?;
+            let value = value.unwrap_or_default();
+            // Member lists first: they need each IP's old record.
+            for edit in &edits {
+                let (ip, new) = match edit {
+                    Edit::Put(record) => (record.ip, Some(*record)),
+                    Edit::Remove(ip) => (**ip, None),
+                };
+                let old = match buckets::find(&value, &ip, load) {
+                    Entry::Present(record) => Some(record),
+                    Entry::Absent | Entry::Corrupt => None,
+                };
+                members::apply_change(store, load, ip, old.as_ref(), new)?;
+            }
             // A bucket of an older load is empty for readers: start afresh.
-            let mut bucket = Bucket::read(&value.unwrap_or_default(), load);
+            let mut bucket = Bucket::read(&value, load);
             let mut delta = 0i64;
             for edit in edits {
                 delta += match edit {

@@ -107,6 +107,8 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
         }
         anyhow::Ok(world)
     };
+    // Retry on, as deploy/ ships it: a rejected request without a body is
+    // replayed to a live pod of its service (docs/filter.md, "Retry").
     let plugin = shipped_plugin(json!({}));
     let specs = [
         GatewaySpec {
@@ -551,10 +553,14 @@ impl Ui {
         let _ = writeln!(out, "{frame}");
         let _ = writeln!(
             out,
-            "summary: with staleguard {} of {} requests reached a wrong or dead pod; without, {} of {}.",
+            "summary: with staleguard {} of {} requests reached a wrong or dead pod; without, {} of {}; the guarded gateway failed {} of {} requests, the unguarded {} of {}.",
             num(summary.guarded_landed.misrouted()),
             num(summary.guarded.total()),
             num(summary.plain_landed.misrouted()),
+            num(summary.plain.total()),
+            num(summary.guarded.failed()),
+            num(summary.guarded.total()),
+            num(summary.plain.failed()),
             num(summary.plain.total())
         );
         let _ = out.flush();

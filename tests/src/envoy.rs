@@ -35,7 +35,9 @@ pub fn stats_tags() -> Value {
         {"tag_name": "staleguard_action",
          "regex": "^wasmcustom\\.staleguard\\.requests\\.reason\\.[a-z_]+(\\.action\\.([a-z_]+))$"},
         {"tag_name": "staleguard_error_kind",
-         "regex": "^wasmcustom\\.staleguard\\.sync_errors(\\.kind\\.([a-z_]+))$"}
+         "regex": "^wasmcustom\\.staleguard\\.sync_errors(\\.kind\\.([a-z_]+))$"},
+        {"tag_name": "staleguard_outcome",
+         "regex": "^wasmcustom\\.staleguard\\.(?:retries_total|twin_picks_total)(\\.outcome\\.([a-z_]+))$"}
     ])
 }
 
@@ -161,6 +163,121 @@ pub fn upstream_filter_options(wasm: &Path, plugin: &Value) -> Value {
     })
 }
 
+/// The twin of a guarded cluster, for the replay of rejected requests
+/// (`on_reject: retry`), as `deploy/envoy/envoy.yaml` has it: `cluster` (the
+/// guarded cluster's JSON: same endpoints or EDS source, same transport
+/// socket) renamed `<name><twin_suffix>`, with the override-host load balancer
+/// reading `endpoint_header` (round robin as the fallback), and the filter in
+/// its twin role in a VM of its own (`vm_id` `staleguard-twin`: a callout into
+/// the VM that made it would re-enter it). `None` when `plugin` asks for no
+/// replay.
+pub fn twin_cluster(cluster: &Value, wasm: &Path, plugin: &Value) -> Option<Value> {
+    let retry = plugin.get("retry")?;
+    if plugin.get("on_reject").and_then(Value::as_str) == Some("reject") {
+        return None;
+    }
+    let suffix = retry
+        .get("twin_suffix")
+        .and_then(Value::as_str)
+        .unwrap_or("|staleguard-twin");
+    let header = retry
+        .get("endpoint_header")
+        .and_then(Value::as_str)
+        .unwrap_or("x-gateway-destination-endpoint");
+    let mut twin = cluster.clone();
+    let name = format!("{}{suffix}", cluster.get("name")?.as_str()?);
+    twin["name"] = json!(name);
+    if twin.get("load_assignment").is_some() {
+        twin["load_assignment"]["cluster_name"] = json!(name);
+    }
+    twin["load_balancing_policy"] = json!({"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [{"header": header}],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}
+            }}]}
+        }
+    }}]});
+    let mut filter = wasm_filter(wasm, &json!({"replay_twin": {"endpoint_header": header}}));
+    filter["typed_config"]["config"]["vm_config"]["vm_id"] = json!("staleguard-twin");
+    twin["typed_extension_protocol_options"] = json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http_protocol_options": {}},
+            "http_filters": [
+                filter,
+                {"name": "envoy.filters.http.upstream_codec",
+                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
+            ]
+        }
+    });
+    Some(twin)
+}
+
+/// The full-fidelity path for requests with bodies, as
+/// `deploy/envoy/body-path.yaml` ships it: the outer route sends them to the
+/// cluster `staleguard-body`, whose one endpoint is the internal listener
+/// `staleguard-body`, whose route (`inner_route`) leads to the guarded
+/// cluster. A rejection there (a 503 with `reject_header`) is an answer the
+/// outer router retries, `retries` times, body included; each retry is a new
+/// pick. Returns the outer route for `prefix` and edits `bootstrap` (the
+/// bootstrap extension, the internal listener and its cluster).
+pub fn body_path(
+    bootstrap: &mut Value,
+    prefix: &str,
+    inner_route: Value,
+    reject_header: &str,
+    retries: u32,
+) -> Value {
+    bootstrap["bootstrap_extensions"] = json!([{
+        "name": "envoy.bootstrap.internal_listener",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"}
+    }]);
+    let listener = json!({
+        "name": "staleguard-body",
+        "internal_listener": {},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "staleguard_body",
+                "route_config": {"virtual_hosts": [{"name": "inner", "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": inner_route}]}]},
+                "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+            }
+        }]}]
+    });
+    let cluster = json!({
+        "name": "staleguard-body",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "staleguard-body", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"envoy_internal_address": {"server_listener_name": "staleguard-body"}}}}
+        ]}]}
+    });
+    if let Some(l) = bootstrap["static_resources"]["listeners"].as_array_mut() {
+        l.push(listener);
+    }
+    if let Some(c) = bootstrap["static_resources"]["clusters"].as_array_mut() {
+        c.push(cluster);
+    }
+    json!({
+        "match": {"prefix": prefix},
+        "route": {
+            "cluster": "staleguard-body",
+            "timeout": "5s",
+            "retry_policy": {
+                "retry_on": "retriable-headers",
+                "retriable_headers": [{"name": reject_header, "present_match": true}],
+                "num_retries": retries
+            }
+        }
+    })
+}
+
 /// The gateway's listener on `127.0.0.1:port`: an HTTP connection manager
 /// with `virtual_hosts` and the router, as every test Envoy has it.
 pub fn gateway_listener(port: u16, virtual_hosts: Value) -> Value {
@@ -210,6 +327,13 @@ impl Cluster {
         }
     }
 
+    /// The cluster, and its twin when the plugin replays rejections.
+    fn with_twin(&self, wasm: &Path) -> Vec<Value> {
+        let c = self.to_json(wasm);
+        let twin = self.plugin.as_ref().and_then(|p| twin_cluster(&c, wasm, p));
+        std::iter::once(c).chain(twin).collect()
+    }
+
     fn to_json(&self, wasm: &Path) -> Value {
         let mut c = static_cluster(&self.name, &self.hosts);
         if let Some(plugin) = &self.plugin {
@@ -244,7 +368,22 @@ impl Gateway {
         cds: &Path,
     ) -> Value {
         let route = json!({"cluster_header": "x-cluster", "timeout": "5s"});
-        let mut clusters: Vec<Value> = self.clusters.iter().map(|c| c.to_json(wasm)).collect();
+        // Routes for the replay tests: a prefix rewrite, a short route
+        // timeout, and none at all (the replay's own timeout then applies).
+        let routes = json!([
+            {"match": {"prefix": "/rewrite/"}, "route":
+                {"cluster_header": "x-cluster", "timeout": "5s", "prefix_rewrite": "/rewritten/"}},
+            {"match": {"prefix": "/short-timeout/"}, "route":
+                {"cluster_header": "x-cluster", "timeout": "1s"}},
+            {"match": {"prefix": "/no-timeout/"}, "route":
+                {"cluster_header": "x-cluster", "timeout": "0s"}},
+            {"match": {"prefix": "/"}, "route": route}
+        ]);
+        let mut clusters: Vec<Value> = self
+            .clusters
+            .iter()
+            .flat_map(|c| c.with_twin(wasm))
+            .collect();
         let validators: Vec<SocketAddr> = std::iter::once(self.validator)
             .chain(self.replicas.iter().copied())
             .collect();
@@ -259,7 +398,7 @@ impl Gateway {
             "stats_config": {"stats_tags": stats_tags()},
             "static_resources": {
                 "listeners": [gateway_listener(listener.port(), json!([{"name": "all", "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": route}]}]))],
+                    "routes": routes}]))],
                 "clusters": clusters
             }
         })
@@ -268,6 +407,12 @@ impl Gateway {
     /// Starts Envoy; `None` (after a SKIP line) when Envoy or the module is
     /// missing outside CI.
     pub fn start(&self) -> Result<Option<Envoy>> {
+        self.start_with(|_| Ok(()))
+    }
+
+    /// Like [`Gateway::start`], with `edit` applied to the bootstrap first
+    /// (a test that brings clusters of its own, such as generated twins).
+    pub fn start_with(&self, edit: impl FnOnce(&mut Value) -> Result<()>) -> Result<Option<Envoy>> {
         let Some((envoy, wasm)) = dependencies() else {
             return Ok(None);
         };
@@ -281,7 +426,8 @@ impl Gateway {
         std::fs::create_dir_all(&dir)?;
         let cds = dir.join("cds.json");
         write_cds(&cds, &wasm, &self.dynamic)?;
-        let config = self.bootstrap(&wasm, listener, admin, &cds);
+        let mut config = self.bootstrap(&wasm, listener, admin, &cds);
+        edit(&mut config)?;
         let path = dir.join("envoy.json");
         std::fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
         let mut cmd = Command::new(envoy);
@@ -307,6 +453,29 @@ impl Envoy {
     pub fn get(&mut self, cluster: &str) -> Result<Response> {
         self.guard.check_alive()?;
         tinyhttp::get(self.listener, "/", &[("x-cluster", cluster)])
+    }
+
+    /// Sends `method target` with `body` through the gateway to `cluster`.
+    pub fn send(
+        &mut self,
+        cluster: &str,
+        method: &str,
+        target: &str,
+        body: Option<&[u8]>,
+    ) -> Result<Response> {
+        self.guard.check_alive()?;
+        tinyhttp::request(
+            self.listener,
+            method,
+            target,
+            &[("x-cluster", cluster)],
+            body,
+        )
+    }
+
+    /// Envoy's process id.
+    pub fn pid(&self) -> u32 {
+        self.guard.pid()
     }
 
     /// An admin page.
@@ -374,8 +543,9 @@ impl Envoy {
 fn write_cds(path: &Path, wasm: &Path, clusters: &[Cluster]) -> Result<()> {
     let resources: Vec<Value> = clusters
         .iter()
+        .flat_map(|c| c.with_twin(wasm))
         .map(|c| {
-            let mut v = c.to_json(wasm);
+            let mut v = c;
             v["@type"] = json!("type.googleapis.com/envoy.config.cluster.v3.Cluster");
             v
         })

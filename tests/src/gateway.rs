@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::envoy::{gateway_listener, stats_tags, tail, upstream_filter_options};
+use crate::envoy::{gateway_listener, stats_tags, tail, twin_cluster, upstream_filter_options};
 use crate::pods::{INTENDED_HEADER, VIA_HEADER};
 use crate::process::{free_port, wait_for_port, Guard};
 use crate::traffic::{Http, Target};
@@ -92,6 +92,8 @@ impl GatewaySpec {
             });
             if let Some(plugin) = &self.plugin {
                 cluster["typed_extension_protocol_options"] = upstream_filter_options(wasm, plugin);
+                // The twin reads the same EDS resource: the same endpoints.
+                clusters.extend(twin_cluster(&cluster, wasm, plugin));
             }
             clusters.push(cluster);
             vhosts.push(json!({

@@ -23,6 +23,8 @@ pub struct Request {
     pub target: String,
     /// Headers, names lowercased.
     pub headers: BTreeMap<String, String>,
+    /// The body (`content-length` bytes).
+    pub body: Vec<u8>,
 }
 
 impl Request {
@@ -167,6 +169,7 @@ fn serve_one(stream: TcpStream, handler: &Handler, hits: &AtomicU64) -> Result<(
         method: parts.next().unwrap_or_default().to_owned(),
         target: parts.next().unwrap_or_default().to_owned(),
         headers: BTreeMap::new(),
+        body: Vec::new(),
     };
     let mut content_length = 0usize;
     loop {
@@ -183,8 +186,8 @@ fn serve_one(stream: TcpStream, handler: &Handler, hits: &AtomicU64) -> Result<(
             request.headers.insert(k, v);
         }
     }
-    let mut body = vec![0u8; content_length];
-    reader.read_exact(&mut body)?;
+    request.body = vec![0u8; content_length];
+    reader.read_exact(&mut request.body)?;
     let answer = handler(&request);
     hits.fetch_add(1, Ordering::SeqCst);
     let mut stream = stream;
@@ -204,7 +207,9 @@ fn serve_one(stream: TcpStream, handler: &Handler, hits: &AtomicU64) -> Result<(
             }
             out.push_str("\r\n");
             stream.write_all(out.as_bytes())?;
-            stream.write_all(&body)?;
+            if request.method != "HEAD" {
+                stream.write_all(&body)?;
+            }
             stream.flush()?;
             Ok(())
         }
@@ -231,15 +236,33 @@ impl Response {
 
 /// Sends `GET target` to `addr` with extra headers; reads the whole answer.
 pub fn get(addr: SocketAddr, target: &str, headers: &[(&str, &str)]) -> Result<Response> {
+    request(addr, "GET", target, headers, None)
+}
+
+/// Sends `method target` to `addr` with extra headers and `body` (with its
+/// content-length); reads the whole answer (no body for `HEAD`).
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> Result<Response> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
         .with_context(|| format!("connect {addr}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(20)))?;
-    let mut req = format!("GET {target} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n");
+    let mut req = format!("{method} {target} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
+    if let Some(body) = body {
+        req.push_str(&format!("content-length: {}\r\n", body.len()));
+    }
     req.push_str("\r\n");
     stream.write_all(req.as_bytes())?;
+    if let Some(body) = body {
+        stream.write_all(body)?;
+    }
     // Read the head, then exactly content-length bytes: waiting for EOF would
     // wait out Envoy's delayed close (1 s) on every request.
     let mut reader = BufReader::new(stream);
@@ -263,6 +286,7 @@ pub fn get(addr: SocketAddr, target: &str, headers: &[(&str, &str)]) -> Result<R
     let mut raw = Vec::new();
     match headers
         .get("content-length")
+        .filter(|_| method != "HEAD")
         .and_then(|v| v.parse::<usize>().ok())
     {
         Some(len) => {

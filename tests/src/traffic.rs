@@ -146,6 +146,13 @@ impl Outcomes {
             + self.errors
     }
 
+    /// Requests that failed their client: anything but a 2xx from the
+    /// service the route means (a rejection, an error status, no answer, or an
+    /// answer from a wrong or dead pod).
+    pub fn failed(&self) -> u64 {
+        self.total() - self.right
+    }
+
     /// Requests staleguard rejected, whatever the reason.
     pub fn rejected_total(&self) -> u64 {
         self.rejected.values().sum()

@@ -1,8 +1,8 @@
 //! Smoke test of the one-command demo: `staleguard-demo --duration` runs the
 //! story non-interactively, reports that the guard stopped every misrouted
-//! request while the unguarded gateway let some through, prints the audit of
-//! both gateways while the control plane is stuck, and leaves nothing
-//! listening behind it.
+//! request while the unguarded gateway let some through, that with retry on
+//! the guarded gateway failed none, prints the audit of both gateways while
+//! the control plane is stuck, and leaves nothing listening behind it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::{SocketAddr, TcpStream};
@@ -30,7 +30,8 @@ fn the_demo_runs_reports_and_cleans_up() {
     println!("{stdout}");
 
     // "summary: with staleguard G of N requests reached a wrong or dead pod;
-    // without, P of M."
+    // without, P of M; the guarded gateway failed F of N requests, the
+    // unguarded E of M."
     let summary = stdout
         .lines()
         .find(|l| l.starts_with("summary:"))
@@ -39,9 +40,17 @@ fn the_demo_runs_reports_and_cleans_up() {
         .split(|c: char| !c.is_ascii_digit() && c != ',')
         .filter_map(|w| w.replace(',', "").parse().ok())
         .collect();
-    let [guarded, guarded_total, plain, plain_total] = numbers[..] else {
+    let [guarded, guarded_total, plain, plain_total, guarded_failed, guarded_total_again, _plain_failed, _] =
+        numbers[..]
+    else {
         panic!("unexpected summary: {summary}");
     };
+    assert_eq!(guarded_total, guarded_total_again, "{summary}");
+    // Retry on: every request the guard rejects is replayed to a live pod.
+    assert_eq!(
+        guarded_failed, 0,
+        "the guarded gateway failed requests: {summary}"
+    );
     assert_eq!(guarded, 0, "{summary}");
     assert!(guarded_total > 0 && plain_total > 0, "{summary}");
     assert!(

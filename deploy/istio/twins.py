@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Generate the replay twins of an Istio ingress gateway's guarded clusters.
+
+With `on_reject: retry` (the default once the plugin configuration has a
+`retry` block), the staleguard filter replays a rejected request without a
+body through the guarded cluster's *twin*, `<cluster>|staleguard-twin`
+(docs/filter.md, "Retry"). Istio makes one cluster per service and port, each
+with its own EDS resource and its own mTLS transport socket (the SNI and the
+SANs name the service), so the twins are generated from the gateway's own
+clusters rather than written by hand:
+
+    istioctl proxy-config cluster -n istio-system deploy/istio-ingressgateway -o json \\
+      | deploy/istio/twins.py --service cart.shop.svc.cluster.local > twins.json
+    kubectl apply -f twins.json        # an EnvoyFilter; JSON is YAML
+
+Each twin is a copy of its cluster, field for field (the transport socket
+matches, so mTLS keeps working; circuit breakers, protocol options, metadata),
+except:
+  * its name, `<cluster><suffix>`;
+  * it reads the guarded cluster's EDS resource (`eds_cluster_config.service_name`),
+    so it has the same endpoints, pushed by istiod with the guarded cluster's;
+  * its load balancer is `envoy.load_balancing_policies.override_host`,
+    reading the header the filter names live members in (round robin as the
+    fallback);
+  * its HttpProtocolOptions keep Istio's protocol settings and add the filter
+    in its `replay_twin` role, in a VM of its own (`vm_id: staleguard-twin`).
+
+The twins carry their own upstream filter chain, so they work whether the
+guard filter is attached per cluster or through the router's
+`upstream_http_filters`: a cluster's own http_filters win, and the twins are
+only ever reached by the filter's callouts. Re-run the generator when the
+guarded services or their ports change.
+
+Standard library only; reads JSON on stdin (a list of clusters, or an object
+with a "clusters" list, or an Envoy /config_dump), writes JSON on stdout.
+"""
+
+import argparse
+import copy
+import json
+import sys
+
+LB_FIELDS = (
+    "lb_policy",
+    "common_lb_config",
+    "least_request_lb_config",
+    "round_robin_lb_config",
+    "ring_hash_lb_config",
+    "maglev_lb_config",
+    "original_dst_lb_config",
+    "lb_subset_config",
+)
+HPO = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+HPO_TYPE = "type.googleapis.com/" + HPO
+
+
+def clusters_of(doc):
+    """The cluster objects in istioctl's or Envoy's JSON."""
+    if isinstance(doc, list):
+        return doc
+    if "clusters" in doc:
+        return doc["clusters"]
+    out = []
+    for config in doc.get("configs", []):
+        for key in ("static_clusters", "dynamic_active_clusters"):
+            out.extend(c["cluster"] for c in config.get(key, []))
+    return out
+
+
+def twin(cluster, suffix, header, wasm):
+    """The twin of one cluster (see the module docs)."""
+    name = cluster["name"]
+    t = copy.deepcopy(cluster)
+    t["name"] = name + suffix
+    if t.get("type") == "EDS":
+        eds = t.setdefault("eds_cluster_config", {})
+        eds["service_name"] = eds.get("service_name") or name
+    elif "load_assignment" in t:
+        t["load_assignment"]["cluster_name"] = name + suffix
+    for field in LB_FIELDS:
+        t.pop(field, None)
+    t["load_balancing_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                        "override_host_sources": [{"header": header}],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.round_robin",
+                                        "typed_config": {
+                                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+                                        },
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
+    options = t.setdefault("typed_extension_protocol_options", {})
+    hpo = options.setdefault(HPO, {"@type": HPO_TYPE})
+    if not any(
+        k in hpo
+        for k in ("explicit_http_config", "use_downstream_protocol_config", "auto_config")
+    ):
+        hpo["explicit_http_config"] = {"http_protocol_options": {}}
+    hpo["http_filters"] = [
+        {
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "staleguard",
+                    "root_id": "staleguard",
+                    "vm_config": {
+                        "vm_id": "staleguard-twin",
+                        "runtime": "envoy.wasm.runtime.v8",
+                        "code": {"local": {"filename": wasm}},
+                    },
+                    "configuration": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": json.dumps({"replay_twin": {"endpoint_header": header}}),
+                    },
+                },
+            },
+        },
+        {
+            "name": "envoy.filters.http.upstream_codec",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"
+            },
+        },
+    ]
+    return t
+
+
+def guarded(cluster, services, suffix):
+    """Is this an outbound cluster of a guarded service (and not a twin)?"""
+    parts = cluster.get("name", "").split("|")
+    if len(parts) != 4 or parts[0] != "outbound" or cluster["name"].endswith(suffix):
+        return False
+    host = parts[3]
+    if services:
+        return host in services
+    return ".svc." in host
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--service", action="append", default=[],
+                   help="FQDN of a guarded service (repeat); default: every *.svc.* outbound cluster")
+    p.add_argument("--suffix", default="|staleguard-twin", help="retry.twin_suffix")
+    p.add_argument("--header", default="x-gateway-destination-endpoint", help="retry.endpoint_header")
+    p.add_argument("--wasm", default="/etc/staleguard/staleguard_filter.wasm",
+                   help="the module path in the gateway pod (gateway-module.yaml)")
+    p.add_argument("--namespace", default="istio-system")
+    p.add_argument("--selector", default="istio=ingressgateway", help="workloadSelector label KEY=VALUE")
+    args = p.parse_args()
+    try:
+        doc = json.load(sys.stdin)
+    except json.JSONDecodeError as e:
+        sys.exit(f"twins.py: stdin is not JSON ({e}); pipe `istioctl proxy-config cluster ... -o json`")
+    chosen = [c for c in clusters_of(doc) if guarded(c, set(args.service), args.suffix)]
+    if not chosen:
+        sys.exit("twins.py: no outbound cluster of the guarded services in the input")
+    missing = set(args.service) - {c["name"].split("|")[3] for c in chosen}
+    if missing:
+        sys.exit(f"twins.py: no cluster for {', '.join(sorted(missing))}")
+    key, _, value = args.selector.partition("=")
+    out = {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": "staleguard-twins", "namespace": args.namespace},
+        "spec": {
+            "workloadSelector": {"labels": {key: value}},
+            "configPatches": [
+                {
+                    "applyTo": "CLUSTER",
+                    "match": {"context": "GATEWAY"},
+                    "patch": {"operation": "ADD", "value": twin(c, args.suffix, args.header, args.wasm)},
+                }
+                for c in sorted(chosen, key=lambda c: c["name"])
+            ],
+        },
+    }
+    json.dump(out, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+//! Each service's live members, for the replay of a rejected request
+//! (see [`crate::replay`]): which hosts the index says a request may go to.
+//!
+//! The index is keyed by IP, which answers "may this host serve that service"
+//! but not "which hosts may". The poller therefore keeps one more key per
+//! service, written with the same load scheme as the IP entries (see
+//! [`crate::store`]):
+//!
+//! | key                              | value                                  |
+//! |----------------------------------|----------------------------------------|
+//! | `staleguard/members/<ns>/<name>` | `LOAD IP[/PORT,PORT] IP ...`, or empty |
+//!
+//! A member here is an IP whose verdict for the service is
+//! [`Reason::Member`] (the one rule, [`staleguard_core::decide`]) and which a
+//! *ready* pod holds (or a slice lists without a pod): the hosts a request can
+//! be sent to now. A full snapshot writes every list under its new load; a
+//! delta reads the IP's old record and rewrites only the lists whose
+//! membership changed, so a poller that took over from another keeps them
+//! right without knowing what its predecessor wrote.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use staleguard_core::{decide, IpRecord, Policy, Reason, ServiceKey};
+
+use crate::store::{SharedData, StoreError};
+
+/// One live member: its IP, and the ports the index lists for it in the
+/// service (empty when the index does not say, as in the verdict view).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Member {
+    /// The member's IP.
+    pub ip: IpAddr,
+    /// Its ports in the service, if the index says.
+    pub ports: Vec<u16>,
+}
+
+/// Key of one service's member list.
+pub fn members_key(service: &ServiceKey) -> String {
+    format!("staleguard/members/{service}")
+}
+
+/// The services `record` makes its IP a live, ready member of, with the ports
+/// the index lists for each.
+pub fn live_memberships(record: &IpRecord) -> BTreeMap<ServiceKey, Vec<u16>> {
+    let mut out = BTreeMap::new();
+    let candidates = record
+        .pods
+        .iter()
+        .flat_map(|p| p.services.iter().map(|m| &m.service))
+        .chain(record.bare_services.iter());
+    for service in candidates {
+        if out.contains_key(service) {
+            continue;
+        }
+        let verdict = decide(&Policy::default(), true, service, true, Some(record));
+        if verdict.reason != Reason::Member {
+            continue;
+        }
+        let ready_pod = record
+            .pods
+            .iter()
+            .filter(|p| p.ready && !p.terminating)
+            .flat_map(|p| p.services.iter())
+            .filter(|m| &m.service == service)
+            .collect::<Vec<_>>();
+        if ready_pod.is_empty() && !record.bare_services.contains(service) {
+            continue;
+        }
+        let mut ports: Vec<u16> = ready_pod
+            .iter()
+            .flat_map(|m| m.ports.iter().map(|p| p.port))
+            .collect();
+        ports.sort_unstable();
+        ports.dedup();
+        out.insert(service.clone(), ports);
+    }
+    out
+}
+
+/// Encodes a member list under `load`.
+pub fn encode(load: u64, members: &[Member]) -> Vec<u8> {
+    let mut out = load.to_string();
+    for m in members {
+        out.push(' ');
+        out.push_str(&m.ip.to_string());
+        for (i, port) in m.ports.iter().enumerate() {
+            out.push(if i == 0 { '/' } else { ',' });
+            out.push_str(&port.to_string());
+        }
+    }
+    out.into_bytes()
+}
+
+/// Decodes a member list; a list from an older load, an empty value or
+/// garbage is no list (`None`), which the replay treats as "no member known".
+pub fn decode(bytes: &[u8], meta_load: u64) -> Option<Vec<Member>> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    let mut parts = text.split(' ');
+    let load: u64 = parts.next()?.parse().ok()?;
+    if load < meta_load {
+        return None;
+    }
+    parts
+        .map(|part| {
+            let (ip, ports) = part.split_once('/').unwrap_or((part, ""));
+            let ports = if ports.is_empty() {
+                Vec::new()
+            } else {
+                ports
+                    .split(',')
+                    .map(|p| p.parse::<u16>().ok())
+                    .collect::<Option<Vec<_>>>()?
+            };
+            Some(Member {
+                ip: ip.parse().ok()?,
+                ports,
+            })
+        })
+        .collect()
+}
+
+/// Reads a service's live members at `meta_load` (empty when none is known).
+pub fn read(store: &dyn SharedData, service: &ServiceKey, meta_load: u64) -> Vec<Member> {
+    match store.get(&members_key(service)) {
+        Ok((Some(value), _)) => decode(&value, meta_load).unwrap_or_default(),
+        _ => Vec::new(),
+    }
+}
+
+/// Writes every service's list for a full snapshot under `load`. Services
+/// with no live member get no list: an older one is invalid under the new
+/// load anyway.
+pub fn write_snapshot(
+    store: &mut dyn SharedData,
+    load: u64,
+    records: &[IpRecord],
+) -> Result<(), StoreError> {
+    let mut lists: BTreeMap<ServiceKey, Vec<Member>> = BTreeMap::new();
+    for record in records {
+        for (service, ports) in live_memberships(record) {
+            lists.entry(service).or_default().push(Member {
+                ip: record.ip,
+                ports,
+            });
+        }
+    }
+    for (service, mut members) in lists {
+        members.sort();
+        store.set(&members_key(&service), &encode(load, &members), None)?;
+    }
+    Ok(())
+}
+
+/// Updates the lists for one IP of a delta: `old` is the record the index
+/// held (read before it is overwritten), `new` its new record, `None` when
+/// the IP is removed.
+pub fn apply_change(
+    store: &mut dyn SharedData,
+    load: u64,
+    ip: IpAddr,
+    old: Option<&IpRecord>,
+    new: Option<&IpRecord>,
+) -> Result<(), StoreError> {
+    let old = old.map(live_memberships).unwrap_or_default();
+    let new = new.map(live_memberships).unwrap_or_default();
+    let services = old.keys().chain(new.keys()).collect::<Vec<_>>();
+    for service in services {
+        let (before, after) = (old.get(service), new.get(service));
+        if before == after {
+            continue;
+        }
+        let mut members = read(store, service, load);
+        members.retain(|m| m.ip != ip);
+        if let Some(ports) = after {
+            members.push(Member {
+                ip,
+                ports: ports.clone(),
+            });
+            members.sort();
+        }
+        store.set(&members_key(service), &encode(load, &members), None)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+    use staleguard_core::wire::{EndpointPort, Membership, Via};
+    use staleguard_core::PodHolder;
+
+    fn cart() -> ServiceKey {
+        ServiceKey::new("shop", "cart")
+    }
+
+    fn pay() -> ServiceKey {
+        ServiceKey::new("shop", "pay")
+    }
+
+    fn rec(ip: &str, service: &ServiceKey, ready: bool, terminating: bool) -> IpRecord {
+        IpRecord {
+            ip: ip.parse().unwrap(),
+            pods: vec![PodHolder {
+                namespace: "shop".into(),
+                name: format!("p-{ip}"),
+                uid: String::new(),
+                services: vec![Membership {
+                    service: service.clone(),
+                    via: Via::Both,
+                    ports: vec![],
+                    conditions: None,
+                }],
+                ready,
+                terminating,
+                host_network: false,
+            }],
+            bare_services: vec![],
+            tombstone: None,
+        }
+    }
+
+    fn ips(members: &[Member]) -> Vec<String> {
+        members.iter().map(|m| m.ip.to_string()).collect()
+    }
+
+    #[test]
+    fn only_ready_live_members_count() {
+        assert_eq!(
+            live_memberships(&rec("10.0.0.1", &cart(), true, false)).len(),
+            1
+        );
+        assert!(live_memberships(&rec("10.0.0.1", &cart(), false, false)).is_empty());
+        assert!(live_memberships(&rec("10.0.0.1", &cart(), true, true)).is_empty());
+        let mut bare = rec("10.0.0.2", &cart(), true, false);
+        bare.pods.clear();
+        bare.bare_services = vec![pay()];
+        assert_eq!(
+            live_memberships(&bare).keys().collect::<Vec<_>>(),
+            vec![&pay()]
+        );
+    }
+
+    #[test]
+    fn lists_round_trip_with_ports_and_honour_the_load() {
+        let members = vec![
+            Member {
+                ip: "10.0.0.1".parse().unwrap(),
+                ports: vec![],
+            },
+            Member {
+                ip: "fd00::7".parse().unwrap(),
+                ports: vec![8080, 9090],
+            },
+        ];
+        let bytes = encode(4, &members);
+        assert_eq!(bytes, b"4 10.0.0.1 fd00::7/8080,9090");
+        assert_eq!(decode(&bytes, 4), Some(members.clone()));
+        assert_eq!(decode(&bytes, 5), None, "an older load is no list");
+        assert_eq!(decode(b"4", 4), Some(vec![]));
+        for bad in [&b""[..], b"x 10.0.0.1", b"4 nope", b"4 10.0.0.1/x"] {
+            assert_eq!(decode(bad, 0), None);
+        }
+    }
+
+    #[test]
+    fn ports_come_from_the_index_when_it_has_them() {
+        let mut r = rec("10.0.0.1", &cart(), true, false);
+        r.pods[0].services[0].ports = vec![EndpointPort {
+            name: None,
+            port: 8443,
+            protocol: None,
+        }];
+        assert_eq!(live_memberships(&r).get(&cart()), Some(&vec![8443]));
+    }
+
+    #[test]
+    fn the_poller_keeps_the_lists() {
+        use crate::sync::{Poller, SyncConfig};
+        use staleguard_core::wire::Delta;
+        use staleguard_core::{Changes, Freshness, Snapshot};
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(
+            SyncConfig {
+                wait_s: 5,
+                backoff_initial_ms: 100,
+                backoff_max_ms: 1_000,
+                min_interval_ms: 0,
+            },
+            7,
+        );
+        let fresh = Freshness {
+            fresh: true,
+            age_ms: None,
+        };
+        p.next_request(0, &store);
+        let snapshot = Snapshot {
+            v: 1,
+            epoch: 1,
+            generation: 1,
+            freshness: fresh.clone(),
+            services: vec![cart(), pay()],
+            records: vec![
+                rec("10.0.0.1", &cart(), true, false),
+                rec("10.0.0.2", &cart(), true, false),
+            ],
+        };
+        p.on_response(0, 200, &serde_json::to_vec(&snapshot).unwrap(), &mut store)
+            .unwrap();
+        let load = crate::store::View::new(&store).meta().unwrap().load;
+        assert_eq!(ips(&read(&store, &cart(), load)), ["10.0.0.1", "10.0.0.2"]);
+        p.next_request(0, &store);
+        let delta = Changes::Delta(Delta {
+            v: 1,
+            epoch: 1,
+            since: 1,
+            generation: 2,
+            freshness: fresh,
+            services_added: vec![],
+            services_removed: vec![],
+            upserts: vec![rec("10.0.0.2", &pay(), true, false)],
+            removed: vec!["10.0.0.1".parse().unwrap()],
+        });
+        p.on_response(1, 200, &serde_json::to_vec(&delta).unwrap(), &mut store)
+            .unwrap();
+        assert!(read(&store, &cart(), load).is_empty());
+        assert_eq!(ips(&read(&store, &pay(), load)), ["10.0.0.2"]);
+    }
+
+    #[test]
+    fn a_snapshot_writes_lists_and_deltas_keep_them_right() {
+        let mut s = MemoryStore::default();
+        let records = vec![
+            rec("10.0.0.1", &cart(), true, false),
+            rec("10.0.0.2", &cart(), true, false),
+            rec("10.0.0.3", &pay(), true, false),
+        ];
+        write_snapshot(&mut s, 1, &records).unwrap();
+        let mut index: std::collections::HashMap<IpAddr, IpRecord> =
+            records.iter().map(|r| (r.ip, r.clone())).collect();
+        assert_eq!(ips(&read(&s, &cart(), 1)), ["10.0.0.1", "10.0.0.2"]);
+        // 10.0.0.2 goes to pay (recycled), 10.0.0.1 starts draining, a new
+        // cart pod appears, 10.0.0.3 is removed.
+        for r in [
+            rec("10.0.0.2", &pay(), true, false),
+            rec("10.0.0.1", &cart(), true, true),
+            rec("10.0.0.4", &cart(), true, false),
+        ] {
+            apply_change(&mut s, 1, r.ip, index.get(&r.ip), Some(&r)).unwrap();
+            index.insert(r.ip, r);
+        }
+        let gone: IpAddr = "10.0.0.3".parse().unwrap();
+        apply_change(&mut s, 1, gone, index.get(&gone), None).unwrap();
+        assert_eq!(ips(&read(&s, &cart(), 1)), ["10.0.0.4"]);
+        assert_eq!(ips(&read(&s, &pay(), 1)), ["10.0.0.2"]);
+        // A new load hides every list the snapshot did not write.
+        write_snapshot(&mut s, 2, &[rec("10.0.0.9", &cart(), true, false)]).unwrap();
+        assert_eq!(ips(&read(&s, &cart(), 2)), ["10.0.0.9"]);
+        assert!(read(&s, &pay(), 2).is_empty());
+    }
+}

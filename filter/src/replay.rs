@@ -1,0 +1,770 @@
+//! Replay instead of reject: what happens to a request whose host is stale
+//! when `on_reject` is `retry`.
+//!
+//! The router retries neither a local reply nor a reset from an upstream
+//! filter, so the filter replays the request itself: it pauses, sends the
+//! same request (the final, rewritten headers it sees) with
+//! `dispatch_http_call` to the guarded cluster's *twin* (same endpoints, the
+//! override-host load balancer, the filter in its [`TwinConfig`] role in a VM
+//! of its own), naming live members of the service from the index
+//! ([`crate::members`]) in the endpoint header; then it answers the client
+//! with the live host's status, headers and body.
+//!
+//! Every pick is checked again: the twin takes the first named address that
+//! is one of its endpoints, else falls back to round robin; its filter lets
+//! the request through only when the host it got is one of the named ones,
+//! and otherwise fails the call at once ([`TWIN_MISS_HEADER`]), so the origin
+//! names the next batch. Nothing is ever sent to a host neither the index nor
+//! the control plane vouches for.
+//!
+//! Only requests without a body are replayed (once the filter pauses on the
+//! request headers the body never reaches it), and not upgrades, CONNECT or
+//! gRPC (the answer is buffered: no streaming, no trailers). The rest get the
+//! normal rejection. Everything here is plain Rust; `glue` only adapts.
+
+use std::net::{IpAddr, SocketAddr};
+
+use serde::Deserialize;
+
+use crate::config::RetryConfig;
+use crate::members::Member;
+
+/// The twin's answer header that says "my pick was not one of the named
+/// hosts; nothing was sent". Never forwarded to a client.
+pub const TWIN_MISS_HEADER: &str = "x-staleguard-twin-miss";
+
+/// The request header the router sets to the route's timeout.
+pub const EXPECTED_TIMEOUT_HEADER: &str = "x-envoy-expected-rq-timeout-ms";
+
+/// Why a rejected request is not replayed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ineligible {
+    /// It has a body (or the headers did not end the stream).
+    Body,
+    /// Its method is not in `retry.methods`.
+    Method,
+    /// A protocol upgrade (WebSocket and the like).
+    Upgrade,
+    /// A CONNECT tunnel.
+    Connect,
+    /// gRPC: streamed, with trailers.
+    Grpc,
+    /// A header value that is not UTF-8 (the host's call API takes text).
+    Encoding,
+}
+
+impl Ineligible {
+    /// Every cause, for metrics.
+    pub const ALL: [Ineligible; 6] = [
+        Ineligible::Body,
+        Ineligible::Method,
+        Ineligible::Upgrade,
+        Ineligible::Connect,
+        Ineligible::Grpc,
+        Ineligible::Encoding,
+    ];
+
+    /// `body`, `method`, `upgrade`, `connect`, `grpc`, `encoding`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Ineligible::Body => "body",
+            Ineligible::Method => "method",
+            Ineligible::Upgrade => "upgrade",
+            Ineligible::Connect => "connect",
+            Ineligible::Grpc => "grpc",
+            Ineligible::Encoding => "encoding",
+        }
+    }
+}
+
+/// How a replay ended (the metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A live member answered; the client got its answer.
+    Answered,
+    /// No member answered within the attempts (or none is known): rejected.
+    Exhausted,
+    /// The timeout passed: the client got a 504.
+    Timeout,
+    /// Not replayed: rejected.
+    NotEligible(Ineligible),
+}
+
+impl Outcome {
+    /// Every outcome, for metrics.
+    pub const ALL: [Outcome; 9] = [
+        Outcome::Answered,
+        Outcome::Exhausted,
+        Outcome::Timeout,
+        Outcome::NotEligible(Ineligible::Body),
+        Outcome::NotEligible(Ineligible::Method),
+        Outcome::NotEligible(Ineligible::Upgrade),
+        Outcome::NotEligible(Ineligible::Connect),
+        Outcome::NotEligible(Ineligible::Grpc),
+        Outcome::NotEligible(Ineligible::Encoding),
+    ];
+
+    /// `answered`, `exhausted`, `timeout`, `not_eligible_<cause>`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Answered => "answered",
+            Outcome::Exhausted => "exhausted",
+            Outcome::Timeout => "timeout",
+            Outcome::NotEligible(Ineligible::Body) => "not_eligible_body",
+            Outcome::NotEligible(Ineligible::Method) => "not_eligible_method",
+            Outcome::NotEligible(Ineligible::Upgrade) => "not_eligible_upgrade",
+            Outcome::NotEligible(Ineligible::Connect) => "not_eligible_connect",
+            Outcome::NotEligible(Ineligible::Grpc) => "not_eligible_grpc",
+            Outcome::NotEligible(Ineligible::Encoding) => "not_eligible_encoding",
+        }
+    }
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
+}
+
+/// The request headers as text, or [`Ineligible::Encoding`] when a value is
+/// not UTF-8 (it could not be replayed unchanged).
+pub fn text_headers(raw: Vec<(String, Vec<u8>)>) -> Result<Vec<(String, String)>, Ineligible> {
+    raw.into_iter()
+        .map(|(k, v)| String::from_utf8(v).map(|v| (k, v)))
+        .collect::<Result<_, _>>()
+        .map_err(|_| Ineligible::Encoding)
+}
+
+/// May this request be replayed? `end_of_stream` is what Envoy said with the
+/// request headers (true: no body follows).
+pub fn eligibility(
+    retry: &RetryConfig,
+    headers: &[(String, String)],
+    end_of_stream: bool,
+) -> Result<(), Ineligible> {
+    let method = header(headers, ":method").unwrap_or_default();
+    if method == "CONNECT" {
+        return Err(Ineligible::Connect);
+    }
+    let connection_upgrade = header(headers, "connection").is_some_and(|v| {
+        v.split(',')
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+    });
+    if connection_upgrade || header(headers, "upgrade").is_some() {
+        return Err(Ineligible::Upgrade);
+    }
+    if header(headers, "content-type").is_some_and(|v| v.starts_with("application/grpc")) {
+        return Err(Ineligible::Grpc);
+    }
+    if !end_of_stream {
+        return Err(Ineligible::Body);
+    }
+    if !retry.methods.iter().any(|m| m == method) {
+        return Err(Ineligible::Method);
+    }
+    Ok(())
+}
+
+/// The port to use on a member: the stale pick's, unless the index lists the
+/// member's ports in the service without it; then the only one it lists, or
+/// none (a multi-port member whose port cannot be matched is skipped).
+pub fn member_port(member: &Member, stale_port: u16) -> Option<u16> {
+    match member.ports.as_slice() {
+        [] => Some(stale_port),
+        ports if ports.contains(&stale_port) => Some(stale_port),
+        [only] => Some(*only),
+        _ => None,
+    }
+}
+
+/// The batches of hosts to name, one per attempt: the live members except the
+/// stale host's IP, rotated by `seed` so replays spread over all of them,
+/// `hosts_per_attempt` at a time, at most `attempts` batches.
+pub fn plan(
+    retry: &RetryConfig,
+    members: &[Member],
+    stale: SocketAddr,
+    seed: u64,
+) -> Vec<Vec<SocketAddr>> {
+    let hosts: Vec<SocketAddr> = members
+        .iter()
+        .filter(|m| m.ip != stale.ip())
+        .filter_map(|m| Some(SocketAddr::new(m.ip, member_port(m, stale.port())?)))
+        .collect();
+    if hosts.is_empty() {
+        return Vec::new();
+    }
+    let start = usize::try_from(seed % hosts.len() as u64).unwrap_or(0);
+    let rotated = hosts[start..].iter().chain(&hosts[..start]).copied();
+    let per = usize::try_from(retry.hosts_per_attempt.max(1)).unwrap_or(1);
+    let attempts = usize::try_from(retry.attempts).unwrap_or(1);
+    rotated
+        .collect::<Vec<_>>()
+        .chunks(per)
+        .take(attempts)
+        .map(<[SocketAddr]>::to_vec)
+        .collect()
+}
+
+/// The endpoint header's value for a batch: `IP:PORT,[V6]:PORT,...`.
+pub fn endpoint_value(hosts: &[SocketAddr]) -> String {
+    hosts
+        .iter()
+        .map(SocketAddr::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Hop-by-hop headers (RFC 9110 section 7.6.1 and their usual companions):
+/// never copied between the two legs.
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+];
+
+/// The headers of the replayed request: the request's own (as the upstream
+/// filter sees them, rewrites included) without hop-by-hop ones, the route's
+/// timeout hint (the twin's router sets its own) or any endpoint header a
+/// client sent, plus the endpoint header naming `hosts`.
+pub fn request_headers(
+    headers: &[(String, String)],
+    endpoint_header: &str,
+    hosts: &[SocketAddr],
+) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = headers
+        .iter()
+        .filter(|(k, _)| {
+            let k = k.to_ascii_lowercase();
+            !HOP_BY_HOP.contains(&k.as_str())
+                && k != EXPECTED_TIMEOUT_HEADER
+                && k != endpoint_header
+                && k != TWIN_MISS_HEADER
+        })
+        .cloned()
+        .collect();
+    out.push((endpoint_header.to_owned(), endpoint_value(hosts)));
+    out
+}
+
+/// The headers the client gets from the live host's answer: all but pseudo
+/// and hop-by-hop headers and what the twin leg added (its miss marker, its
+/// router's timing): the twin's identity never reaches the client.
+pub fn response_headers(headers: &[(String, String)]) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter(|(k, _)| {
+            let k = k.to_ascii_lowercase();
+            !k.starts_with(':')
+                && !HOP_BY_HOP.contains(&k.as_str())
+                && k != TWIN_MISS_HEADER
+                && k != UPSTREAM_TIME_HEADER
+        })
+        .cloned()
+        .collect()
+}
+
+/// The largest HEAD body [`head_filler`] stands in for.
+pub const HEAD_FILLER_MAX: usize = 1 << 20;
+
+/// For a HEAD, a stand-in body of the answer's `content-length`: Envoy's local
+/// reply drops `content-type` and `content-length` when the body is empty, and
+/// never sends a body to a HEAD, so a filler keeps the live host's headers
+/// intact. `None` for other methods, or past [`HEAD_FILLER_MAX`].
+pub fn head_filler(request: &[(String, String)], answer: &[(String, String)]) -> Option<usize> {
+    if header(request, ":method") != Some("HEAD") {
+        return None;
+    }
+    header(answer, "content-length")
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| (1..=HEAD_FILLER_MAX).contains(n))
+}
+
+/// The replay's timeout: the route's (the router's hint header) when it is
+/// readable and positive, else the configured one.
+pub fn timeout_ms(retry: &RetryConfig, headers: &[(String, String)]) -> u64 {
+    header(headers, EXPECTED_TIMEOUT_HEADER)
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|t| *t > 0)
+        .unwrap_or(retry.timeout_ms)
+}
+
+/// What the twin call brought back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallResult {
+    /// An answer from a named live host.
+    Answer,
+    /// The twin's pick was not a named host: nothing was sent.
+    TwinMiss,
+    /// No host's answer: a reset, a refused connection.
+    Failed,
+    /// The call's timeout passed (the twin leg's router answered 504).
+    TimedOut,
+}
+
+/// The header Envoy's router adds to an answer that came from a host (and
+/// not to its own replies: a timeout, a refused connection, no host).
+pub const UPSTREAM_TIME_HEADER: &str = "x-envoy-upstream-service-time";
+
+/// What a twin call's answer headers say (`None`: the call failed with no
+/// answer at all).
+pub fn classify(answer: Option<&[(String, String)]>) -> CallResult {
+    let Some(headers) = answer else {
+        return CallResult::Failed;
+    };
+    if header(headers, TWIN_MISS_HEADER).is_some() {
+        CallResult::TwinMiss
+    } else if header(headers, UPSTREAM_TIME_HEADER).is_none() {
+        // The twin leg's router answered itself (its timeout, a connection
+        // the member refused): no host's answer to give the client.
+        if header(headers, ":status") == Some("504") {
+            CallResult::TimedOut
+        } else {
+            CallResult::Failed
+        }
+    } else {
+        CallResult::Answer
+    }
+}
+
+/// What the glue does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Call the twin naming `hosts`, with `timeout_ms` left.
+    Send {
+        /// The hosts to name, in order.
+        hosts: Vec<SocketAddr>,
+        /// Time left for this call.
+        timeout_ms: u64,
+    },
+    /// Give the client the answer just received.
+    Deliver,
+    /// Give up with this outcome (`Exhausted`: the normal rejection;
+    /// `Timeout`: a 504).
+    Fail(Outcome),
+}
+
+/// One request's replay: the batches still to try and the deadline.
+#[derive(Debug, Clone)]
+pub struct Replay {
+    batches: std::vec::IntoIter<Vec<SocketAddr>>,
+    deadline_ms: u64,
+    attempts: u32,
+}
+
+impl Replay {
+    /// Starts a replay at `now_ms` over `batches` (from [`plan`]) with
+    /// `timeout_ms` for the whole of it; returns the first step.
+    pub fn start(batches: Vec<Vec<SocketAddr>>, now_ms: u64, timeout_ms: u64) -> (Self, Step) {
+        let mut replay = Self {
+            batches: batches.into_iter(),
+            deadline_ms: now_ms.saturating_add(timeout_ms),
+            attempts: 0,
+        };
+        let step = replay.next(now_ms);
+        (replay, step)
+    }
+
+    /// Calls made so far.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The next step after a call's result at `now_ms`.
+    pub fn on_result(&mut self, now_ms: u64, result: CallResult) -> Step {
+        match result {
+            CallResult::Answer => Step::Deliver,
+            CallResult::TimedOut => Step::Fail(Outcome::Timeout),
+            // A call that failed at its deadline is the timeout; one that
+            // failed sooner (a member that died since the index said live,
+            // a refused connection) is worth the next batch.
+            CallResult::Failed if now_ms >= self.deadline_ms => Step::Fail(Outcome::Timeout),
+            CallResult::TwinMiss | CallResult::Failed => self.next(now_ms),
+        }
+    }
+
+    fn next(&mut self, now_ms: u64) -> Step {
+        if now_ms >= self.deadline_ms {
+            return Step::Fail(Outcome::Timeout);
+        }
+        match self.batches.next() {
+            Some(hosts) => {
+                self.attempts += 1;
+                Step::Send {
+                    hosts,
+                    timeout_ms: self.deadline_ms - now_ms,
+                }
+            }
+            None => Step::Fail(Outcome::Exhausted),
+        }
+    }
+}
+
+// === impl TwinConfig ===
+
+/// The plugin configuration of the filter in a twin cluster:
+/// `{"replay_twin": {"endpoint_header": "..."}}`. The twin needs no index: it
+/// only checks that its load balancer picked a host the origin named.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TwinConfig {
+    /// The header carrying the named hosts (as `retry.endpoint_header`).
+    #[serde(default = "default_endpoint_header")]
+    pub endpoint_header: String,
+}
+
+fn default_endpoint_header() -> String {
+    RetryConfig::default().endpoint_header
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TwinDocument {
+    replay_twin: TwinConfig,
+}
+
+impl TwinConfig {
+    /// The twin configuration, if `bytes` is one (`Ok(None)`: it is not a
+    /// twin configuration, parse it as the guard's).
+    pub fn parse(bytes: &[u8]) -> Result<Option<Self>, String> {
+        let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+            return Ok(None);
+        };
+        if value.get("replay_twin").is_none() {
+            return Ok(None);
+        }
+        let doc: TwinDocument = serde_json::from_value(value)
+            .map_err(|e| format!("plugin configuration of a replay twin refused: {e}"))?;
+        if doc.replay_twin.endpoint_header.is_empty()
+            || !doc
+                .replay_twin
+                .endpoint_header
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return Err(format!(
+                "replay_twin.endpoint_header {:?} is not a lowercase header name",
+                doc.replay_twin.endpoint_header
+            ));
+        }
+        Ok(Some(doc.replay_twin))
+    }
+}
+
+/// The twin's check: is the host its load balancer picked (`address`, as
+/// `upstream.address`) one of the hosts the origin named (`named`, the
+/// endpoint header)? Without either, no.
+pub fn twin_pick_is_named(named: Option<&str>, address: Option<&str>) -> bool {
+    let Some(picked) = address.and_then(parse_socket) else {
+        return false;
+    };
+    named.is_some_and(|list| {
+        list.split(',')
+            .filter_map(|h| parse_socket(h.trim()))
+            .any(|h| h == picked)
+    })
+}
+
+fn parse_socket(s: &str) -> Option<SocketAddr> {
+    let addr: SocketAddr = s.parse().ok()?;
+    // One canonical form for IPv4-mapped IPv6, as the index keys it.
+    let ip = match addr.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    };
+    Some(SocketAddr::new(ip, addr.port()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    fn member(ip: &str, ports: &[u16]) -> Member {
+        Member {
+            ip: ip.parse().unwrap(),
+            ports: ports.to_vec(),
+        }
+    }
+
+    fn sa(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn only_bodiless_plain_requests_of_listed_methods_are_eligible() {
+        let r = RetryConfig::default();
+        let get = h(&[(":method", "GET"), (":path", "/")]);
+        assert_eq!(eligibility(&r, &get, true), Ok(()));
+        assert_eq!(eligibility(&r, &get, false), Err(Ineligible::Body));
+        let head = h(&[(":method", "HEAD")]);
+        assert_eq!(eligibility(&r, &head, true), Ok(()));
+        let delete = h(&[(":method", "DELETE")]);
+        assert_eq!(eligibility(&r, &delete, true), Err(Ineligible::Method));
+        let post = h(&[(":method", "POST"), ("content-length", "3")]);
+        assert_eq!(eligibility(&r, &post, false), Err(Ineligible::Body));
+        let ws = h(&[
+            (":method", "GET"),
+            ("connection", "keep-alive, Upgrade"),
+            ("upgrade", "websocket"),
+        ]);
+        assert_eq!(eligibility(&r, &ws, true), Err(Ineligible::Upgrade));
+        let connect = h(&[(":method", "CONNECT")]);
+        assert_eq!(eligibility(&r, &connect, false), Err(Ineligible::Connect));
+        let grpc = h(&[
+            (":method", "POST"),
+            ("content-type", "application/grpc+proto"),
+        ]);
+        assert_eq!(eligibility(&r, &grpc, true), Err(Ineligible::Grpc));
+        let custom = RetryConfig {
+            methods: vec!["DELETE".into()],
+            ..RetryConfig::default()
+        };
+        assert_eq!(eligibility(&custom, &delete, true), Ok(()));
+        assert_eq!(eligibility(&custom, &get, true), Err(Ineligible::Method));
+    }
+
+    #[test]
+    fn the_plan_skips_the_stale_ip_spreads_and_batches() {
+        let r = RetryConfig {
+            attempts: 2,
+            hosts_per_attempt: 2,
+            ..RetryConfig::default()
+        };
+        let members: Vec<Member> = (1..=6)
+            .map(|i| member(&format!("10.0.0.{i}"), &[]))
+            .collect();
+        let stale = sa("10.0.0.1:8080");
+        let batches = plan(&r, &members, stale, 0);
+        assert_eq!(
+            batches,
+            vec![
+                vec![sa("10.0.0.2:8080"), sa("10.0.0.3:8080")],
+                vec![sa("10.0.0.4:8080"), sa("10.0.0.5:8080")],
+            ]
+        );
+        // Different seeds lead with different members, all of them.
+        let firsts: std::collections::BTreeSet<SocketAddr> = (0..50)
+            .map(|seed| plan(&r, &members, stale, seed)[0][0])
+            .collect();
+        assert_eq!(firsts.len(), 5);
+        assert!(plan(&r, &[member("10.0.0.1", &[])], stale, 3).is_empty());
+        assert!(plan(&r, &[], stale, 3).is_empty());
+    }
+
+    #[test]
+    fn the_port_is_the_stale_picks_unless_the_index_says_otherwise() {
+        assert_eq!(member_port(&member("10.0.0.2", &[]), 80), Some(80));
+        assert_eq!(member_port(&member("10.0.0.2", &[80, 81]), 80), Some(80));
+        assert_eq!(member_port(&member("10.0.0.2", &[8080]), 80), Some(8080));
+        assert_eq!(member_port(&member("10.0.0.2", &[81, 82]), 80), None);
+        let batches = plan(
+            &RetryConfig::default(),
+            &[member("fd00::2", &[])],
+            sa("[fd00::1]:80"),
+            0,
+        );
+        assert_eq!(endpoint_value(&batches[0]), "[fd00::2]:80");
+    }
+
+    #[test]
+    fn the_replayed_request_keeps_the_request_and_names_the_hosts() {
+        let req = h(&[
+            (":method", "GET"),
+            (":path", "/rewritten/x?q=1"),
+            (":authority", "cart.shop"),
+            ("x-request-id", "abc"),
+            ("connection", "close"),
+            ("x-envoy-expected-rq-timeout-ms", "5000"),
+            ("x-gateway-destination-endpoint", "6.6.6.6:1"),
+        ]);
+        let out = request_headers(
+            &req,
+            "x-gateway-destination-endpoint",
+            &[sa("10.0.0.2:80"), sa("10.0.0.3:80")],
+        );
+        assert_eq!(
+            out,
+            h(&[
+                (":method", "GET"),
+                (":path", "/rewritten/x?q=1"),
+                (":authority", "cart.shop"),
+                ("x-request-id", "abc"),
+                ("x-gateway-destination-endpoint", "10.0.0.2:80,10.0.0.3:80"),
+            ])
+        );
+    }
+
+    #[test]
+    fn the_client_gets_the_live_hosts_headers_and_nothing_of_the_twin() {
+        let answer = h(&[
+            (":status", "201"),
+            ("content-type", "text/plain"),
+            ("x-host", "cart-2"),
+            ("transfer-encoding", "chunked"),
+            ("x-envoy-upstream-service-time", "3"),
+            ("x-staleguard-twin-miss", "1"),
+            ("set-cookie", "a=1"),
+            ("set-cookie", "b=2"),
+        ]);
+        assert_eq!(
+            response_headers(&answer),
+            h(&[
+                ("content-type", "text/plain"),
+                ("x-host", "cart-2"),
+                ("set-cookie", "a=1"),
+                ("set-cookie", "b=2"),
+            ])
+        );
+    }
+
+    #[test]
+    fn a_head_gets_a_filler_of_the_answers_length() {
+        let head = h(&[(":method", "HEAD")]);
+        let get = h(&[(":method", "GET")]);
+        let answer = h(&[("content-length", "42")]);
+        assert_eq!(head_filler(&head, &answer), Some(42));
+        assert_eq!(head_filler(&get, &answer), None);
+        assert_eq!(head_filler(&head, &h(&[("content-length", "0")])), None);
+        assert_eq!(
+            head_filler(&head, &h(&[("content-length", "999999999")])),
+            None
+        );
+        assert_eq!(head_filler(&head, &[]), None);
+    }
+
+    #[test]
+    fn the_timeout_is_the_routes_when_readable() {
+        let r = RetryConfig::default();
+        assert_eq!(
+            timeout_ms(&r, &h(&[(EXPECTED_TIMEOUT_HEADER, "2500")])),
+            2500
+        );
+        assert_eq!(
+            timeout_ms(&r, &h(&[(EXPECTED_TIMEOUT_HEADER, "0")])),
+            15_000
+        );
+        assert_eq!(
+            timeout_ms(&r, &h(&[(EXPECTED_TIMEOUT_HEADER, "x")])),
+            15_000
+        );
+        assert_eq!(timeout_ms(&r, &[]), 15_000);
+    }
+
+    #[test]
+    fn a_replay_walks_the_batches_until_an_answer_or_the_end() {
+        let b = |s: &str| vec![sa(s)];
+        let (mut replay, first) =
+            Replay::start(vec![b("10.0.0.2:80"), b("10.0.0.3:80")], 1_000, 500);
+        assert_eq!(
+            first,
+            Step::Send {
+                hosts: b("10.0.0.2:80"),
+                timeout_ms: 500
+            }
+        );
+        assert_eq!(
+            replay.on_result(1_100, CallResult::TwinMiss),
+            Step::Send {
+                hosts: b("10.0.0.3:80"),
+                timeout_ms: 400
+            }
+        );
+        assert_eq!(replay.attempts(), 2);
+        assert_eq!(
+            replay.on_result(1_200, CallResult::Failed),
+            Step::Fail(Outcome::Exhausted)
+        );
+        let (mut replay, _) = Replay::start(vec![b("10.0.0.2:80")], 0, 500);
+        assert_eq!(replay.on_result(10, CallResult::Answer), Step::Deliver);
+        let (mut replay, _) = Replay::start(vec![b("10.0.0.2:80"), b("10.0.0.3:80")], 0, 500);
+        assert_eq!(
+            replay.on_result(500, CallResult::Failed),
+            Step::Fail(Outcome::Timeout)
+        );
+        let (mut replay, _) = Replay::start(vec![b("10.0.0.2:80"), b("10.0.0.3:80")], 0, 500);
+        assert_eq!(
+            replay.on_result(499, CallResult::TimedOut),
+            Step::Fail(Outcome::Timeout)
+        );
+        assert_eq!(
+            Replay::start(vec![], 0, 500).1,
+            Step::Fail(Outcome::Exhausted)
+        );
+    }
+
+    #[test]
+    fn headers_that_are_not_text_are_not_replayed() {
+        assert_eq!(
+            text_headers(vec![("a".into(), b"ok".to_vec())]),
+            Ok(h(&[("a", "ok")]))
+        );
+        assert_eq!(
+            text_headers(vec![("a".into(), vec![0xff])]),
+            Err(Ineligible::Encoding)
+        );
+    }
+
+    #[test]
+    fn only_a_hosts_answer_is_an_answer() {
+        assert_eq!(classify(None), CallResult::Failed);
+        let host = h(&[(":status", "500"), (UPSTREAM_TIME_HEADER, "3")]);
+        assert_eq!(classify(Some(&host)), CallResult::Answer);
+        let envoy_timeout = h(&[(":status", "504"), ("content-type", "text/plain")]);
+        assert_eq!(classify(Some(&envoy_timeout)), CallResult::TimedOut);
+        let refused = h(&[(":status", "503"), ("content-type", "text/plain")]);
+        assert_eq!(classify(Some(&refused)), CallResult::Failed);
+        let miss = h(&[(":status", "503"), (TWIN_MISS_HEADER, "1")]);
+        assert_eq!(classify(Some(&miss)), CallResult::TwinMiss);
+    }
+
+    #[test]
+    fn outcome_labels_are_distinct() {
+        let labels: std::collections::BTreeSet<_> =
+            Outcome::ALL.iter().map(|o| o.as_str()).collect();
+        assert_eq!(labels.len(), Outcome::ALL.len());
+    }
+
+    #[test]
+    fn the_twin_lets_through_only_named_hosts() {
+        let named = Some("10.0.0.2:80,[fd00::3]:80");
+        assert!(twin_pick_is_named(named, Some("10.0.0.2:80")));
+        assert!(twin_pick_is_named(named, Some("[fd00::3]:80")));
+        assert!(twin_pick_is_named(named, Some("[::ffff:10.0.0.2]:80")));
+        assert!(!twin_pick_is_named(named, Some("10.0.0.2:81")));
+        assert!(!twin_pick_is_named(named, Some("10.0.0.9:80")));
+        assert!(!twin_pick_is_named(None, Some("10.0.0.2:80")));
+        assert!(!twin_pick_is_named(named, None));
+        assert!(!twin_pick_is_named(Some("garbage"), Some("10.0.0.2:80")));
+    }
+
+    #[test]
+    fn twin_configurations_are_recognised_and_checked() {
+        assert_eq!(
+            TwinConfig::parse(br#"{"validator_cluster":"sg"}"#),
+            Ok(None)
+        );
+        assert_eq!(TwinConfig::parse(b"not json"), Ok(None));
+        assert_eq!(
+            TwinConfig::parse(br#"{"replay_twin":{}}"#),
+            Ok(Some(TwinConfig {
+                endpoint_header: "x-gateway-destination-endpoint".into()
+            }))
+        );
+        assert!(TwinConfig::parse(br#"{"replay_twin":{"endpint_header":"x"}}"#).is_err());
+        assert!(TwinConfig::parse(br#"{"replay_twin":{},"validator_cluster":"sg"}"#).is_err());
+        assert!(TwinConfig::parse(br#"{"replay_twin":{"endpoint_header":"X Y"}}"#).is_err());
+    }
+}

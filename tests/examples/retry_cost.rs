@@ -1,0 +1,205 @@
+//! What retry costs Envoy (docs/benchmarks.md, "Retry"): CPU per request on the
+//! normal path with retry off and on, through the body path's internal
+//! listener, and without the filter; and the latency of a replayed request
+//! against a direct one. One Envoy (one worker), interleaved rounds, the
+//! CPU of every Envoy thread read from /proc (schedstat, nanoseconds).
+//!
+//! ```text
+//! . scripts/setup.sh && sg_setup_all
+//! cargo run --release -p staleguard-tests --example retry_cost
+//! # ROUNDS=7 REQUESTS=2000 are the defaults
+//! ```
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use staleguard_core::ServiceKey;
+use staleguard_tests::envoy::{body_path, shipped_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::fake_validator::{records::pod, FakeValidator};
+use staleguard_tests::tinyhttp::{self, named_host};
+
+const SVC: &str = "cart.shop.svc.cluster.local";
+
+fn cluster(subset: &str) -> String {
+    format!("outbound|80|{subset}|{SVC}")
+}
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Nanoseconds on CPU of every thread of `pid`.
+fn cpu_ns(pid: u32) -> Result<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let stat = std::fs::read_to_string(task?.path().join("schedstat"))?;
+        total += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .context("schedstat")?;
+    }
+    Ok(total)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+struct Mode {
+    name: &'static str,
+    cluster: String,
+    path: &'static str,
+}
+
+fn main() -> Result<()> {
+    let rounds = env("ROUNDS", 7);
+    let requests = env("REQUESTS", 2000);
+    let cart = ServiceKey::new("shop", "cart");
+    let live = named_host("127.0.7.2", "live")?;
+    let port = live.addr().port();
+    let gone: SocketAddr = format!("127.0.7.1:{port}").parse()?;
+    let _gone_server = tinyhttp::Server::start(gone, |_| tinyhttp::Answer::status(500, "stale"))?;
+    let validator = FakeValidator::start(71)?;
+    validator.set_index(
+        vec![cart.clone()],
+        vec![pod("127.0.7.2", "live", &[&cart], false)],
+    );
+    let off = shipped_plugin(json!({"on_reject": "reject"}));
+    let on = shipped_plugin(json!({}));
+    let gateway = Gateway {
+        concurrency: 1,
+        validator: validator.addr(),
+        replicas: vec![],
+        dynamic: vec![],
+        clusters: vec![
+            Cluster::new(&cluster("plain"), live.addr(), None),
+            Cluster::new(&cluster("off"), live.addr(), Some(off)),
+            Cluster::new(&cluster("on"), live.addr(), Some(on.clone())),
+            Cluster::new(&cluster("replayed"), gone, Some(on)),
+        ],
+    };
+    let Some(mut envoy) = gateway.start_with(|bootstrap| {
+        // Every pick of `replayed` is the stale host; its twin also has the
+        // live one, which the replay names.
+        let twin_name = format!("{}|staleguard-twin", cluster("replayed"));
+        let clusters = bootstrap["static_resources"]["clusters"]
+            .as_array_mut()
+            .context("clusters")?;
+        let twin = clusters
+            .iter_mut()
+            .find(|c| c["name"] == twin_name.as_str())
+            .context("the twin")?;
+        let endpoints = twin["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            .as_array_mut()
+            .context("endpoints")?;
+        endpoints.push(json!({"endpoint": {"address": {"socket_address": {
+            "address": "127.0.7.2", "port_value": port}}}}));
+        let outer = body_path(
+            bootstrap,
+            "/body/",
+            json!({"cluster_header": "x-cluster", "timeout": "5s"}),
+            "x-staleguard",
+            3,
+        );
+        bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+            .as_array_mut()
+            .context("routes")?
+            .insert(0, outer);
+        Ok(())
+    })?
+    else {
+        bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
+    };
+    envoy.eventually("the first sync", Duration::from_secs(30), |e| {
+        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+    })?;
+    let modes = [
+        Mode {
+            name: "no filter",
+            cluster: cluster("plain"),
+            path: "/",
+        },
+        Mode {
+            name: "filter, retry off",
+            cluster: cluster("off"),
+            path: "/",
+        },
+        Mode {
+            name: "filter, retry on",
+            cluster: cluster("on"),
+            path: "/",
+        },
+        Mode {
+            name: "filter, retry on, body path",
+            cluster: cluster("on"),
+            path: "/body/",
+        },
+        Mode {
+            name: "filter, every pick replayed",
+            cluster: cluster("replayed"),
+            path: "/",
+        },
+    ];
+    // Warm up every path.
+    for m in &modes {
+        for _ in 0..200 {
+            check(&mut envoy, m)?;
+        }
+    }
+    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    let mut latency: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    for round in 0..rounds {
+        // Each round starts with another mode, so no mode always runs first
+        // (or last) while the machine's load drifts.
+        for k in 0..modes.len() {
+            let i = (k + round) % modes.len();
+            let m = &modes[i];
+            let before = cpu_ns(envoy.pid())?;
+            for _ in 0..requests {
+                let t = Instant::now();
+                check(&mut envoy, m)?;
+                latency[i].push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            let spent = cpu_ns(envoy.pid())? - before;
+            cpu[i].push(spent as f64 / requests as f64 / 1000.0);
+        }
+        eprintln!("round {} of {rounds} done", round + 1);
+    }
+    let replayed = envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")?;
+    println!(
+        "{rounds} rounds x {requests} requests per mode, interleaved; {replayed} replays answered"
+    );
+    println!("| path | Envoy CPU per request (median of rounds) | client latency p50 | p99 |");
+    println!("| --- | --- | --- | --- |");
+    for (i, m) in modes.iter().enumerate() {
+        println!(
+            "| {} | {:.1} us | {:.0} us | {:.0} us |",
+            m.name,
+            median(&mut cpu[i]),
+            percentile(&mut latency[i], 0.5),
+            percentile(&mut latency[i], 0.99)
+        );
+    }
+    Ok(())
+}
+
+fn check(envoy: &mut Envoy, m: &Mode) -> Result<()> {
+    let r = envoy.send(&m.cluster, "GET", m.path, None)?;
+    if r.status != 200 || r.header("x-host") != "live" {
+        bail!("{}: {r:?}", m.name);
+    }
+    Ok(())
+}
