@@ -92,6 +92,7 @@ fn property(path: Vec<&str>) -> Option<String> {
 #[derive(Default)]
 struct Metrics {
     ids: HashMap<String, Option<u32>>,
+    services: metrics::ServiceLabels,
 }
 
 impl Metrics {
@@ -279,8 +280,8 @@ impl Root {
                 m.gauge(metrics::GAUGE_GENERATION, meta.generation);
                 m.gauge(metrics::GAUGE_ENTRIES, meta.entries);
                 m.gauge(
-                    metrics::GAUGE_DATA_AGE_MS,
-                    now.saturating_sub(meta.synced_ms),
+                    metrics::GAUGE_DATA_AGE_S,
+                    now.saturating_sub(meta.synced_ms) / 1000,
                 );
                 let fresh = meta.is_fresh(now, config.raw.max_staleness_ms);
                 m.gauge(metrics::GAUGE_FRESH, u64::from(fresh));
@@ -506,7 +507,8 @@ impl HttpContext for Filter {
                 effect,
             } => (service, ip, verdict, effect),
         };
-        m.inc(&metrics::requests(verdict.reason, effect), 1);
+        let label = m.services.label(&service);
+        m.inc(&metrics::requests(&label, verdict.reason, effect), 1);
         drop(m);
         if effect != Effect::Allow {
             if let Some(skipped) = self.log_budget.borrow_mut().allow(now_ms()) {

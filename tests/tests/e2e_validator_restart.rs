@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use staleguard_tests::gateway::{stat_requests, GatewaySpec, STAT_FRESH};
+use staleguard_tests::gateway::{requests_total, GatewaySpec, STAT_FRESH};
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{self, Scene, SYNC_TIMEOUT};
 use staleguard_tests::traffic::{burst, Load};
@@ -44,10 +44,7 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
     tokio::time::sleep(Duration::from_secs(1)).await;
     let outage = load.stop().await;
     let stats = guarded.stats(&scene.http).await.unwrap();
-    let stale_allowed = stats
-        .get(&stat_requests("stale", "allow"))
-        .copied()
-        .unwrap_or(0);
+    let stale_allowed = requests_total(&stats, "stale", "allow");
     println!(
         "validator down: {} requests, {} judged on stale data and allowed, {} rejected",
         outage.total(),
@@ -60,13 +57,7 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
         stale_allowed > 0,
         "the outage never reached the stale state"
     );
-    assert_eq!(
-        stats
-            .get(&stat_requests("stale", "reject"))
-            .copied()
-            .unwrap_or(0),
-        0
-    );
+    assert_eq!(requests_total(&stats, "stale", "reject"), 0);
 
     // While it is away, pods go (EDS still frozen). Then it comes back with a
     // new epoch; the filter resyncs, and only then do the addresses change.

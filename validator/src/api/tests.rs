@@ -578,14 +578,14 @@ async fn metrics_show_the_index_and_the_requests() {
     )
     .unwrap();
     for expected in [
-        "staleguard_index_pods 3",
-        "staleguard_index_ips 3",
-        "staleguard_index_services 2",
-        "staleguard_ready 1",
-        r#"staleguard_api_requests_total{route="snapshot",status="200"} 1"#,
-        r#"staleguard_api_requests_total{route="ips",status="400"} 1"#,
-        r#"staleguard_watch_events_total{resource="pod",event="init_apply"} 3"#,
-        "staleguard_long_polls_waiting 0",
+        "staleguard_validator_index_pods 3",
+        "staleguard_validator_index_ips 3",
+        "staleguard_validator_index_services 2",
+        "staleguard_validator_ready 1",
+        r#"staleguard_validator_api_requests_total{route="snapshot",status="200"} 1"#,
+        r#"staleguard_validator_api_requests_total{route="ips",status="400"} 1"#,
+        r#"staleguard_validator_watch_events_total{resource="pod",event="init_apply"} 3"#,
+        "staleguard_validator_long_polls_waiting 0",
         "# EOF",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
