@@ -449,3 +449,45 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
     );
     Ok(())
 }
+
+/// A module whose sha256 does not match (a bad upgrade, a corrupted
+/// download) is refused by Envoy; after the fetch retries the listener starts
+/// and the gateway keeps routing, unguarded (failure_policy: FAIL_OPEN).
+#[test]
+fn a_module_with_the_wrong_sha256_is_refused_and_traffic_still_flows() -> Result<()> {
+    let Some((_, wasm)) = dependencies() else {
+        return Ok(());
+    };
+    let echo = H2Backend::start("127.0.3.11", "echo-1", Kind::Http)?;
+    let validator = FakeValidator::start(6)?;
+    let services = vec![service("echo", "h2", 8080, Protocol::Http2, &[echo.addr()])];
+    let mut output = gateway_output(&services, 8080);
+    apply_envoyfilter(&mut output, &shipped_envoyfilter()?)?;
+    let module = module_server(&std::fs::read(&wasm)?)?;
+    set_module(&mut output, None, Some(&"0".repeat(64)));
+    let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let config = runnable(
+        &output,
+        &services,
+        listener,
+        admin,
+        validator.addr(),
+        Some(module.addr()),
+        &shipped_stats_tags()?,
+    )?;
+    let Some(gw) = Gateway::start(&config, listener, admin)? else {
+        return Ok(());
+    };
+    let r = h2::request(gw.listener, "echo.example.com", "/", Kind::Http)?;
+    // FAIL_OPEN in the EnvoyFilter: with FAIL_CLOSED this is a 503 for every
+    // request of the gateway.
+    assert_eq!(
+        (r.status, r.header("x-host")),
+        (200, "echo-1"),
+        "{r:?}\n{}",
+        tail(&gw.guard.output(), 30)
+    );
+    assert_eq!(gw.stat("wasmcustom.staleguard_filter_sync_polls_total")?, 0);
+    Ok(())
+}
