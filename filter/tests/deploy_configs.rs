@@ -28,8 +28,19 @@ fn check(path: &str, expected: usize) {
     let configs = plugin_configs(&yaml);
     assert_eq!(configs.len(), expected, "{path}");
     for c in configs {
-        if let Err(e) = Config::parse(c.as_bytes()) {
-            panic!("{path}: {e}\n{c}");
+        // The VM environment the deployment provides: deploy/istio passes
+        // STALEGUARD_TOKEN from a Secret (vm_config.environment_variables).
+        let env = |name: &str| (name == "STALEGUARD_TOKEN").then(|| "t0ken".to_owned());
+        let config = match Config::parse_with_env(c.as_bytes(), env) {
+            Ok(config) => config,
+            Err(e) => panic!("{path}: {e}\n{c}"),
+        };
+        // The variable the plugin reads must be one the VM is given.
+        if let Some(name) = &config.raw.token_env {
+            assert!(
+                yaml.contains(&format!("host_env_keys: [{name}]")),
+                "{path}: token_env {name} is not in vm_config.environment_variables"
+            );
         }
     }
 }
