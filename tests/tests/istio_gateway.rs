@@ -491,3 +491,87 @@ fn a_module_with_the_wrong_sha256_is_refused_and_traffic_still_flows() -> Result
     assert_eq!(gw.stat("wasmcustom.staleguard_filter_sync_polls_total")?, 0);
     Ok(())
 }
+
+/// The validator cluster the EnvoyFilter adds keeps its connections across
+/// long polls (the real validator keeps them alive): with the Service's
+/// `sessionAffinity: ClientIP` the gateway stays on one replica, and a
+/// reconnect goes to the same one and resumes with a delta. One full snapshot,
+/// then deltas only.
+#[test]
+fn the_gateway_polls_the_real_validator_over_kept_alive_connections() -> Result<()> {
+    let (Some((_, wasm)), Some(binary)) = (dependencies(), staleguard_tests::validator::binary())
+    else {
+        return Ok(());
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    let http = staleguard_tests::traffic::Http::new();
+    let dir =
+        std::env::temp_dir().join(format!("staleguard-istio-keepalive-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, TOKEN)?;
+    let sample = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../validator/samples/demo.yaml"
+    );
+    let token_arg = format!("--token-file={}", token_file.display());
+    let validator = runtime.block_on(staleguard_tests::validator::Validator::start(
+        &http,
+        &binary,
+        std::path::Path::new(sample),
+        &[&token_arg],
+        false,
+    ))?;
+
+    let echo = H2Backend::start("127.0.3.21", "echo-1", Kind::Http)?;
+    let services = vec![service("echo", "h2", 8080, Protocol::Http2, &[echo.addr()])];
+    let mut output = gateway_output(&services, 8080);
+    apply_envoyfilter(&mut output, &shipped_envoyfilter()?)?;
+    let mut plugin = plugin_config(&output)?;
+    // Test speed: a long poll answers every second.
+    for (k, v) in [
+        ("poll_wait_s", json!(1)),
+        ("max_staleness_ms", json!(3000)),
+        ("tick_ms", json!(100)),
+        ("lease_ttl_ms", json!(1000)),
+    ] {
+        plugin[k] = v;
+    }
+    set_plugin_config(&mut output, &plugin);
+    set_module(&mut output, Some(&wasm), None);
+    let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let config = runnable(
+        &output,
+        &services,
+        listener,
+        admin,
+        validator.listen,
+        None,
+        &shipped_stats_tags()?,
+    )?;
+    let Some(mut gw) = Gateway::start(&config, listener, admin)? else {
+        return Ok(());
+    };
+    gw.eventually("five long polls answered", |g| {
+        Ok(g.stat("wasmcustom.staleguard_filter_sync_deltas_total")? >= 5)
+    })?;
+    let requests = gw.stat("cluster.staleguard-validator.upstream_rq_total")?;
+    let connections = gw.stat("cluster.staleguard-validator.upstream_cx_total")?;
+    let active = gw.stat("cluster.staleguard-validator.upstream_cx_active")?;
+    assert!(requests >= 6, "{requests} requests");
+    // Every connection opened is still open: none is closed between polls.
+    // (A poll sent from the previous answer's callback, before that stream
+    // is back in the pool, may open a second one.)
+    assert_eq!(active, connections, "connections were closed");
+    assert!(
+        connections <= 2,
+        "{requests} requests over {connections} connections"
+    );
+    assert_eq!(
+        gw.stat("wasmcustom.staleguard_filter_sync_resets_total")?,
+        1
+    );
+    drop(validator);
+    Ok(())
+}
