@@ -218,7 +218,8 @@ fn a_cluster_merge_of_protocol_options_would_drop_http2() -> Result<()> {
 
 // === In real Envoy ===
 
-const TOKEN: &str = "gateway-token-from-a-secret";
+/// At least 32 bytes: the validator refuses shorter tokens.
+const TOKEN: &str = "gateway-token-from-a-kubernetes-secret-0123456789";
 
 /// Envoy running a rendered configuration, with the token in its environment.
 struct Gateway {
