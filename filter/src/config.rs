@@ -117,6 +117,11 @@ pub struct RawConfig {
     /// Bearer token sent to the validator (never shown by `Debug`).
     #[serde(default)]
     pub token: Option<Secret>,
+    /// The Wasm VM environment variable that holds the token instead (set
+    /// through `vm_config.environment_variables`, from a Kubernetes Secret),
+    /// so the token never appears in the plugin configuration or a config dump.
+    #[serde(default)]
+    pub token_env: Option<String>,
     /// Long-poll wait in seconds (1..=60).
     #[serde(default = "default_wait_s")]
     pub poll_wait_s: u32,
@@ -198,10 +203,34 @@ pub struct Config {
 }
 
 impl Config {
-    /// Parses and checks a configuration, reporting every problem together.
+    /// Parses and checks a configuration, reporting every problem together;
+    /// `token_env` is read from the VM's environment.
     pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
-        let raw: RawConfig = serde_json::from_slice(bytes).map_err(ConfigError::Malformed)?;
+        Self::parse_with_env(bytes, |name| std::env::var(name).ok())
+    }
+
+    /// [`Config::parse`] with the environment given by `env` (tests pass a map).
+    pub fn parse_with_env(
+        bytes: &[u8],
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let mut raw: RawConfig = serde_json::from_slice(bytes).map_err(ConfigError::Malformed)?;
         let mut problems = Vec::new();
+        if let Some(name) = raw.token_env.clone() {
+            if raw.token.is_some() {
+                problems.push("set `token` or `token_env`, not both".to_owned());
+            } else {
+                match env(&name) {
+                    Some(token) => raw.token = Some(Secret::new(token.trim_end())),
+                    // Never a silent token-less start: the validator would
+                    // refuse every poll and the data would never be fresh.
+                    None => problems.push(format!(
+                        "token_env {name:?} is not set in the Wasm VM environment \
+                         (vm_config.environment_variables)"
+                    )),
+                }
+            }
+        }
         if raw.validator_cluster.is_empty() {
             problems.push("validator_cluster must not be empty".to_owned());
         }
@@ -519,6 +548,39 @@ mod tests {
         let err =
             Config::parse(br#"{"validator_cluster":"sg","retry":{"atempts":2}}"#).unwrap_err();
         assert!(err.to_string().contains("unknown field `atempts`"), "{err}");
+    }
+
+    #[test]
+    fn the_token_can_come_from_the_vm_environment() {
+        let env = |name: &str| (name == "SG_TOKEN").then(|| "s3cret\n".to_owned());
+        let c =
+            Config::parse_with_env(br#"{"validator_cluster":"sg","token_env":"SG_TOKEN"}"#, env)
+                .unwrap();
+        assert_eq!(
+            c.raw.token.as_ref().map(Secret::expose),
+            Some("s3cret"),
+            "a Secret file's newline is cut"
+        );
+
+        let err =
+            Config::parse_with_env(br#"{"validator_cluster":"sg","token_env":"MISSING"}"#, env)
+                .unwrap_err();
+        assert!(err.to_string().contains("\"MISSING\" is not set"), "{err}");
+
+        let err = Config::parse_with_env(
+            br#"{"validator_cluster":"sg","token":"a","token_env":"SG_TOKEN"}"#,
+            env,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("not both"), "{err}");
+
+        let empty = |_: &str| Some(String::new());
+        let err = Config::parse_with_env(
+            br#"{"validator_cluster":"sg","token_env":"SG_TOKEN"}"#,
+            empty,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("non-empty"), "{err}");
     }
 
     #[test]

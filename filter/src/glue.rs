@@ -98,6 +98,7 @@ fn property(path: Vec<&str>) -> Option<String> {
 #[derive(Default)]
 struct Metrics {
     ids: HashMap<String, Option<u32>>,
+    services: metrics::ServiceLabels,
 }
 
 impl Metrics {
@@ -328,8 +329,8 @@ impl Root {
                 m.gauge(metrics::GAUGE_GENERATION, meta.generation);
                 m.gauge(metrics::GAUGE_ENTRIES, meta.entries);
                 m.gauge(
-                    metrics::GAUGE_DATA_AGE_MS,
-                    now.saturating_sub(meta.synced_ms),
+                    metrics::GAUGE_DATA_AGE_S,
+                    now.saturating_sub(meta.synced_ms) / 1000,
                 );
                 let fresh = meta.is_fresh(now, config.raw.max_staleness_ms);
                 m.gauge(metrics::GAUGE_FRESH, u64::from(fresh));
@@ -816,6 +817,7 @@ impl HttpContext for Filter {
                 effect,
             } => (service, ip, verdict, effect),
         };
+        let label = m.services.label(&service);
         drop(m);
         // A rejection becomes a replay where one is configured and the
         // request is eligible; the decision is `crate::replay`'s.
@@ -842,9 +844,9 @@ impl HttpContext for Filter {
             }
         }
         let counter = if replay_step.is_some() {
-            metrics::requests_replayed(verdict.reason)
+            metrics::requests_replayed(&label, verdict.reason)
         } else {
-            metrics::requests(verdict.reason, effect)
+            metrics::requests(&label, verdict.reason, effect)
         };
         self.metrics.borrow_mut().inc(&counter, 1);
         if effect != Effect::Allow {

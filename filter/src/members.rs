@@ -281,6 +281,12 @@ mod tests {
         use staleguard_core::wire::Delta;
         use staleguard_core::{Changes, Freshness, Snapshot};
         let mut store = MemoryStore::default();
+        // The guard is off: the delta below empties cart without tombstones,
+        // which it would hold; this test is about the member lists.
+        let off = crate::guard::GuardConfig {
+            enabled: false,
+            ..crate::guard::GuardConfig::default()
+        };
         let mut p = Poller::new(
             SyncConfig {
                 wait_s: 5,
@@ -289,7 +295,11 @@ mod tests {
                 min_interval_ms: 0,
             },
             7,
-        );
+        )
+        .with_guard(crate::guard::Guard::new(
+            off,
+            staleguard_core::Policy::default(),
+        ));
         let fresh = Freshness {
             fresh: true,
             age_ms: None,

@@ -1,57 +1,66 @@
 //! Metric names. Every name is built here, from bounded sets of labels, so the
-//! number of series is fixed by the code, never by traffic.
+//! number of series is fixed by the code and the gateway's configuration,
+//! never by traffic.
 //!
-//! Envoy shows them as `wasmcustom.<name>`; the `stats_tags` in
-//! `deploy/envoy/envoy.yaml` (documented in `docs/metrics.md`) turn the
-//! `.reason.X`, `.action.X` and `.kind.X` parts into Prometheus labels
-//! `staleguard_reason`, `staleguard_action` and `staleguard_error_kind`.
+//! Envoy shows them as `wasmcustom.<name>` in `/stats`; `/stats/prometheus`
+//! drops the `wasmcustom.` prefix. Each name is a Prometheus name already
+//! (`staleguard_filter_` prefix, counters end in `_total`), followed by
+//! `.service.X`, `.reason.X`, `.action.X` or `.kind.X` parts that the
+//! `stats_tags` in `deploy/` (documented in `docs/metrics.md`) turn into the
+//! labels `staleguard_service`, `staleguard_reason`, `staleguard_action` and
+//! `staleguard_error_kind`. The `staleguard_filter_` prefix keeps every filter
+//! series apart from the validator's `staleguard_validator_` series.
 
-use staleguard_core::Reason;
+use std::collections::HashSet;
+
+use staleguard_core::{Reason, ServiceKey};
 
 use crate::check::Effect;
 use crate::replay::Outcome;
 
-/// Requests whose cluster maps to no service (passed untouched).
-pub const REQUESTS_UNMAPPED: &str = "staleguard.requests_unmapped";
-/// Requests whose upstream address could not be read (passed untouched).
-pub const REQUESTS_NO_ADDRESS: &str = "staleguard.requests_no_address";
-/// Validator requests sent.
-pub const SYNC_POLLS: &str = "staleguard.sync_polls";
-/// Full resyncs applied (snapshot or reset).
-pub const SYNC_RESETS: &str = "staleguard.sync_resets";
-/// Deltas applied (empty ones included).
-pub const SYNC_DELTAS: &str = "staleguard.sync_deltas";
-/// Bytes of validator answers read.
-pub const SYNC_BYTES: &str = "staleguard.sync_bytes";
-/// Times a context took the poller lease.
-pub const SYNC_LEASE_ACQUIRED: &str = "staleguard.sync_lease_acquired";
+/// Counter: requests whose cluster maps to no service (passed untouched).
+pub const REQUESTS_UNMAPPED: &str = "staleguard_filter_requests_unmapped_total";
+/// Counter: requests whose upstream address could not be read (passed untouched).
+pub const REQUESTS_NO_ADDRESS: &str = "staleguard_filter_requests_no_address_total";
+/// Counter: validator requests sent.
+pub const SYNC_POLLS: &str = "staleguard_filter_sync_polls_total";
+/// Counter: full resyncs applied (snapshot or reset).
+pub const SYNC_RESETS: &str = "staleguard_filter_sync_resets_total";
+/// Counter: deltas applied (empty ones included).
+pub const SYNC_DELTAS: &str = "staleguard_filter_sync_deltas_total";
+/// Counter: bytes of validator answers read.
+pub const SYNC_BYTES: &str = "staleguard_filter_sync_received_bytes_total";
+/// Counter: times a context took the poller lease.
+pub const SYNC_LEASE_ACQUIRED: &str = "staleguard_filter_sync_lease_acquired_total";
 /// Gauge: the generation applied last.
-pub const GAUGE_GENERATION: &str = "staleguard.index_generation";
-/// Gauge: milliseconds since the last successful sync.
-pub const GAUGE_DATA_AGE_MS: &str = "staleguard.index_age_ms";
+pub const GAUGE_GENERATION: &str = "staleguard_filter_index_generation";
+/// Gauge: whole seconds since the last successful sync.
+pub const GAUGE_DATA_AGE_S: &str = "staleguard_filter_index_age_seconds";
 /// Gauge: IPs in the index.
-pub const GAUGE_ENTRIES: &str = "staleguard.index_entries";
+pub const GAUGE_ENTRIES: &str = "staleguard_filter_index_entries";
 /// Gauge: 1 when the data is fresh enough to judge, else 0.
-pub const GAUGE_FRESH: &str = "staleguard.index_fresh";
+pub const GAUGE_FRESH: &str = "staleguard_filter_index_fresh";
 /// Gauge: microseconds the last applied answer took to decode and write to
-/// shared data, on the thread that holds the lease.
-pub const GAUGE_SYNC_APPLY_US: &str = "staleguard.sync_apply_us";
+/// shared data, on the thread that holds the lease. The one duration not in
+/// seconds: Wasm metrics hold integers, and in seconds it would always read 0
+/// (docs/metrics.md).
+pub const GAUGE_SYNC_APPLY_US: &str = "staleguard_filter_sync_apply_microseconds";
 
 /// Gauge: bytes of linear memory of this Wasm VM. A Wasm memory never
 /// shrinks, so this is the VM's peak: what the largest snapshot or reset it
 /// decoded cost it, and whether the index it holds stays bounded.
-pub const GAUGE_VM_MEMORY_BYTES: &str = "staleguard.vm_memory_bytes";
+pub const GAUGE_VM_MEMORY_BYTES: &str = "staleguard_filter_vm_memory_bytes";
 
-/// Validator answers the blast-radius guard held back (see `crate::guard`).
-pub const GUARD_HELD_TOTAL: &str = "staleguard.guard_held_total";
-/// Held changes applied because they persisted for `guard.confirm_ms`.
-pub const GUARD_CONFIRMED_TOTAL: &str = "staleguard.guard_confirmed_total";
-/// Holds ended by an answer that no longer tripped the guard.
-pub const GUARD_RELEASED_TOTAL: &str = "staleguard.guard_released_total";
+/// Counter: validator answers the blast-radius guard held back (see `crate::guard`).
+pub const GUARD_HELD_TOTAL: &str = "staleguard_filter_guard_held_total";
+/// Counter: held changes applied because they persisted for `guard.confirm_ms`.
+pub const GUARD_CONFIRMED_TOTAL: &str = "staleguard_filter_guard_confirmed_total";
+/// Counter: holds ended by an answer that no longer tripped the guard.
+pub const GUARD_RELEASED_TOTAL: &str = "staleguard_filter_guard_released_total";
 /// Gauge: 1 while the guard holds an answer back, else 0.
-pub const GUARD_HOLDING: &str = "staleguard.guard_holding";
+pub const GUARD_HOLDING: &str = "staleguard_filter_guard_holding";
 /// Gauge: IPs the last held answer would have rejected without evidence.
-pub const GUARD_HELD_IPS: &str = "staleguard.guard_held_ips";
+pub const GUARD_HELD_IPS: &str = "staleguard_filter_guard_held_ips";
 
 /// Sync error kinds (labels of [`sync_errors`]).
 pub const SYNC_ERROR_KINDS: [&str; 6] = [
@@ -63,41 +72,84 @@ pub const SYNC_ERROR_KINDS: [&str; 6] = [
     "timeout",
 ];
 
-/// Per-request counter: `staleguard.requests.reason.<reason>.action.<action>`.
-pub fn requests(reason: Reason, effect: Effect) -> String {
+/// Distinct `staleguard_service` label values a VM gives out; later services
+/// share [`OTHER_SERVICE`]. A gateway's services are bounded by its
+/// configuration, not by traffic, but a cap keeps a huge mesh from turning into
+/// tens of thousands of series.
+pub const MAX_SERVICE_LABELS: usize = 256;
+/// The service label of services past [`MAX_SERVICE_LABELS`]; it has no `/`, so
+/// it never names a real service.
+pub const OTHER_SERVICE: &str = "_other";
+
+/// The bounded set of service label values of one VM.
+#[derive(Debug, Default)]
+pub struct ServiceLabels {
+    seen: HashSet<String>,
+}
+
+impl ServiceLabels {
+    /// The label value of `service`: `namespace/name` while there is room,
+    /// else [`OTHER_SERVICE`].
+    pub fn label(&mut self, service: &ServiceKey) -> String {
+        let value = service.to_string();
+        // A dot would split the stat name where the stats_tags do not expect
+        // it; Kubernetes names have none, but a key built without validation
+        // might.
+        if value.contains('.') {
+            return OTHER_SERVICE.to_owned();
+        }
+        if self.seen.contains(&value) {
+            return value;
+        }
+        if self.seen.len() >= MAX_SERVICE_LABELS {
+            return OTHER_SERVICE.to_owned();
+        }
+        self.seen.insert(value.clone());
+        value
+    }
+}
+
+/// Per-request counter:
+/// `staleguard_filter_requests_total.service.<ns/name>.reason.<reason>.action.<action>`,
+/// with `service` from [`ServiceLabels::label`].
+pub fn requests(service: &str, reason: Reason, effect: Effect) -> String {
     format!(
-        "staleguard.requests.reason.{}.action.{}",
+        "staleguard_filter_requests_total.service.{service}.reason.{}.action.{}",
         reason.as_str(),
         effect.as_str()
     )
 }
 
 /// Per-request counter of a rejected request that was replayed instead:
-/// `staleguard.requests.reason.<reason>.action.retry` (whatever the replay's
-/// outcome, which [`retries`] counts).
-pub fn requests_replayed(reason: Reason) -> String {
+/// `staleguard_filter_requests_total.service.<ns/name>.reason.<reason>.action.retry`
+/// (whatever the replay's outcome, which [`retries`] counts).
+pub fn requests_replayed(service: &str, reason: Reason) -> String {
     format!(
-        "staleguard.requests.reason.{}.action.retry",
+        "staleguard_filter_requests_total.service.{service}.reason.{}.action.retry",
         reason.as_str()
     )
 }
 
-/// Replay counter: `staleguard.retries_total.outcome.<outcome>` (outcomes:
-/// `answered`, `exhausted`, `timeout`, `not_eligible_<cause>`).
+/// Replay counter: `staleguard_filter_retries_total.outcome.<outcome>`
+/// (outcomes: `answered`, `exhausted`, `timeout`, `not_eligible_<cause>`).
 pub fn retries(outcome: Outcome) -> String {
-    format!("staleguard.retries_total.outcome.{}", outcome.as_str())
+    format!(
+        "staleguard_filter_retries_total.outcome.{}",
+        outcome.as_str()
+    )
 }
 
-/// The twin's picks: `staleguard.twin_picks_total.outcome.named` (a host the
-/// origin named: let through) or `.miss` (failed at once, nothing sent).
+/// The twin's picks: `staleguard_filter_twin_picks_total.outcome.named` (a
+/// host the origin named: let through) or `.miss` (failed at once, nothing
+/// sent).
 pub fn twin_picks(named: bool) -> String {
     let outcome = if named { "named" } else { "miss" };
-    format!("staleguard.twin_picks_total.outcome.{outcome}")
+    format!("staleguard_filter_twin_picks_total.outcome.{outcome}")
 }
 
-/// Sync error counter: `staleguard.sync_errors.kind.<kind>`.
+/// Sync error counter: `staleguard_filter_sync_errors_total.kind.<kind>`.
 pub fn sync_errors(kind: &str) -> String {
-    format!("staleguard.sync_errors.kind.{kind}")
+    format!("staleguard_filter_sync_errors_total.kind.{kind}")
 }
 
 #[cfg(test)]
@@ -107,29 +159,110 @@ mod tests {
     #[test]
     fn names_are_dotted_and_bounded() {
         assert_eq!(
-            requests(Reason::Destroyed, Effect::Reject { status: 503 }),
-            "staleguard.requests.reason.destroyed.action.reject"
+            requests(
+                "shop/cart",
+                Reason::Destroyed,
+                Effect::Reject { status: 503 }
+            ),
+            "staleguard_filter_requests_total.service.shop/cart.reason.destroyed.action.reject"
         );
-        assert_eq!(sync_errors("decode"), "staleguard.sync_errors.kind.decode");
+        assert_eq!(
+            sync_errors("decode"),
+            "staleguard_filter_sync_errors_total.kind.decode"
+        );
         let effects = [Effect::Allow, Effect::Reject { status: 1 }, Effect::Audit];
         let mut names = std::collections::BTreeSet::new();
         for r in Reason::ALL {
             for e in effects {
-                names.insert(requests(r, e));
+                names.insert(requests("a/b", r, e));
             }
         }
         assert_eq!(names.len(), Reason::ALL.len() * effects.len());
         assert_eq!(
             retries(Outcome::NotEligible(crate::replay::Ineligible::Body)),
-            "staleguard.retries_total.outcome.not_eligible_body"
+            "staleguard_filter_retries_total.outcome.not_eligible_body"
         );
         assert_eq!(
-            requests_replayed(Reason::Recycled),
-            "staleguard.requests.reason.recycled.action.retry"
+            requests_replayed("shop/cart", Reason::Recycled),
+            "staleguard_filter_requests_total.service.shop/cart.reason.recycled.action.retry"
         );
         assert_eq!(
             twin_picks(false),
-            "staleguard.twin_picks_total.outcome.miss"
+            "staleguard_filter_twin_picks_total.outcome.miss"
+        );
+    }
+
+    #[test]
+    fn counters_end_in_total_and_nothing_is_named_like_the_validator() {
+        let counters = [
+            REQUESTS_UNMAPPED,
+            REQUESTS_NO_ADDRESS,
+            SYNC_POLLS,
+            SYNC_RESETS,
+            SYNC_DELTAS,
+            SYNC_BYTES,
+            SYNC_LEASE_ACQUIRED,
+            GUARD_HELD_TOTAL,
+            GUARD_CONFIRMED_TOTAL,
+            GUARD_RELEASED_TOTAL,
+        ];
+        for name in counters {
+            assert!(name.ends_with("_total"), "{name}");
+        }
+        let base = |n: String| n.split('.').next().map(str::to_owned);
+        assert_eq!(
+            base(requests("a/b", Reason::Member, Effect::Allow)).as_deref(),
+            Some("staleguard_filter_requests_total")
+        );
+        assert_eq!(
+            base(sync_errors("store")).as_deref(),
+            Some("staleguard_filter_sync_errors_total")
+        );
+        assert_eq!(
+            base(retries(Outcome::Answered)).as_deref(),
+            Some("staleguard_filter_retries_total")
+        );
+        assert_eq!(
+            base(twin_picks(true)).as_deref(),
+            Some("staleguard_filter_twin_picks_total")
+        );
+        let gauges = [
+            GAUGE_GENERATION,
+            GAUGE_DATA_AGE_S,
+            GAUGE_ENTRIES,
+            GAUGE_FRESH,
+            GAUGE_SYNC_APPLY_US,
+            GAUGE_VM_MEMORY_BYTES,
+            GUARD_HOLDING,
+            GUARD_HELD_IPS,
+        ];
+        for name in counters.iter().chain(&gauges) {
+            assert!(name.starts_with("staleguard_filter_"), "{name}");
+            assert!(!name.contains('.'), "{name}");
+        }
+    }
+
+    #[test]
+    fn service_labels_are_capped() {
+        let mut labels = ServiceLabels::default();
+        let cart = ServiceKey::new("shop", "cart");
+        assert_eq!(labels.label(&cart), "shop/cart");
+        for i in 1..MAX_SERVICE_LABELS {
+            labels.label(&ServiceKey::new("ns", format!("s{i}")));
+        }
+        assert_eq!(
+            labels.label(&ServiceKey::new("ns", "one-too-many")),
+            OTHER_SERVICE
+        );
+        assert_eq!(
+            labels.label(&cart),
+            "shop/cart",
+            "known services keep theirs"
+        );
+        assert_eq!(
+            labels.label(&ServiceKey::new("a.b", "c")),
+            OTHER_SERVICE,
+            "a dot would break the stats_tags"
         );
     }
 }

@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use staleguard_filter::config::Config;
+use staleguard_filter::replay::TwinConfig;
 
 /// The JSON block under `value: |` in a YAML file (the plugin configuration).
 fn plugin_configs(yaml: &str) -> Vec<String> {
@@ -28,14 +29,32 @@ fn check(path: &str, expected: usize) {
     let configs = plugin_configs(&yaml);
     assert_eq!(configs.len(), expected, "{path}");
     for c in configs {
-        if let Err(e) = Config::parse(c.as_bytes()) {
-            panic!("{path}: {e}\n{c}");
+        // A retry twin's configuration is a role of its own (docs/filter.md).
+        match TwinConfig::parse(c.as_bytes()) {
+            Ok(Some(_)) => continue,
+            Ok(None) => {}
+            Err(e) => panic!("{path}: twin configuration refused: {e}\n{c}"),
+        }
+        // The VM environment the deployment provides: deploy/istio passes
+        // STALEGUARD_TOKEN from a Secret (vm_config.environment_variables).
+        let env = |name: &str| (name == "STALEGUARD_TOKEN").then(|| "t0ken".to_owned());
+        let config = match Config::parse_with_env(c.as_bytes(), env) {
+            Ok(config) => config,
+            Err(e) => panic!("{path}: {e}\n{c}"),
+        };
+        // The variable the plugin reads must be one the VM is given.
+        if let Some(name) = &config.raw.token_env {
+            assert!(
+                yaml.contains(&format!("host_env_keys: [{name}]")),
+                "{path}: token_env {name} is not in vm_config.environment_variables"
+            );
         }
     }
 }
 
 #[test]
 fn shipped_plugin_configs_are_valid() {
-    check("deploy/envoy/envoy.yaml", 1);
+    // The guarded cluster's plugin and its retry twin's.
+    check("deploy/envoy/envoy.yaml", 2);
     check("deploy/istio/envoyfilter.yaml", 1);
 }

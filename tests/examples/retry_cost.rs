@@ -124,7 +124,7 @@ fn main() -> Result<()> {
         bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
     };
     envoy.eventually("the first sync", Duration::from_secs(30), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     let modes = [
         Mode {
@@ -178,7 +178,7 @@ fn main() -> Result<()> {
         }
         eprintln!("round {} of {rounds} done", round + 1);
     }
-    let replayed = envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")?;
+    let replayed = envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")?;
     println!(
         "{rounds} rounds x {requests} requests per mode, interleaved; {replayed} replays answered"
     );

@@ -185,28 +185,28 @@ fn main() -> Result<()> {
             );
         };
         envoy.eventually("the snapshot is loaded", Duration::from_secs(120), |e| {
-            Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+            Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
         })?;
         v8_snapshot.push(Duration::from_micros(
-            envoy.stat("wasmcustom.staleguard.sync_apply_us")?,
+            envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?,
         ));
         if round == 0 {
             println!(
                 "  (Envoy: {} entries loaded)",
-                envoy.stat("wasmcustom.staleguard.index_entries")?
+                envoy.stat("wasmcustom.staleguard_filter_index_entries")?
             );
         }
         // Deltas: delete the victims, then bring them back, each one answer.
         for present in [true, false] {
-            let before = envoy.stat("wasmcustom.staleguard.index_generation")?;
+            let before = envoy.stat("wasmcustom.staleguard_filter_index_generation")?;
             toggle(present);
             let target = shared.read().generation();
             envoy.eventually("the delta is applied", Duration::from_secs(30), |e| {
-                Ok(e.stat("wasmcustom.staleguard.index_generation")? >= target)
+                Ok(e.stat("wasmcustom.staleguard_filter_index_generation")? >= target)
             })?;
             if before < target {
                 v8_delta.push(Duration::from_micros(
-                    envoy.stat("wasmcustom.staleguard.sync_apply_us")?,
+                    envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?,
                 ));
             }
         }

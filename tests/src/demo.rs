@@ -25,7 +25,7 @@ use anyhow::Result;
 use serde_json::json;
 
 use crate::envoy::shipped_plugin;
-use crate::gateway::{GatewaySpec, STAT_FRESH};
+use crate::gateway::{GatewaySpec, STAT_FRESH, STAT_REQUESTS_PREFIX};
 use crate::pods::Tally;
 use crate::scene::{Deps, Expect, Scene};
 use crate::traffic::{Load, Outcomes};
@@ -373,7 +373,11 @@ async fn verdicts(scene: &Scene) -> Vec<(String, String, u64)> {
     };
     let mut out = Vec::new();
     for (name, value) in &stats {
-        let Some(rest) = name.strip_prefix("wasmcustom.staleguard.requests.reason.") else {
+        let Some(rest) = name
+            .strip_prefix(STAT_REQUESTS_PREFIX)
+            .and_then(|r| r.split_once(".reason."))
+            .map(|(_service, rest)| rest)
+        else {
             continue;
         };
         if let Some((reason, action)) = rest.split_once(".action.") {
@@ -656,7 +660,7 @@ impl Ui {
         let _ = writeln!(
             f,
             "\n{}",
-            bold("filter verdicts (guarded Envoy, wasmcustom.staleguard.requests)")
+            bold("filter verdicts (guarded Envoy, staleguard_filter_requests_total)")
         );
         let parts: Vec<String> = verdicts
             .iter()

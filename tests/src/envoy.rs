@@ -30,14 +30,16 @@ pub fn dependencies() -> Option<(PathBuf, PathBuf)> {
 /// The `stats_tags` that turn staleguard metric names into labels.
 pub fn stats_tags() -> Value {
     json!([
+        {"tag_name": "staleguard_service",
+         "regex": "^wasmcustom\\.staleguard_filter_requests_total(\\.service\\.([^.]+))"},
         {"tag_name": "staleguard_reason",
-         "regex": "^wasmcustom\\.staleguard\\.requests(\\.reason\\.([a-z_]+))"},
+         "regex": "^wasmcustom\\.staleguard_filter_requests_total\\.service\\.[^.]+(\\.reason\\.([a-z_]+))"},
         {"tag_name": "staleguard_action",
-         "regex": "^wasmcustom\\.staleguard\\.requests\\.reason\\.[a-z_]+(\\.action\\.([a-z_]+))$"},
+         "regex": "^wasmcustom\\.staleguard_filter_requests_total\\.service\\.[^.]+\\.reason\\.[a-z_]+(\\.action\\.([a-z_]+))$"},
         {"tag_name": "staleguard_error_kind",
-         "regex": "^wasmcustom\\.staleguard\\.sync_errors(\\.kind\\.([a-z_]+))$"},
+         "regex": "^wasmcustom\\.staleguard_filter_sync_errors_total(\\.kind\\.([a-z_]+))$"},
         {"tag_name": "staleguard_outcome",
-         "regex": "^wasmcustom\\.staleguard\\.(?:retries_total|twin_picks_total)(\\.outcome\\.([a-z_]+))$"}
+         "regex": "^wasmcustom\\.staleguard_filter_(?:retries_total|twin_picks_total)(\\.outcome\\.([a-z_]+))$"}
     ])
 }
 
@@ -484,7 +486,7 @@ impl Envoy {
     }
 
     /// A counter or gauge from `/stats` (full name, e.g.
-    /// `wasmcustom.staleguard.sync_polls`); `0` when not defined yet.
+    /// `wasmcustom.staleguard_filter_sync_polls_total`); `0` when not defined yet.
     pub fn stat(&self, name: &str) -> Result<u64> {
         let stats = self.admin(&format!("/stats?filter=^{}$", name.replace('|', "\\|")))?;
         for line in stats.lines() {
@@ -498,6 +500,26 @@ impl Envoy {
             }
         }
         Ok(0)
+    }
+
+    /// The filter's requests with `reason` and `action`, summed over the
+    /// `staleguard_service` part of their names.
+    pub fn requests(&self, reason: &str, action: &str) -> Result<u64> {
+        let stats =
+            self.admin("/stats?filter=^wasmcustom\\.staleguard_filter_requests_total\\.")?;
+        let suffix = format!(".reason.{reason}.action.{action}");
+        let mut sum = 0;
+        for line in stats.lines() {
+            if let Some((k, v)) = line.split_once(": ") {
+                if k.ends_with(&suffix) {
+                    sum += v
+                        .trim()
+                        .parse::<u64>()
+                        .with_context(|| format!("stat {k}: {v:?}"))?;
+                }
+            }
+        }
+        Ok(sum)
     }
 
     /// What Envoy has logged so far.

@@ -194,21 +194,36 @@ impl GatewaySpec {
 }
 
 /// The filter's generation gauge, as Envoy names it.
-pub const STAT_GENERATION: &str = "wasmcustom.staleguard.index_generation";
+pub const STAT_GENERATION: &str = "wasmcustom.staleguard_filter_index_generation";
 /// The filter's freshness gauge.
-pub const STAT_FRESH: &str = "wasmcustom.staleguard.index_fresh";
+pub const STAT_FRESH: &str = "wasmcustom.staleguard_filter_index_fresh";
 /// The filter's full-resync counter.
-pub const STAT_RESETS: &str = "wasmcustom.staleguard.sync_resets";
+pub const STAT_RESETS: &str = "wasmcustom.staleguard_filter_sync_resets_total";
 /// Validator answers the filter's blast-radius guard held back.
-pub const STAT_GUARD_HELD: &str = "wasmcustom.staleguard.guard_held_total";
+pub const STAT_GUARD_HELD: &str = "wasmcustom.staleguard_filter_guard_held_total";
 
 /// The filter's per-request counter in `/stats/prometheus` (labels
-/// `staleguard_reason`, `staleguard_action`).
-pub const PROM_REQUESTS: &str = "staleguard_requests";
+/// `staleguard_service`, `staleguard_reason`, `staleguard_action`).
+pub const PROM_REQUESTS: &str = "staleguard_filter_requests_total";
 
-/// The filter's request counter for a reason and action.
-pub fn stat_requests(reason: &str, action: &str) -> String {
-    format!("wasmcustom.staleguard.requests.reason.{reason}.action.{action}")
+/// The `/stats` prefix of the filter's per-request counters.
+pub const STAT_REQUESTS_PREFIX: &str = "wasmcustom.staleguard_filter_requests_total.service.";
+
+/// The filter's request counter for one service (`namespace/name`), reason
+/// and action, as `/stats` names it.
+pub fn stat_requests(service: &str, reason: &str, action: &str) -> String {
+    format!("{STAT_REQUESTS_PREFIX}{service}.reason.{reason}.action.{action}")
+}
+
+/// The filter's requests with a reason and action, summed over services, from
+/// a [`Gateway::stats`] map.
+pub fn requests_total(stats: &BTreeMap<String, u64>, reason: &str, action: &str) -> u64 {
+    let suffix = format!(".reason.{reason}.action.{action}");
+    stats
+        .iter()
+        .filter(|(k, _)| k.starts_with(STAT_REQUESTS_PREFIX) && k.ends_with(&suffix))
+        .map(|(_, v)| v)
+        .sum()
 }
 
 impl GatewaySpec {
@@ -243,10 +258,11 @@ pub fn detach(cmd: &mut Command) {
     }
 }
 
-/// The value of the series `name{labels}` in Prometheus text, if present.
-/// `labels` are `(key, value)` pairs that must all match.
+/// The sum of the series `name{labels}` in Prometheus text, if any is present.
+/// `labels` are `(key, value)` pairs that must all match; series with more
+/// labels (the filter's `staleguard_service`) are summed.
 pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<u64> {
-    text.lines().find_map(|line| {
+    let mut values = text.lines().filter_map(|line| {
         let (series, value) = line.rsplit_once(' ')?;
         let (metric, rest) = series.split_once('{').unwrap_or((series, "}"));
         if metric != name {
@@ -260,7 +276,9 @@ pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Opti
             return None;
         }
         value.parse::<f64>().ok().map(|v| v as u64)
-    })
+    });
+    let first = values.next()?;
+    Some(first + values.sum::<u64>())
 }
 
 impl Gateway {
@@ -345,10 +363,11 @@ mod tests {
 
     #[test]
     fn reads_a_labelled_series_from_prometheus_text() {
-        let text = "# TYPE staleguard_requests counter\n\
-            staleguard_requests{staleguard_reason=\"destroyed\",staleguard_action=\"reject\"} 1840\n\
-            staleguard_requests{staleguard_reason=\"member\",staleguard_action=\"allow\"} 660\n\
-            staleguard_index_fresh{} 1\n";
+        let text = "# TYPE staleguard_filter_requests_total counter\n\
+            staleguard_filter_requests_total{staleguard_service=\"shop/cart\",staleguard_reason=\"destroyed\",staleguard_action=\"reject\"} 1800\n\
+            staleguard_filter_requests_total{staleguard_service=\"shop/pay\",staleguard_reason=\"destroyed\",staleguard_action=\"reject\"} 40\n\
+            staleguard_filter_requests_total{staleguard_service=\"shop/cart\",staleguard_reason=\"member\",staleguard_action=\"allow\"} 660\n\
+            staleguard_filter_index_fresh{} 1\n";
         let get = |labels: &[(&str, &str)]| prometheus_value(text, PROM_REQUESTS, labels);
         assert_eq!(
             get(&[
@@ -366,7 +385,7 @@ mod tests {
         );
         assert_eq!(get(&[("staleguard_reason", "recycled")]), None);
         assert_eq!(
-            prometheus_value(text, "staleguard_index_fresh", &[]),
+            prometheus_value(text, "staleguard_filter_index_fresh", &[]),
             Some(1)
         );
     }

@@ -25,6 +25,8 @@ pub mod eds;
 pub mod envoy;
 pub mod fake_validator;
 pub mod gateway;
+pub mod h2;
+pub mod istio;
 pub mod kube_source;
 pub mod pods;
 pub mod process;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use staleguard_tests::gateway::{
-    prometheus_value, stat_requests, Gateway, GatewaySpec, PROM_REQUESTS, STAT_GUARD_HELD,
+    prometheus_value, requests_total, Gateway, GatewaySpec, PROM_REQUESTS, STAT_GUARD_HELD,
 };
 use staleguard_tests::pods::{self, Tally};
 use staleguard_tests::scene::{self, Expect, Scene};
@@ -27,10 +27,7 @@ fn landed(scene: &Scene, ips: &[IpAddr], via: &str) -> Tally {
 
 async fn counter(scene: &Scene, gateway: &Gateway, reason: &str, action: &str) -> u64 {
     let stats = gateway.stats(&scene.http).await.unwrap();
-    stats
-        .get(&stat_requests(reason, action))
-        .copied()
-        .unwrap_or(0)
+    requests_total(&stats, reason, action)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

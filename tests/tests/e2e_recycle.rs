@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use serde_json::json;
-use staleguard_tests::gateway::{stat_requests, GatewaySpec, STAT_GUARD_HELD};
+use staleguard_tests::gateway::{requests_total, GatewaySpec, STAT_GUARD_HELD};
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{self, Expect, Scene};
 use staleguard_tests::traffic::burst;
@@ -68,7 +68,7 @@ async fn an_ip_recycled_to_another_service_is_never_reached_through_the_stale_cl
     assert_eq!(p.wrong_service, lp.wrong_service);
     let stats = guarded.stats(&scene.http).await.unwrap();
     assert_eq!(
-        stats[&stat_requests("recycled", "reject")],
+        requests_total(&stats, "recycled", "reject"),
         g.rejected_for("recycled")
     );
     assert_eq!(stats.get(STAT_GUARD_HELD).copied().unwrap_or(0), 0, "guard");
@@ -122,7 +122,7 @@ async fn terminating_pods_follow_the_configured_rule() {
     assert!(via(&landed, "default").right > 0);
     let stats = default.stats(&scene.http).await.unwrap();
     assert_eq!(
-        stats[&stat_requests("terminating", "allow")],
+        requests_total(&stats, "terminating", "allow"),
         via(&landed, "default").right
     );
     // Strict: nothing reaches them; the rest is served.
@@ -131,7 +131,7 @@ async fn terminating_pods_follow_the_configured_rule() {
     assert_eq!(s.right + s.rejected_for("terminating"), 600, "{s:?}");
     let stats = strict.stats(&scene.http).await.unwrap();
     assert_eq!(
-        stats[&stat_requests("terminating", "reject")],
+        requests_total(&stats, "terminating", "reject"),
         s.rejected_for("terminating")
     );
 }

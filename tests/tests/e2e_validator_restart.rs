@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use staleguard_tests::gateway::{stat_requests, GatewaySpec, STAT_FRESH, STAT_GUARD_HELD};
+use staleguard_tests::gateway::{requests_total, GatewaySpec, STAT_FRESH, STAT_GUARD_HELD};
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{self, Scene, SYNC_TIMEOUT};
 use staleguard_tests::traffic::{burst, Load};
@@ -47,10 +47,7 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
     tokio::time::sleep(Duration::from_secs(1)).await;
     let outage = load.stop().await;
     let stats = guarded.stats(&scene.http).await.unwrap();
-    let stale_allowed = stats
-        .get(&stat_requests("stale", "allow"))
-        .copied()
-        .unwrap_or(0);
+    let stale_allowed = requests_total(&stats, "stale", "allow");
     println!(
         "validator down: {} requests, {} judged on stale data and allowed, {} rejected",
         outage.total(),
@@ -63,13 +60,7 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
         stale_allowed > 0,
         "the outage never reached the stale state"
     );
-    assert_eq!(
-        stats
-            .get(&stat_requests("stale", "reject"))
-            .copied()
-            .unwrap_or(0),
-        0
-    );
+    assert_eq!(requests_total(&stats, "stale", "reject"), 0);
 
     // While it is away, pods go (EDS still frozen). Then it comes back with a
     // new epoch; the filter resyncs, and only then do the addresses change.
@@ -88,13 +79,16 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
     println!(
         "guard: {} answers held, {} confirmed",
         count(STAT_GUARD_HELD),
-        count("wasmcustom.staleguard.guard_confirmed_total")
+        count("wasmcustom.staleguard_filter_guard_confirmed_total")
     );
     assert!(
         count(STAT_GUARD_HELD) >= 1,
         "60% gone without evidence is held"
     );
-    assert_eq!(count("wasmcustom.staleguard.guard_confirmed_total"), 1);
+    assert_eq!(
+        count("wasmcustom.staleguard_filter_guard_confirmed_total"),
+        1
+    );
     let after = burst(&scene.http, &guarded.target("api"), 600, 4).await;
     let landed = via(&scene.world.tallies_at(&gone), "guarded");
     println!(

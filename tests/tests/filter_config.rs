@@ -75,7 +75,7 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     // The update replaced the plugin and its root contexts: the old poller
     // released its lease (on_done), a new root context took it over.
     envoy.eventually("the lease taken over", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_lease_acquired")? == 2)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_lease_acquired_total")? == 2)
     })?;
     // Each change answers the long poll that is out; the next one follows.
     let polls = validator.requests().len();
@@ -88,7 +88,7 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
         );
     }
     assert_eq!(
-        envoy.stat("wasmcustom.staleguard.sync_resets")?,
+        envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")?,
         1,
         "the successor continued from meta with deltas, no reload"
     );
@@ -96,6 +96,6 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
         validator.requests().len() >= polls + 2,
         "polling stopped after the update"
     );
-    assert_eq!(envoy.stat("wasmcustom.staleguard.index_fresh")?, 1);
+    assert_eq!(envoy.stat("wasmcustom.staleguard_filter_index_fresh")?, 1);
     Ok(())
 }

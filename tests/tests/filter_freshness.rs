@@ -61,7 +61,10 @@ fn a_burst_of_changes_reaches_the_gateway_within_the_least_poll_interval_not_a_t
         return Ok(());
     };
     envoy.eventually("first sync", WAIT, |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1 && reason(e, CART)?.is_empty())
+        Ok(
+            e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1
+                && reason(e, CART)?.is_empty(),
+        )
     })?;
     // Each round: a change answers the long poll that is out; a second one,
     // 20 ms later, answers the poll sent right after it; the third, 20 ms
@@ -118,7 +121,7 @@ fn an_ipv4_mapped_upstream_address_is_judged_as_its_ipv4_address() -> Result<()>
         return Ok(());
     };
     envoy.eventually("first sync", WAIT, |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     let r = envoy.get(CART)?;
     assert_eq!(
@@ -127,7 +130,7 @@ fn an_ipv4_mapped_upstream_address_is_judged_as_its_ipv4_address() -> Result<()>
         "a live pod was rejected: {r:?}"
     );
     assert_eq!(
-        envoy.stat("wasmcustom.staleguard.requests.reason.member.action.allow")?,
+        envoy.requests("member", "allow")?,
         1,
         "judged as the member it is"
     );
@@ -164,15 +167,18 @@ fn a_validator_that_accepts_and_never_answers_does_not_stall_the_poller_with_pol
         return Ok(());
     };
     envoy.eventually("first sync", WAIT, |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1 && reason(e, CART)?.is_empty())
+        Ok(
+            e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1
+                && reason(e, CART)?.is_empty(),
+        )
     })?;
     validator.set_behaviour(Behaviour::Hang);
     let hung = validator.requests().len();
     // Every call now hangs; each is given up on and retried.
     envoy.eventually("two hung calls given up on", Duration::from_secs(40), |e| {
-        let errors = e.stat("wasmcustom.staleguard.sync_errors.kind.status")?
-            + e.stat("wasmcustom.staleguard.sync_errors.kind.transport")?
-            + e.stat("wasmcustom.staleguard.sync_errors.kind.timeout")?;
+        let errors = e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
+            + e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?
+            + e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.timeout")?;
         Ok(errors >= 2 && validator.requests().len() >= hung + 2)
     })?;
     // The validator answers again: the next call picks the change up.
@@ -183,9 +189,9 @@ fn a_validator_that_accepts_and_never_answers_does_not_stall_the_poller_with_pol
     })?;
     println!(
         "sync errors during the hang: status {}, transport {}, timeout {}",
-        envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?,
-        envoy.stat("wasmcustom.staleguard.sync_errors.kind.transport")?,
-        envoy.stat("wasmcustom.staleguard.sync_errors.kind.timeout")?
+        envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?,
+        envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?,
+        envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.timeout")?
     );
     Ok(())
 }

@@ -18,10 +18,10 @@ use staleguard_tests::tinyhttp::named_host;
 const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
 const WEB: &str = "outbound|8080||web.shop.svc.cluster.local";
 const WAIT: Duration = Duration::from_secs(15);
-const HELD: &str = "wasmcustom.staleguard.guard_held_total";
-const RELEASED: &str = "wasmcustom.staleguard.guard_released_total";
-const HOLDING: &str = "wasmcustom.staleguard.guard_holding";
-const HELD_IPS: &str = "wasmcustom.staleguard.guard_held_ips";
+const HELD: &str = "wasmcustom.staleguard_filter_guard_held_total";
+const RELEASED: &str = "wasmcustom.staleguard_filter_guard_released_total";
+const HOLDING: &str = "wasmcustom.staleguard_filter_guard_holding";
+const HELD_IPS: &str = "wasmcustom.staleguard_filter_guard_held_ips";
 
 /// The live hosts Envoy routes to.
 const CART_LIVE: &str = "127.0.1.51";
@@ -93,8 +93,7 @@ fn bogus_reset(
     all_served(envoy, CART, 20)?;
     all_served(envoy, WEB, 20)?;
     assert_eq!(
-        envoy.stat("wasmcustom.staleguard.requests.reason.destroyed.action.reject")?
-            + envoy.stat("wasmcustom.staleguard.requests.reason.recycled.action.reject")?,
+        envoy.requests("destroyed", "reject")? + envoy.requests("recycled", "reject")?,
         0,
         "{}",
         envoy.admin("/stats?filter=staleguard")?
@@ -119,12 +118,12 @@ fn restore(
     envoy.eventually("the hold is released", WAIT, |e| {
         Ok(e.stat(RELEASED)? > released
             && e.stat(HOLDING)? == 0
-            && e.stat("wasmcustom.staleguard.index_fresh")? == 1)
+            && e.stat("wasmcustom.staleguard_filter_index_fresh")? == 1)
     })?;
-    let members = envoy.stat("wasmcustom.staleguard.requests.reason.member.action.allow")?;
+    let members = envoy.requests("member", "allow")?;
     all_served(envoy, CART, 5)?;
     ensure!(
-        envoy.stat("wasmcustom.staleguard.requests.reason.member.action.allow")? >= members + 5,
+        envoy.requests("member", "allow")? >= members + 5,
         "judged on fresh data again"
     );
     Ok(())
@@ -157,12 +156,10 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
         return Ok(());
     };
     envoy.eventually("first sync: cart's live member allowed", WAIT, |e| {
-        Ok(
-            e.stat("wasmcustom.staleguard.requests.reason.member.action.allow")? > 0 || {
-                let _ = e.get(CART)?;
-                false
-            },
-        )
+        Ok(e.requests("member", "allow")? > 0 || {
+            let _ = e.get(CART)?;
+            false
+        })
     })?;
     all_served(&mut envoy, CART, 5)?;
     assert_eq!(envoy.stat(HELD)?, 0);
@@ -204,7 +201,7 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
     let prom = envoy.admin("/stats/prometheus")?;
     assert!(
         prom.lines()
-            .any(|l| l.starts_with("staleguard_guard_held_total{} ") && !l.ends_with(" 0")),
+            .any(|l| l.starts_with("staleguard_filter_guard_held_total{} ") && !l.ends_with(" 0")),
         "{prom}"
     );
 

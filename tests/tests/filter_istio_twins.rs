@@ -178,7 +178,7 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     for _ in 0..30 {
         let r = envoy.get(CLUSTER)?;
@@ -186,7 +186,7 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
         assert!(["cart-a", "cart-b"].contains(&r.header("x-host")), "{r:?}");
     }
     assert_eq!(gone.hits(), 0, "the stale host got a request");
-    assert!(envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")? >= 5);
+    assert!(envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")? >= 5);
     assert_eq!(
         generated_twin["name"],
         format!("{CLUSTER}|staleguard-twin"),

@@ -42,7 +42,7 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
         return Ok(());
     };
     envoy.eventually("first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     // Requests on many connections land on both workers; all judge alike.
     for _ in 0..20 {
@@ -76,11 +76,14 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
         requests.len() <= 6,
         "one poller, one long poll per answer: {requests:#?}"
     );
-    assert_eq!(envoy.stat("wasmcustom.staleguard.sync_lease_acquired")?, 1);
     assert_eq!(
-        envoy.stat("wasmcustom.staleguard.sync_polls")?,
+        envoy.stat("wasmcustom.staleguard_filter_sync_lease_acquired_total")?,
+        1
+    );
+    assert_eq!(
+        envoy.stat("wasmcustom.staleguard_filter_sync_polls_total")?,
         requests.len() as u64
     );
-    assert_eq!(envoy.stat("wasmcustom.staleguard.index_entries")?, 4);
+    assert_eq!(envoy.stat("wasmcustom.staleguard_filter_index_entries")?, 4);
     Ok(())
 }

@@ -49,7 +49,7 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
     envoy.eventually("both replicas polled", Duration::from_secs(20), |_| {
         Ok(a.requests().len() >= 2 && b.requests().len() >= 2)
     })?;
-    assert!(envoy.stat("wasmcustom.staleguard.sync_resets")? >= 2);
+    assert!(envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 2);
     for _ in 0..20 {
         assert_eq!(envoy.get(LIVE)?.status, 200);
         let r = envoy.get(GONE)?;
@@ -70,8 +70,8 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
     })?;
     assert_eq!(envoy.get(LIVE)?.status, 200);
     assert!(
-        envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?
-            + envoy.stat("wasmcustom.staleguard.sync_errors.kind.transport")?
+        envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
+            + envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?
             >= 1
     );
     Ok(())

@@ -151,7 +151,7 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     let live = ["h-1", "h-2"];
     for i in 0..40 {
@@ -164,15 +164,14 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         0,
         "a stale host got a request"
     );
-    let answered = envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")?;
+    let answered = envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")?;
     assert!(
         answered >= 10,
         "half the picks are stale, {answered} replayed"
     );
     assert_eq!(
         answered,
-        envoy.stat("wasmcustom.staleguard.requests.reason.destroyed.action.retry")?
-            + envoy.stat("wasmcustom.staleguard.requests.reason.recycled.action.retry")?
+        envoy.requests("destroyed", "retry")? + envoy.requests("recycled", "retry")?
     );
     assert_eq!(live_a.hits() + live_b.hits(), 40);
 
@@ -188,7 +187,7 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         assert_eq!(r.body, "", "{r:?}");
     }
     let replayed_before_posts =
-        envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")?;
+        envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")?;
     assert!(
         replayed_before_posts >= answered + 5,
         "GET and HEAD replays"
@@ -220,7 +219,7 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         "half the picks are stale, {rejected} rejected"
     );
     assert_eq!(
-        envoy.stat("wasmcustom.staleguard.retries_total.outcome.not_eligible_body")?,
+        envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.not_eligible_body")?,
         rejected
     );
 
@@ -229,7 +228,7 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
     // failed by the twin and the next member named.
     validator.upsert(pod("127.0.3.9", "cart-elsewhere", &[&cart()], false));
     envoy.eventually("the new member", Duration::from_secs(10), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_deltas")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_deltas_total")? >= 1)
     })?;
     for i in 0..30 {
         let target = format!("/one/{i}");
@@ -237,7 +236,7 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         assert_live(&r, &envoy, &live, "GET", &target);
     }
     assert!(
-        envoy.stat("wasmcustom.staleguard.twin_picks_total.outcome.miss")? >= 1,
+        envoy.stat("wasmcustom.staleguard_filter_twin_picks_total.outcome.miss")? >= 1,
         "no twin miss in 15 replays naming one of three members at a time"
     );
 
@@ -250,7 +249,7 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
             "{r:?}"
         );
     }
-    assert!(envoy.stat("wasmcustom.staleguard.retries_total.outcome.exhausted")? >= 10);
+    assert!(envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.exhausted")? >= 10);
 
     // A slow live host: the replay's own timeout (no route timeout) gives a
     // 504 after 0.5 s; a direct pick waits for the answer.
@@ -272,7 +271,7 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
         }
     }
     assert_eq!(
-        envoy.stat("wasmcustom.staleguard.retries_total.outcome.timeout")?,
+        envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.timeout")?,
         1
     );
     // With the route's 1 s timeout, every request ends in about a second.
@@ -314,10 +313,10 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
     // The outcomes are labels in Prometheus, as docs/metrics.md says.
     let prom = envoy.admin("/stats/prometheus")?;
     for outcome in ["answered", "exhausted", "timeout", "not_eligible_body"] {
-        let series = format!("staleguard_retries_total{{staleguard_outcome=\"{outcome}\"}}");
+        let series = format!("staleguard_filter_retries_total{{staleguard_outcome=\"{outcome}\"}}");
         assert!(prom.contains(&series), "no {series} in:\n{prom}");
     }
-    assert!(prom.contains("staleguard_twin_picks_total{staleguard_outcome=\"miss\"}"));
+    assert!(prom.contains("staleguard_filter_twin_picks_total{staleguard_outcome=\"miss\"}"));
     Ok(())
 }
 
@@ -354,7 +353,7 @@ fn ninety_percent_stale_endpoints_still_answer_from_live_pods() -> Result<()> {
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     let total = 2_000u64;
     let mut answered = 0u64;
@@ -377,7 +376,7 @@ fn ninety_percent_stale_endpoints_still_answer_from_live_pods() -> Result<()> {
         answered * 1000 >= total * 999,
         "{answered} of {total} answered by a live cart pod; first failures: {failures:?}"
     );
-    let replayed = envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")?;
+    let replayed = envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")?;
     assert!(replayed >= total * 8 / 10, "only {replayed} replays");
     println!("ninety percent stale: {answered} of {total} answered by a live pod, {replayed} of them replayed, 0 at a stale host");
     Ok(())
@@ -436,7 +435,7 @@ fn body_path_retries_posts_through_the_internal_listener() -> Result<()> {
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     for i in 0..30 {
         let body = format!("payload {i} {}", "x".repeat(i * 100));
@@ -452,7 +451,7 @@ fn body_path_retries_posts_through_the_internal_listener() -> Result<()> {
     }
     assert_eq!(servers[0].hits(), 0, "the stale host got a request");
     assert!(
-        envoy.stat("wasmcustom.staleguard.requests.reason.destroyed.action.reject")? >= 5,
+        envoy.requests("destroyed", "reject")? >= 5,
         "a third of the picks are stale"
     );
     Ok(())

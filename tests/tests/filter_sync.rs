@@ -71,20 +71,20 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
     validator.set_behaviour(Behaviour::Down);
     expect(&mut envoy, "stale under closed", CLOSED, 503, "stale")?;
     assert_eq!(verdict(&mut envoy, OPEN)?, (200, String::new()));
-    assert!(envoy.stat("wasmcustom.staleguard.requests.reason.stale.action.allow")? >= 1);
-    assert!(envoy.stat("wasmcustom.staleguard.requests.reason.stale.action.reject")? >= 1);
+    assert!(envoy.requests("stale", "allow")? >= 1);
+    assert!(envoy.requests("stale", "reject")? >= 1);
     // Envoy answers a hung-up request itself with a 503.
-    let errors = envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?
-        + envoy.stat("wasmcustom.staleguard.sync_errors.kind.transport")?;
+    let errors = envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
+        + envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?;
     assert!(errors >= 1, "{}", envoy.admin("/stats?filter=staleguard")?);
     // Gauges follow on the next tick.
     envoy.eventually("index_fresh gauge 0", WAIT, |e| {
-        Ok(e.stat("wasmcustom.staleguard.index_fresh")? == 0)
+        Ok(e.stat("wasmcustom.staleguard_filter_index_fresh")? == 0)
     })?;
 
     // The validator comes back after a restart: new epoch, the IP is now a
     // cart pod. The filter's old epoch gets a reset.
-    let resets = envoy.stat("wasmcustom.staleguard.sync_resets")?;
+    let resets = envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")?;
     validator.restart(77);
     validator.set_index(
         vec![cart.clone()],
@@ -92,24 +92,25 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
     );
     validator.set_behaviour(Behaviour::Normal);
     expect(&mut envoy, "resync after restart", CLOSED, 200, "")?;
-    assert!(envoy.stat("wasmcustom.staleguard.sync_resets")? > resets);
+    assert!(envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")? > resets);
     assert!(validator.wait_for(WAIT, |log| log
         .iter()
         .any(|r| r.starts_with("/v1/changes?v=1&view=verdict&epoch=77&"))));
     envoy.eventually("index_fresh gauge", WAIT, |e| {
-        Ok(e.stat("wasmcustom.staleguard.index_fresh")? == 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_index_fresh")? == 1)
     })?;
 
     // Garbage answers are decode errors; the data stays until it is stale.
     validator.set_behaviour(Behaviour::Garbage);
     envoy.eventually("decode errors", WAIT, |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_errors.kind.decode")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.decode")? >= 1)
     })?;
     assert_eq!(verdict(&mut envoy, CLOSED)?, (200, String::new()), "kept");
     let prom = envoy.admin("/stats/prometheus")?;
     assert!(
-        prom.lines()
-            .any(|l| l.starts_with(r#"staleguard_sync_errors{staleguard_error_kind="decode"} "#)),
+        prom.lines().any(|l| l.starts_with(
+            r#"staleguard_filter_sync_errors_total{staleguard_error_kind="decode"} "#
+        )),
         "{prom}"
     );
     expect(&mut envoy, "stale after garbage", CLOSED, 503, "stale")?;
@@ -126,9 +127,9 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
 
     // A wrong token: 401s are status errors, and the data goes stale.
     validator.set_token(Some("rotated"));
-    let status_errors = envoy.stat("wasmcustom.staleguard.sync_errors.kind.status")?;
+    let status_errors = envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?;
     envoy.eventually("401 counted", WAIT, |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_errors.kind.status")? > status_errors)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")? > status_errors)
     })?;
     expect(&mut envoy, "stale after 401", CLOSED, 503, "stale")?;
     let log = envoy.log();

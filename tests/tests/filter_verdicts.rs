@@ -107,7 +107,7 @@ fn verdicts_in_real_envoy() -> Result<()> {
     };
     // The first sync: the allowed host answers once the index is loaded.
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
 
     let ok = |e: &mut staleguard_tests::envoy::Envoy, cluster: &str, host: &str| -> Result<()> {
@@ -157,11 +157,8 @@ fn verdicts_in_real_envoy() -> Result<()> {
         "{r:?}"
     );
 
-    let stat = |e: &staleguard_tests::envoy::Envoy, reason: &str, action: &str| {
-        e.stat(&format!(
-            "wasmcustom.staleguard.requests.reason.{reason}.action.{action}"
-        ))
-    };
+    let stat =
+        |e: &staleguard_tests::envoy::Envoy, reason: &str, action: &str| e.requests(reason, action);
     assert_eq!(stat(&envoy, "member", "allow")?, 1);
     assert_eq!(stat(&envoy, "destroyed", "reject")?, 4);
     assert_eq!(stat(&envoy, "recycled", "reject")?, 1);
@@ -170,15 +167,17 @@ fn verdicts_in_real_envoy() -> Result<()> {
     assert_eq!(stat(&envoy, "unknown_service", "allow")?, 1);
     assert_eq!(stat(&envoy, "host_network", "allow")?, 1);
     assert_eq!(stat(&envoy, "destroyed", "audit")?, 1);
-    assert_eq!(envoy.stat("wasmcustom.staleguard.requests_unmapped")?, 1);
+    assert_eq!(
+        envoy.stat("wasmcustom.staleguard_filter_requests_unmapped_total")?,
+        1
+    );
 
     // The stats_tags turn the names into Prometheus labels.
     let prom = envoy.admin("/stats/prometheus")?;
     for line in [
-        r#"staleguard_requests{staleguard_reason="destroyed",staleguard_action="reject"} 4"#,
-        r#"staleguard_requests{staleguard_reason="destroyed",staleguard_action="audit"} 1"#,
-        r#"staleguard_requests{staleguard_reason="member",staleguard_action="allow"} 1"#,
-        "staleguard_requests_unmapped{} 1",
+        r#"staleguard_filter_requests_total{staleguard_service="shop/cart",staleguard_reason="member",staleguard_action="allow"} 1"#,
+        r#"staleguard_filter_requests_total{staleguard_service="shop/cart",staleguard_reason="destroyed",staleguard_action="audit"} 1"#,
+        "staleguard_filter_requests_unmapped_total{} 1",
     ] {
         assert!(
             prom.lines().any(|l| l == line),
@@ -189,6 +188,18 @@ fn verdicts_in_real_envoy() -> Result<()> {
                 .join("\n")
         );
     }
+    assert_eq!(
+        staleguard_tests::gateway::prometheus_value(
+            &prom,
+            staleguard_tests::gateway::PROM_REQUESTS,
+            &[
+                ("staleguard_reason", "destroyed"),
+                ("staleguard_action", "reject")
+            ]
+        ),
+        Some(4),
+        "summed over staleguard_service"
+    );
     // No host of a rejected request was reached.
     assert_eq!(
         gone.hits(),
@@ -204,9 +215,9 @@ fn verdicts_in_real_envoy() -> Result<()> {
         Ok(e.get(&istio("gone"))?.status == 200)
     })?;
     rejected(&mut envoy, &istio("live"), "destroyed")?;
-    assert!(envoy.stat("wasmcustom.staleguard.sync_deltas")? >= 1);
+    assert!(envoy.stat("wasmcustom.staleguard_filter_sync_deltas_total")? >= 1);
     assert_eq!(
-        envoy.stat("wasmcustom.staleguard.sync_resets")?,
+        envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")?,
         1,
         "deltas, not resets"
     );

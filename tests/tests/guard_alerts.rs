@@ -48,13 +48,13 @@ evaluation_interval: 1m
 tests:
   - interval: 1m
     input_series:
-      - series: 'staleguard_guard_held_total{namespace="istio-system",pod="gw-1"}'
+      - series: 'staleguard_filter_guard_held_total{namespace="istio-system",pod="gw-1"}'
         values: '0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1'
-      - series: 'staleguard_guard_holding{namespace="istio-system",pod="gw-1"}'
+      - series: 'staleguard_filter_guard_holding{namespace="istio-system",pod="gw-1"}'
         values: '0 0 1 0 0 0 0 0 0 0 0 0 0 0 0 0 0'
-      - series: 'staleguard_guard_confirmed_total{namespace="istio-system",pod="gw-1"}'
+      - series: 'staleguard_filter_guard_confirmed_total{namespace="istio-system",pod="gw-1"}'
         values: '0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1'
-      - series: 'staleguard_guard_held_total{namespace="istio-system",pod="gw-2"}'
+      - series: 'staleguard_filter_guard_held_total{namespace="istio-system",pod="gw-2"}'
         values: '0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0'
     alert_rule_test:
       - eval_time: 1m
@@ -66,7 +66,7 @@ tests:
           - exp_labels: {severity: critical, namespace: istio-system, pod: gw-1}
             exp_annotations:
               summary: "staleguard held a validator answer that would reject most live traffic"
-              description: "Gateway istio-system/gw-1 kept its previous data instead of an answer that would newly reject most allowed IPs, or every IP of a service, without evidence. Check the validator (flags, /readyz, /v1/snapshot on each replica); staleguard_guard_held_ips says how many IPs it would have rejected."
+              description: "Gateway istio-system/gw-1 kept its previous data instead of an answer that would newly reject most allowed IPs, or every IP of a service, without evidence. Check the validator (flags, /readyz, /v1/snapshot on each replica); staleguard_filter_guard_held_ips says how many IPs it would have rejected."
               runbook: "docs/filter.md#the-blast-radius-guard"
       - eval_time: 16m
         alertname: StaleguardGuardHeldValidatorAnswer
@@ -77,7 +77,7 @@ tests:
           - exp_labels: {severity: warning, namespace: istio-system, pod: gw-1}
             exp_annotations:
               summary: "staleguard applied a large change that its guard had held"
-              description: "Gateway istio-system/gw-1 applied a held change that persisted for guard.confirm_ms. Expected after a validator outage during a scale-down; otherwise look for live pods in staleguard_requests{staleguard_action=\"reject\"} and consider mode audit."
+              description: "Gateway istio-system/gw-1 applied a held change that persisted for guard.confirm_ms. Expected after a validator outage during a scale-down; otherwise look for live pods in staleguard_filter_requests_total{staleguard_action=\"reject\"} and consider mode audit."
               runbook: "docs/filter.md#the-blast-radius-guard"
 "#;
 

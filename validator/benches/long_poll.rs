@@ -275,7 +275,7 @@ async fn wait_for_waiting(admin: SocketAddr, clients: usize) -> Result<()> {
         let text = http_get(admin, "/metrics").await?;
         let waiting = text
             .lines()
-            .find_map(|l| l.strip_prefix("staleguard_long_polls_waiting "))
+            .find_map(|l| l.strip_prefix("staleguard_validator_long_polls_waiting "))
             .and_then(|v| v.trim().parse::<usize>().ok())
             .unwrap_or(0);
         if waiting >= clients {

@@ -1,4 +1,6 @@
-//! Prometheus metrics (OpenMetrics text, every name prefixed `staleguard_`).
+//! Prometheus metrics (OpenMetrics text, every name prefixed
+//! `staleguard_validator_`, so no validator series shares a name with a filter
+//! series, which are all `staleguard_filter_`).
 //!
 //! Counters the API updates live in [`Metrics`]; the index's sizes and the
 //! watches' health are read from the [`SharedIndex`] at scrape time, so the
@@ -45,6 +47,9 @@ struct SkipLabels {
     resource: &'static str,
     reason: &'static str,
 }
+
+/// The prefix of every validator series.
+pub const PREFIX: &str = "staleguard_validator";
 
 /// The validator's own counters.
 #[derive(Debug)]
@@ -125,7 +130,7 @@ impl Metrics {
 
     /// Encodes every metric, reading the index's state now.
     pub fn encode(&self, index: &SharedIndex) -> Result<String, std::fmt::Error> {
-        let mut registry = Registry::with_prefix("staleguard");
+        let mut registry = Registry::with_prefix(PREFIX);
         registry.register(
             "api_requests",
             "API requests by route and status",
@@ -200,7 +205,7 @@ fn register_index(registry: &mut Registry, shared: &SharedIndex) {
         gauge(u64::from(shared.ready())),
     );
     registry.register(
-        "fresh",
+        "index_fresh",
         "1 when the index may be trusted (served to filters as freshness.fresh)",
         gauge(u64::from(freshness.fresh)),
     );
@@ -248,7 +253,7 @@ fn register_index(registry: &mut Registry, shared: &SharedIndex) {
         relists,
     );
     registry.register_with_unit(
-        "watch_staleness",
+        "watch_last_event_age",
         "Time since each watch last delivered an event or bookmark",
         Unit::Seconds,
         staleness,
@@ -390,5 +395,63 @@ impl AuditMetrics {
         let mut text = String::new();
         encode(&mut text, &registry)?;
         Ok(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use super::*;
+    use crate::index::{Index, IndexConfig, Kind};
+
+    /// Every family in a scrape: `(name, type)`, from the `# TYPE` lines.
+    fn families(text: &str) -> Vec<(String, String)> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_once(' '))
+            .map(|(n, t)| (n.to_owned(), t.to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn every_series_is_prefixed_conventional_and_documented() {
+        let shared = SharedIndex::new(
+            Index::new(1, IndexConfig::default()),
+            Duration::from_secs(60),
+        );
+        shared.apply_pod(kube::runtime::watcher::Event::Init, SystemTime::now());
+        for kind in [Kind::Pod, Kind::Service, Kind::EndpointSlice] {
+            shared.heard(kind);
+            shared.watch_error(kind);
+        }
+        let metrics = Metrics::new();
+        metrics.observe_request("snapshot", 200);
+        metrics.observe_fan_out(Duration::from_millis(3));
+        let text = metrics.encode(&shared).unwrap();
+        let docs = include_str!("../../docs/metrics.md");
+        let found = families(&text);
+        assert!(found.len() >= 14, "{text}");
+        for (name, kind) in found {
+            assert!(name.starts_with("staleguard_validator_"), "{name}");
+            // OpenMetrics names a counter family without its `_total`; the
+            // samples carry it.
+            let sample = if kind == "counter" {
+                assert!(
+                    text.contains(&format!("\n{name}_total")),
+                    "{name}: no _total samples"
+                );
+                format!("{name}_total")
+            } else {
+                name.clone()
+            };
+            if name.contains("age") || name.contains("fan_out") {
+                assert!(name.ends_with("_seconds"), "a duration in seconds: {name}");
+            }
+            assert!(
+                docs.contains(&format!("`{sample}`")),
+                "docs/metrics.md does not document `{sample}`"
+            );
+        }
     }
 }

@@ -578,14 +578,14 @@ async fn metrics_show_the_index_and_the_requests() {
     )
     .unwrap();
     for expected in [
-        "staleguard_index_pods 3",
-        "staleguard_index_ips 3",
-        "staleguard_index_services 2",
-        "staleguard_ready 1",
-        r#"staleguard_api_requests_total{route="snapshot",status="200"} 1"#,
-        r#"staleguard_api_requests_total{route="ips",status="400"} 1"#,
-        r#"staleguard_watch_events_total{resource="pod",event="init_apply"} 3"#,
-        "staleguard_long_polls_waiting 0",
+        "staleguard_validator_index_pods 3",
+        "staleguard_validator_index_ips 3",
+        "staleguard_validator_index_services 2",
+        "staleguard_validator_ready 1",
+        r#"staleguard_validator_api_requests_total{route="snapshot",status="200"} 1"#,
+        r#"staleguard_validator_api_requests_total{route="ips",status="400"} 1"#,
+        r#"staleguard_validator_watch_events_total{resource="pod",event="init_apply"} 3"#,
+        "staleguard_validator_long_polls_waiting 0",
         "# EOF",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
@@ -648,7 +648,7 @@ async fn a_verdict_for_a_service_outside_the_pod_scope_says_why_it_is_unknown() 
     let (_, metrics) = get(&f.admin, "/metrics").await;
     let metrics = metrics.as_str().unwrap_or_default().to_owned();
     assert!(
-        metrics.contains("staleguard_index_services_out_of_scope 1"),
+        metrics.contains("staleguard_validator_index_services_out_of_scope 1"),
         "{metrics}"
     );
 }

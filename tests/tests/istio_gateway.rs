@@ -1,0 +1,578 @@
+//! The shipped EnvoyFilter on an Istio ingress gateway: applied with Istio's
+//! merge rules to the configuration istiod generates for h2, gRPC and HTTP/1.1
+//! services (with DestinationRule pool and outlier settings and the mTLS
+//! transport socket), it keeps every cluster setting, passes
+//! `envoy --mode validate`, and in Envoy 1.40 h2c and gRPC backends answer
+//! through the guard while stale hosts are rejected. See `src/istio.rs` for the
+//! Istio source each piece follows.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use staleguard_core::ServiceKey;
+use staleguard_tests::envoy::{dependencies, tail};
+use staleguard_tests::fake_validator::{records::pod, FakeValidator};
+use staleguard_tests::h2::{self, H2Backend, Kind};
+use staleguard_tests::istio::{
+    apply_envoyfilter, cluster_names, gateway_output, plugin_config, proto_merge, runnable,
+    set_module, set_plugin_config, shipped_envoyfilter, shipped_stats_tags, validate_bootstrap,
+    Protocol, Service,
+};
+use staleguard_tests::process::{free_port, wait_for_port, Guard};
+use staleguard_tests::tinyhttp::{self, named_host, Answer, Server};
+
+fn service(name: &str, ns: &str, port: u16, protocol: Protocol, eps: &[SocketAddr]) -> Service {
+    Service {
+        name: name.into(),
+        namespace: ns.into(),
+        port,
+        protocol,
+        route_host: format!("{name}.example.com"),
+        endpoints: eps.to_vec(),
+    }
+}
+
+fn protocol_options(output: &Value, cluster: &str) -> Value {
+    output["clusters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["name"] == cluster)
+        .map(|c| c["typed_extension_protocol_options"].clone())
+        .unwrap_or(Value::Null)
+}
+
+fn router(output: &Value) -> Value {
+    output["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|f| f["name"] == "envoy.filters.http.router")
+        .map(|f| f["typed_config"].clone())
+        .unwrap_or(Value::Null)
+}
+
+/// Runs `envoy --mode validate` (which also loads the module and configures
+/// the plugin) with `token` as STALEGUARD_TOKEN; `Some(output)` when Envoy
+/// accepted, `Err` with the output when not, `None` when Envoy is missing
+/// outside CI.
+fn envoy_validate(config: &Value, what: &str, token: Option<&str>) -> Result<Option<String>> {
+    let Some((envoy, _)) = dependencies() else {
+        return Ok(None);
+    };
+    let path = std::env::temp_dir().join(format!(
+        "staleguard-istio-{what}-{}.json",
+        std::process::id()
+    ));
+    std::fs::write(&path, serde_json::to_vec_pretty(config)?)?;
+    let mut cmd = Command::new(envoy);
+    cmd.args(["--mode", "validate", "-c"]).arg(&path);
+    cmd.env_remove("STALEGUARD_TOKEN");
+    if let Some(t) = token {
+        cmd.env("STALEGUARD_TOKEN", t);
+    }
+    let out = cmd.output()?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if out.status.success() && text.contains("OK") {
+        Ok(Some(text))
+    } else {
+        bail!(
+            "{what}: envoy --mode validate refused {}:\n{text}",
+            path.display()
+        )
+    }
+}
+
+fn three_services() -> Vec<Service> {
+    let any: SocketAddr = "127.0.0.1:1".parse().unwrap_or_else(|_| unreachable!());
+    vec![
+        service("greeter", "grpc", 50051, Protocol::Grpc, &[any]),
+        service("echo", "h2", 8080, Protocol::Http2, &[any]),
+        service("cart", "shop", 8080, Protocol::Http, &[any]),
+    ]
+}
+
+#[test]
+fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
+    let services = three_services();
+    let before = gateway_output(&services, 8080);
+    let mut after = before.clone();
+    let applied = apply_envoyfilter(&mut after, &shipped_envoyfilter()?)?;
+    // Two clusters added, the router of the one gateway listener merged.
+    assert_eq!(applied.counts, vec![1, 1, 1]);
+    assert!(cluster_names(&after).contains(&"staleguard-validator".to_owned()));
+
+    // Istio's clusters are untouched: h2 for the gRPC and HTTP2 ports, the
+    // DestinationRule's pool settings, the mTLS transport socket.
+    for s in &services {
+        let name = s.cluster_name();
+        assert_eq!(
+            protocol_options(&after, &name),
+            protocol_options(&before, &name),
+            "{name}"
+        );
+        let opts = protocol_options(&after, &name);
+        let h2 = &opts["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+            ["explicit_http_config"]["http2_protocol_options"];
+        assert_eq!(
+            h2["max_concurrent_streams"].as_u64(),
+            (s.protocol != Protocol::Http).then_some(100),
+            "{name}"
+        );
+    }
+    assert_eq!(before["clusters"], {
+        let mut c = after["clusters"].clone();
+        if let Some(a) = c.as_array_mut() {
+            a.retain(|c| !c["name"].as_str().unwrap_or("").starts_with("staleguard-"));
+        }
+        c
+    });
+
+    // The router keeps Istio's settings and gains the filter before the codec.
+    let r = router(&after);
+    assert_eq!(r["suppress_envoy_headers"], true);
+    assert_eq!(r["start_child_span"], false);
+    let names: Vec<&str> = r["upstream_http_filters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["name"].as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "envoy.filters.http.wasm",
+            "envoy.filters.http.upstream_codec"
+        ]
+    );
+
+    // The token is not in the configuration: only the variable's name.
+    let plugin = plugin_config(&after)?;
+    assert!(plugin.get("token").is_none(), "{plugin}");
+    assert_eq!(plugin["token_env"], "STALEGUARD_TOKEN");
+    let token = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/istio/token.txt"
+    ))?;
+    assert!(!after.to_string().contains(token.trim()));
+
+    // As shipped (remote module, sha256; validation does not fetch it).
+    let tags = shipped_stats_tags()?;
+    envoy_validate(&validate_bootstrap(&after, &tags), "remote-module", None)?;
+    // With the module loaded from a file, validation also configures the
+    // plugin: it takes the shipped configuration with the token from the VM
+    // environment, and refuses it, saying why, without one.
+    if let Some((_, wasm)) = dependencies() {
+        let mut local = after.clone();
+        set_module(&mut local, Some(&wasm), None);
+        let bootstrap = validate_bootstrap(&local, &tags);
+        envoy_validate(&bootstrap, "local-module", Some(TOKEN))?;
+        let err = envoy_validate(&bootstrap, "no-token", None)
+            .err()
+            .context("a plugin without its token must be refused")?;
+        assert!(
+            err.to_string()
+                .contains(r#"token_env \"STALEGUARD_TOKEN\" is not set"#)
+                || err
+                    .to_string()
+                    .contains(r#"token_env "STALEGUARD_TOKEN" is not set"#),
+            "{err}"
+        );
+    }
+    Ok(())
+}
+
+/// Why not a CLUSTER MERGE of the protocol options (the first EnvoyFilter):
+/// under the same merge rules it replaces Istio's HttpProtocolOptions entry
+/// whole, and the h2 cluster falls back to HTTP/1.1.
+#[test]
+fn a_cluster_merge_of_protocol_options_would_drop_http2() -> Result<()> {
+    let services = three_services();
+    let mut output = gateway_output(&services, 8080);
+    let name = services[0].cluster_name();
+    let patch = json!({"typed_extension_protocol_options": {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http_protocol_options": {}},
+            "http_filters": []
+        }
+    }});
+    let cluster = output["clusters"]
+        .as_array_mut()
+        .and_then(|cs| cs.iter_mut().find(|c| c["name"] == name.as_str()))
+        .context("grpc cluster")?;
+    proto_merge(cluster, &patch);
+    let opts = &cluster["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+    assert!(opts["explicit_http_config"]["http2_protocol_options"].is_null());
+    assert!(
+        opts["common_http_protocol_options"].is_null(),
+        "pool settings lost too"
+    );
+    Ok(())
+}
+
+// === In real Envoy ===
+
+/// At least 32 bytes: the validator refuses shorter tokens.
+const TOKEN: &str = "gateway-token-from-a-kubernetes-secret-0123456789";
+
+/// Envoy running a rendered configuration, with the token in its environment.
+struct Gateway {
+    guard: Guard,
+    listener: SocketAddr,
+    admin: SocketAddr,
+}
+
+impl Gateway {
+    fn start(config: &Value, listener: SocketAddr, admin: SocketAddr) -> Result<Option<Self>> {
+        let Some((envoy, _)) = dependencies() else {
+            return Ok(None);
+        };
+        let path = std::env::temp_dir().join(format!(
+            "staleguard-istio-run-{}-{}.json",
+            std::process::id(),
+            listener.port()
+        ));
+        std::fs::write(&path, serde_json::to_vec_pretty(config)?)?;
+        let mut cmd = Command::new(envoy);
+        cmd.arg("-c")
+            .arg(&path)
+            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"])
+            .env("STALEGUARD_TOKEN", TOKEN);
+        let mut guard = Guard::spawn("envoy-istio", cmd)?;
+        wait_for_port(&mut guard, listener, Duration::from_secs(30))?;
+        Ok(Some(Self {
+            guard,
+            listener,
+            admin,
+        }))
+    }
+
+    fn stat(&self, name: &str) -> Result<u64> {
+        let text = tinyhttp::get(self.admin, &format!("/stats?filter=^{name}$"), &[])?.body;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .find(|(k, _)| *k == name)
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0))
+    }
+
+    fn eventually(&mut self, what: &str, f: impl Fn(&Self) -> Result<bool>) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            self.guard.check_alive()?;
+            if f(self)? {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{what}: not reached\n{}", tail(&self.guard.output(), 40));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+fn module_server(wasm: &[u8]) -> Result<Server> {
+    let wasm = wasm.to_vec();
+    Server::start("127.0.0.1:0".parse()?, move |req| {
+        if req.path().starts_with("/staleguard_filter-") {
+            Answer::Respond {
+                status: 200,
+                headers: vec![],
+                body: wasm.clone(),
+            }
+        } else {
+            Answer::status(404, "no such module")
+        }
+    })
+}
+
+fn sha256_hex(path: &std::path::Path) -> Result<String> {
+    let out = Command::new("sha256sum").arg(path).output()?;
+    let text = String::from_utf8(out.stdout)?;
+    Ok(text
+        .split_whitespace()
+        .next()
+        .context("sha256sum printed nothing")?
+        .to_owned())
+}
+
+#[test]
+fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_hosts_are_rejected(
+) -> Result<()> {
+    let Some((_, wasm)) = dependencies() else {
+        return Ok(());
+    };
+    let greeter = H2Backend::start("127.0.3.1", "greeter-1", Kind::Grpc)?;
+    let greeter_gone = H2Backend::start("127.0.3.2", "greeter-gone", Kind::Grpc)?;
+    let echo = H2Backend::start("127.0.3.3", "echo-1", Kind::Http)?;
+    let echo_gone = H2Backend::start("127.0.3.4", "echo-gone", Kind::Http)?;
+    let cart = named_host("127.0.3.5", "cart-1")?;
+
+    let validator = FakeValidator::start(5)?;
+    validator.set_token(Some(TOKEN));
+    let keys = [
+        ServiceKey::new("grpc", "greeter"),
+        ServiceKey::new("h2", "echo"),
+        ServiceKey::new("shop", "cart"),
+        ServiceKey::new("grpc", "ghost"),
+        ServiceKey::new("h2", "echo-ghost"),
+    ];
+    validator.set_index(
+        keys.to_vec(),
+        vec![
+            pod("127.0.3.1", "greeter-1", &[&keys[0]], false),
+            pod("127.0.3.3", "echo-1", &[&keys[1]], false),
+            pod("127.0.3.5", "cart-1", &[&keys[2]], false),
+        ],
+    );
+    let services = vec![
+        service("greeter", "grpc", 50051, Protocol::Grpc, &[greeter.addr()]),
+        service("echo", "h2", 8080, Protocol::Http2, &[echo.addr()]),
+        service("cart", "shop", 8080, Protocol::Http, &[cart.addr()]),
+        // Services whose only endpoint is a destroyed pod (the control plane
+        // has not caught up).
+        service(
+            "ghost",
+            "grpc",
+            50051,
+            Protocol::Grpc,
+            &[greeter_gone.addr()],
+        ),
+        service(
+            "echo-ghost",
+            "h2",
+            8080,
+            Protocol::Http2,
+            &[echo_gone.addr()],
+        ),
+    ];
+
+    let mut output = gateway_output(&services, 8080);
+    apply_envoyfilter(&mut output, &shipped_envoyfilter()?)?;
+    // The knob: enforce instead of the shipped audit, and test-speed polling.
+    let mut plugin = plugin_config(&output)?;
+    for (k, v) in [
+        ("mode", json!("enforce")),
+        ("poll_wait_s", json!(1)),
+        ("max_staleness_ms", json!(3000)),
+        ("tick_ms", json!(100)),
+        ("lease_ttl_ms", json!(1000)),
+        ("backoff_initial_ms", json!(100)),
+        ("backoff_max_ms", json!(500)),
+    ] {
+        plugin[k] = v;
+    }
+    set_plugin_config(&mut output, &plugin);
+    // The module comes over HTTP, checked against its sha256, as shipped.
+    let module = module_server(&std::fs::read(&wasm)?)?;
+    set_module(&mut output, None, Some(&sha256_hex(&wasm)?));
+
+    let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let config = runnable(
+        &output,
+        &services,
+        listener,
+        admin,
+        validator.addr(),
+        Some(module.addr()),
+        &shipped_stats_tags()?,
+    )?;
+    let Some(mut gw) = Gateway::start(&config, listener, admin)? else {
+        return Ok(());
+    };
+    gw.eventually(
+        "the first sync (with the token from the environment)",
+        |g| Ok(g.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1),
+    )?;
+
+    // Allowed: gRPC over h2, h2c, HTTP/1.1, each reaches its pod.
+    for _ in 0..4 {
+        let r = h2::request(
+            gw.listener,
+            "greeter.example.com",
+            "/hello.Greeter/SayHello",
+            Kind::Grpc,
+        )?;
+        assert_eq!(
+            (r.status, r.grpc_status()),
+            (200, Some(0)),
+            "{r:?}\n{}",
+            tail(&gw.guard.output(), 30)
+        );
+        assert_eq!(r.header("x-host"), "greeter-1");
+        assert!(r.body.ends_with(b"greeter-1"), "{r:?}");
+        let r = h2::request(gw.listener, "echo.example.com", "/", Kind::Http)?;
+        assert_eq!((r.status, r.header("x-host")), (200, "echo-1"), "{r:?}");
+    }
+    let r = h2::request(gw.listener, "cart.example.com", "/", Kind::Http)?;
+    assert_eq!((r.status, r.header("x-host")), (200, "cart-1"), "{r:?}");
+
+    // Rejected: the destroyed pods are never reached.
+    let r = h2::request(
+        gw.listener,
+        "ghost.example.com",
+        "/hello.Greeter/SayHello",
+        Kind::Grpc,
+    )?;
+    assert_eq!(r.header("x-staleguard"), "destroyed", "{r:?}");
+    assert_eq!(r.grpc_status(), Some(14), "UNAVAILABLE: {r:?}");
+    let r = h2::request(gw.listener, "echo-ghost.example.com", "/", Kind::Http)?;
+    assert_eq!(
+        (r.status, r.header("x-staleguard")),
+        (503, "destroyed"),
+        "{r:?}"
+    );
+    assert_eq!(greeter_gone.hits(), 0);
+    assert_eq!(echo_gone.hits(), 0);
+    assert_eq!((greeter.hits(), echo.hits()), (4, 4));
+
+    // Counted per service.
+    let prom = tinyhttp::get(gw.admin, "/stats/prometheus", &[])?.body;
+    for line in [
+        r#"staleguard_filter_requests_total{staleguard_service="grpc/greeter",staleguard_reason="member",staleguard_action="allow"} 4"#,
+        r#"staleguard_filter_requests_total{staleguard_service="h2/echo",staleguard_reason="member",staleguard_action="allow"} 4"#,
+    ] {
+        assert!(prom.lines().any(|l| l == line), "no {line}:\n{prom}");
+    }
+    assert!(
+        prom.lines().any(|l| l.starts_with(
+            r#"staleguard_filter_requests_total{staleguard_service="grpc/ghost",staleguard_reason="destroyed",staleguard_action="reject"}"#
+        )),
+        "{prom}"
+    );
+    Ok(())
+}
+
+/// A module whose sha256 does not match (a bad upgrade, a corrupted
+/// download) is refused by Envoy; after the fetch retries the listener starts
+/// and the gateway keeps routing, unguarded (failure_policy: FAIL_OPEN).
+#[test]
+fn a_module_with_the_wrong_sha256_is_refused_and_traffic_still_flows() -> Result<()> {
+    let Some((_, wasm)) = dependencies() else {
+        return Ok(());
+    };
+    let echo = H2Backend::start("127.0.3.11", "echo-1", Kind::Http)?;
+    let validator = FakeValidator::start(6)?;
+    let services = vec![service("echo", "h2", 8080, Protocol::Http2, &[echo.addr()])];
+    let mut output = gateway_output(&services, 8080);
+    apply_envoyfilter(&mut output, &shipped_envoyfilter()?)?;
+    let module = module_server(&std::fs::read(&wasm)?)?;
+    set_module(&mut output, None, Some(&"0".repeat(64)));
+    let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let config = runnable(
+        &output,
+        &services,
+        listener,
+        admin,
+        validator.addr(),
+        Some(module.addr()),
+        &shipped_stats_tags()?,
+    )?;
+    let Some(gw) = Gateway::start(&config, listener, admin)? else {
+        return Ok(());
+    };
+    let r = h2::request(gw.listener, "echo.example.com", "/", Kind::Http)?;
+    // FAIL_OPEN in the EnvoyFilter: with FAIL_CLOSED this is a 503 for every
+    // request of the gateway.
+    assert_eq!(
+        (r.status, r.header("x-host")),
+        (200, "echo-1"),
+        "{r:?}\n{}",
+        tail(&gw.guard.output(), 30)
+    );
+    assert_eq!(gw.stat("wasmcustom.staleguard_filter_sync_polls_total")?, 0);
+    Ok(())
+}
+
+/// The validator cluster the EnvoyFilter adds keeps its connections across
+/// long polls (the real validator keeps them alive): with the Service's
+/// `sessionAffinity: ClientIP` the gateway stays on one replica, and a
+/// reconnect goes to the same one and resumes with a delta. One full snapshot,
+/// then deltas only.
+#[test]
+fn the_gateway_polls_the_real_validator_over_kept_alive_connections() -> Result<()> {
+    let (Some((_, wasm)), Some(binary)) = (dependencies(), staleguard_tests::validator::binary())
+    else {
+        return Ok(());
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    let http = staleguard_tests::traffic::Http::new();
+    let dir =
+        std::env::temp_dir().join(format!("staleguard-istio-keepalive-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, TOKEN)?;
+    let sample = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../validator/samples/demo.yaml"
+    );
+    let token_arg = format!("--token-file={}", token_file.display());
+    let validator = runtime.block_on(staleguard_tests::validator::Validator::start(
+        &http,
+        &binary,
+        std::path::Path::new(sample),
+        &[&token_arg],
+        false,
+    ))?;
+
+    let echo = H2Backend::start("127.0.3.21", "echo-1", Kind::Http)?;
+    let services = vec![service("echo", "h2", 8080, Protocol::Http2, &[echo.addr()])];
+    let mut output = gateway_output(&services, 8080);
+    apply_envoyfilter(&mut output, &shipped_envoyfilter()?)?;
+    let mut plugin = plugin_config(&output)?;
+    // Test speed: a long poll answers every second.
+    for (k, v) in [
+        ("poll_wait_s", json!(1)),
+        ("max_staleness_ms", json!(3000)),
+        ("tick_ms", json!(100)),
+        ("lease_ttl_ms", json!(1000)),
+    ] {
+        plugin[k] = v;
+    }
+    set_plugin_config(&mut output, &plugin);
+    set_module(&mut output, Some(&wasm), None);
+    let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let config = runnable(
+        &output,
+        &services,
+        listener,
+        admin,
+        validator.listen,
+        None,
+        &shipped_stats_tags()?,
+    )?;
+    let Some(mut gw) = Gateway::start(&config, listener, admin)? else {
+        return Ok(());
+    };
+    gw.eventually("five long polls answered", |g| {
+        Ok(g.stat("wasmcustom.staleguard_filter_sync_deltas_total")? >= 5)
+    })?;
+    let requests = gw.stat("cluster.staleguard-validator.upstream_rq_total")?;
+    let connections = gw.stat("cluster.staleguard-validator.upstream_cx_total")?;
+    let active = gw.stat("cluster.staleguard-validator.upstream_cx_active")?;
+    assert!(requests >= 6, "{requests} requests");
+    // Every connection opened is still open: none is closed between polls.
+    // (A poll sent from the previous answer's callback, before that stream
+    // is back in the pool, may open a second one.)
+    assert_eq!(active, connections, "connections were closed");
+    assert!(
+        connections <= 2,
+        "{requests} requests over {connections} connections"
+    );
+    assert_eq!(
+        gw.stat("wasmcustom.staleguard_filter_sync_resets_total")?,
+        1
+    );
+    drop(validator);
+    Ok(())
+}
