@@ -87,6 +87,14 @@ fn envoy_validate(config: &Value, what: &str, token: Option<&str>) -> Result<Opt
     }
 }
 
+/// The deprecated options Envoy warns about in a validation's output.
+fn deprecated(text: &str) -> std::collections::BTreeSet<String> {
+    text.split("Using deprecated option '")
+        .skip(1)
+        .filter_map(|rest| rest.split_once('\'').map(|(option, _)| option.to_owned()))
+        .collect()
+}
+
 fn three_services() -> Vec<Service> {
     let any: SocketAddr = "127.0.0.1:1".parse().unwrap_or_else(|_| unreachable!());
     vec![
@@ -160,9 +168,15 @@ fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
     ))?;
     assert!(!after.to_string().contains(token.trim()));
 
-    // As shipped (remote module, sha256; validation does not fetch it).
+    // As shipped (remote module, sha256; validation does not fetch it). The
+    // patch adds no deprecated field: Envoy warns about the same ones (those
+    // of Istio's own output) with and without it.
     let tags = shipped_stats_tags()?;
-    envoy_validate(&validate_bootstrap(&after, &tags), "remote-module", None)?;
+    let patched = envoy_validate(&validate_bootstrap(&after, &tags), "remote-module", None)?;
+    let istio_only = envoy_validate(&validate_bootstrap(&before, &tags), "istio-only", None)?;
+    if let (Some(patched), Some(istio_only)) = (patched, istio_only) {
+        assert_eq!(deprecated(&patched), deprecated(&istio_only));
+    }
     // With the module loaded from a file, validation also configures the
     // plugin: it takes the shipped configuration with the token from the VM
     // environment, and refuses it, saying why, without one.
