@@ -518,7 +518,7 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
     };
     let stale = |cluster: &str, reason: &str| {
         format!(
-            "staleguard_audit_stale_endpoints{{gateway=\"gw-b\",cluster=\"{cluster}\",reason=\"{reason}\"}} 1\n"
+            "staleguard_validator_audit_stale_endpoints{{gateway=\"gw-b\",cluster=\"{cluster}\",reason=\"{reason}\"}} 1\n"
         )
     };
     let text = metrics(vec![
@@ -526,19 +526,20 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
         stale(CART, "recycled"),
         stale(CART_PLAIN, "destroyed"),
         stale(CART_PLAIN, "recycled"),
-        "staleguard_audit_endpoints{gateway=\"gw-b\",reason=\"unmapped\"} 2\n".into(),
-        "staleguard_audit_runs_total{gateway=\"gw-b\",outcome=\"stale\"}".into(),
-        "staleguard_audit_last_success_timestamp_seconds{gateway=\"gw-b\"}".into(),
+        "staleguard_validator_audit_endpoints{gateway=\"gw-b\",reason=\"unmapped\"} 2\n".into(),
+        "staleguard_validator_audit_runs_total{gateway=\"gw-b\",outcome=\"stale\"}".into(),
+        "staleguard_validator_audit_last_success_timestamp_seconds{gateway=\"gw-b\"}".into(),
     ])
     .await;
     assert!(!text.contains(&format!("cluster=\"{PAY}\"")), "{text}");
-    assert!(text.contains("# TYPE staleguard_audit_run_duration_seconds gauge"));
+    assert!(text.contains("# TYPE staleguard_validator_audit_run_duration_seconds gauge"));
 
     // The validator goes away: runs fail and are counted, and the last
     // findings stay for the alert.
     setup.validator.kill();
     let text = metrics(vec![
-        "staleguard_audit_runs_total{gateway=\"gw-b\",outcome=\"validator_unreachable\"}".into(),
+        "staleguard_validator_audit_runs_total{gateway=\"gw-b\",outcome=\"validator_unreachable\"}"
+            .into(),
     ])
     .await;
     assert!(text.contains(&stale(CART, "destroyed")), "{text}");

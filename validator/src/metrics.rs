@@ -48,7 +48,7 @@ struct SkipLabels {
     reason: &'static str,
 }
 
-/// The prefix of every validator series.
+/// The prefix of every validator series (the API's and the audit's).
 pub const PREFIX: &str = "staleguard_validator";
 
 /// The validator's own counters.
@@ -364,7 +364,7 @@ impl AuditMetrics {
 
     /// Encodes the audit's metrics.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
-        let mut registry = Registry::with_prefix("staleguard");
+        let mut registry = Registry::with_prefix(PREFIX);
         registry.register(
             "audit_stale_endpoints",
             "Endpoints the gateway holds that are destroyed or recycled, by cluster and reason, at the last audit that judged it",
@@ -399,7 +399,7 @@ impl AuditMetrics {
 }
 
 #[cfg(test)]
-mod tests {
+mod naming_tests {
     use std::time::SystemTime;
 
     use super::*;
@@ -412,6 +412,33 @@ mod tests {
             .filter_map(|l| l.split_once(' '))
             .map(|(n, t)| (n.to_owned(), t.to_owned()))
             .collect()
+    }
+
+    fn check(text: &str, min_families: usize) {
+        let docs = include_str!("../../docs/metrics.md");
+        let found = families(text);
+        assert!(found.len() >= min_families, "{text}");
+        for (name, kind) in found {
+            assert!(name.starts_with("staleguard_validator_"), "{name}");
+            // OpenMetrics names a counter family without its `_total`; the
+            // samples carry it.
+            let sample = if kind == "counter" {
+                assert!(
+                    text.contains(&format!("\n{name}_total")),
+                    "{name}: no _total samples"
+                );
+                format!("{name}_total")
+            } else {
+                name.clone()
+            };
+            if name.contains("age") || name.contains("duration") || name.contains("fan_out") {
+                assert!(name.ends_with("_seconds"), "a duration in seconds: {name}");
+            }
+            assert!(
+                docs.contains(&format!("`{sample}`")),
+                "docs/metrics.md does not document `{sample}`"
+            );
+        }
     }
 
     #[test]
@@ -428,30 +455,19 @@ mod tests {
         let metrics = Metrics::new();
         metrics.observe_request("snapshot", 200);
         metrics.observe_fan_out(Duration::from_millis(3));
-        let text = metrics.encode(&shared).unwrap();
-        let docs = include_str!("../../docs/metrics.md");
-        let found = families(&text);
-        assert!(found.len() >= 14, "{text}");
-        for (name, kind) in found {
-            assert!(name.starts_with("staleguard_validator_"), "{name}");
-            // OpenMetrics names a counter family without its `_total`; the
-            // samples carry it.
-            let sample = if kind == "counter" {
-                assert!(
-                    text.contains(&format!("\n{name}_total")),
-                    "{name}: no _total samples"
-                );
-                format!("{name}_total")
-            } else {
-                name.clone()
-            };
-            if name.contains("age") || name.contains("fan_out") {
-                assert!(name.ends_with("_seconds"), "a duration in seconds: {name}");
-            }
-            assert!(
-                docs.contains(&format!("`{sample}`")),
-                "docs/metrics.md does not document `{sample}`"
-            );
-        }
+        check(&metrics.encode(&shared).unwrap(), 14);
+        let audit = AuditMetrics::default();
+        let findings = AuditFindings {
+            stale: vec![("outbound|80||a.b.svc.cluster.local".into(), "destroyed", 1)],
+            by_reason: vec![("member", 3)],
+        };
+        audit.record(
+            "gw-1",
+            "stale",
+            Duration::from_millis(5),
+            Some(&findings),
+            SystemTime::now(),
+        );
+        check(&audit.encode().unwrap(), 5);
     }
 }

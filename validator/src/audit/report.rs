@@ -36,7 +36,7 @@ impl Exit {
         self as i32
     }
 
-    /// The outcome label of `staleguard_audit_runs_total`.
+    /// The outcome label of `staleguard_validator_audit_runs_total`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Exit::Clean => "clean",

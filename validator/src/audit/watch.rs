@@ -186,12 +186,12 @@ mod tests {
         );
         let text = metrics.encode().unwrap();
         for line in [
-            "staleguard_audit_stale_endpoints{gateway=\"gw-1\",cluster=\"outbound|80||cart.shop.svc.cluster.local\",reason=\"destroyed\"} 2",
-            "staleguard_audit_stale_endpoints{gateway=\"gw-1\",cluster=\"outbound|80||cart.shop.svc.cluster.local\",reason=\"recycled\"} 1",
-            "staleguard_audit_endpoints{gateway=\"gw-1\",reason=\"member\"} 1",
-            "staleguard_audit_runs_total{gateway=\"gw-1\",outcome=\"stale\"} 1",
-            "staleguard_audit_run_duration_seconds{gateway=\"gw-1\"} 0.25",
-            "staleguard_audit_last_success_timestamp_seconds{gateway=\"gw-1\"} 1000.0",
+            "staleguard_validator_audit_stale_endpoints{gateway=\"gw-1\",cluster=\"outbound|80||cart.shop.svc.cluster.local\",reason=\"destroyed\"} 2",
+            "staleguard_validator_audit_stale_endpoints{gateway=\"gw-1\",cluster=\"outbound|80||cart.shop.svc.cluster.local\",reason=\"recycled\"} 1",
+            "staleguard_validator_audit_endpoints{gateway=\"gw-1\",reason=\"member\"} 1",
+            "staleguard_validator_audit_runs_total{gateway=\"gw-1\",outcome=\"stale\"} 1",
+            "staleguard_validator_audit_run_duration_seconds{gateway=\"gw-1\"} 0.25",
+            "staleguard_validator_audit_last_success_timestamp_seconds{gateway=\"gw-1\"} 1000.0",
         ] {
             assert!(text.contains(line), "missing {line}\n{text}");
         }
@@ -207,7 +207,7 @@ mod tests {
         );
         let text = metrics.encode().unwrap();
         assert!(
-            !text.contains("staleguard_audit_stale_endpoints{"),
+            !text.contains("staleguard_validator_audit_stale_endpoints{"),
             "{text}"
         );
         assert!(text.contains("outcome=\"admin_unreachable\"} 1"), "{text}");
