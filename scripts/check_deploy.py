@@ -9,6 +9,8 @@ Every object must pass a check; an object of a kind nobody checks is an error:
   scripts/schemas, with its source commit);
 - PrometheusRule: its spec goes to `promtool check rules` (the caller runs it
   on the files written to --rules-out);
+- PodMonitor: the fields a scrape needs (a hand-written subset of the
+  operator's schema);
 - CustomResourceDefinition-less kinds of nobody: refused.
 
 Also checks facts that tie files together: the gateways' token is one the
@@ -66,6 +68,37 @@ def strip_k8s_extensions(schema):
     return schema
 
 
+# prometheus-operator's PodMonitor, the fields a scrape needs (a subset of the
+# operator's CRD, written here: the CRD itself is not vendored).
+PODMONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["spec"],
+    "properties": {
+        "spec": {
+            "type": "object",
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": {"type": "object", "minProperties": 1},
+                "namespaceSelector": {"type": "object"},
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["port"],
+                        "properties": {
+                            "port": {"type": "string", "minLength": 1},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                        },
+                    },
+                },
+            },
+        }
+    },
+}
+
+
 def check_envoyfilter(where, obj, schema):
     body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
     for err in jsonschema.Draft7Validator(schema).iter_errors(body):
@@ -102,6 +135,9 @@ def main():
             counts[kind] = counts.get(kind, 0) + 1
             if kind == "EnvoyFilter":
                 check_envoyfilter(where, obj, ef_schema)
+            elif kind == "PodMonitor":
+                for err in jsonschema.Draft7Validator(PODMONITOR_SCHEMA).iter_errors(obj):
+                    problem(where, f"PodMonitor: {'/'.join(map(str, err.path))}: {err.message}")
             elif kind == "PrometheusRule":
                 name = f"{path.stem}-{obj['metadata']['name']}.rules.yaml"
                 (rules_out / name).write_text(yaml.safe_dump(obj["spec"]))
@@ -119,9 +155,9 @@ def main():
     # The validator's file holds one token per line, two while rotating; the
     # gateways' token must be one of them.
     accepted = [l.strip() for l in (ROOT / "deploy/validator/token.txt").read_text().splitlines() if l.strip()]
-    gateway = (ROOT / "deploy/istio/token.txt").read_text().strip()
-    if gateway not in accepted:
-        problem("deploy/istio/token.txt", "is not one of the tokens in deploy/validator/token.txt")
+    for client in ("deploy/istio/token.txt", "deploy/audit/token.txt"):
+        if (ROOT / client).read_text().strip() not in accepted:
+            problem(client, "is not one of the tokens in deploy/validator/token.txt")
 
     cargo = (ROOT / "Cargo.toml").read_text()
     version = re.search(r'^version = "([^"]+)"', cargo, re.M).group(1)
@@ -148,7 +184,13 @@ def main():
 
     docs = (ROOT / "docs/metrics.md").read_text()
     used = set()
-    for p in ("deploy/monitoring/rules.yaml", "deploy/monitoring/dashboard.json"):
+    watched = sorted(
+        str(f.relative_to(ROOT))
+        for pattern in ("deploy/monitoring/*", "deploy/audit/alerts.yaml")
+        for f in ROOT.glob(pattern)
+        if f.suffix in (".yaml", ".json") and f.name != "kustomization.yaml"
+    )
+    for p in watched:
         used |= {(p, m) for m in re.findall(r"staleguard_(?:filter|validator)_[a-z_]+", (ROOT / p).read_text())}
     for p, m in sorted(used):
         base = re.sub(r"_(bucket|sum|count)$", "", m)
