@@ -30,12 +30,30 @@ pub struct VerdictQuery {
     pub policy: Option<Policy>,
 }
 
+/// Which answer items carry the record they were judged on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Records {
+    /// Every item (the default).
+    #[default]
+    All,
+    /// Items whose reason is not `member`: who holds a recycled IP, when a
+    /// destroyed one lost its pod. At a healthy gateway most endpoints are
+    /// members, so this keeps a large answer small.
+    NotMember,
+    /// None.
+    None,
+}
+
 /// The body of `POST /v1/verdicts`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VerdictsRequest {
     /// The rules to judge by (defaults as the filter's).
     #[serde(default)]
     pub policy: Policy,
+    /// Which items carry their record.
+    #[serde(default)]
+    pub records: Records,
     /// The endpoints, at most [`MAX_ITEMS`].
     pub items: Vec<VerdictQuery>,
 }

@@ -698,6 +698,16 @@ async fn batch_verdicts_match_the_single_ones_in_order() {
     let tombstone = answer.items[1].record.as_ref().unwrap().tombstone.as_ref();
     assert!(tombstone.is_some_and(|t| t.uid.is_empty()), "verdict view");
 
+    let slim = body.replace("{\"items\"", "{\"records\":\"not_member\",\"items\"");
+    let (_, answer) = get_with(&f.app, post_json("/v1/verdicts", &slim, None)).await;
+    let with_record: Vec<bool> = answer["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.get("record").is_some())
+        .collect();
+    assert_eq!(with_record, [false, true, true, false, true], "{answer}");
+
     let strict = r#"{"policy":{"unknown_service":"reject"},"items":[{"service":"shop/other","ip":"10.0.0.1"}]}"#;
     let (_, answer) = get_with(&f.app, post_json("/v1/verdicts", strict, None)).await;
     assert_eq!(answer["items"][0]["verdict"]["action"], "reject");

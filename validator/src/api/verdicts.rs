@@ -5,9 +5,9 @@ use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Query, State};
 use axum::response::Response;
 use axum::Json;
-use staleguard_core::batch::{VerdictItem, VerdictsAnswer, VerdictsRequest, MAX_ITEMS};
-use staleguard_core::decide;
+use staleguard_core::batch::{Records, VerdictItem, VerdictsAnswer, VerdictsRequest, MAX_ITEMS};
 use staleguard_core::wire::WIRE_VERSION;
+use staleguard_core::{decide, Reason};
 
 use super::error::ApiError;
 use super::{check_version, json, ApiState};
@@ -52,18 +52,24 @@ pub fn judge_all(shared: &SharedIndex, request: &VerdictsRequest) -> VerdictsAns
             let record = index
                 .record(q.ip)
                 .map(staleguard_core::IpRecord::verdict_view);
+            let verdict = decide(
+                q.policy.as_ref().unwrap_or(&request.policy),
+                freshness.fresh,
+                &q.service,
+                known,
+                record.as_ref(),
+            );
+            let keep = match request.records {
+                Records::All => true,
+                Records::NotMember => verdict.reason != Reason::Member,
+                Records::None => false,
+            };
             VerdictItem {
                 service: q.service.clone(),
                 ip: q.ip,
-                verdict: decide(
-                    q.policy.as_ref().unwrap_or(&request.policy),
-                    freshness.fresh,
-                    &q.service,
-                    known,
-                    record.as_ref(),
-                ),
+                verdict,
                 service_known: known,
-                record,
+                record: record.filter(|_| keep),
             }
         })
         .collect();

@@ -158,10 +158,12 @@ impl Gateway {
 
 // === /clusters?format=json ===
 
+// Typed, so that serde skips what the audit does not read (per-host stats,
+// health, locality: most of the document) without building it.
 #[derive(Debug, Deserialize)]
 struct ClustersJson {
     #[serde(default)]
-    cluster_statuses: Vec<ClusterStatus>,
+    cluster_statuses: Option<Vec<ClusterStatus>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -174,67 +176,112 @@ struct ClusterStatus {
 #[derive(Debug, Deserialize)]
 struct HostStatus {
     #[serde(default)]
-    address: Option<Value>,
+    address: Option<Address>,
+}
+
+/// `envoy.config.core.v3.Address`, the parts the audit shows.
+#[derive(Debug, Default, Deserialize)]
+struct Address {
+    #[serde(default)]
+    socket_address: Option<SocketAddress>,
+    #[serde(default)]
+    pipe: Option<Pipe>,
+}
+
+#[derive(Debug, Deserialize)]
+struct SocketAddress {
+    #[serde(default)]
+    address: String,
+    #[serde(default)]
+    port_value: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Pipe {
+    #[serde(default)]
+    path: String,
 }
 
 /// Reads `/clusters?format=json`: each cluster's name and hosts.
 pub fn parse_clusters(bytes: &[u8]) -> Result<Vec<Cluster>, GatewayError> {
     let what = "/clusters?format=json";
-    let value: Value = serde_json::from_slice(bytes).map_err(|source| GatewayError::Json {
-        what: what.into(),
-        source,
+    let parsed: ClustersJson = serde_json::from_slice(bytes).map_err(|source| {
+        if source.is_eof() || source.is_syntax() {
+            GatewayError::Json {
+                what: what.into(),
+                source,
+            }
+        } else {
+            GatewayError::Shape {
+                what: what.into(),
+                detail: source.to_string(),
+            }
+        }
     })?;
-    let shape = |detail: String| GatewayError::Shape {
-        what: what.into(),
-        detail,
+    let statuses = match parsed.cluster_statuses {
+        Some(statuses) => statuses,
+        // Envoy omits an empty list: `{}` is a gateway with no clusters; any
+        // other object without the list is not this endpoint's output.
+        None if is_empty_object(bytes) => Vec::new(),
+        None => {
+            return Err(GatewayError::Shape {
+                what: what.into(),
+                detail: "no `cluster_statuses`".into(),
+            })
+        }
     };
-    let Some(object) = value.as_object() else {
-        return Err(shape("the document is not a JSON object".into()));
-    };
-    // Envoy omits an empty list: `{}` is a gateway with no clusters; any
-    // other object without the list is not this endpoint's output.
-    if !object.is_empty() && !object.contains_key("cluster_statuses") {
-        return Err(shape("no `cluster_statuses`".into()));
-    }
-    let parsed: ClustersJson = serde_json::from_value(value).map_err(|e| shape(e.to_string()))?;
-    Ok(parsed
-        .cluster_statuses
+    Ok(statuses
         .into_iter()
         .map(|c| Cluster {
             name: c.name,
             endpoints: c
                 .host_statuses
-                .iter()
-                .map(|h| endpoint(h.address.as_ref()))
+                .into_iter()
+                .map(|h| typed_endpoint(h.address.unwrap_or_default()))
                 .collect(),
             ..Cluster::default()
         })
         .collect())
 }
 
+fn is_empty_object(bytes: &[u8]) -> bool {
+    let text: Vec<u8> = bytes
+        .iter()
+        .copied()
+        .filter(|b| !b.is_ascii_whitespace())
+        .collect();
+    text == b"{}"
+}
+
+fn typed_endpoint(address: Address) -> Endpoint {
+    match (address.socket_address, address.pipe) {
+        (Some(s), _) => socket_endpoint(&s.address, s.port_value.map(u64::from)),
+        (None, Some(pipe)) => Endpoint {
+            address: format!("pipe:{}", pipe.path),
+            ip: None,
+        },
+        (None, None) => Endpoint {
+            address: "?".into(),
+            ip: None,
+        },
+    }
+}
+
+fn socket_endpoint(host: &str, port: Option<u64>) -> Endpoint {
+    let ip = host.parse::<IpAddr>().ok();
+    let address = match (ip, port) {
+        (Some(ip), Some(port)) => SocketAddr::new(ip, port as u16).to_string(),
+        (None, Some(port)) => format!("{host}:{port}"),
+        (_, None) => host.to_owned(),
+    };
+    Endpoint { address, ip }
+}
+
 /// An endpoint from an `envoy.config.core.v3.Address` in JSON.
 fn endpoint(address: Option<&Value>) -> Endpoint {
-    let socket = address.and_then(|a| a.get("socket_address"));
-    let host = socket
-        .and_then(|s| s.get("address"))
-        .and_then(Value::as_str);
-    let port = socket
-        .and_then(|s| s.get("port_value"))
-        .and_then(Value::as_u64);
-    match (host, port) {
-        (Some(host), Some(port)) => {
-            let ip = host.parse::<IpAddr>().ok();
-            let address = match ip {
-                Some(ip) => SocketAddr::new(ip, port as u16).to_string(),
-                None => format!("{host}:{port}"),
-            };
-            Endpoint { address, ip }
-        }
-        (Some(host), None) => Endpoint {
-            address: host.to_owned(),
-            ip: host.parse().ok(),
-        },
-        _ => Endpoint {
+    match address.map(Address::deserialize) {
+        Some(Ok(address)) => typed_endpoint(address),
+        Some(Err(_)) | None => Endpoint {
             address: address.map_or_else(|| "?".to_owned(), |a| compact(a, 80)),
             ip: None,
         },
@@ -494,6 +541,7 @@ mod tests {
         assert_eq!(cart[0].ip, Some("127.0.1.1".parse().unwrap()));
         assert_eq!(cart[1].address, "[fd00::1]:8080");
         assert_eq!(cart[2].ip, None, "a pipe has no IP");
+        assert_eq!(cart[2].address, "pipe:/tmp/sock");
         assert!(clusters[2].endpoints.is_empty());
         assert!(parse_clusters(b"{}").unwrap().is_empty());
     }
