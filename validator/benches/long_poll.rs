@@ -10,6 +10,18 @@
 //! one change and reports the wall-clock time it did; each client stamps the
 //! time its answer was complete. Latency = stamp - change time (same machine,
 //! same clock). Results go to docs/benchmarks.md by hand.
+//!
+//! With `BURST=50` (and `BURST_ROUNDS`, 5), a second phase follows the rounds:
+//! in each burst round, 50 more gateways reset at once (half ask for
+//! `/v1/snapshot`, as a starting filter does; half for `/v1/changes` with an
+//! epoch that is not the validator's, as after a validator restart), and 10 ms
+//! later the child applies a change, so the 1,000 long polls wake while the
+//! snapshot is being built. It reports how many snapshot builds the burst cost
+//! (from the validator's `staleguard_answer_builds_total`), the validator's CPU
+//! and peak RSS over the burst (the peak is reset before each burst through
+//! `/proc/self/clear_refs`), the resetting gateways' time to a complete
+//! snapshot, and the 1,000 other clients' latency from the change. For the
+//! 150k-IP index: `SERVICES=1000 PODS=150 ROUNDS=0 BURST=50`.
 
 use std::io::{BufRead, Write};
 use std::net::SocketAddr;
@@ -100,6 +112,11 @@ fn server() -> Result<()> {
                 "stats" => {
                     let (cpu, hwm, rss) = own_usage();
                     println!("stats {cpu} {hwm} {rss}");
+                }
+                "reset_peak" => {
+                    // "5" resets the peak RSS (VmHWM) to the current RSS.
+                    let done = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+                    println!("reset_peak {done}");
                 }
                 _ => break,
             }
@@ -229,6 +246,98 @@ fn driver() -> Result<()> {
         p99s.push(p99);
         maxes.push(max);
     }
+    let burst = env("BURST", 0);
+    let mut burst_report = Vec::new();
+    for round in 0..if burst > 0 { env("BURST_ROUNDS", 5) } else { 0 } {
+        runtime.block_on(wait_for_waiting(admin, clients))?;
+        let builds_before = runtime.block_on(snapshot_builds(admin))?;
+        writeln!(to_server, "reset_peak")?;
+        let peak_reset = next_line()?;
+        writeln!(to_server, "stats")?;
+        let before = next_line()?;
+        let started = Instant::now();
+        let resets: Vec<_> = (0..burst)
+            .map(|i| {
+                let path = if i % 2 == 0 {
+                    "/v1/snapshot?v=1&view=verdict".to_owned()
+                } else {
+                    format!(
+                        "/v1/changes?v=1&view=verdict&epoch={}&since=1&wait=30",
+                        epoch.wrapping_add(1)
+                    )
+                };
+                runtime.spawn(async move {
+                    let at = Instant::now();
+                    let body = fetch(addr, &path).await?;
+                    let took = at.elapsed();
+                    // Real gateways decode on their own machines; here the
+                    // driver shares two cores with the validator, so it only
+                    // checks the head of the document.
+                    let head = String::from_utf8_lossy(&body[..body.len().min(256)]).into_owned();
+                    if !head.contains("\"records\"") && !head.contains("\"services\"") {
+                        bail!("not a snapshot: {head}");
+                    }
+                    if i % 2 == 1 && !head.starts_with(r#"{"kind":"reset","#) {
+                        bail!("not a reset: {head}");
+                    }
+                    Ok::<_, anyhow::Error>((took, body.len(), 0u64))
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(10));
+        writeln!(to_server, "change")?;
+        let applied = next_line()?;
+        let (new_generation, at): (u64, u128) = (applied[1].parse()?, applied[2].parse()?);
+        let mut latencies = Vec::with_capacity(clients);
+        runtime.block_on(async {
+            while latencies.len() < clients {
+                let Some(r) = tokio::time::timeout(Duration::from_secs(60), rx.recv()).await?
+                else {
+                    bail!("clients went away");
+                };
+                if r.generation == new_generation {
+                    latencies.push(Duration::from_nanos(r.at.saturating_sub(at) as u64));
+                }
+            }
+            Ok::<_, anyhow::Error>(())
+        })?;
+        let mut reset_times = Vec::with_capacity(burst);
+        let mut bytes = 0;
+        for r in resets {
+            let (took, len, _) = runtime.block_on(r)??;
+            reset_times.push(took);
+            bytes = len;
+        }
+        let wall = started.elapsed();
+        writeln!(to_server, "stats")?;
+        let after = next_line()?;
+        let builds = runtime.block_on(snapshot_builds(admin))? - builds_before;
+        latencies.sort();
+        reset_times.sort();
+        let pct =
+            |v: &[Duration], p: f64| v[((v.len() as f64 * p).ceil() as usize).saturating_sub(1)];
+        let ticks = after[1].parse::<u64>()? - before[1].parse::<u64>()?;
+        let line = BurstRound {
+            rss_before_kib: before[3].parse()?,
+            builds,
+            cpu: Duration::from_millis(ticks * 10),
+            wall,
+            peak_kib: after[2].parse()?,
+            reset_p50: pct(&reset_times, 0.5),
+            reset_max: reset_times[reset_times.len() - 1],
+            p50: pct(&latencies, 0.5),
+            p99: pct(&latencies, 0.99),
+            max: latencies[latencies.len() - 1],
+            bytes,
+        };
+        eprintln!(
+            "burst {round}: {} snapshot build(s), validator CPU {:?} over {:?}, RSS before {} KiB, \
+             peak RSS {} KiB (peak reset: {}), resets p50 {:?} max {:?} ({} bytes), others p50 {:?} p99 {:?} max {:?}",
+            line.builds, line.cpu, line.wall, line.rss_before_kib, line.peak_kib, peak_reset[1], line.reset_p50,
+            line.reset_max, line.bytes, line.p50, line.p99, line.max
+        );
+        burst_report.push(line);
+    }
     writeln!(to_server, "stats")?;
     let last = next_line()?;
     FINISHED.store(true, Ordering::Relaxed);
@@ -243,29 +352,109 @@ fn driver() -> Result<()> {
         "long-poll fan-out: {clients} clients, {rounds} rounds, index of {} pods",
         env("SERVICES", 100) * env("PODS", 150)
     );
-    println!(
-        "  median over rounds of p50 latency  {:?}",
-        median(&mut p50s)
-    );
-    println!(
-        "  median over rounds of p99 latency  {:?}",
-        median(&mut p99s)
-    );
-    println!(
-        "  median over rounds of max latency  {:?}",
-        median(&mut maxes)
-    );
-    println!(
-        "  validator CPU during rounds        {:.0}% of one core ({} ticks in {:?})",
-        cpu_ticks as f64 / 100.0 / wall.as_secs_f64() * 100.0,
-        cpu_ticks,
-        wall
-    );
+    if rounds > 0 {
+        println!(
+            "  median over rounds of p50 latency  {:?}",
+            median(&mut p50s)
+        );
+        println!(
+            "  median over rounds of p99 latency  {:?}",
+            median(&mut p99s)
+        );
+        println!(
+            "  median over rounds of max latency  {:?}",
+            median(&mut maxes)
+        );
+        println!(
+            "  validator CPU during rounds        {:.0}% of one core ({} ticks in {:?})",
+            cpu_ticks as f64 / 100.0 / wall.as_secs_f64() * 100.0,
+            cpu_ticks,
+            wall
+        );
+    }
     println!(
         "  validator RSS now / peak           {} / {} KiB",
         last[3], last[2]
     );
+    if !burst_report.is_empty() {
+        let med = |f: &dyn Fn(&BurstRound) -> Duration| {
+            let mut v: Vec<Duration> = burst_report.iter().map(f).collect();
+            v.sort();
+            v[v.len() / 2]
+        };
+        let mut peaks: Vec<u64> = burst_report.iter().map(|r| r.peak_kib).collect();
+        peaks.sort_unstable();
+        println!(
+            "burst: {burst} gateways resetting at once, {} rounds, medians over rounds",
+            burst_report.len()
+        );
+        println!(
+            "  snapshot builds per burst          {:?}",
+            burst_report.iter().map(|r| r.builds).collect::<Vec<_>>()
+        );
+        println!(
+            "  validator CPU per burst            {:?} over {:?}",
+            med(&|r| r.cpu),
+            med(&|r| r.wall)
+        );
+        let mut growth: Vec<u64> = burst_report
+            .iter()
+            .map(|r| r.peak_kib.saturating_sub(r.rss_before_kib))
+            .collect();
+        growth.sort_unstable();
+        println!(
+            "  validator peak RSS during burst    {} KiB ({} KiB above the RSS before it)",
+            peaks[peaks.len() / 2],
+            growth[growth.len() / 2]
+        );
+        println!(
+            "  resetting gateways p50 / max       {:?} / {:?} ({} bytes each)",
+            med(&|r| r.reset_p50),
+            med(&|r| r.reset_max),
+            burst_report[0].bytes
+        );
+        println!(
+            "  other {clients} clients p50 / p99 / max {:?} / {:?} / {:?}",
+            med(&|r| r.p50),
+            med(&|r| r.p99),
+            med(&|r| r.max)
+        );
+    }
     Ok(())
+}
+
+/// One burst round's numbers.
+struct BurstRound {
+    rss_before_kib: u64,
+    builds: u64,
+    cpu: Duration,
+    wall: Duration,
+    peak_kib: u64,
+    reset_p50: Duration,
+    reset_max: Duration,
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+    bytes: usize,
+}
+
+/// `staleguard_answer_builds_total{document="snapshot"}` from the admin listener.
+async fn snapshot_builds(admin: SocketAddr) -> Result<u64> {
+    let text = http_get(admin, "/metrics").await?;
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"staleguard_answer_builds_total{document="snapshot"} "#))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0))
+}
+
+/// One GET on a fresh connection; the body.
+async fn fetch(addr: SocketAddr, path: &str) -> Result<Vec<u8>> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n").as_bytes())
+        .await?;
+    read_response(&mut stream).await
 }
 
 /// Waits until the validator reports `clients` long polls waiting.

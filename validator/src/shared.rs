@@ -12,6 +12,8 @@
 //! lock held (a poisoned lock), every answer says not fresh and `/healthz`
 //! fails.
 
+use std::collections::HashSet;
+use std::net::IpAddr;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -20,10 +22,14 @@ use std::time::{Duration, Instant, SystemTime};
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher::Event;
-use staleguard_core::Freshness;
+use staleguard_core::{Freshness, IpRecord, Snapshot};
 use tokio::sync::watch;
 
 use crate::index::{Index, Kind};
+
+/// How many records a snapshot copies per hold of the lock: a few
+/// milliseconds, the longest a watch event waits for a snapshot.
+pub const SNAPSHOT_CHUNK: usize = 2048;
 
 /// The index, shared. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -227,6 +233,56 @@ impl SharedIndex {
         self.update(|index| index.apply_slice(event, now));
     }
 
+    /// The whole index, copied without holding the lock for long: records are
+    /// copied [`SNAPSHOT_CHUNK`] at a time, releasing the lock in between so
+    /// watch events are applied meanwhile, and at the end everything that
+    /// changed since the copy began is taken from the change log, under the
+    /// lock, so the result is exactly the index at one generation. Should the
+    /// log have dropped those changes meanwhile, the copy is made again in one
+    /// piece. Freshness is taken at that last step.
+    pub fn snapshot(&self) -> Snapshot {
+        self.snapshot_in_chunks(SNAPSHOT_CHUNK, || {})
+    }
+
+    fn snapshot_in_chunks(&self, chunk: usize, mut between: impl FnMut()) -> Snapshot {
+        let (start, ips) = {
+            let index = self.read_guard();
+            (index.generation(), index.record_ips())
+        };
+        let mut records: Vec<IpRecord> = Vec::with_capacity(ips.len());
+        for part in ips.chunks(chunk.max(1)) {
+            between();
+            let index = self.read_guard();
+            records.extend(part.iter().filter_map(|ip| index.record(*ip)));
+        }
+        let index = self.read_guard();
+        let freshness = self.freshness();
+        let Some(delta) = index.changes_since(start, freshness.clone()) else {
+            return index.snapshot(freshness);
+        };
+        let services = index.services();
+        drop(index);
+        if !delta.upserts.is_empty() || !delta.removed.is_empty() {
+            let changed: HashSet<IpAddr> = delta
+                .removed
+                .iter()
+                .copied()
+                .chain(delta.upserts.iter().map(|r| r.ip))
+                .collect();
+            records.retain(|r| !changed.contains(&r.ip));
+            records.extend(delta.upserts);
+            records.sort_unstable_by_key(|r| r.ip);
+        }
+        Snapshot {
+            v: delta.v,
+            epoch: delta.epoch,
+            generation: delta.generation,
+            freshness,
+            services,
+            records,
+        }
+    }
+
     /// Drops expired tombstones.
     pub fn expire_tombstones(&self, now: SystemTime) {
         self.update(|index| index.expire_tombstones(now));
@@ -415,6 +471,85 @@ mod tests {
         assert!(s.failure().is_some_and(|f| f.contains("poisoned")));
         // Reading still works, for operators, but says not fresh.
         assert_eq!(s.read().epoch(), 1);
+    }
+
+    #[test]
+    fn a_snapshot_copied_in_chunks_while_events_land_is_the_index_at_one_generation() {
+        use crate::index::fixtures::{pod, service};
+        let s = shared(Duration::from_secs(60));
+        sync_all(&s);
+        let now = SystemTime::now();
+        let svc = service("a", "web").selector(&[("app", "web")]).build();
+        s.apply_service(Event::Apply(svc), now);
+        let web = |i: usize| {
+            pod("a", &format!("web-{i}"))
+                .ip(&format!("10.1.{}.{}", i / 200, i % 200 + 1))
+                .labels(&[("app", "web")])
+        };
+        for i in 0..100 {
+            s.apply_pod(Event::Apply(web(i).build()), now);
+        }
+        // Between chunks: delete a pod already copied and one not yet copied,
+        // add a new IP, turn one pod terminating, add a service.
+        let mut step = 0;
+        let snapshot = s.snapshot_in_chunks(7, || {
+            match step {
+                1 => s.apply_pod(Event::Delete(web(0).build()), now),
+                2 => s.apply_pod(Event::Delete(web(99).build()), now),
+                3 => s.apply_pod(Event::Apply(web(150).build()), now),
+                4 => s.apply_pod(Event::Apply(web(3).terminating().build()), now),
+                5 => s.apply_service(Event::Apply(service("a", "new").build()), now),
+                _ => {}
+            }
+            step += 1;
+        });
+        assert!(step > 6, "the copy took several chunks");
+        let mut whole = s.read().snapshot(s.freshness());
+        whole.freshness = snapshot.freshness.clone();
+        assert_eq!(snapshot, whole);
+        assert_eq!(snapshot.generation, s.generation());
+        // 101 IPs: the two deleted pods' IPs remain, held by nobody (tombstones).
+        assert_eq!(snapshot.records.len(), 101);
+        let held = snapshot
+            .records
+            .iter()
+            .filter(|r| !r.pods.is_empty())
+            .count();
+        assert_eq!(held, 99);
+    }
+
+    #[test]
+    fn a_chunked_copy_outrun_by_the_change_log_starts_over_in_one_piece() {
+        use crate::index::fixtures::pod;
+        let s = SharedIndex::new(
+            Index::new(
+                1,
+                IndexConfig {
+                    change_log_capacity: 2,
+                    ..IndexConfig::default()
+                },
+            ),
+            Duration::from_secs(60),
+        );
+        sync_all(&s);
+        let now = SystemTime::now();
+        let p = |i: usize| pod("a", &format!("p{i}")).ip(&format!("10.2.0.{}", i + 1));
+        for i in 0..20 {
+            s.apply_pod(Event::Apply(p(i).build()), now);
+        }
+        let mut step = 0;
+        let snapshot = s.snapshot_in_chunks(3, || {
+            if step == 1 {
+                for i in 20..30 {
+                    s.apply_pod(Event::Apply(p(i).build()), now);
+                }
+            }
+            step += 1;
+        });
+        let mut whole = s.read().snapshot(s.freshness());
+        whole.freshness = snapshot.freshness.clone();
+        assert_eq!(snapshot, whole);
+        assert_eq!(snapshot.records.len(), 30);
     }
 
     #[tokio::test]

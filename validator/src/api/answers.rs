@@ -14,8 +14,9 @@
 //! date). A reset answer is the snapshot document with the `kind` tag in
 //! front, so `/v1/snapshot` and resets share one build too. A build runs on
 //! the blocking pool, never on an async worker, and holds the index's read
-//! lock only to copy what it needs: slimming and JSON encoding happen after
-//! the lock is released.
+//! lock only to copy what it needs, a chunk of records at a time (watch events
+//! are applied between chunks): slimming and JSON encoding happen after the
+//! lock is released.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -215,16 +216,21 @@ enum Copied {
 /// Builds `document` (on the blocking pool). Returns it with the kind of
 /// document it turned out to be, for the build counter.
 fn build(index: &SharedIndex, document: Document, view: View) -> (Built, &'static str) {
-    let copied = {
-        let guard = index.read();
-        // Taken with the lock held: a poisoned lock shows as not fresh.
-        let freshness = index.freshness();
-        match document {
-            Document::Snapshot => Copied::Snapshot(guard.snapshot(freshness)),
-            Document::Since(since) => match guard.changes_since(since, freshness.clone()) {
+    // Snapshots are copied a chunk at a time (SharedIndex::snapshot), so a
+    // watch event never waits for more than a chunk.
+    let copied = match document {
+        Document::Snapshot => Copied::Snapshot(index.snapshot()),
+        Document::Since(since) => {
+            let delta = {
+                let guard = index.read();
+                // Taken with the lock held: a poisoned lock shows as not fresh.
+                let freshness = index.freshness();
+                guard.changes_since(since, freshness)
+            };
+            match delta {
                 Some(delta) => Copied::Delta(delta),
-                None => Copied::Reset(guard.snapshot(freshness)),
-            },
+                None => Copied::Reset(index.snapshot()),
+            }
         }
     };
     // The lock is released: the rest costs the index's writers nothing.

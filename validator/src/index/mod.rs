@@ -657,13 +657,7 @@ impl Index {
 
     /// The whole index at the current generation.
     pub fn snapshot(&self, freshness: Freshness) -> Snapshot {
-        let mut ips: Vec<IpAddr> = self
-            .ips
-            .iter()
-            .filter(|(_, s)| s.fingerprint != 0)
-            .map(|(ip, _)| *ip)
-            .collect();
-        ips.sort_unstable();
+        let ips = self.record_ips();
         Snapshot {
             v: WIRE_VERSION,
             epoch: self.epoch,
@@ -672,6 +666,19 @@ impl Index {
             services: self.services(),
             records: ips.into_iter().filter_map(|ip| self.record(ip)).collect(),
         }
+    }
+
+    /// The IPs [`Index::snapshot`] would list, sorted: what a copy made in
+    /// chunks walks ([`crate::shared::SharedIndex::snapshot`]).
+    pub fn record_ips(&self) -> Vec<IpAddr> {
+        let mut ips: Vec<IpAddr> = self
+            .ips
+            .iter()
+            .filter(|(_, s)| s.fingerprint != 0)
+            .map(|(ip, _)| *ip)
+            .collect();
+        ips.sort_unstable();
+        ips
     }
 
     /// What changed after generation `since`, compacted to the latest state per
