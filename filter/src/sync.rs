@@ -444,7 +444,7 @@ impl Poller {
         let layout = buckets::bucket_count(snapshot.records.len() as u64);
         snapshot
             .records
-            .sort_by_key(|r| buckets::bucket_of(&r.ip, layout));
+            .sort_by_cached_key(|r| buckets::bucket_of(&r.ip, layout));
         let Snapshot {
             v: _,
             epoch,
