@@ -188,7 +188,7 @@ async fn main() -> Result<()> {
         bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
     };
     envoy.eventually("the first sync", Duration::from_secs(60), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     let listener = envoy.listener;
     for i in 0..events {
@@ -351,9 +351,9 @@ async fn main() -> Result<()> {
     }
     println!(
         "\nsync: {} long polls, {} deltas, {} resets, errors: {}",
-        envoy.stat("wasmcustom.staleguard.sync_polls")?,
-        envoy.stat("wasmcustom.staleguard.sync_deltas")?,
-        envoy.stat("wasmcustom.staleguard.sync_resets")?,
+        envoy.stat("wasmcustom.staleguard_filter_sync_polls_total")?,
+        envoy.stat("wasmcustom.staleguard_filter_sync_deltas_total")?,
+        envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")?,
         envoy.admin("/stats?filter=sync_errors")?.trim()
     );
     envoy.stop();

@@ -17,8 +17,8 @@
 //! index; "reset" is the answer to the long poll of a filter that synced an
 //! empty index when the whole index is replaced (a new epoch's worth of data:
 //! the validator restarted, or the filter's generation was compacted away).
-//! `ROUNDS` (5) of each, medians. Time is the filter's `sync_apply_us` gauge,
-//! memory its `vm_memory_bytes` gauge. The gateway runs the plugin
+//! `ROUNDS` (5) of each, medians. Time is the filter's `staleguard_filter_sync_apply_microseconds`
+//! gauge, memory its `staleguard_filter_vm_memory_bytes` gauge. The gateway runs the plugin
 //! configuration deploy/ ships.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -89,24 +89,24 @@ fn main() -> Result<()> {
             );
         };
         envoy.eventually("the first answer", Duration::from_secs(120), |e| {
-            Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+            Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
         })?;
         if !full_at_start {
             // The long poll is out; the whole index replaces the empty one.
             std::thread::sleep(Duration::from_millis(300));
             validator.set_index(keys.clone(), records.clone());
             envoy.eventually("the reset", Duration::from_secs(120), |e| {
-                Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 2)
+                Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 2)
             })?;
         }
-        let entries = envoy.stat("wasmcustom.staleguard.index_entries")?;
+        let entries = envoy.stat("wasmcustom.staleguard_filter_index_entries")?;
         if entries != records.len() as u64 {
             bail!("{entries} entries loaded, not {}", records.len());
         }
         // The gauges follow the answer that was applied.
         std::thread::sleep(Duration::from_millis(200));
-        let us = envoy.stat("wasmcustom.staleguard.sync_apply_us")?;
-        let mem = envoy.stat("wasmcustom.staleguard.vm_memory_bytes")?;
+        let us = envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?;
+        let mem = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
         envoy.stop();
         Ok((us, mem))
     };
