@@ -42,8 +42,11 @@ proxy_wasm::main! {{
 /// Verdict log lines allowed per VM per second (the counters count all).
 const VERDICT_LOGS_PER_SECOND: u32 = 5;
 
-/// Least time between two validator requests (see `SyncConfig`).
-const MIN_POLL_INTERVAL_MS: u64 = 100;
+/// Least time between two validator requests (see `SyncConfig`): answers that
+/// come at once cannot become a busy loop (at most 20 requests a second), and
+/// a change that follows another within milliseconds (one cluster event often
+/// makes two or three index generations) waits at most this long.
+const MIN_POLL_INTERVAL_MS: u64 = 50;
 
 // === impl HostStore ===
 

@@ -69,7 +69,7 @@ fn a_burst_of_changes_reaches_the_gateway_within_the_least_poll_interval_not_a_t
     // Each round: a change answers the long poll that is out; a second one,
     // 20 ms later, answers the poll sent right after it; the third, 20 ms
     // later again, needs the poll after that, which the least interval
-    // (100 ms) holds back. It must go out when the interval ends, not at the
+    // (50 ms) holds back. It must go out when the interval ends, not at the
     // next lease tick.
     let mut latencies = vec![];
     for round in 0..8u8 {
