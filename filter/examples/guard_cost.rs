@@ -81,6 +81,20 @@ fn time<T>(rounds: usize, mut f: impl FnMut() -> T) -> Duration {
     )
 }
 
+/// Resident memory of this process, from /proc (Linux).
+fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches(" kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
 fn main() {
     let ips = env("IPS", 150_000);
     let services = env("SERVICES", 1000);
@@ -113,6 +127,13 @@ fn main() {
         removed: vec![],
     };
 
+    // The baseline's memory: one guard, measured before anything else
+    // allocates and frees around it.
+    let before = rss_bytes();
+    let mut first = Guard::new(GuardConfig::default(), Policy::default());
+    first.applied(Answer::Reset(&full));
+    let baseline_bytes = before.zip(rss_bytes()).map(|(b, a)| a.saturating_sub(b));
+    drop(first);
     let decode = time(rounds, || Snapshot::from_json(&json).unwrap());
     let mut guard = Guard::new(GuardConfig::default(), Policy::default());
     let baseline = time(rounds, || guard.applied(Answer::Reset(&full)));
@@ -131,6 +152,13 @@ fn main() {
         "  decode the snapshot (paid anyway)     {:>9.1} ms",
         ms(decode)
     );
+    if let Some(bytes) = baseline_bytes {
+        println!(
+            "  guard: baseline memory (RSS growth)    {:>9.1} MB ({} bytes per IP)",
+            bytes as f64 / 1e6,
+            bytes / ips as u64
+        );
+    }
     println!(
         "  guard: baseline from the reset         {:>9.1} ms ({:.0}% of decode)",
         ms(baseline),

@@ -279,6 +279,28 @@ impl Guard {
         self.held_since_ms = None;
     }
 
+    /// The records of `answer` that only add: IPs the current data allows for
+    /// no service, which the answer allows for one. Writing them while the
+    /// answer is held can turn a rejection into an allowance, never the
+    /// reverse, so a pod that appeared during a hold is not read as
+    /// destroyed.
+    pub fn gains<'a>(&self, answer: Answer<'a>) -> Vec<&'a IpRecord> {
+        let records: &'a [IpRecord] = match answer {
+            Answer::Reset(snapshot) => &snapshot.records,
+            Answer::Delta(delta) => &delta.upserts,
+        };
+        records
+            .iter()
+            .filter(|r| {
+                self.baseline
+                    .ips
+                    .get(&r.ip)
+                    .is_none_or(|old| old.allowed.is_empty())
+            })
+            .filter(|r| candidates(r).any(|s| allows(&self.policy, s, Some(r))))
+            .collect()
+    }
+
     /// What `answer` would do to the IPs allowed now.
     pub fn assess(&self, answer: Answer<'_>) -> Blast {
         let b = &self.baseline;
@@ -768,6 +790,17 @@ mod tests {
                 .allowed_ips,
             1
         );
+    }
+
+    #[test]
+    fn only_ips_nothing_allowed_before_are_gains() {
+        let g = armed(20);
+        let mut records: Vec<IpRecord> = vec![member(500, "api"), tombstone(501, "api")];
+        // web's IPs taken by api pods: not gains, web allowed them.
+        records.extend((1000..1004).map(|i| member(i, "api")));
+        let s = snapshot(&["api", "web"], records);
+        let gains: Vec<IpAddr> = g.gains(Answer::Reset(&s)).iter().map(|r| r.ip).collect();
+        assert_eq!(gains, vec![ip(500)]);
     }
 
     #[test]

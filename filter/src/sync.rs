@@ -25,7 +25,8 @@ use crate::buckets::{self, Bucket};
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
 use crate::members;
 use crate::store::{
-    encode_service, next_id, service_key, Entry, Meta, SharedData, StoreError, LOADS_KEY, META_KEY,
+    encode_service, next_id, service_key, Entry, Meta, SharedData, StoreError, View, LOADS_KEY,
+    META_KEY,
 };
 
 /// Why an answer could not be applied.
@@ -436,6 +437,8 @@ impl Poller {
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
         if !self.guard.admit(now_ms, Answer::Reset(&snapshot)) {
+            let gains = self.guard.gains(Answer::Reset(&snapshot));
+            self.write_gains(&gains, store)?;
             return Ok(Applied::Held);
         }
         let load = next_id(store, LOADS_KEY)?;
@@ -539,6 +542,8 @@ impl Poller {
             });
         }
         if !self.guard.admit(now_ms, Answer::Delta(&delta)) {
+            let gains = self.guard.gains(Answer::Delta(&delta));
+            self.write_gains(&gains, store)?;
             return Ok(Applied::Held);
         }
         let load = cursor.load;
@@ -615,6 +620,51 @@ impl Poller {
         }
         self.guard.applied(Answer::Delta(&delta));
         Ok(Applied::Delta { changed })
+    }
+
+    /// While an answer is held: writes the records that only add (see
+    /// [`Guard::gains`]) into the current load and layout, leaving `meta`
+    /// as it is, so the previous data keeps serving and ages as before. The
+    /// held answer, once applied, rewrites them (`entries` is corrected then).
+    fn write_gains(
+        &mut self,
+        gains: &[&IpRecord],
+        store: &mut dyn SharedData,
+    ) -> Result<(), SyncError> {
+        if gains.is_empty() {
+            return Ok(());
+        }
+        let Some(meta) = View::new(&*store).meta() else {
+            return Ok(());
+        };
+        let mut edits: BTreeMap<u32, Vec<&IpRecord>> = BTreeMap::new();
+        for record in gains {
+            let index = buckets::bucket_of(&record.ip, meta.buckets);
+            edits.entry(index).or_default().push(record);
+        }
+        for (index, records) in edits {
+            let key = buckets::bucket_key(meta.buckets, index);
+            let (value, _) = store.get(&key)?;
+            let value = value.unwrap_or_default();
+            // The member lists follow, as for a delta: a later delta reads
+            // this record as the IP's old one.
+            for record in &records {
+                let old = match buckets::find(&value, &record.ip, meta.load) {
+                    Entry::Present(old) => Some(old),
+                    Entry::Absent | Entry::Corrupt => None,
+                };
+                members::apply_change(store, meta.load, record.ip, old.as_ref(), Some(record))?;
+            }
+            let mut bucket = Bucket::read(&value, meta.load);
+            for record in records {
+                bucket.put(record);
+            }
+            store.set(&key, &bucket.encode(meta.load), None)?;
+            if meta.buckets == self.buckets {
+                self.known_buckets.insert(index);
+            }
+        }
+        Ok(())
     }
 
     /// Writes one bucket of a new load; returns its number of IPs.
@@ -1140,6 +1190,39 @@ mod tests {
             Some(GuardEvent::Confirmed(_))
         ));
         assert!(!present(&store, "10.0.0.1"));
+    }
+
+    #[test]
+    fn a_pod_that_appears_during_a_hold_is_written_and_nothing_else() {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        let ips: Vec<String> = (1..=20).map(|i| format!("10.0.0.{i}")).collect();
+        let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, &refs)), &mut store)
+            .unwrap();
+        let before = View::new(&store).meta().unwrap();
+        // A wrong reset: 18 of 20 IPs gone, and one new pod (10.0.1.1).
+        let held = Changes::Reset(snapshot(10, 1, &["10.0.0.1", "10.0.0.2", "10.0.1.1"]));
+        p.next_request(10, &store);
+        assert_eq!(
+            p.on_response(10, 200, &json(&held), &mut store).unwrap(),
+            Applied::Held
+        );
+        assert!(present(&store, "10.0.1.1"), "the new pod is not destroyed");
+        let listed: Vec<IpAddr> = crate::members::read(&store, &cart(), before.load)
+            .iter()
+            .map(|m| m.ip)
+            .collect();
+        assert!(
+            listed.contains(&"10.0.1.1".parse().unwrap()),
+            "and is in cart's member list: {listed:?}"
+        );
+        assert!(
+            present(&store, "10.0.0.20"),
+            "the held losses are not written"
+        );
+        assert_eq!(View::new(&store).meta(), Some(before), "meta untouched");
     }
 
     #[test]

@@ -17,14 +17,21 @@ use staleguard_tests::traffic::{burst, Load};
 use staleguard_tests::world::World;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync_with_max_staleness_ms_3000(
+async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync_with_max_staleness_ms_and_guard_confirm_ms_3000(
 ) {
     let Some(deps) = scene::deps() else { return };
     let mut world = World::new().unwrap();
     world.add_service("api", 10).await.unwrap();
-    // The knob: data is stale 3 s after the last successful sync (which needs
-    // long polls shorter than that), and retries stay prompt.
-    let knobs = json!({"max_staleness_ms": 3000, "poll_wait_s": 1, "backoff_max_ms": 500});
+    // The knobs: data is stale 3 s after the last successful sync (which needs
+    // long polls shorter than that), retries stay prompt, and the guard
+    // confirms a held change after as long as data takes to go stale, as the
+    // shipped defaults do at 60 s each.
+    let knobs = json!({
+        "max_staleness_ms": 3000,
+        "poll_wait_s": 1,
+        "backoff_max_ms": 500,
+        "guard": {"confirm_ms": 3000}
+    });
     let specs = [GatewaySpec::guarded("guarded", knobs)];
     let mut scene = Scene::start(&deps, world, &["--file-poll", "100ms"], &specs)
         .await

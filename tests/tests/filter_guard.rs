@@ -17,6 +17,8 @@ use staleguard_tests::tinyhttp::named_host;
 
 const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
 const WEB: &str = "outbound|8080||web.shop.svc.cluster.local";
+/// cart, through a host that appears while an answer is held.
+const CART_NEW: &str = "outbound|8080|new|cart.shop.svc.cluster.local";
 const WAIT: Duration = Duration::from_secs(15);
 const HELD: &str = "wasmcustom.staleguard_filter_guard_held_total";
 const RELEASED: &str = "wasmcustom.staleguard_filter_guard_released_total";
@@ -26,6 +28,7 @@ const HELD_IPS: &str = "wasmcustom.staleguard_filter_guard_held_ips";
 /// The live hosts Envoy routes to.
 const CART_LIVE: &str = "127.0.1.51";
 const WEB_LIVE: &str = "127.0.1.52";
+const CART_NEW_LIVE: &str = "127.0.1.53";
 
 fn cart_ips() -> Vec<String> {
     let mut ips = vec![CART_LIVE.to_owned()];
@@ -135,6 +138,7 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
     let web = ServiceKey::new("shop", "web");
     let cart_host = named_host(CART_LIVE, "cart-0")?;
     let web_host = named_host(WEB_LIVE, "web-0")?;
+    let new_host = named_host(CART_NEW_LIVE, "cart-new")?;
     let validator = FakeValidator::start(1)?;
     let both = vec![cart.clone(), web.clone()];
     validator.set_index(both.clone(), truth(&cart, &web));
@@ -149,7 +153,8 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
         dynamic: vec![],
         clusters: vec![
             Cluster::new(CART, cart_host.addr(), plugin.clone()),
-            Cluster::new(WEB, web_host.addr(), plugin),
+            Cluster::new(WEB, web_host.addr(), plugin.clone()),
+            Cluster::new(CART_NEW, new_host.addr(), plugin),
         ],
     };
     let Some(mut envoy) = gateway.start()? else {
@@ -168,12 +173,16 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
     bogus_reset(&mut envoy, &validator, 2, both.clone(), vec![], 24)?;
     restore(&mut envoy, &validator, 3, truth(&cart, &web))?;
 
-    // 2. A reset that drops 22 of the 24 IPs (92%), the live ones among them.
-    let kept: Vec<IpRecord> = truth(&cart, &web)
+    // 2. A reset that drops 22 of the 24 IPs (92%), the live ones among them,
+    //    and lists a pod that has just appeared: the held answer's one
+    //    addition is written, so the new pod is not taken for destroyed.
+    let mut kept: Vec<IpRecord> = truth(&cart, &web)
         .into_iter()
         .filter(|r| ["127.0.3.1", "127.0.3.2"].contains(&r.ip.to_string().as_str()))
         .collect();
+    kept.push(pod(CART_NEW_LIVE, "cart-new", &[&cart], false));
     bogus_reset(&mut envoy, &validator, 4, both.clone(), kept, 22)?;
+    all_served(&mut envoy, CART_NEW, 10)?;
     restore(&mut envoy, &validator, 5, truth(&cart, &web))?;
 
     // 3. A reset that moves every IP of web to pods of another service (a

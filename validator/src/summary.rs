@@ -22,6 +22,11 @@ pub struct Summary {
     /// Live members per service; `None` in the summary logged on changes,
     /// which must not walk every pod under the index lock each time.
     pub members: Option<Vec<(ServiceKey, usize)>>,
+    /// Services left unjudged because the watched scope may not cover their
+    /// members.
+    pub out_of_scope: usize,
+    /// Those services and why; `None` in the summary logged on changes.
+    pub out_of_scope_services: Option<Vec<(ServiceKey, String)>>,
 }
 
 impl Summary {
@@ -30,6 +35,7 @@ impl Summary {
     pub fn of(shared: &SharedIndex, source: &str) -> Self {
         let mut summary = Self::counts(shared, source);
         summary.members = Some(shared.read().service_members());
+        summary.out_of_scope_services = Some(shared.read().out_of_scope_services());
         summary
     }
 
@@ -44,6 +50,8 @@ impl Summary {
             stats: index.stats(),
             freshness,
             members: None,
+            out_of_scope: index.out_of_scope_count(),
+            out_of_scope_services: None,
         }
     }
 
@@ -57,6 +65,7 @@ impl Summary {
             services = s.services,
             slices = s.slices,
             tombstones = s.tombstones,
+            out_of_scope = self.out_of_scope,
             skipped = s.skipped.values().sum::<u64>(),
             fresh = self.freshness.fresh,
             "index changed"
@@ -87,6 +96,19 @@ impl fmt::Display for Summary {
                 .unwrap_or(0);
             for (service, count) in members {
                 writeln!(f, "    {:width$}  {count}", service.to_string())?;
+            }
+        }
+        if let Some(services) = self
+            .out_of_scope_services
+            .as_ref()
+            .filter(|s| !s.is_empty())
+        {
+            writeln!(
+                f,
+                "  services out of the watched scope, treated as unknown (docs/index.md):"
+            )?;
+            for (service, why) in services {
+                writeln!(f, "    {service}: {why}")?;
             }
         }
         if s.skipped.is_empty() {
@@ -154,5 +176,30 @@ mod tests {
             Some(vec![(ServiceKey::new("shop", "cart"), 1)])
         );
         assert!(full.to_string().contains("shop/cart  1"), "{full}");
+        assert!(
+            !full.to_string().contains("out of the watched scope"),
+            "{full}"
+        );
+    }
+
+    #[test]
+    fn the_once_summary_names_services_out_of_scope_and_why() {
+        let config = IndexConfig {
+            scope: crate::scope::PodScope {
+                namespace: Some("shop".into()),
+                pod_selector: None,
+            },
+            ..IndexConfig::default()
+        };
+        let s = SharedIndex::new(Index::new(1, config), Duration::from_secs(60));
+        s.apply_service(
+            Event::Apply(service("shop", "legacy").build()),
+            SystemTime::now(),
+        );
+        let full = Summary::of(&s, "test");
+        assert_eq!(full.out_of_scope, 1);
+        let text = full.to_string();
+        assert!(text.contains("shop/legacy: it has no selector"), "{text}");
+        assert_eq!(Summary::counts(&s, "test").out_of_scope_services, None);
     }
 }

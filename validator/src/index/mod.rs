@@ -648,6 +648,17 @@ impl Index {
         self.out_of_scope.len()
     }
 
+    /// Every service out of scope, with the reason, sorted.
+    pub fn out_of_scope_services(&self) -> Vec<(ServiceKey, String)> {
+        let mut all: Vec<(ServiceKey, String)> = self
+            .out_of_scope
+            .iter()
+            .map(|(k, why)| ((**k).clone(), why.to_string()))
+            .collect();
+        all.sort();
+        all
+    }
+
     /// Every service known, sorted.
     pub fn services(&self) -> Vec<ServiceKey> {
         let mut services: Vec<ServiceKey> = self.services.keys().map(|k| (**k).clone()).collect();
