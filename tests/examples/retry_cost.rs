@@ -182,13 +182,17 @@ fn main() -> Result<()> {
     println!(
         "{rounds} rounds x {requests} requests per mode, interleaved; {replayed} replays answered"
     );
-    println!("| path | Envoy CPU per request (median of rounds) | client latency p50 | p99 |");
+    println!(
+        "| path | Envoy CPU per request, median of rounds (quartiles) | client latency p50 | p99 |"
+    );
     println!("| --- | --- | --- | --- |");
     for (i, m) in modes.iter().enumerate() {
         println!(
-            "| {} | {:.1} us | {:.0} us | {:.0} us |",
+            "| {} | {:.1} us ({:.1}-{:.1}) | {:.0} us | {:.0} us |",
             m.name,
             median(&mut cpu[i]),
+            percentile(&mut cpu[i], 0.25),
+            percentile(&mut cpu[i], 0.75),
             percentile(&mut latency[i], 0.5),
             percentile(&mut latency[i], 0.99)
         );
