@@ -260,7 +260,7 @@ fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard.sync_resets")? >= 1)
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
     for _ in 0..20 {
         let r = envoy.get(CLUSTER)?;
@@ -268,6 +268,6 @@ fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<
         assert_eq!(r.header("x-host"), "cart-a", "{r:?}");
     }
     assert_eq!(gone.hits(), 0, "the stale host got a request");
-    assert!(envoy.stat("wasmcustom.staleguard.retries_total.outcome.answered")? >= 5);
+    assert!(envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")? >= 5);
     Ok(())
 }
