@@ -558,6 +558,8 @@ struct Filter {
 /// What a paused request needs to go on replaying.
 struct Pending {
     replay: Replay,
+    /// The service's metric label.
+    label: String,
     token: Option<u32>,
     twin_cluster: String,
     headers: Vec<(String, String)>,
@@ -607,6 +609,7 @@ impl Filter {
         reason: staleguard_core::Reason,
         end_of_stream: bool,
     ) -> Result<Step, Ineligible> {
+        replay::reason_allows_replay(reason)?;
         let raw = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
         let headers = replay::text_headers(raw)?;
         replay::eligibility(retry, &headers, end_of_stream)?;
@@ -625,6 +628,7 @@ impl Filter {
             twin_cluster: format!("{cluster}{}", retry.twin_suffix),
             headers,
             reason,
+            label: String::new(),
             body_size: 0,
             answer: Vec::new(),
         });
@@ -731,6 +735,18 @@ impl Filter {
 
     fn finish(&mut self, outcome: ReplayOutcome) {
         if let Some(pending) = self.replay.take() {
+            // The verdict counter says what the client got: a replayed
+            // answer (`retry`) or the rejection.
+            let counter = if replay::counts_as_retry(outcome) {
+                metrics::requests_replayed(&pending.label, pending.reason)
+            } else {
+                metrics::requests(
+                    &pending.label,
+                    pending.reason,
+                    reject_effect_of(self.config.as_deref()),
+                )
+            };
+            self.metrics.borrow_mut().inc(&counter, 1);
             if outcome != ReplayOutcome::Answered {
                 log::debug!(
                     "[ctx {}] staleguard: replay ended {} after {} calls",
@@ -741,6 +757,12 @@ impl Filter {
             }
         }
         self.metrics.borrow_mut().inc(&metrics::retries(outcome), 1);
+    }
+}
+
+fn reject_effect_of(config: Option<&Config>) -> Effect {
+    Effect::Reject {
+        status: config.map_or(503, |c| c.raw.reject_status),
     }
 }
 
@@ -846,12 +868,15 @@ impl HttpContext for Filter {
                     .inc(&metrics::retries(ReplayOutcome::NotEligible(cause)), 1),
             }
         }
-        let counter = if replay_step.is_some() {
-            metrics::requests_replayed(&label, verdict.reason)
-        } else {
-            metrics::requests(&label, verdict.reason, effect)
-        };
-        self.metrics.borrow_mut().inc(&counter, 1);
+        // A replay counts its verdict when it ends (`finish`).
+        if let Some(pending) = self.replay.as_mut() {
+            pending.label = label.clone();
+        }
+        if replay_step.is_none() {
+            self.metrics
+                .borrow_mut()
+                .inc(&metrics::requests(&label, verdict.reason, effect), 1);
+        }
         if effect != Effect::Allow {
             if let Some(skipped) = self.log_budget.borrow_mut().allow(now_ms()) {
                 let more = if skipped > 0 {

@@ -329,11 +329,28 @@ mod tests {
             freshness: fresh,
             services_added: vec![],
             services_removed: vec![],
-            upserts: vec![rec("10.0.0.2", &pay(), true, false)],
-            removed: vec!["10.0.0.1".parse().unwrap()],
+            // With evidence (a tombstone, a new holder), so the blast-radius
+            // guard applies it at once.
+            upserts: vec![rec("10.0.0.2", &pay(), true, false), {
+                let mut gone = rec("10.0.0.1", &cart(), true, false);
+                gone.pods.clear();
+                gone.tombstone = Some(staleguard_core::Tombstone {
+                    pod: "shop/p-10.0.0.1".into(),
+                    uid: String::new(),
+                    services: vec![cart()],
+                    since_ms: 0,
+                });
+                gone
+            }],
+            removed: vec![],
         });
-        p.on_response(1, 200, &serde_json::to_vec(&delta).unwrap(), &mut store)
+        let applied = p
+            .on_response(1, 200, &serde_json::to_vec(&delta).unwrap(), &mut store)
             .unwrap();
+        assert!(
+            matches!(applied, crate::sync::Applied::Delta { .. }),
+            "{applied:?}"
+        );
         assert!(read(&store, &cart(), load).is_empty());
         assert_eq!(ips(&read(&store, &pay(), load)), ["10.0.0.2"]);
     }

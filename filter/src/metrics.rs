@@ -120,9 +120,11 @@ pub fn requests(service: &str, reason: Reason, effect: Effect) -> String {
     )
 }
 
-/// Per-request counter of a rejected request that was replayed instead:
-/// `staleguard_filter_requests_total.service.<ns/name>.reason.<reason>.action.retry`
-/// (whatever the replay's outcome, which [`retries`] counts).
+/// Per-request counter of a rejected request that was replayed instead and
+/// answered (or timed out):
+/// `staleguard_filter_requests_total.service.<ns/name>.reason.<reason>.action.retry`.
+/// A replay that found no live member counts as `action.reject`, like any
+/// rejection the client gets; [`retries`] counts every outcome.
 pub fn requests_replayed(service: &str, reason: Reason) -> String {
     format!(
         "staleguard_filter_requests_total.service.{service}.reason.{}.action.retry",

@@ -51,20 +51,24 @@ pub enum Ineligible {
     Grpc,
     /// A header value that is not UTF-8 (the host's call API takes text).
     Encoding,
+    /// The verdict is `stale`: an index that is not fresh cannot name live
+    /// members either (fail-closed means nothing unchecked gets a request).
+    Stale,
 }
 
 impl Ineligible {
     /// Every cause, for metrics.
-    pub const ALL: [Ineligible; 6] = [
+    pub const ALL: [Ineligible; 7] = [
         Ineligible::Body,
         Ineligible::Method,
         Ineligible::Upgrade,
         Ineligible::Connect,
         Ineligible::Grpc,
         Ineligible::Encoding,
+        Ineligible::Stale,
     ];
 
-    /// `body`, `method`, `upgrade`, `connect`, `grpc`, `encoding`.
+    /// `body`, `method`, `upgrade`, `connect`, `grpc`, `encoding`, `stale`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Ineligible::Body => "body",
@@ -73,6 +77,7 @@ impl Ineligible {
             Ineligible::Connect => "connect",
             Ineligible::Grpc => "grpc",
             Ineligible::Encoding => "encoding",
+            Ineligible::Stale => "stale",
         }
     }
 }
@@ -92,7 +97,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome, for metrics.
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Answered,
         Outcome::Exhausted,
         Outcome::Timeout,
@@ -102,6 +107,7 @@ impl Outcome {
         Outcome::NotEligible(Ineligible::Connect),
         Outcome::NotEligible(Ineligible::Grpc),
         Outcome::NotEligible(Ineligible::Encoding),
+        Outcome::NotEligible(Ineligible::Stale),
     ];
 
     /// `answered`, `exhausted`, `timeout`, `not_eligible_<cause>`.
@@ -116,6 +122,7 @@ impl Outcome {
             Outcome::NotEligible(Ineligible::Connect) => "not_eligible_connect",
             Outcome::NotEligible(Ineligible::Grpc) => "not_eligible_grpc",
             Outcome::NotEligible(Ineligible::Encoding) => "not_eligible_encoding",
+            Outcome::NotEligible(Ineligible::Stale) => "not_eligible_stale",
         }
     }
 }
@@ -134,6 +141,22 @@ pub fn text_headers(raw: Vec<(String, Vec<u8>)>) -> Result<Vec<(String, String)>
         .map(|(k, v)| String::from_utf8(v).map(|v| (k, v)))
         .collect::<Result<_, _>>()
         .map_err(|_| Ineligible::Encoding)
+}
+
+/// May a request rejected for `reason` be replayed at all? Not when the
+/// verdict is `stale`: the member lists come from the same untrusted index.
+pub fn reason_allows_replay(reason: staleguard_core::Reason) -> Result<(), Ineligible> {
+    match reason {
+        staleguard_core::Reason::Stale => Err(Ineligible::Stale),
+        _ => Ok(()),
+    }
+}
+
+/// Whether a replay that ended with `outcome` counts as the filter's
+/// `retry` action (the client got a replayed answer, or its timeout) rather
+/// than a `reject` (the client got the rejection).
+pub fn counts_as_retry(outcome: Outcome) -> bool {
+    matches!(outcome, Outcome::Answered | Outcome::Timeout)
 }
 
 /// May this request be replayed? `end_of_stream` is what Envoy said with the
@@ -728,6 +751,18 @@ mod tests {
         assert_eq!(classify(Some(&refused)), CallResult::Failed);
         let miss = h(&[(":status", "503"), (TWIN_MISS_HEADER, "1")]);
         assert_eq!(classify(Some(&miss)), CallResult::TwinMiss);
+    }
+
+    #[test]
+    fn stale_verdicts_are_not_replayed_and_only_replayed_answers_count_as_retry() {
+        use staleguard_core::Reason;
+        assert_eq!(reason_allows_replay(Reason::Stale), Err(Ineligible::Stale));
+        assert_eq!(reason_allows_replay(Reason::Destroyed), Ok(()));
+        assert_eq!(reason_allows_replay(Reason::Recycled), Ok(()));
+        assert!(counts_as_retry(Outcome::Answered));
+        assert!(counts_as_retry(Outcome::Timeout));
+        assert!(!counts_as_retry(Outcome::Exhausted));
+        assert!(!counts_as_retry(Outcome::NotEligible(Ineligible::Body)));
     }
 
     #[test]

@@ -18,7 +18,7 @@ use serde_json::json;
 use staleguard_core::ServiceKey;
 use staleguard_tests::envoy::{body_path, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::tinyhttp::{self, named_host};
+use staleguard_tests::tinyhttp;
 
 const SVC: &str = "cart.shop.svc.cluster.local";
 
@@ -67,7 +67,7 @@ fn main() -> Result<()> {
     let rounds = env("ROUNDS", 7);
     let requests = env("REQUESTS", 2000);
     let cart = ServiceKey::new("shop", "cart");
-    let live = named_host("127.0.7.2", "live")?;
+    let live = LiveHost::start("127.0.7.2:0".parse()?)?;
     let port = live.addr().port();
     let gone: SocketAddr = format!("127.0.7.1:{port}").parse()?;
     let _gone_server = tinyhttp::Server::start(gone, |_| tinyhttp::Answer::status(500, "stale"))?;
@@ -182,13 +182,17 @@ fn main() -> Result<()> {
     println!(
         "{rounds} rounds x {requests} requests per mode, interleaved; {replayed} replays answered"
     );
-    println!("| path | Envoy CPU per request (median of rounds) | client latency p50 | p99 |");
+    println!(
+        "| path | Envoy CPU per request, median of rounds (quartiles) | client latency p50 | p99 |"
+    );
     println!("| --- | --- | --- | --- |");
     for (i, m) in modes.iter().enumerate() {
         println!(
-            "| {} | {:.1} us | {:.0} us | {:.0} us |",
+            "| {} | {:.1} us ({:.1}-{:.1}) | {:.0} us | {:.0} us |",
             m.name,
             median(&mut cpu[i]),
+            percentile(&mut cpu[i], 0.25),
+            percentile(&mut cpu[i], 0.75),
             percentile(&mut latency[i], 0.5),
             percentile(&mut latency[i], 0.99)
         );
@@ -202,4 +206,55 @@ fn check(envoy: &mut Envoy, m: &Mode) -> Result<()> {
         bail!("{}: {r:?}", m.name);
     }
     Ok(())
+}
+
+/// A pod that answers at once: blocking accept, a thread per connection (the
+/// tests' server polls its accept every 5 ms, which would hide the replay's
+/// latency).
+struct LiveHost {
+    addr: SocketAddr,
+}
+
+impl LiveHost {
+    fn start(bind: SocketAddr) -> Result<Self> {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind(bind)?;
+        let addr = listener.local_addr()?;
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                std::thread::spawn(move || {
+                    let _ = stream.set_nodelay(true);
+                    let Ok(clone) = stream.try_clone() else {
+                        return;
+                    };
+                    let mut reader = BufReader::new(clone);
+                    let mut stream = stream;
+                    loop {
+                        let mut line = String::new();
+                        match reader.read_line(&mut line) {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) if line == "\r\n" => {
+                                let body = "host=live";
+                                let head = format!(
+                                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nx-host: live\r\n\r\n",
+                                    body.len()
+                                );
+                                if stream.write_all(head.as_bytes()).is_err()
+                                    || stream.write_all(body.as_bytes()).is_err()
+                                {
+                                    return;
+                                }
+                            }
+                            Ok(_) => {}
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Self { addr })
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
 }

@@ -31,12 +31,15 @@ async fn counter(scene: &Scene, gateway: &Gateway, reason: &str, action: &str) -
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_guard() {
+async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_guard_with_on_reject_reject(
+) {
     let Some(deps) = scene::deps() else { return };
     let mut world = World::new().unwrap();
     world.add_service("api", BEFORE).await.unwrap();
     let specs = [
-        GatewaySpec::guarded("guarded", json!({})),
+        // Rejections, not replays: this test counts 503s against verdicts
+        // (retry, the shipped default, is tested in filter_retry and e2e_demo).
+        GatewaySpec::guarded("guarded", json!({"on_reject": "reject"})),
         GatewaySpec::guarded("audit", json!({"mode": "audit"})),
         GatewaySpec::unguarded("plain"),
     ];

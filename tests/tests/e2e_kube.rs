@@ -53,7 +53,8 @@ async fn delete_pod(api: &ApiServer, name: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn through_the_kube_source_destroyed_and_recycled_ips_are_never_reached() {
+async fn through_the_kube_source_destroyed_and_recycled_ips_are_never_reached_with_on_reject_reject(
+) {
     let Some(deps) = scene::deps() else { return };
     let Some(api) = ApiServer::start().await.unwrap() else {
         return;
@@ -74,7 +75,9 @@ async fn through_the_kube_source_destroyed_and_recycled_ips_are_never_reached() 
         write_slice(&api, &cluster, &world, service).await;
     }
     let specs = [
-        GatewaySpec::guarded("guarded", json!({})),
+        // Rejections, not replays: this test counts 503s by reason (retry,
+        // the shipped default, is tested in filter_retry and e2e_demo).
+        GatewaySpec::guarded("guarded", json!({"on_reject": "reject"})),
         GatewaySpec::unguarded("plain"),
     ];
     let kube = Source::Kube(api.kubeconfig());

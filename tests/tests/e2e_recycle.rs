@@ -10,13 +10,15 @@ use staleguard_tests::traffic::burst;
 use staleguard_tests::world::World;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_ip_recycled_to_another_service_is_never_reached_through_the_stale_cluster() {
+async fn an_ip_recycled_to_another_service_is_never_reached_through_the_stale_cluster_with_on_reject_reject(
+) {
     let Some(deps) = scene::deps() else { return };
     let mut world = World::new().unwrap();
     world.add_service("api", 8).await.unwrap();
     world.add_service("billing", 2).await.unwrap();
     let specs = [
-        GatewaySpec::guarded("guarded", json!({})),
+        // Rejections, not replays (retry is tested in filter_retry).
+        GatewaySpec::guarded("guarded", json!({"on_reject": "reject"})),
         GatewaySpec::unguarded("plain"),
     ];
     let mut scene = Scene::start(&deps, world, &["--file-poll", "100ms"], &specs)
@@ -80,13 +82,16 @@ async fn an_ip_recycled_to_another_service_is_never_reached_through_the_stale_cl
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn terminating_pods_follow_the_configured_rule() {
+async fn terminating_pods_follow_the_configured_rule_with_on_reject_reject() {
     let Some(deps) = scene::deps() else { return };
     let mut world = World::new().unwrap();
     world.add_service("api", 6).await.unwrap();
     let specs = [
         GatewaySpec::guarded("default", json!({})),
-        GatewaySpec::guarded("strict", json!({"policy": {"terminating": "reject"}})),
+        GatewaySpec::guarded(
+            "strict",
+            json!({"policy": {"terminating": "reject"}, "on_reject": "reject"}),
+        ),
     ];
     let mut scene = Scene::start(&deps, world, &["--file-poll", "100ms"], &specs)
         .await

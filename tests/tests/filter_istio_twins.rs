@@ -205,3 +205,69 @@ fn named_host_on(ip: &str, port: u16, name: &str) -> Result<staleguard_tests::ti
         body: format!("host={name}").into_bytes(),
     })
 }
+
+/// The guard attached through the router's `upstream_http_filters` (as the
+/// Istio EnvoyFilter of deploy/istio attaches it: an HTTP_FILTER MERGE on the
+/// router) instead of per cluster: the twin, with its own upstream filter
+/// chain, still replays, and nothing reaches the stale host.
+#[test]
+fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<()> {
+    let gone = named_host("127.0.5.11", "ghost")?;
+    let port = gone.addr().port();
+    let live = named_host_on("127.0.5.12", port, "cart-a")?;
+    let cart = ServiceKey::new("shop", "cart");
+    let validator = FakeValidator::start(62)?;
+    validator.set_index(
+        vec![cart.clone()],
+        vec![pod("127.0.5.12", "cart-a", &[&cart], false)],
+    );
+    let gateway = Gateway {
+        concurrency: 1,
+        validator: validator.addr(),
+        replicas: vec![],
+        dynamic: vec![],
+        clusters: vec![Cluster {
+            name: CLUSTER.into(),
+            hosts: vec![gone.addr(), live.addr()],
+            plugin: Some(shipped_plugin(json!({}))),
+            metadata: None,
+        }],
+    };
+    let started = gateway.start_with(|bootstrap| {
+        let clusters = bootstrap["static_resources"]["clusters"]
+            .as_array_mut()
+            .context("clusters")?;
+        let guarded = clusters
+            .iter_mut()
+            .find(|c| c["name"] == CLUSTER)
+            .context("the guarded cluster")?;
+        // Take the guard off the cluster...
+        let options = guarded
+            .as_object_mut()
+            .context("cluster")?
+            .remove("typed_extension_protocol_options")
+            .context("options")?;
+        let filters = options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+            ["http_filters"]
+            .clone();
+        // ... and put it on the router, for every cluster without its own.
+        let router = &mut bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]
+            ["filters"][0]["typed_config"]["http_filters"][0]["typed_config"];
+        router["upstream_http_filters"] = filters;
+        Ok(())
+    })?;
+    let Some(mut envoy) = started else {
+        return Ok(());
+    };
+    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
+    })?;
+    for _ in 0..20 {
+        let r = envoy.get(CLUSTER)?;
+        assert_eq!(r.status, 200, "{r:?}\n{}", tail(&envoy.log(), 40));
+        assert_eq!(r.header("x-host"), "cart-a", "{r:?}");
+    }
+    assert_eq!(gone.hits(), 0, "the stale host got a request");
+    assert!(envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")? >= 5);
+    Ok(())
+}

@@ -471,3 +471,57 @@ fn echo_host(ip: &str, port: u16, name: &str) -> Result<Server> {
         .concat(),
     })
 }
+
+/// `deploy/envoy/envoy.yaml` ships retry on with a twin wired as the tests'
+/// (`staleguard_tests::envoy::twin_cluster`): the twin's name, load balancer,
+/// header, VM and plugin configuration agree with the shipped `retry` block.
+#[test]
+fn the_shipped_twin_is_the_tested_one() -> Result<()> {
+    let yaml = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/envoy/envoy.yaml"
+    ))?;
+    let shipped = staleguard_tests::envoy::shipped_plugin_config();
+    let retry = shipped.get("retry").expect("deploy ships a retry block");
+    assert_ne!(shipped.get("on_reject"), Some(&json!("reject")));
+    let suffix = retry["twin_suffix"].as_str().unwrap_or("|staleguard-twin");
+    let header = retry["endpoint_header"]
+        .as_str()
+        .unwrap_or("x-gateway-destination-endpoint");
+    let configs = staleguard_tests::envoy::plugin_configs_in(&yaml);
+    let twin_config: Vec<Value> = configs
+        .iter()
+        .filter_map(|c| serde_json::from_str::<Value>(c).ok())
+        .filter(|c| c.get("replay_twin").is_some())
+        .collect();
+    assert_eq!(
+        twin_config,
+        vec![json!({"replay_twin": {"endpoint_header": header}})]
+    );
+    for needle in [
+        format!("- name: shop-cart{suffix}"),
+        "name: envoy.load_balancing_policies.override_host".to_owned(),
+        format!("- header: {header}"),
+        "vm_id: staleguard-twin".to_owned(),
+    ] {
+        assert!(
+            yaml.contains(&needle),
+            "deploy/envoy/envoy.yaml lacks {needle:?}"
+        );
+    }
+    // And the harness builds the same from the shipped plugin.
+    let cluster = json!({"name": "shop-cart", "type": "STATIC"});
+    let twin = staleguard_tests::envoy::twin_cluster(
+        &cluster,
+        std::path::Path::new("/m.wasm"),
+        &shipped_plugin(json!({})),
+    )
+    .expect("a twin");
+    assert_eq!(twin["name"], format!("shop-cart{suffix}"));
+    assert_eq!(
+        twin["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+            ["override_host_sources"][0]["header"],
+        header
+    );
+    Ok(())
+}
