@@ -17,7 +17,7 @@ use staleguard_tests::traffic::{burst, Load};
 use staleguard_tests::world::World;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync_with_max_staleness_ms_and_guard_confirm_ms_3000(
+async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync_with_max_staleness_ms_guard_confirm_ms_3000_and_on_reject_reject(
 ) {
     let Some(deps) = scene::deps() else { return };
     let mut world = World::new().unwrap();
@@ -30,7 +30,9 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
         "max_staleness_ms": 3000,
         "poll_wait_s": 1,
         "backoff_max_ms": 500,
-        "guard": {"confirm_ms": 3000}
+        "guard": {"confirm_ms": 3000},
+        // Counts rejections after the resync: a replay would hide them.
+        "on_reject": "reject"
     });
     let specs = [GatewaySpec::guarded("guarded", knobs)];
     let mut scene = Scene::start(&deps, world, &["--file-poll", "100ms"], &specs)
