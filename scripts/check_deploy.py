@@ -155,11 +155,12 @@ def main():
     # The validator's file holds one token per line, two while rotating; the
     # gateways' token must be one of them.
     accepted = [l.strip() for l in (ROOT / "deploy/validator/token.txt").read_text().splitlines() if l.strip()]
-    # The audit sidecar reads the gateway's Secret (deploy/audit), so the
-    # gateway's token is the one client token there is.
-    for client in ("deploy/istio/token.txt",):
-        if (ROOT / client).read_text().strip() not in accepted:
-            problem(client, "is not one of the tokens in deploy/validator/token.txt")
+    clients = sorted(f for f in ROOT.glob("deploy/*/token.txt") if f.parent.name != "validator")
+    if not clients:
+        problem("deploy/", "no client token file (deploy/istio/token.txt) found")
+    for client in clients:
+        if client.read_text().strip() not in accepted:
+            problem(str(client.relative_to(ROOT)), "is not one of the tokens in deploy/validator/token.txt")
 
     cargo = (ROOT / "Cargo.toml").read_text()
     version = re.search(r'^version = "([^"]+)"', cargo, re.M).group(1)
