@@ -180,13 +180,15 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
         Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
-    for _ in 0..30 {
+    // Istio's LEAST_REQUEST picks at random among idle hosts: 60 requests
+    // make at least 3 stale picks all but certain (p < 1e-8).
+    for _ in 0..60 {
         let r = envoy.get(CLUSTER)?;
         assert_eq!(r.status, 200, "{r:?}\n{}", tail(&envoy.log(), 40));
         assert!(["cart-a", "cart-b"].contains(&r.header("x-host")), "{r:?}");
     }
     assert_eq!(gone.hits(), 0, "the stale host got a request");
-    assert!(envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")? >= 5);
+    assert!(envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")? >= 3);
     assert_eq!(
         generated_twin["name"],
         format!("{CLUSTER}|staleguard-twin"),
