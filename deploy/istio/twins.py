@@ -9,8 +9,9 @@ with its own EDS resource and its own mTLS transport socket (the SNI and the
 SANs name the service), so the twins are generated from the gateway's own
 clusters rather than written by hand:
 
-    istioctl proxy-config cluster -n istio-system deploy/istio-ingressgateway -o json \\
-      | deploy/istio/twins.py --service cart.shop.svc.cluster.local > twins.json
+    istioctl proxy-config cluster -n istio-ingress deploy/istio-ingressgateway -o json \\
+      | deploy/istio/twins.py --service cart.shop.svc.cluster.local \\
+          --module-uri URI --module-sha256 SHA256 > twins.json
     kubectl apply -f twins.json        # an EnvoyFilter; JSON is YAML
 
 Each twin is a copy of its cluster, field for field (the transport socket
@@ -67,7 +68,24 @@ def clusters_of(doc):
     return out
 
 
-def twin(cluster, suffix, header, wasm):
+def module_code(args):
+    """The twin VM's module source: the guard's (`--module-uri` and
+    `--module-sha256`, as deploy/istio/envoyfilter.yaml fetches it), or a
+    local file (`--wasm`)."""
+    if args.module_uri or args.module_sha256:
+        if not (args.module_uri and args.module_sha256):
+            sys.exit("twins.py: --module-uri and --module-sha256 go together")
+        return {
+            "remote": {
+                "http_uri": {"uri": args.module_uri, "cluster": args.module_cluster, "timeout": "10s"},
+                "sha256": args.module_sha256,
+                "retry_policy": {"num_retries": 5},
+            }
+        }
+    return {"local": {"filename": args.wasm}}
+
+
+def twin(cluster, suffix, header, code):
     """The twin of one cluster (see the module docs)."""
     name = cluster["name"]
     t = copy.deepcopy(cluster)
@@ -119,10 +137,13 @@ def twin(cluster, suffix, header, wasm):
                 "config": {
                     "name": "staleguard",
                     "root_id": "staleguard",
+                    # No failure_policy: the default, fail closed. A twin
+                    # whose module did not start fails every call, so the
+                    # guard rejects: nothing unchecked reaches a host.
                     "vm_config": {
                         "vm_id": "staleguard-twin",
                         "runtime": "envoy.wasm.runtime.v8",
-                        "code": {"local": {"filename": wasm}},
+                        "code": code,
                     },
                     "configuration": {
                         "@type": "type.googleapis.com/google.protobuf.StringValue",
@@ -158,9 +179,12 @@ def main():
                    help="FQDN of a guarded service (repeat); default: every *.svc.* outbound cluster")
     p.add_argument("--suffix", default="|staleguard-twin", help="retry.twin_suffix")
     p.add_argument("--header", default="x-gateway-destination-endpoint", help="retry.endpoint_header")
+    p.add_argument("--module-uri", help="the module URL, as vm_config.code.remote in envoyfilter.yaml")
+    p.add_argument("--module-sha256", help="the module's sha256, as in envoyfilter.yaml")
+    p.add_argument("--module-cluster", default="staleguard-module", help="the cluster serving the module")
     p.add_argument("--wasm", default="/etc/staleguard/staleguard_filter.wasm",
-                   help="the module path in the gateway pod (gateway-module.yaml)")
-    p.add_argument("--namespace", default="istio-system")
+                   help="a module file in the gateway pod, when --module-uri is not given")
+    p.add_argument("--namespace", default="istio-ingress", help="the gateway's namespace (kustomization.yaml)")
     p.add_argument("--selector", default="istio=ingressgateway", help="workloadSelector label KEY=VALUE")
     args = p.parse_args()
     try:
@@ -173,6 +197,7 @@ def main():
     missing = set(args.service) - {c["name"].split("|")[3] for c in chosen}
     if missing:
         sys.exit(f"twins.py: no cluster for {', '.join(sorted(missing))}")
+    code = module_code(args)
     key, _, value = args.selector.partition("=")
     out = {
         "apiVersion": "networking.istio.io/v1alpha3",
@@ -184,7 +209,7 @@ def main():
                 {
                     "applyTo": "CLUSTER",
                     "match": {"context": "GATEWAY"},
-                    "patch": {"operation": "ADD", "value": twin(c, args.suffix, args.header, args.wasm)},
+                    "patch": {"operation": "ADD", "value": twin(c, args.suffix, args.header, code)},
                 }
                 for c in sorted(chosen, key=lambda c: c["name"])
             ],

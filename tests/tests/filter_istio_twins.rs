@@ -75,6 +75,31 @@ fn eds_twins_read_the_guarded_clusters_resource_and_bad_input_is_refused() -> Re
     assert_eq!(twin["eds_cluster_config"]["service_name"], CLUSTER);
     assert_eq!(twin["eds_cluster_config"]["eds_config"], json!({"ads": {}}));
     assert_eq!(patches[0]["patch"]["operation"], "ADD");
+    // The module as deploy/istio fetches it (remote, pinned by sha256), in
+    // the twin's own VM, and without failure_policy (fail closed).
+    assert_eq!(doc["metadata"]["namespace"], "istio-ingress");
+    let remote = generated(
+        &eds,
+        &[
+            "--module-uri",
+            "http://m/sg.wasm",
+            "--module-sha256",
+            "abc123",
+        ],
+    )?;
+    let config = &remote["spec"]["configPatches"][0]["patch"]["value"]
+        ["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["http_filters"][0]
+        ["typed_config"]["config"];
+    assert_eq!(config["vm_config"]["vm_id"], "staleguard-twin");
+    assert_eq!(config["vm_config"]["code"]["remote"]["sha256"], "abc123");
+    assert_eq!(
+        config["vm_config"]["code"]["remote"]["http_uri"]["uri"],
+        "http://m/sg.wasm"
+    );
+    assert!(config.get("failure_policy").is_none());
+    let half = twins_py(&eds, &["--module-uri", "http://m/sg.wasm"])?;
+    assert!(String::from_utf8_lossy(&half.stderr).contains("go together"));
     // Every *.svc.* outbound cluster without --service.
     let all = generated(&eds, &[])?;
     assert_eq!(
