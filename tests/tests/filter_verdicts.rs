@@ -30,8 +30,10 @@ fn istio(subset: &str) -> String {
     format!("outbound|8080|{subset}|{CART}")
 }
 
+/// The knob: `on_reject: reject`, so that every rejection reaches the client
+/// as the verdict (the shipped `retry` would replay it to a live member).
 #[test]
-fn verdicts_in_real_envoy() -> Result<()> {
+fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
     let cart = ServiceKey::new("shop", "cart");
     let pay = ServiceKey::new("shop", "pay");
     let live = named_host("127.0.1.1", "cart-live")?;
@@ -52,7 +54,9 @@ fn verdicts_in_real_envoy() -> Result<()> {
         ],
     );
 
-    let guarded = Some(shipped_plugin(json!({})));
+    let guarded = Some(shipped_plugin(
+        json!({"on_reject": "reject"}),
+    ));
     let node_cluster = istio("node");
     let gateway = Gateway {
         concurrency: 1,
@@ -67,7 +71,9 @@ fn verdicts_in_real_envoy() -> Result<()> {
             Cluster::new(
                 &istio("draining-strict"),
                 draining.addr(),
-                Some(shipped_plugin(json!({"policy": {"terminating": "reject"}}))),
+                Some(shipped_plugin(
+                    json!({"on_reject": "reject", "policy": {"terminating": "reject"}}),
+                )),
             ),
             Cluster::new(
                 "outbound|80||ext.other.svc.cluster.local",
@@ -80,19 +86,21 @@ fn verdicts_in_real_envoy() -> Result<()> {
                 "legacy-cart",
                 gone.addr(),
                 Some(shipped_plugin(
-                    json!({"clusters": [{"name": "legacy-cart", "service": "shop/cart"}]}),
+                    json!({"on_reject": "reject", "clusters": [{"name": "legacy-cart", "service": "shop/cart"}]}),
                 )),
             ),
             Cluster::new(
                 &istio("audit"),
                 gone.addr(),
-                Some(shipped_plugin(json!({"mode": "audit"}))),
+                Some(shipped_plugin(
+                    json!({"on_reject": "reject", "mode": "audit"}),
+                )),
             ),
             Cluster::new(
                 &istio("custom"),
                 gone.addr(),
                 Some(shipped_plugin(
-                    json!({"reject_status": 421, "reject_header": "x-sg-verdict"}),
+                    json!({"on_reject": "reject", "reject_status": 421, "reject_header": "x-sg-verdict"}),
                 )),
             ),
         ],
