@@ -17,7 +17,7 @@
 //! epoch that is not the validator's, as after a validator restart), and 10 ms
 //! later the child applies a change, so the 1,000 long polls wake while the
 //! snapshot is being built. It reports how many snapshot builds the burst cost
-//! (from the validator's `staleguard_answer_builds_total`), the validator's CPU
+//! (from the validator's `staleguard_validator_answer_builds_total`), the validator's CPU
 //! and peak RSS over the burst (the peak is reset before each burst through
 //! `/proc/self/clear_refs`), the resetting gateways' time to a complete
 //! snapshot, and the 1,000 other clients' latency from the change. For the
@@ -438,12 +438,14 @@ struct BurstRound {
     bytes: usize,
 }
 
-/// `staleguard_answer_builds_total{document="snapshot"}` from the admin listener.
+/// `staleguard_validator_answer_builds_total{document="snapshot"}` from the admin listener.
 async fn snapshot_builds(admin: SocketAddr) -> Result<u64> {
     let text = http_get(admin, "/metrics").await?;
     Ok(text
         .lines()
-        .find_map(|l| l.strip_prefix(r#"staleguard_answer_builds_total{document="snapshot"} "#))
+        .find_map(|l| {
+            l.strip_prefix(r#"staleguard_validator_answer_builds_total{document="snapshot"} "#)
+        })
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0))
 }
