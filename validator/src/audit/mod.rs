@@ -375,6 +375,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     for cluster in &gateway.clusters {
         let plugin = gateway.plugin_for(cluster, forced, &defaults);
         let service = gateway.service_of(cluster, forced, &defaults);
+        let mapped_by = gateway.plugin_source(cluster, forced);
         let policy = (plugin.policy != Policy::default()).then_some(plugin.policy);
         let mut pending = Vec::new();
         for endpoint in &cluster.endpoints {
@@ -392,7 +393,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
             };
             pending.push((endpoint, slot));
         }
-        clusters.push((cluster, service, pending));
+        clusters.push((cluster, service, mapped_by, pending));
     }
     let request = VerdictsRequest {
         policy: Policy::default(),
@@ -411,7 +412,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     }
     let clusters = clusters
         .into_iter()
-        .map(|(cluster, service, pending)| {
+        .map(|(cluster, service, mapped_by, pending)| {
             let mut findings: Vec<Finding> = pending
                 .into_iter()
                 .map(|(endpoint, slot)| match slot {
@@ -438,6 +439,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
             ClusterReport {
                 name: cluster.name.clone(),
                 service,
+                mapped_by,
                 findings,
             }
         })
