@@ -54,9 +54,7 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
         ],
     );
 
-    let guarded = Some(shipped_plugin(
-        json!({"on_reject": "reject"}),
-    ));
+    let guarded = Some(shipped_plugin(json!({"on_reject": "reject"})));
     let node_cluster = istio("node");
     let gateway = Gateway {
         concurrency: 1,

@@ -143,6 +143,20 @@ impl Gateway {
             .unwrap_or(defaults)
     }
 
+    /// Where [`Gateway::plugin_for`] takes the configuration from: `flag`,
+    /// `cluster`, `gateway` or `default`.
+    pub fn plugin_source(&self, cluster: &Cluster, forced: Option<&PluginView>) -> &'static str {
+        if forced.is_some() {
+            "flag"
+        } else if cluster.plugin.is_some() {
+            "cluster"
+        } else if self.plugin.is_some() {
+            "gateway"
+        } else {
+            "default"
+        }
+    }
+
     /// The service `cluster` routes to, resolved as the filter resolves it.
     pub fn service_of(
         &self,

@@ -64,7 +64,8 @@ pub struct AuditArgs {
     #[arg(long, env = "STALEGUARD_AUDIT_VALIDATOR")]
     pub validator: Option<String>,
 
-    /// A file holding the validator's bearer token (re-read on every run).
+    /// A file holding the validator's bearer token (re-read on every run; its
+    /// first non-empty line).
     #[arg(long, env = "STALEGUARD_AUDIT_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
@@ -375,6 +376,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     for cluster in &gateway.clusters {
         let plugin = gateway.plugin_for(cluster, forced, &defaults);
         let service = gateway.service_of(cluster, forced, &defaults);
+        let mapped_by = gateway.plugin_source(cluster, forced);
         let policy = (plugin.policy != Policy::default()).then_some(plugin.policy);
         let mut pending = Vec::new();
         for endpoint in &cluster.endpoints {
@@ -392,7 +394,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
             };
             pending.push((endpoint, slot));
         }
-        clusters.push((cluster, service, pending));
+        clusters.push((cluster, service, mapped_by, pending));
     }
     let request = VerdictsRequest {
         policy: Policy::default(),
@@ -411,7 +413,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     }
     let clusters = clusters
         .into_iter()
-        .map(|(cluster, service, pending)| {
+        .map(|(cluster, service, mapped_by, pending)| {
             let mut findings: Vec<Finding> = pending
                 .into_iter()
                 .map(|(endpoint, slot)| match slot {
@@ -438,6 +440,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
             ClusterReport {
                 name: cluster.name.clone(),
                 service,
+                mapped_by,
                 findings,
             }
         })
@@ -500,7 +503,15 @@ async fn verdicts(
                             path.display()
                         ))
                     })?;
-                    let token = String::from_utf8_lossy(&bytes).trim().to_owned();
+                    // The first token, should the file be the validator's own
+                    // (one token per line while rotating).
+                    let text = String::from_utf8_lossy(&bytes);
+                    let token = text
+                        .lines()
+                        .map(str::trim)
+                        .find(|l| !l.is_empty())
+                        .unwrap_or("")
+                        .to_owned();
                     if token.is_empty() {
                         return Err(AuditError::Usage(format!(
                             "--token-file {} is empty",
@@ -612,6 +623,67 @@ mod tests {
             .find_map(|a| a.strip_prefix("--token-file="))
             .unwrap();
         assert!(token.starts_with(mount), "{token} not under {mount}");
+    }
+
+    #[tokio::test]
+    async fn the_token_is_the_first_line_of_its_file_and_a_refusal_is_a_validator_error() {
+        let dir = std::env::temp_dir().join(format!("sg-audit-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (new, old) = ("n".repeat(40), "o".repeat(40));
+        let accepted = dir.join("validator-token");
+        std::fs::write(&accepted, format!("{new}\n{old}\n")).unwrap();
+        let shared = SharedIndex::new(
+            Index::new(1, IndexConfig::default()),
+            Duration::from_secs(60),
+        );
+        crate::source::file::feed(&shared, Default::default(), SystemTime::now());
+        let config = crate::api::ApiConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            admin_listen: "127.0.0.1:0".parse().unwrap(),
+            token_file: Some(accepted.clone()),
+            ..crate::api::ApiConfig::default()
+        };
+        // As `api::spawn`, with the token.
+        let listeners = crate::api::Listeners::bind(&config).await.unwrap();
+        let validator = listeners.public_addr().unwrap();
+        let (_stop, stopped) = tokio::sync::watch::channel(false);
+        let state = crate::api::ApiState::new(
+            shared,
+            std::sync::Arc::new(crate::metrics::Metrics::new()),
+            config.limits(),
+            stopped,
+        );
+        let token = config.token().unwrap();
+        assert!(token.is_some());
+        tokio::spawn(crate::api::serve(
+            listeners,
+            state,
+            token,
+            Duration::ZERO,
+            std::future::pending(),
+        ));
+        let dump = dir.join("dump.json");
+        std::fs::write(&dump, r#"{"configs":[]}"#).unwrap();
+        let audit_with = |token_file: &std::path::Path| {
+            parse(&[
+                "--config-dump",
+                dump.to_str().unwrap(),
+                "--validator",
+                &validator.to_string(),
+                "--token-file",
+                token_file.to_str().unwrap(),
+            ])
+            .unwrap()
+        };
+        // The validator's own file, two tokens while rotating: the first is sent.
+        let report = audit_once(&audit_with(&accepted)).await.unwrap();
+        assert_eq!(report.endpoints(), 0);
+        let wrong = dir.join("wrong-token");
+        std::fs::write(&wrong, "w".repeat(40)).unwrap();
+        let err = audit_once(&audit_with(&wrong)).await.unwrap_err();
+        assert_eq!(err.exit(), Exit::Validator, "{err}");
+        assert!(err.to_string().contains("401"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

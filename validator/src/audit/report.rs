@@ -147,6 +147,10 @@ pub struct ClusterReport {
     pub name: String,
     /// The service it routes to, if it maps to one.
     pub service: Option<ServiceKey>,
+    /// Which plugin configuration mapped it: `cluster` (attached to the
+    /// cluster), `gateway` (attached gateway-wide), `flag`
+    /// (`--plugin-config`) or `default` (none found: Istio names).
+    pub mapped_by: &'static str,
     /// Its endpoints.
     pub findings: Vec<Finding>,
 }
@@ -343,6 +347,7 @@ impl Report {
                 serde_json::json!({
                     "name": c.name,
                     "service": c.service,
+                    "mapped_by": c.mapped_by,
                     "endpoints": endpoints,
                     "summary": {"endpoints": c.findings.len(), "stale": c.stale(), "by_reason": c.by_reason()},
                 })
@@ -427,6 +432,7 @@ mod tests {
             clusters: vec![ClusterReport {
                 name: "c".into(),
                 service: Some(ServiceKey::new("shop", "cart")),
+                mapped_by: "default",
                 findings,
             }],
             notes: vec![],

@@ -166,6 +166,7 @@ mod tests {
             clusters: vec![ClusterReport {
                 name: "outbound|80||cart.shop.svc.cluster.local".into(),
                 service: Some(ServiceKey::new("shop", "cart")),
+                mapped_by: "default",
                 findings: vec![
                     finding(Reason::Destroyed, Action::Reject),
                     finding(Reason::Destroyed, Action::Reject),

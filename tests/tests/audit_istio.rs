@@ -1,0 +1,153 @@
+//! `staleguard-validator audit` on an Istio ingress gateway as the shipped
+//! EnvoyFilter leaves it (the filter in the router's upstream filters, not on
+//! a cluster): the audit finds that plugin configuration gateway-wide, maps
+//! Istio's clusters with it and names the stale endpoints, in real Envoy 1.40.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use staleguard_tests::audit;
+use staleguard_tests::envoy::dependencies;
+use staleguard_tests::istio::{
+    apply_envoyfilter, gateway_output, runnable, set_module, shipped_envoyfilter,
+    shipped_stats_tags, Protocol, Service,
+};
+use staleguard_tests::process::{free_port, wait_for_port, Guard};
+use staleguard_tests::traffic::Http;
+use staleguard_tests::validator::{self, Validator};
+
+const TOKEN: &str = "gateway-token-from-a-kubernetes-secret-0123456789";
+
+fn pod(name: &str, app: &str, ip: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "shop", "uid": format!("uid-{name}"), "labels": {"app": app}},
+        "spec": {"containers": [{"name": "app", "image": "x"}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                   "conditions": [{"type": "Ready", "status": "True"}]}})
+}
+
+fn service(name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "shop"},
+        "spec": {"selector": {"app": name}, "ports": [{"name": "http", "port": 8080}]}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() {
+    let (Some((envoy, wasm)), Some(binary)) = (dependencies(), validator::binary()) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("staleguard-audit-istio-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let truth = dir.join("cluster.json");
+    let items = vec![
+        service("cart"),
+        service("pay"),
+        pod("cart-1", "cart", "127.0.3.41"),
+        pod("pay-1", "pay", "127.0.3.43"),
+    ];
+    std::fs::write(
+        &truth,
+        json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string(),
+    )
+    .unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let http = Http::new();
+    let token_arg = format!("--token-file={}", token_file.display());
+    let validator = Validator::start(&http, &binary, &truth, &[&token_arg], false)
+        .await
+        .unwrap();
+
+    // Istio still lists cart-1, a destroyed pod's IP and pay-1's (recycled).
+    let eps: Vec<SocketAddr> = ["127.0.3.41:8080", "127.0.3.42:8080", "127.0.3.43:8080"]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+    let cart = Service {
+        name: "cart".into(),
+        namespace: "shop".into(),
+        port: 8080,
+        protocol: Protocol::Http,
+        route_host: "cart.example.com".into(),
+        endpoints: eps,
+    };
+    let services = [cart.clone()];
+    let mut output = gateway_output(&services, 8080);
+    apply_envoyfilter(&mut output, &shipped_envoyfilter().unwrap()).unwrap();
+    set_module(&mut output, Some(&wasm), None);
+    let listener: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
+        .parse()
+        .unwrap();
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
+        .parse()
+        .unwrap();
+    let config = runnable(
+        &output,
+        &services,
+        listener,
+        admin,
+        validator.listen,
+        None,
+        &shipped_stats_tags().unwrap(),
+    )
+    .unwrap();
+    let path = dir.join("envoy.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+    let mut cmd = Command::new(envoy);
+    cmd.arg("-c")
+        .arg(&path)
+        .args([
+            "--concurrency",
+            "1",
+            "--disable-hot-restart",
+            "-l",
+            "warning",
+        ])
+        .args(["--base-id", &free_port().unwrap().to_string()])
+        .env("STALEGUARD_TOKEN", TOKEN);
+    let mut gateway = Guard::spawn("envoy-istio-audit", cmd).unwrap();
+    wait_for_port(&mut gateway, listener, Duration::from_secs(60)).unwrap();
+
+    let args: Vec<String> = [
+        "--admin",
+        &admin.to_string(),
+        "--validator",
+        &format!("http://{}", validator.listen),
+        "--token-file",
+        &token_file.display().to_string(),
+        "--output",
+        "json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let run = audit::run(&binary, &args).await.unwrap();
+    assert_eq!(run.code, 1, "{}\n{}", run.stdout, run.stderr);
+    let report = run.json().unwrap();
+    let clusters = report["clusters"].as_array().unwrap();
+    let find = |name: &str| {
+        clusters
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("no cluster {name}: {report:#}"))
+    };
+    let cart = find(&cart.cluster_name());
+    assert_eq!(cart["service"], "shop/cart");
+    assert_eq!(cart["mapped_by"], "gateway", "{cart:#}");
+    let reasons: Vec<&str> = cart["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons, ["member", "destroyed", "recycled"], "{cart:#}");
+    assert_eq!(report["summary"]["stale"], 2);
+    // The cluster the EnvoyFilter adds to reach the validator is never judged.
+    let own = find("staleguard-validator");
+    assert_eq!(own["summary"]["by_reason"]["unmapped"], 1, "{own:#}");
+    gateway.check_alive().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
