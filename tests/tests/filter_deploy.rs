@@ -1,11 +1,14 @@
 //! The shipped plain-Envoy example is a configuration Envoy 1.40 accepts, and
 //! its stats_tags (and the Istio bootstrap override's) are the ones the
-//! filter tests check in /stats/prometheus.
+//! filter tests check in /stats/prometheus; the plugin configurations it
+//! ships parse under the filter's strict schema.
 
 use std::process::Command;
 
 use anyhow::{Context, Result};
-use staleguard_tests::envoy::{dependencies, stats_tags};
+use staleguard_filter::config::Config;
+use staleguard_filter::replay::TwinConfig;
+use staleguard_tests::envoy::{dependencies, plugin_configs_in, stats_tags};
 
 fn repo(path: &str) -> String {
     format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
@@ -66,4 +69,42 @@ fn plain_envoy_example_validates() -> Result<()> {
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && text.contains("OK"), "{text}");
     Ok(())
+}
+
+fn check_plugin_configs(path: &str, expected: usize) {
+    let yaml =
+        std::fs::read_to_string(format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let configs = plugin_configs_in(&yaml);
+    assert_eq!(configs.len(), expected, "{path}");
+    for c in configs {
+        // A retry twin's configuration is a role of its own (docs/filter.md).
+        match TwinConfig::parse(c.as_bytes()) {
+            Ok(Some(_)) => continue,
+            Ok(None) => {}
+            Err(e) => panic!("{path}: twin configuration refused: {e}\n{c}"),
+        }
+        // The VM environment the deployment provides: deploy/istio passes
+        // STALEGUARD_TOKEN from a Secret (vm_config.environment_variables).
+        let env = |name: &str| (name == "STALEGUARD_TOKEN").then(|| "t0ken".to_owned());
+        let config = match Config::parse_with_env(c.as_bytes(), env) {
+            Ok(config) => config,
+            Err(e) => panic!("{path}: {e}\n{c}"),
+        };
+        // The variable the plugin reads must be one the VM is given.
+        if let Some(name) = &config.raw.token_env {
+            assert!(
+                yaml.contains(&format!("host_env_keys: [{name}]")),
+                "{path}: token_env {name} is not in vm_config.environment_variables"
+            );
+        }
+    }
+}
+
+/// The plugin configurations shipped in deploy/ parse under the strict schema
+/// (a typo there would be refused by every gateway that applies it).
+#[test]
+fn shipped_plugin_configs_are_valid() {
+    // The guarded cluster's plugin and its retry twin's.
+    check_plugin_configs("deploy/envoy/envoy.yaml", 2);
+    check_plugin_configs("deploy/istio/envoyfilter.yaml", 1);
 }
