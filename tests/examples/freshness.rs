@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use serde_json::json;
 use staleguard_tests::apiserver::{ApiServer, Cluster};
+use staleguard_tests::bench::env_usize;
 use staleguard_tests::envoy::{self, shipped_plugin, Gateway};
 use staleguard_tests::kube_source::{parse_ip, KubeSource};
 use staleguard_tests::tinyhttp::{self, Answer, Server};
@@ -56,13 +57,6 @@ fn epoch() -> Instant {
 fn send(listener: std::net::SocketAddr, cluster: &str) -> Result<tinyhttp::Response> {
     let sent = epoch().elapsed().as_micros().to_string();
     tinyhttp::get(listener, "/", &[("x-cluster", cluster), (SENT, &sent)])
-}
-
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
 
 fn pod_ip(i: usize) -> String {
@@ -133,7 +127,7 @@ struct Measured {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
-    let events = env("EVENTS", 200);
+    let events = env_usize("EVENTS", 200);
     epoch();
     let Some(server) = ApiServer::start().await? else {
         bail!("STALEGUARD_APISERVER is not set: run `. scripts/setup.sh && sg_setup_apiserver`");

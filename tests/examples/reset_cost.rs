@@ -27,28 +27,17 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use serde_json::json;
 use staleguard_core::{Freshness, IpRecord};
+use staleguard_tests::bench::{env_usize, median};
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 use staleguard_tests::fake_validator::FakeValidator;
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::shared::SharedIndex;
 use staleguard_validator::synth;
 
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(mut v: Vec<u64>) -> u64 {
-    v.sort_unstable();
-    v[v.len() / 2]
-}
-
 fn main() -> Result<()> {
-    let services = env("SERVICES", 1000);
-    let pods = env("PODS", 150_000);
-    let rounds = env("ROUNDS", 5).max(1);
+    let services = env_usize("SERVICES", 1000);
+    let pods = env_usize("PODS", 150_000);
+    let rounds = env_usize("ROUNDS", 5).max(1);
     let shared = SharedIndex::new(
         Index::new(1, IndexConfig::default()),
         Duration::from_secs(3600),
@@ -125,13 +114,13 @@ fn main() -> Result<()> {
     );
     println!(
         "  snapshot: decode + apply {:.0} ms, poller VM memory {:.1} MiB",
-        median(snap_us.clone()) as f64 / 1000.0,
-        mib(median(snap_mem.clone()))
+        median(&mut snap_us.clone()) as f64 / 1000.0,
+        mib(median(&mut snap_mem.clone()))
     );
     println!(
         "  reset:    decode + apply {:.0} ms, poller VM memory {:.1} MiB",
-        median(reset_us.clone()) as f64 / 1000.0,
-        mib(median(reset_mem.clone()))
+        median(&mut reset_us.clone()) as f64 / 1000.0,
+        mib(median(&mut reset_mem.clone()))
     );
     println!(
         "  raw: snapshot us {snap_us:?} mem {snap_mem:?}; reset us {reset_us:?} mem {reset_mem:?}"

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use staleguard_core::ServiceKey;
+use staleguard_tests::bench::{env_usize, median};
 use staleguard_tests::envoy::{body_path, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::tinyhttp;
@@ -24,13 +25,6 @@ const SVC: &str = "cart.shop.svc.cluster.local";
 
 fn cluster(subset: &str) -> String {
     format!("outbound|80|{subset}|{SVC}")
-}
-
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
 
 /// Nanoseconds on CPU of every thread of `pid`.
@@ -47,11 +41,6 @@ fn cpu_ns(pid: u32) -> Result<u64> {
     Ok(total)
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     v[((v.len() as f64 - 1.0) * p).round() as usize]
@@ -64,8 +53,8 @@ struct Mode {
 }
 
 fn main() -> Result<()> {
-    let rounds = env("ROUNDS", 7);
-    let requests = env("REQUESTS", 2000);
+    let rounds = env_usize("ROUNDS", 7);
+    let requests = env_usize("REQUESTS", 2000);
     let cart = ServiceKey::new("shop", "cart");
     let live = LiveHost::start("127.0.7.2:0".parse()?)?;
     let port = live.addr().port();

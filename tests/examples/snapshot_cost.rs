@@ -23,23 +23,12 @@ use serde_json::json;
 use staleguard_core::{Changes, Freshness, IpRecord};
 use staleguard_filter::store::MemoryStore;
 use staleguard_filter::sync::{Poller, Request, SyncConfig};
+use staleguard_tests::bench::{env_usize, median};
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::shared::SharedIndex;
 use staleguard_validator::synth;
-
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
 
 const SYNC: SyncConfig = SyncConfig {
     wait_s: 30,
@@ -49,10 +38,10 @@ const SYNC: SyncConfig = SyncConfig {
 };
 
 fn main() -> Result<()> {
-    let services = env("SERVICES", 1000);
-    let pods = env("PODS", 150_000);
-    let changes = env("CHANGES", 100);
-    let rounds = env("ROUNDS", 7).max(1);
+    let services = env_usize("SERVICES", 1000);
+    let pods = env_usize("PODS", 150_000);
+    let changes = env_usize("CHANGES", 100);
+    let rounds = env_usize("ROUNDS", 7).max(1);
 
     let shared = SharedIndex::new(
         Index::new(1, IndexConfig::default()),
@@ -143,10 +132,10 @@ fn main() -> Result<()> {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         apply_delta.push(t.elapsed());
     }
-    let native_snapshot = median(apply_snapshot);
-    let native_delta = median(apply_delta);
+    let native_snapshot = median(&mut apply_snapshot);
+    let native_delta = median(&mut apply_delta);
     println!("native, verdict view (medians of {rounds}):");
-    println!("  snapshot JSON parse alone      {:?}", median(decode));
+    println!("  snapshot JSON parse alone      {:?}", median(&mut decode));
     println!("  snapshot decode + apply        {native_snapshot:?}");
     println!("  delta decode + apply           {native_delta:?}");
 
@@ -212,8 +201,8 @@ fn main() -> Result<()> {
         }
         envoy.stop();
     }
-    let v8_snapshot = median(v8_snapshot);
-    let v8_delta = median(v8_delta);
+    let v8_snapshot = median(&mut v8_snapshot);
+    let v8_delta = median(&mut v8_delta);
     println!(
         "inside Envoy 1.40's V8, verdict view (medians of {rounds} snapshots and {} deltas):",
         rounds * 2

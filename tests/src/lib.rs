@@ -20,6 +20,7 @@
 
 pub mod apiserver;
 pub mod audit;
+pub mod bench;
 pub mod demo;
 pub mod eds;
 pub mod envoy;
