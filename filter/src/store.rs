@@ -1,8 +1,8 @@
 //! The local index in Envoy shared data: layout, encoding, and the host trait.
 //!
 //! One poller writes, every worker reads, with a per-request cost that does not
-//! depend on the size of the index (three `get_shared_data` calls, each copying
-//! one small value):
+//! depend on the size of the index (at most three `get_shared_data` calls, each
+//! copying one small value; one, of `meta`, when [`crate::cache`] has the rest):
 //!
 //! | key                            | value                                                    |
 //! |--------------------------------|----------------------------------------------------------|
