@@ -4,24 +4,34 @@
 use std::net::{IpAddr, SocketAddr};
 
 use staleguard_core::ip::canonical;
-use staleguard_core::{decide, Action, Reason, ServiceKey, Verdict};
+use staleguard_core::{decide, Action, IpRecord, Reason, ServiceKey, Verdict};
 
+use crate::cache::Cache;
 use crate::config::{Config, Mode};
 use crate::store::{Entry, SharedData, View};
 
-/// What the host told us about the upstream request.
+/// What the host told us about the upstream request: the two properties
+/// every request reads.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Upstream {
     /// `xds.cluster_name`.
     pub cluster: Option<String>,
-    /// The first host of Istio's `filter_metadata.istio.services`, if present.
-    pub istio_service_host: Option<String>,
     /// `upstream.address`, as `IP:port`.
     pub address: Option<String>,
 }
 
+/// What a request reads from the host only when it needs it.
+pub trait Lazy {
+    /// The first host of Istio's `filter_metadata.istio.services`, if any
+    /// (read on a miss of the cluster cache, and only with `istio`).
+    fn istio_service_host(&self) -> Option<String>;
+    /// The wall clock, ms since the Unix epoch (read only when `meta` says
+    /// the data was fresh when synced).
+    fn now_ms(&self) -> u64;
+}
+
 /// What the filter does with the request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Effect {
     /// Continue.
     Allow,
@@ -68,11 +78,12 @@ pub enum Outcome {
 /// The service a cluster routes to: configured rules first, then (with
 /// `istio`) the cluster metadata, then the `outbound|PORT|SUBSET|FQDN` name.
 /// The rule lives in `staleguard_core::cluster`, shared with the audit.
-pub fn resolve_service(config: &Config, upstream: &Upstream) -> Option<ServiceKey> {
-    config.cluster_map().resolve(
-        upstream.cluster.as_deref().unwrap_or_default(),
-        upstream.istio_service_host.as_deref(),
-    )
+pub fn resolve_service(
+    config: &Config,
+    cluster: &str,
+    istio_service_host: Option<&str>,
+) -> Option<ServiceKey> {
+    config.cluster_map().resolve(cluster, istio_service_host)
 }
 
 /// Parses `IP:port` (`[v6]:port` too) or a bare IP, in the canonical form the
@@ -87,37 +98,52 @@ pub fn parse_ip(address: &str) -> Option<IpAddr> {
         .map(canonical)
 }
 
-/// Judges one request against the shared-data index at `now_ms`.
-pub fn judge(config: &Config, store: &dyn SharedData, upstream: &Upstream, now_ms: u64) -> Outcome {
-    let Some(service) = resolve_service(config, upstream) else {
+/// Judges one request against the shared-data index, through the VM's
+/// `cache`: one read of `meta` when nothing changed (see `crate::cache`),
+/// the clock only when `meta` says the data was fresh, and never a rejection
+/// on a cached record (a rejecting verdict re-reads the IP's bucket).
+pub fn judge(
+    config: &Config,
+    cache: &mut Cache,
+    store: &dyn SharedData,
+    upstream: &Upstream,
+    lazy: &dyn Lazy,
+) -> Outcome {
+    let cluster = upstream.cluster.as_deref().unwrap_or_default();
+    let service = cache.service_of(cluster, || {
+        let host = if config.raw.istio {
+            lazy.istio_service_host()
+        } else {
+            None
+        };
+        resolve_service(config, cluster, host.as_deref())
+    });
+    let Some(service) = service else {
         return Outcome::Unmapped;
     };
     let Some(ip) = upstream.address.as_deref().and_then(parse_ip) else {
         return Outcome::NoAddress;
     };
-    let lookup = View::new(store).lookup(&service, &ip);
-    let mut fresh = lookup
-        .meta
-        .is_some_and(|m| m.is_fresh(now_ms, config.raw.max_staleness_ms));
-    // An entry the filter cannot read is no basis for a rejection: it counts
-    // as stale data, which the failure policy decides.
-    let known = match lookup.service {
-        Entry::Present(()) => true,
-        Entry::Absent => false,
-        Entry::Corrupt => {
-            fresh = false;
-            false
+    let stamp = View::new(store).meta_and_cas();
+    cache.align(stamp);
+    let meta = stamp
+        .map(|(meta, _)| meta)
+        .filter(|m| m.fresh && m.is_fresh(lazy.now_ms(), config.raw.max_staleness_ms));
+    let verdict = match meta {
+        // Stale whatever the entries say: none is read.
+        None => decide(&config.raw.policy, false, &service, false, None),
+        Some(meta) => {
+            let known = cache.service(store, &meta, &service);
+            let (record, cached) = cache.record(store, &meta, &ip);
+            let verdict = verdict_of(config, &service, &known, record);
+            if verdict.action == Action::Reject && cached {
+                let record = cache.reread(store, &meta, &ip);
+                verdict_of(config, &service, &known, record)
+            } else {
+                verdict
+            }
         }
     };
-    let record = match lookup.record {
-        Entry::Present(r) => Some(r),
-        Entry::Absent => None,
-        Entry::Corrupt => {
-            fresh = false;
-            None
-        }
-    };
-    let verdict = decide(&config.raw.policy, fresh, &service, known, record.as_ref());
     let effect = match (verdict.action, config.raw.mode) {
         (Action::Allow, _) => Effect::Allow,
         (Action::Reject, Mode::Audit) => Effect::Audit,
@@ -131,6 +157,35 @@ pub fn judge(config: &Config, store: &dyn SharedData, upstream: &Upstream, now_m
         verdict,
         effect,
     }
+}
+
+/// The verdict on entries read under a fresh `meta`. An entry the filter
+/// cannot read is no basis for a rejection: it counts as stale data, which
+/// the failure policy decides.
+fn verdict_of(
+    config: &Config,
+    service: &ServiceKey,
+    known: &Entry<()>,
+    record: Entry<&IpRecord>,
+) -> Verdict {
+    let mut fresh = true;
+    let known = match known {
+        Entry::Present(()) => true,
+        Entry::Absent => false,
+        Entry::Corrupt => {
+            fresh = false;
+            false
+        }
+    };
+    let record = match record {
+        Entry::Present(r) => Some(r),
+        Entry::Absent => None,
+        Entry::Corrupt => {
+            fresh = false;
+            None
+        }
+    };
+    decide(&config.raw.policy, fresh, service, known, record)
 }
 
 /// The reason code the reject header carries: nothing else leaves Envoy.
@@ -207,9 +262,41 @@ mod tests {
     fn upstream(cluster: &str, address: &str) -> Upstream {
         Upstream {
             cluster: Some(cluster.into()),
-            istio_service_host: None,
             address: Some(address.into()),
         }
+    }
+
+    /// The host's lazy reads, counted.
+    struct Host {
+        istio: Option<&'static str>,
+        now_ms: u64,
+        reads: std::cell::Cell<(u32, u32)>,
+    }
+
+    impl Lazy for Host {
+        fn istio_service_host(&self) -> Option<String> {
+            let (m, c) = self.reads.get();
+            self.reads.set((m + 1, c));
+            self.istio.map(Into::into)
+        }
+        fn now_ms(&self) -> u64 {
+            let (m, c) = self.reads.get();
+            self.reads.set((m, c + 1));
+            self.now_ms
+        }
+    }
+
+    fn at(now_ms: u64) -> Host {
+        Host {
+            istio: None,
+            now_ms,
+            reads: Default::default(),
+        }
+    }
+
+    /// One request with a cold cache.
+    fn judge_at(c: &Config, s: &dyn SharedData, up: &Upstream, now_ms: u64) -> Outcome {
+        judge(c, &mut Cache::default(), s, up, &at(now_ms))
     }
 
     const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
@@ -228,11 +315,9 @@ mod tests {
         let c = config(
             r#","clusters":[{"name":"plain","service":"a/b"},{"prefix":"pay-","service":"shop/pay"}]"#,
         );
-        let up = |cluster: &str, host: Option<&str>| Upstream {
-            cluster: Some(cluster.into()),
-            istio_service_host: host.map(Into::into),
-            address: None,
-        };
+        let up = |cluster: &'static str, host: Option<&'static str>| (cluster, host);
+        let resolve_service =
+            |c: &Config, (cluster, host): &(&str, Option<&str>)| resolve_service(c, cluster, *host);
         assert_eq!(
             resolve_service(&c, &up("plain", None)),
             Some(ServiceKey::new("a", "b"))
@@ -277,7 +362,7 @@ mod tests {
         );
         let mapped = upstream(CART, "[::ffff:10.0.0.1]:8080");
         assert_eq!(
-            effect(&judge(&c, &s, &mapped, 1_500)),
+            effect(&judge_at(&c, &s, &mapped, 1_500)),
             (Reason::Member, Effect::Allow),
             "a live pod reached through its mapped address is no destroyed pod"
         );
@@ -299,7 +384,7 @@ mod tests {
             ),
             record("10.0.0.3", vec![pod(&[cart()], true)]),
         ]);
-        let j = |addr: &str| effect(&judge(&c, &s, &upstream(CART, addr), 1_500));
+        let j = |addr: &str| effect(&judge_at(&c, &s, &upstream(CART, addr), 1_500));
         assert_eq!(j("10.0.0.1:8080"), (Reason::Member, Effect::Allow));
         assert_eq!(
             j("10.0.0.2:8080"),
@@ -312,16 +397,16 @@ mod tests {
         );
         let unknown = upstream("outbound|80||x.other.svc.cluster.local", "10.0.0.9:80");
         assert_eq!(
-            effect(&judge(&c, &s, &unknown, 1_500)),
+            effect(&judge_at(&c, &s, &unknown, 1_500)),
             (Reason::UnknownService, Effect::Allow)
         );
         assert_eq!(
-            judge(&c, &s, &upstream("plain", "10.0.0.1:80"), 0),
+            judge_at(&c, &s, &upstream("plain", "10.0.0.1:80"), 0),
             Outcome::Unmapped
         );
         let mut no_addr = upstream(CART, "");
         no_addr.address = None;
-        assert_eq!(judge(&c, &s, &no_addr, 0), Outcome::NoAddress);
+        assert_eq!(judge_at(&c, &s, &no_addr, 0), Outcome::NoAddress);
     }
 
     #[test]
@@ -333,17 +418,17 @@ mod tests {
         );
         let late = 1_000 + 40_001;
         assert_eq!(
-            effect(&judge(&open, &s, &upstream(CART, "10.0.0.9:1"), late)),
+            effect(&judge_at(&open, &s, &upstream(CART, "10.0.0.9:1"), late)),
             (Reason::Stale, Effect::Allow)
         );
         assert_eq!(
-            effect(&judge(&closed, &s, &upstream(CART, "10.0.0.9:1"), late)),
+            effect(&judge_at(&closed, &s, &upstream(CART, "10.0.0.9:1"), late)),
             (Reason::Stale, Effect::Reject { status: 503 })
         );
         // Never synced: stale too.
         let empty = MemoryStore::default();
         assert_eq!(
-            effect(&judge(&closed, &empty, &upstream(CART, "10.0.0.9:1"), 0)).0,
+            effect(&judge_at(&closed, &empty, &upstream(CART, "10.0.0.9:1"), 0)).0,
             Reason::Stale
         );
     }
@@ -360,7 +445,7 @@ mod tests {
         .unwrap();
         let c = config("");
         assert_eq!(
-            effect(&judge(&c, &s, &upstream(CART, "10.0.0.7:1"), 1_000)),
+            effect(&judge_at(&c, &s, &upstream(CART, "10.0.0.7:1"), 1_000)),
             (Reason::Stale, Effect::Allow)
         );
     }
@@ -372,13 +457,130 @@ mod tests {
         let custom = config(r#","reject_status":429"#);
         let up = upstream(CART, "10.0.0.9:1");
         assert_eq!(
-            effect(&judge(&audit, &s, &up, 1_000)),
+            effect(&judge_at(&audit, &s, &up, 1_000)),
             (Reason::Destroyed, Effect::Audit)
         );
         assert_eq!(
-            effect(&judge(&custom, &s, &up, 1_000)),
+            effect(&judge_at(&custom, &s, &up, 1_000)),
             (Reason::Destroyed, Effect::Reject { status: 429 })
         );
         assert_eq!(header_value(Reason::Destroyed), "destroyed");
+    }
+
+    /// Counts the reads that reach the store.
+    struct Counting<'a>(&'a MemoryStore, std::cell::Cell<u32>);
+
+    impl SharedData for Counting<'_> {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), crate::store::StoreError> {
+            self.1.set(self.1.get() + 1);
+            self.0.get(key)
+        }
+        fn set(
+            &mut self,
+            _: &str,
+            _: &[u8],
+            _: Option<u32>,
+        ) -> Result<(), crate::store::StoreError> {
+            Err(crate::store::StoreError::Host("read only".into()))
+        }
+    }
+
+    #[test]
+    fn a_repeated_request_reads_meta_and_the_clock_only() {
+        let c = config("");
+        let s = store(&[record("10.0.0.1", vec![pod(&[cart()], false)])]);
+        let counted = Counting(&s, Default::default());
+        let mut cache = Cache::default();
+        let host = Host {
+            istio: Some("cart.shop.svc.cluster.local"),
+            ..at(1_500)
+        };
+        let up = upstream(CART, "10.0.0.1:8080");
+        for _ in 0..3 {
+            assert_eq!(
+                effect(&judge(&c, &mut cache, &counted, &up, &host)),
+                (Reason::Member, Effect::Allow)
+            );
+        }
+        assert_eq!(
+            counted.1.get(),
+            3 + 2,
+            "meta each time, service and bucket once"
+        );
+        assert_eq!(
+            host.reads.get(),
+            (1, 3),
+            "metadata on the miss, clock each time"
+        );
+        // Stale by meta's own flag: no clock, no entries.
+        let mut stale = store(&[]);
+        let meta = Meta {
+            fresh: false,
+            ..View::new(&stale).meta().unwrap()
+        };
+        stale.set(META_KEY, &meta.encode(), None).unwrap();
+        let host = at(1_500);
+        assert_eq!(
+            effect(&judge(&c, &mut cache, &stale, &up, &host)).0,
+            Reason::Stale
+        );
+        assert_eq!(host.reads.get(), (0, 0));
+    }
+
+    #[test]
+    fn a_rejection_is_never_served_from_the_cache() {
+        // While the guard holds an answer it writes the records that only add
+        // without moving meta: a pod that appears then must be allowed even
+        // though its IP was cached as destroyed.
+        let c = config("");
+        let mut s = store(&[]);
+        let mut cache = Cache::default();
+        let up = upstream(CART, "10.0.0.5:8080");
+        assert_eq!(
+            effect(&judge(&c, &mut cache, &s, &up, &at(1_500))),
+            (Reason::Destroyed, Effect::Reject { status: 503 })
+        );
+        buckets::put(
+            &mut s,
+            1,
+            MIN_BUCKETS,
+            &record("10.0.0.5", vec![pod(&[cart()], false)]),
+        )
+        .unwrap();
+        assert_eq!(
+            effect(&judge(&c, &mut cache, &s, &up, &at(1_500))),
+            (Reason::Member, Effect::Allow)
+        );
+    }
+
+    #[test]
+    fn a_cached_allowance_ends_when_meta_moves() {
+        let c = config("");
+        let mut s = store(&[record("10.0.0.1", vec![pod(&[cart()], false)])]);
+        let mut cache = Cache::default();
+        let up = upstream(CART, "10.0.0.1:8080");
+        assert_eq!(
+            effect(&judge(&c, &mut cache, &s, &up, &at(1_500))).1,
+            Effect::Allow
+        );
+        // The IP goes to a pod of another service, committed by a new meta.
+        let pay = ServiceKey::new("shop", "pay");
+        buckets::put(
+            &mut s,
+            1,
+            MIN_BUCKETS,
+            &record("10.0.0.1", vec![pod(&[pay], false)]),
+        )
+        .unwrap();
+        let meta = View::new(&s).meta().unwrap();
+        let next = Meta {
+            generation: meta.generation + 1,
+            ..meta
+        };
+        s.set(META_KEY, &next.encode(), None).unwrap();
+        assert_eq!(
+            effect(&judge(&c, &mut cache, &s, &up, &at(1_500))),
+            (Reason::Recycled, Effect::Reject { status: 503 })
+        );
     }
 }

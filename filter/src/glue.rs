@@ -14,12 +14,13 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
-use crate::check::{header_value, judge, Effect, Outcome, Upstream};
+use crate::cache::Cache;
+use crate::check::{header_value, judge, Effect, Lazy, Outcome, Upstream};
 use crate::config::Config;
 use crate::guard::{Guard, GuardEvent};
 use crate::lease::{Lease, LeaseState};
 use crate::members;
-use crate::metrics;
+use crate::metrics::{self, Count, Counted, LabelId, Tally};
 use crate::replay::{
     self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
 };
@@ -95,16 +96,69 @@ fn property(path: Vec<&str>) -> Option<String> {
     }
 }
 
+/// The reads a request makes only when it needs them (see `check::judge`).
+struct HostLazy;
+
+impl Lazy for HostLazy {
+    fn istio_service_host(&self) -> Option<String> {
+        // Istio lists the services a cluster serves in its metadata; the
+        // first one is the service (a cluster per service and port).
+        property(vec![
+            "xds",
+            "cluster_metadata",
+            "filter_metadata",
+            "istio",
+            "services",
+            "0",
+            "host",
+        ])
+    }
+
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+}
+
 // === impl Metrics ===
 
-/// Metric ids of this VM, defined on first use.
+/// Metric ids of this VM, defined on first use, and the per-request counts
+/// not yet added to Envoy's counters (`metrics::Tally`).
 #[derive(Default)]
 struct Metrics {
     ids: HashMap<String, Option<u32>>,
     services: metrics::ServiceLabels,
+    tally: Tally,
+    count_ids: HashMap<Count, Option<u32>>,
 }
 
 impl Metrics {
+    /// Counts a request in VM memory; flushes when enough are pending.
+    fn count(&mut self, count: Count) {
+        if self.tally.add(count) {
+            self.flush();
+        }
+    }
+
+    /// Adds the pending counts to Envoy's counters: a hostcall per series
+    /// that moved, names built once per series and VM.
+    fn flush(&mut self) {
+        for (count, n) in self.tally.drain() {
+            let id = match self.count_ids.get(&count) {
+                Some(id) => *id,
+                None => {
+                    let id =
+                        hostcalls::define_metric(MetricType::Counter, &count.name(&self.services))
+                            .ok();
+                    self.count_ids.insert(count, id);
+                    id
+                }
+            };
+            if let Some(id) = id {
+                let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        }
+    }
+
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
         if let Some(id) = self.ids.get(name) {
             return *id;
@@ -133,6 +187,7 @@ struct Root {
     id: u32,
     config: Option<Rc<Config>>,
     metrics: Rc<RefCell<Metrics>>,
+    cache: Rc<RefCell<Cache>>,
     log_budget: Rc<RefCell<Throttle>>,
     lease: Option<Lease>,
     poller: Option<Poller>,
@@ -151,6 +206,7 @@ impl Root {
             id,
             config: None,
             metrics: Rc::new(RefCell::new(Metrics::default())),
+            cache: Rc::new(RefCell::new(Cache::default())),
             log_budget: Rc::new(RefCell::new(Throttle::new(1_000, VERDICT_LOGS_PER_SECOND))),
             lease: None,
             poller: None,
@@ -345,6 +401,7 @@ impl Root {
 
 impl Context for Root {
     fn on_done(&mut self) -> bool {
+        self.metrics.borrow_mut().flush();
         if let Some(lease) = self.lease.as_mut() {
             lease.release(&mut HostStore);
         }
@@ -504,10 +561,14 @@ impl RootContext for Root {
             );
         }
         self.config = Some(Rc::new(config));
+        // Cluster resolutions follow the configuration.
+        self.cache.borrow_mut().clear_clusters();
         true
     }
 
     fn on_tick(&mut self) {
+        self.metrics.borrow_mut().flush();
+        self.cache.borrow_mut().clear_clusters();
         let now = now_ms();
         if now < self.lease_due_ms {
             // Woken for the poller, between two lease renewals.
@@ -531,6 +592,7 @@ impl RootContext for Root {
             id: context_id,
             config: self.config.clone(),
             metrics: self.metrics.clone(),
+            cache: self.cache.clone(),
             log_budget: self.log_budget.clone(),
             twin: self.twin.clone(),
             replay: None,
@@ -548,6 +610,7 @@ struct Filter {
     id: u32,
     config: Option<Rc<Config>>,
     metrics: Rc<RefCell<Metrics>>,
+    cache: Rc<RefCell<Cache>>,
     log_budget: Rc<RefCell<Throttle>>,
     /// Set in a twin cluster's VM: this instance only checks its pick.
     twin: Option<Rc<TwinConfig>>,
@@ -559,7 +622,7 @@ struct Filter {
 struct Pending {
     replay: Replay,
     /// The service's metric label.
-    label: String,
+    label: LabelId,
     token: Option<u32>,
     twin_cluster: String,
     headers: Vec<(String, String)>,
@@ -628,7 +691,7 @@ impl Filter {
             twin_cluster: format!("{cluster}{}", retry.twin_suffix),
             headers,
             reason,
-            label: String::new(),
+            label: LabelId::default(),
             body_size: 0,
             answer: Vec::new(),
         });
@@ -737,16 +800,16 @@ impl Filter {
         if let Some(pending) = self.replay.take() {
             // The verdict counter says what the client got: a replayed
             // answer (`retry`) or the rejection.
-            let counter = if replay::counts_as_retry(outcome) {
-                metrics::requests_replayed(&pending.label, pending.reason)
+            let action = if replay::counts_as_retry(outcome) {
+                Counted::Replayed
             } else {
-                metrics::requests(
-                    &pending.label,
-                    pending.reason,
-                    reject_effect_of(self.config.as_deref()),
-                )
+                Counted::Effect(reject_effect_of(self.config.as_deref()))
             };
-            self.metrics.borrow_mut().inc(&counter, 1);
+            self.metrics.borrow_mut().count(Count::Request {
+                label: pending.label,
+                reason: pending.reason,
+                action,
+            });
             if outcome != ReplayOutcome::Answered {
                 log::debug!(
                     "[ctx {}] staleguard: replay ended {} after {} calls",
@@ -807,32 +870,23 @@ impl HttpContext for Filter {
         };
         let upstream = Upstream {
             cluster: property(vec!["xds", "cluster_name"]),
-            // Istio lists the services a cluster serves in its metadata; the
-            // first one is the service (a cluster per service and port).
-            istio_service_host: if config.raw.istio {
-                property(vec![
-                    "xds",
-                    "cluster_metadata",
-                    "filter_metadata",
-                    "istio",
-                    "services",
-                    "0",
-                    "host",
-                ])
-            } else {
-                None
-            },
             address: property(vec!["upstream", "address"]),
         };
-        let outcome = judge(&config, &HostStore, &upstream, now_ms());
+        let outcome = judge(
+            &config,
+            &mut self.cache.borrow_mut(),
+            &HostStore,
+            &upstream,
+            &HostLazy,
+        );
         let mut m = self.metrics.borrow_mut();
         let (service, ip, verdict, effect) = match outcome {
             Outcome::Unmapped => {
-                m.inc(metrics::REQUESTS_UNMAPPED, 1);
+                m.count(Count::Unmapped);
                 return Action::Continue;
             }
             Outcome::NoAddress => {
-                m.inc(metrics::REQUESTS_NO_ADDRESS, 1);
+                m.count(Count::NoAddress);
                 return Action::Continue;
             }
             Outcome::Judged {
@@ -842,7 +896,7 @@ impl HttpContext for Filter {
                 effect,
             } => (service, ip, verdict, effect),
         };
-        let label = m.services.label(&service);
+        let label = m.services.id(&service);
         drop(m);
         // A rejection becomes a replay where one is configured and the
         // request is eligible; the decision is `crate::replay`'s.
@@ -870,12 +924,14 @@ impl HttpContext for Filter {
         }
         // A replay counts its verdict when it ends (`finish`).
         if let Some(pending) = self.replay.as_mut() {
-            pending.label = label.clone();
+            pending.label = label;
         }
         if replay_step.is_none() {
-            self.metrics
-                .borrow_mut()
-                .inc(&metrics::requests(&label, verdict.reason, effect), 1);
+            self.metrics.borrow_mut().count(Count::Request {
+                label,
+                reason: verdict.reason,
+                action: Counted::Effect(effect),
+            });
         }
         if effect != Effect::Allow {
             if let Some(skipped) = self.log_budget.borrow_mut().allow(now_ms()) {

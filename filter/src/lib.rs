@@ -12,6 +12,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod buckets;
+pub mod cache;
 pub mod check;
 pub mod config;
 pub mod guard;

@@ -11,7 +11,7 @@
 //! `staleguard_error_kind`. The `staleguard_filter_` prefix keeps every filter
 //! series apart from the validator's `staleguard_validator_` series.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use staleguard_core::{Reason, ServiceKey};
 
@@ -81,31 +81,143 @@ pub const MAX_SERVICE_LABELS: usize = 256;
 /// it never names a real service.
 pub const OTHER_SERVICE: &str = "_other";
 
-/// The bounded set of service label values of one VM.
-#[derive(Debug, Default)]
+/// A service label value of one VM, as a small number (see [`ServiceLabels`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct LabelId(u16);
+
+/// The bounded set of service label values of one VM, interned: a request
+/// names its label by a [`LabelId`], and the text is looked up only when a
+/// counter is flushed.
+#[derive(Debug)]
 pub struct ServiceLabels {
-    seen: HashSet<String>,
+    ids: HashMap<ServiceKey, LabelId>,
+    /// Label values by id; id 0 is [`OTHER_SERVICE`].
+    names: Vec<String>,
+}
+
+impl Default for ServiceLabels {
+    fn default() -> Self {
+        Self {
+            ids: HashMap::new(),
+            names: vec![OTHER_SERVICE.to_owned()],
+        }
+    }
 }
 
 impl ServiceLabels {
-    /// The label value of `service`: `namespace/name` while there is room,
-    /// else [`OTHER_SERVICE`].
-    pub fn label(&mut self, service: &ServiceKey) -> String {
+    /// The label of `service`: `namespace/name` while there is room, else
+    /// [`OTHER_SERVICE`].
+    pub fn id(&mut self, service: &ServiceKey) -> LabelId {
+        if let Some(id) = self.ids.get(service) {
+            return *id;
+        }
         let value = service.to_string();
         // A dot would split the stat name where the stats_tags do not expect
         // it; Kubernetes names have none, but a key built without validation
         // might.
-        if value.contains('.') {
-            return OTHER_SERVICE.to_owned();
+        if value.contains('.') || self.names.len() > MAX_SERVICE_LABELS {
+            return LabelId(0);
         }
-        if self.seen.contains(&value) {
-            return value;
+        let Ok(id) = u16::try_from(self.names.len()) else {
+            return LabelId(0);
+        };
+        self.names.push(value);
+        self.ids.insert(service.clone(), LabelId(id));
+        LabelId(id)
+    }
+
+    /// The label value of `id`.
+    pub fn name(&self, id: LabelId) -> &str {
+        self.names
+            .get(usize::from(id.0))
+            .map_or(OTHER_SERVICE, String::as_str)
+    }
+}
+
+/// The `action` of a counted request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Counted {
+    /// The verdict's effect.
+    Effect(Effect),
+    /// Rejected, replayed, and answered (or timed out): `action.retry`.
+    Replayed,
+}
+
+/// A per-request counter, without its name (built at flush time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Count {
+    /// `staleguard_filter_requests_total` of a service, reason and action.
+    Request {
+        /// The service label.
+        label: LabelId,
+        /// The verdict's reason.
+        reason: Reason,
+        /// What was done.
+        action: Counted,
+    },
+    /// [`REQUESTS_UNMAPPED`].
+    Unmapped,
+    /// [`REQUESTS_NO_ADDRESS`].
+    NoAddress,
+}
+
+impl Count {
+    /// The metric name.
+    pub fn name(&self, labels: &ServiceLabels) -> String {
+        match *self {
+            Count::Request {
+                label,
+                reason,
+                action: Counted::Effect(effect),
+            } => requests(labels.name(label), reason, effect),
+            Count::Request {
+                label,
+                reason,
+                action: Counted::Replayed,
+            } => requests_replayed(labels.name(label), reason),
+            Count::Unmapped => REQUESTS_UNMAPPED.to_owned(),
+            Count::NoAddress => REQUESTS_NO_ADDRESS.to_owned(),
         }
-        if self.seen.len() >= MAX_SERVICE_LABELS {
-            return OTHER_SERVICE.to_owned();
-        }
-        self.seen.insert(value.clone());
-        value
+    }
+}
+
+/// Counts accumulated between two flushes before one is due anyway: bounds
+/// how far the counters can lag behind traffic between two timer ticks.
+pub const FLUSH_EVERY: u64 = 10_000;
+
+/// Per-request counters held in VM memory, so that counting a request makes
+/// no hostcall; the glue adds them to Envoy's counters on the root context's
+/// timer tick (and after [`FLUSH_EVERY`] counts, and when the root is done).
+#[derive(Debug, Default)]
+pub struct Tally {
+    counts: HashMap<Count, u64>,
+    pending: u64,
+}
+
+impl Tally {
+    /// Counts one request; true when a flush is due.
+    pub fn add(&mut self, count: Count) -> bool {
+        *self.counts.entry(count).or_insert(0) += 1;
+        self.pending += 1;
+        self.pending >= FLUSH_EVERY
+    }
+
+    /// The counts since the last drain, each once, and starts again from 0.
+    pub fn drain(&mut self) -> Vec<(Count, u64)> {
+        self.pending = 0;
+        let drained = self
+            .counts
+            .iter_mut()
+            .filter(|(_, n)| **n > 0)
+            .map(|(c, n)| (*c, std::mem::take(n)))
+            .collect();
+        // The keys stay (a bounded set): the next counts allocate nothing.
+        drained
+    }
+
+    /// Counts not drained yet.
+    pub fn pending(&self) -> u64 {
+        self.pending
     }
 }
 
@@ -248,23 +360,71 @@ mod tests {
     fn service_labels_are_capped() {
         let mut labels = ServiceLabels::default();
         let cart = ServiceKey::new("shop", "cart");
-        assert_eq!(labels.label(&cart), "shop/cart");
+        let id = labels.id(&cart);
+        assert_eq!(labels.name(id), "shop/cart");
         for i in 1..MAX_SERVICE_LABELS {
-            labels.label(&ServiceKey::new("ns", format!("s{i}")));
+            labels.id(&ServiceKey::new("ns", format!("s{i}")));
         }
+        let late = labels.id(&ServiceKey::new("ns", "one-too-many"));
+        assert_eq!(labels.name(late), OTHER_SERVICE);
+        assert_eq!(labels.id(&cart), id, "known services keep theirs");
+        let dotted = labels.id(&ServiceKey::new("a.b", "c"));
         assert_eq!(
-            labels.label(&ServiceKey::new("ns", "one-too-many")),
-            OTHER_SERVICE
-        );
-        assert_eq!(
-            labels.label(&cart),
-            "shop/cart",
-            "known services keep theirs"
-        );
-        assert_eq!(
-            labels.label(&ServiceKey::new("a.b", "c")),
+            labels.name(dotted),
             OTHER_SERVICE,
             "a dot would break the stats_tags"
         );
+    }
+
+    #[test]
+    fn the_tally_sums_exactly_and_names_at_flush() {
+        let mut labels = ServiceLabels::default();
+        let cart = labels.id(&ServiceKey::new("shop", "cart"));
+        let pay = labels.id(&ServiceKey::new("shop", "pay"));
+        let mut tally = Tally::default();
+        let allow = |label| Count::Request {
+            label,
+            reason: Reason::Member,
+            action: Counted::Effect(Effect::Allow),
+        };
+        let replayed = Count::Request {
+            label: pay,
+            reason: Reason::Destroyed,
+            action: Counted::Replayed,
+        };
+        let mut expected: HashMap<String, u64> = HashMap::new();
+        let mut flushed: HashMap<String, u64> = HashMap::new();
+        let drain = |tally: &mut Tally, into: &mut HashMap<String, u64>| {
+            for (count, n) in tally.drain() {
+                *into.entry(count.name(&labels)).or_default() += n;
+            }
+        };
+        // Not a multiple of FLUSH_EVERY, with flushes when due and between.
+        for i in 0..(2 * FLUSH_EVERY + 123) {
+            let count = match i % 5 {
+                0 => allow(pay),
+                1 => replayed,
+                2 => Count::Unmapped,
+                _ => allow(cart),
+            };
+            *expected.entry(count.name(&labels)).or_default() += 1;
+            if tally.add(count) {
+                drain(&mut tally, &mut flushed);
+                assert_eq!(tally.pending(), 0);
+            }
+            if i % 7_777 == 0 {
+                drain(&mut tally, &mut flushed);
+            }
+        }
+        assert!(tally.pending() > 0);
+        drain(&mut tally, &mut flushed);
+        assert_eq!(flushed, expected);
+        assert_eq!(flushed.values().sum::<u64>(), 2 * FLUSH_EVERY + 123);
+        assert!(tally.drain().is_empty(), "nothing counted twice");
+        assert_eq!(
+            replayed.name(&labels),
+            "staleguard_filter_requests_total.service.shop/pay.reason.destroyed.action.retry"
+        );
+        assert_eq!(Count::NoAddress.name(&labels), REQUESTS_NO_ADDRESS);
     }
 }

@@ -1,8 +1,8 @@
 //! The local index in Envoy shared data: layout, encoding, and the host trait.
 //!
 //! One poller writes, every worker reads, with a per-request cost that does not
-//! depend on the size of the index (three `get_shared_data` calls, each copying
-//! one small value):
+//! depend on the size of the index (at most three `get_shared_data` calls, each
+//! copying one small value; one, of `meta`, when [`crate::cache`] has the rest):
 //!
 //! | key                            | value                                                    |
 //! |--------------------------------|----------------------------------------------------------|
@@ -268,8 +268,31 @@ impl<'a, S: SharedData + ?Sized> View<'a, S> {
 
     /// Reads the sync state.
     pub fn meta(&self) -> Option<Meta> {
-        let (value, _) = self.store.get(META_KEY).ok()?;
-        Meta::decode(&value?)
+        self.meta_and_cas().map(|(meta, _)| meta)
+    }
+
+    /// Reads the sync state with the cas token of that write: every write of
+    /// `meta` (the poller's commit point) gives it a new token, so an equal
+    /// token means nothing was committed since (see `crate::cache`).
+    pub fn meta_and_cas(&self) -> Option<(Meta, u32)> {
+        let (value, cas) = self.store.get(META_KEY).ok()?;
+        Some((Meta::decode(&value?)?, cas))
+    }
+
+    /// Whether `service` is known in the index `meta` describes.
+    pub fn service(&self, meta: &Meta, service: &ServiceKey) -> Entry<()> {
+        match self.store.get(&service_key(service)) {
+            Ok((value, _)) => decode_service(&value.unwrap_or_default(), meta.load),
+            Err(_) => Entry::Corrupt,
+        }
+    }
+
+    /// The record of `ip` in the index `meta` describes.
+    pub fn record(&self, meta: &Meta, ip: &IpAddr) -> Entry<IpRecord> {
+        match self.store.get(&buckets::key_of(ip, meta.buckets)) {
+            Ok((value, _)) => buckets::find(&value.unwrap_or_default(), ip, meta.load),
+            Err(_) => Entry::Corrupt,
+        }
     }
 
     /// Reads what one request needs: meta, the service, the IP.
@@ -281,18 +304,8 @@ impl<'a, S: SharedData + ?Sized> View<'a, S> {
                 record: Entry::Absent,
             };
         };
-        let read = |key: String| match self.store.get(&key) {
-            Ok((value, _)) => Ok(value.unwrap_or_default()),
-            Err(_) => Err(()),
-        };
-        let service = match read(service_key(service)) {
-            Ok(v) => decode_service(&v, meta.load),
-            Err(()) => Entry::Corrupt,
-        };
-        let record = match read(buckets::key_of(ip, meta.buckets)) {
-            Ok(v) => buckets::find(&v, ip, meta.load),
-            Err(()) => Entry::Corrupt,
-        };
+        let service = self.service(&meta, service);
+        let record = self.record(&meta, ip);
         Lookup {
             meta: Some(meta),
             service,

@@ -522,6 +522,43 @@ impl Envoy {
         Ok(sum)
     }
 
+    /// Every request the filter judged or passed untouched: all
+    /// `requests_total` series, plus unmapped and no-address.
+    pub fn requests_counted(&self) -> Result<u64> {
+        let stats = self.admin("/stats?filter=^wasmcustom\\.staleguard_filter_requests_")?;
+        let mut sum = 0;
+        for line in stats.lines() {
+            if let Some((_, v)) = line.split_once(": ") {
+                sum += v
+                    .trim()
+                    .parse::<u64>()
+                    .with_context(|| format!("stat line {line:?}"))?;
+            }
+        }
+        Ok(sum)
+    }
+
+    /// Waits until the filter has counted at least `requests` requests: it
+    /// adds its per-request counts to Envoy's counters on its timer tick
+    /// (docs/metrics.md), so counters lag the traffic by up to a tick.
+    pub fn wait_counted(&mut self, requests: u64) -> Result<()> {
+        self.eventually(
+            &format!("{requests} requests counted"),
+            Duration::from_secs(30),
+            |e| Ok(e.requests_counted()? >= requests),
+        )
+    }
+
+    /// Waits until the filter's `reason`/`action` counter reaches `at_least`
+    /// (see [`Envoy::wait_counted`] for why it lags).
+    pub fn wait_requests(&mut self, reason: &str, action: &str, at_least: u64) -> Result<()> {
+        self.eventually(
+            &format!("{at_least} requests counted as {reason}/{action}"),
+            Duration::from_secs(30),
+            |e| Ok(e.requests(reason, action)? >= at_least),
+        )
+    }
+
     /// What Envoy has logged so far.
     pub fn log(&self) -> String {
         self.guard.output()

@@ -63,6 +63,21 @@ pub struct Gateway {
     config: PathBuf,
 }
 
+/// Every request the filter judged or passed untouched, from a
+/// [`Gateway::stats`] map: all `requests_total` series, plus unmapped and
+/// no-address.
+pub fn requests_counted(stats: &BTreeMap<String, u64>) -> u64 {
+    stats
+        .iter()
+        .filter(|(k, _)| {
+            k.starts_with(STAT_REQUESTS_PREFIX)
+                || k.as_str() == "wasmcustom.staleguard_filter_requests_unmapped_total"
+                || k.as_str() == "wasmcustom.staleguard_filter_requests_no_address_total"
+        })
+        .map(|(_, v)| v)
+        .sum()
+}
+
 impl GatewaySpec {
     /// The bootstrap for the world's services, EDS read from the world's files.
     pub fn bootstrap(
@@ -339,6 +354,19 @@ impl Gateway {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Waits until the filter has counted at least `requests` requests: it
+    /// adds its per-request counts to Envoy's counters on its timer tick
+    /// (docs/metrics.md), so counters lag the traffic by up to a tick.
+    pub async fn wait_counted(&self, http: &Http, requests: u64) -> Result<()> {
+        self.wait_stat(
+            http,
+            &format!("{requests} requests counted"),
+            Duration::from_secs(30),
+            |s| requests_counted(s) >= requests,
+        )
+        .await
     }
 
     /// Envoy's log so far.

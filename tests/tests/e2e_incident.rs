@@ -90,6 +90,14 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
     }
 
     // Phase 2: a bounded burst per gateway, for exact metric comparisons.
+    // The filter counts on its tick (docs/metrics.md): first every answered
+    // request of phase 1 is counted.
+    let answered = |o: &Outcomes| o.total() - o.errors;
+    for g in scene.gateways.iter().filter(|g| g.guarded) {
+        g.wait_counted(&scene.http, answered(&during[&g.name]))
+            .await
+            .unwrap();
+    }
     let mut before = std::collections::BTreeMap::new();
     for g in &scene.gateways {
         let mut counters = Vec::new();
@@ -150,6 +158,10 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
     assert_eq!(during["audit"].rejected_total(), 0);
 
     // Metrics match what landed, over the bounded burst.
+    for g in scene.gateways.iter().filter(|g| g.guarded) {
+        let sent = answered(&during[&g.name]) + answered(&burst_out[&g.name]);
+        g.wait_counted(&scene.http, sent).await.unwrap();
+    }
     let guarded_gw = scene.gateway("guarded").unwrap();
     let audit_gw = scene.gateway("audit").unwrap();
     let delta = |name: &str, i: usize, now: u64| now - before[name].0[i];

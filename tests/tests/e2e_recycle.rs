@@ -5,7 +5,7 @@
 use serde_json::json;
 use staleguard_tests::gateway::{requests_total, GatewaySpec, STAT_GUARD_HELD};
 use staleguard_tests::pods::via;
-use staleguard_tests::scene::{self, Expect, Scene};
+use staleguard_tests::scene::{self, Expect, Scene, SYNC_TIMEOUT};
 use staleguard_tests::traffic::burst;
 use staleguard_tests::world::World;
 
@@ -68,6 +68,12 @@ async fn an_ip_recycled_to_another_service_is_never_reached_through_the_stale_cl
     assert!(g.rejected_for("recycled") > 0);
     assert!(lp.wrong_service > 0, "{lp:?}");
     assert_eq!(p.wrong_service, lp.wrong_service);
+    guarded
+        .wait_stat(&scene.http, "the rejections counted", SYNC_TIMEOUT, |s| {
+            requests_total(s, "recycled", "reject") >= g.rejected_for("recycled")
+        })
+        .await
+        .unwrap();
     let stats = guarded.stats(&scene.http).await.unwrap();
     assert_eq!(
         requests_total(&stats, "recycled", "reject"),
@@ -125,6 +131,13 @@ async fn terminating_pods_follow_the_configured_rule_with_on_reject_reject() {
     // Default: terminating pods still serve; nothing rejected.
     assert_eq!(d.right, 600, "{d:?}");
     assert!(via(&landed, "default").right > 0);
+    let served = via(&landed, "default").right;
+    default
+        .wait_stat(&scene.http, "the allowances counted", SYNC_TIMEOUT, |s| {
+            requests_total(s, "terminating", "allow") >= served
+        })
+        .await
+        .unwrap();
     let stats = default.stats(&scene.http).await.unwrap();
     assert_eq!(
         requests_total(&stats, "terminating", "allow"),
@@ -134,6 +147,13 @@ async fn terminating_pods_follow_the_configured_rule_with_on_reject_reject() {
     assert_eq!(via(&landed, "strict").total(), 0);
     assert!(s.rejected_for("terminating") > 0, "{s:?}");
     assert_eq!(s.right + s.rejected_for("terminating"), 600, "{s:?}");
+    let rejected = s.rejected_for("terminating");
+    strict
+        .wait_stat(&scene.http, "the rejections counted", SYNC_TIMEOUT, |st| {
+            requests_total(st, "terminating", "reject") >= rejected
+        })
+        .await
+        .unwrap();
     let stats = strict.stats(&scene.http).await.unwrap();
     assert_eq!(
         requests_total(&stats, "terminating", "reject"),

@@ -55,6 +55,11 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
         .unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let outage = load.stop().await;
+    // Every request of the outage counted (on the filter's next tick).
+    guarded
+        .wait_counted(&scene.http, outage.total())
+        .await
+        .unwrap();
     let stats = guarded.stats(&scene.http).await.unwrap();
     let stale_allowed = requests_total(&stats, "stale", "allow");
     println!(

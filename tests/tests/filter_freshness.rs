@@ -129,6 +129,7 @@ fn an_ipv4_mapped_upstream_address_is_judged_as_its_ipv4_address() -> Result<()>
         "",
         "a live pod was rejected: {r:?}"
     );
+    envoy.wait_counted(1)?;
     assert_eq!(
         envoy.requests("member", "allow")?,
         1,

@@ -93,8 +93,10 @@ fn bogus_reset(
     // The previous data keeps serving: live members are members, not
     // destroyed or recycled (and later, once it is stale, the failure policy
     // lets them through).
+    let counted = envoy.requests_counted()?;
     all_served(envoy, CART, 20)?;
     all_served(envoy, WEB, 20)?;
+    envoy.wait_counted(counted + 40)?;
     assert_eq!(
         envoy.requests("destroyed", "reject")? + envoy.requests("recycled", "reject")?,
         0,
@@ -125,10 +127,8 @@ fn restore(
     })?;
     let members = envoy.requests("member", "allow")?;
     all_served(envoy, CART, 5)?;
-    ensure!(
-        envoy.requests("member", "allow")? >= members + 5,
-        "judged on fresh data again"
-    );
+    // Judged on fresh data again (counted on the filter's next tick).
+    envoy.wait_requests("member", "allow", members + 5)?;
     Ok(())
 }
 

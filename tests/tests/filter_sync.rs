@@ -71,8 +71,8 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
     validator.set_behaviour(Behaviour::Down);
     expect(&mut envoy, "stale under closed", CLOSED, 503, "stale")?;
     assert_eq!(verdict(&mut envoy, OPEN)?, (200, String::new()));
-    assert!(envoy.requests("stale", "allow")? >= 1);
-    assert!(envoy.requests("stale", "reject")? >= 1);
+    envoy.wait_requests("stale", "allow", 1)?;
+    envoy.wait_requests("stale", "reject", 1)?;
     // Envoy answers a hung-up request itself with a 503.
     let errors = envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
         + envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?;

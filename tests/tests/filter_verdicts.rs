@@ -163,6 +163,9 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
         "{r:?}"
     );
 
+    // Every request above is counted once; the counts reach Envoy on the
+    // filter's next tick (docs/metrics.md).
+    envoy.wait_counted(12)?;
     let stat =
         |e: &staleguard_tests::envoy::Envoy, reason: &str, action: &str| e.requests(reason, action);
     assert_eq!(stat(&envoy, "member", "allow")?, 1);

@@ -1,0 +1,441 @@
+//! A per-VM cache of what requests read from shared data, so that a request
+//! costs one shared-data read (`meta`) when nothing changed.
+//!
+//! Three maps, each bounded by [`MAX_ENTRIES`] (a map that would grow past it
+//! is cleared first):
+//!
+//! - cluster name -> service (`check::resolve_service`), the Istio metadata
+//!   property read only on a miss. It depends on the configuration and the
+//!   cluster, not on the index; [`Cache::clear_clusters`] empties it on every
+//!   root tick, so a cluster whose metadata changes under the same name is
+//!   seen within a tick;
+//! - service -> its entry, and IP -> its record, both valid for one write of
+//!   `meta`: the poller writes every entry first and `meta` last (its commit
+//!   point), and each write of `meta` gets a new cas token. [`Cache::align`]
+//!   is given the `meta` and token a request just read and forgets every entry
+//!   when they differ from those the entries were filled under. Entries are
+//!   read after the `meta` they are filed under, so they are at least that
+//!   new: a cached record is never older than what `meta` has committed.
+//!
+//! One write does not move `meta`: while the blast-radius guard holds an
+//! answer, the poller writes the records that only *add* (IPs allowed for no
+//! service, `Guard::gains`). So a cached record may reject a pod that a gain
+//! now allows; [`crate::check::judge`] therefore never rejects on a cached
+//! record: a rejecting verdict re-reads the IP's bucket ([`Cache::reread`]).
+//! Allowed IPs are never the target of a gain.
+//!
+//! Undecodable entries are not cached (they are stale data, and may be a
+//! passing state).
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::net::IpAddr;
+
+use staleguard_core::{IpRecord, ServiceKey};
+
+use crate::store::{Entry, Meta, SharedData, View};
+
+/// Entries per map (clusters, services, IPs) before the map is cleared. An IP
+/// record of the verdict view is a few hundred bytes: at most a few MiB per
+/// VM, and a gateway's working set of upstream hosts (the endpoints its
+/// clusters balance over) fits unless it fronts a very large mesh, where the
+/// cost is one refill per IP after each clear.
+pub const MAX_ENTRIES: usize = 16_384;
+
+/// What the cached entries were filled under: `meta` and its cas token.
+type Stamp = (Meta, u32);
+
+/// The per-VM cache (see the module docs).
+#[derive(Debug)]
+pub struct Cache {
+    limit: usize,
+    clusters: HashMap<String, Option<ServiceKey>>,
+    stamp: Option<Stamp>,
+    services: HashMap<ServiceKey, bool>,
+    records: HashMap<IpAddr, Option<IpRecord>>,
+}
+
+impl Default for Cache {
+    fn default() -> Self {
+        Self::with_limit(MAX_ENTRIES)
+    }
+}
+
+/// Inserts, clearing the map first when it is full.
+fn bounded_insert<K: Hash + Eq, V>(map: &mut HashMap<K, V>, limit: usize, key: K, value: V) {
+    if map.len() >= limit {
+        map.clear();
+    }
+    map.insert(key, value);
+}
+
+impl Cache {
+    /// A cache of at most `limit` entries per map.
+    pub fn with_limit(limit: usize) -> Self {
+        Self {
+            limit: limit.max(1),
+            clusters: HashMap::new(),
+            stamp: None,
+            services: HashMap::new(),
+            records: HashMap::new(),
+        }
+    }
+
+    /// The service of `cluster`, resolved with `resolve` on a miss.
+    pub fn service_of(
+        &mut self,
+        cluster: &str,
+        resolve: impl FnOnce() -> Option<ServiceKey>,
+    ) -> Option<ServiceKey> {
+        if let Some(service) = self.clusters.get(cluster) {
+            return service.clone();
+        }
+        let service = resolve();
+        bounded_insert(
+            &mut self.clusters,
+            self.limit,
+            cluster.to_owned(),
+            service.clone(),
+        );
+        service
+    }
+
+    /// Forgets the cluster resolutions (on every root tick).
+    pub fn clear_clusters(&mut self) {
+        self.clusters.clear();
+    }
+
+    /// Keeps the entries if they were filled under exactly this `meta` write,
+    /// else forgets them and files new ones under it.
+    pub fn align(&mut self, meta: Option<(Meta, u32)>) {
+        if self.stamp != meta {
+            self.services.clear();
+            self.records.clear();
+            self.stamp = meta;
+        }
+    }
+
+    /// Whether `service` is known, from the cache or from `store`.
+    pub fn service(
+        &mut self,
+        store: &dyn SharedData,
+        meta: &Meta,
+        service: &ServiceKey,
+    ) -> Entry<()> {
+        if let Some(known) = self.services.get(service) {
+            return if *known {
+                Entry::Present(())
+            } else {
+                Entry::Absent
+            };
+        }
+        let entry = View::new(store).service(meta, service);
+        let known = match entry {
+            Entry::Present(()) => true,
+            Entry::Absent => false,
+            Entry::Corrupt => return Entry::Corrupt,
+        };
+        bounded_insert(&mut self.services, self.limit, service.clone(), known);
+        entry
+    }
+
+    /// The record of `ip`, from the cache or from `store`; the flag says it
+    /// came from the cache.
+    pub fn record(
+        &mut self,
+        store: &dyn SharedData,
+        meta: &Meta,
+        ip: &IpAddr,
+    ) -> (Entry<&IpRecord>, bool) {
+        let cached = self.records.contains_key(ip);
+        if !cached {
+            match View::new(store).record(meta, ip) {
+                Entry::Corrupt => return (Entry::Corrupt, false),
+                Entry::Absent => bounded_insert(&mut self.records, self.limit, *ip, None),
+                Entry::Present(r) => bounded_insert(&mut self.records, self.limit, *ip, Some(r)),
+            }
+        }
+        match self.records.get(ip) {
+            Some(Some(record)) => (Entry::Present(record), cached),
+            Some(None) | None => (Entry::Absent, cached),
+        }
+    }
+
+    /// The record of `ip` read from `store` again, replacing the cached one.
+    pub fn reread(&mut self, store: &dyn SharedData, meta: &Meta, ip: &IpAddr) -> Entry<&IpRecord> {
+        self.records.remove(ip);
+        self.record(store, meta, ip).0
+    }
+
+    /// Entries held (clusters, services, records), for tests and gauges.
+    pub fn sizes(&self) -> (usize, usize, usize) {
+        (self.clusters.len(), self.services.len(), self.records.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+    use crate::sync::{Poller, SyncConfig};
+    use staleguard_core::wire::Delta;
+    use staleguard_core::wire::{Membership, Via};
+    use staleguard_core::{Changes, Freshness, PodHolder, Snapshot};
+
+    /// Counts the reads that reach the store.
+    #[derive(Default)]
+    struct Counting {
+        inner: MemoryStore,
+        reads: std::cell::Cell<usize>,
+    }
+
+    impl SharedData for Counting {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), crate::store::StoreError> {
+            self.reads.set(self.reads.get() + 1);
+            self.inner.get(key)
+        }
+        fn set(
+            &mut self,
+            key: &str,
+            value: &[u8],
+            cas: Option<u32>,
+        ) -> Result<(), crate::store::StoreError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    fn cart() -> ServiceKey {
+        ServiceKey::new("shop", "cart")
+    }
+
+    fn record(ip: &str, pod: &str) -> IpRecord {
+        IpRecord {
+            ip: ip.parse().unwrap(),
+            pods: vec![PodHolder {
+                namespace: "shop".into(),
+                name: pod.into(),
+                uid: format!("uid-{pod}"),
+                services: vec![Membership {
+                    service: cart(),
+                    via: Via::Slice,
+                    ports: vec![],
+                    conditions: None,
+                }],
+                ready: true,
+                terminating: false,
+                host_network: false,
+            }],
+            bare_services: vec![],
+            tombstone: None,
+        }
+    }
+
+    fn fresh() -> Freshness {
+        Freshness {
+            fresh: true,
+            age_ms: Some(0),
+        }
+    }
+
+    fn poller() -> Poller {
+        Poller::new(
+            SyncConfig {
+                wait_s: 1,
+                backoff_initial_ms: 1,
+                backoff_max_ms: 1,
+                min_interval_ms: 0,
+            },
+            1,
+        )
+    }
+
+    fn snapshot(store: &mut Counting, p: &mut Poller, epoch: u64, records: Vec<IpRecord>) {
+        let s = Snapshot {
+            v: 1,
+            epoch,
+            generation: 1,
+            freshness: fresh(),
+            services: vec![cart()],
+            records,
+        };
+        // The first answer is a snapshot; a later one a reset (a new load).
+        let body = match p.next_request(0, &store.inner) {
+            Some(crate::sync::Request::Snapshot) => serde_json::to_vec(&s),
+            _ => serde_json::to_vec(&Changes::Reset(s)),
+        };
+        p.on_response(0, 200, &body.unwrap(), &mut store.inner)
+            .unwrap();
+    }
+
+    fn delta(store: &mut Counting, p: &mut Poller, since: u64, upserts: Vec<IpRecord>) {
+        let d = Changes::Delta(Delta {
+            v: 1,
+            epoch: 1,
+            since,
+            generation: since + 1,
+            freshness: fresh(),
+            services_added: vec![],
+            services_removed: vec![],
+            upserts,
+            removed: vec![],
+        });
+        p.next_request(1, &store.inner);
+        p.on_response(1, 200, &serde_json::to_vec(&d).unwrap(), &mut store.inner)
+            .unwrap();
+    }
+
+    /// One request's reads, as `check::judge` does them: meta, then entries.
+    fn pod_of(cache: &mut Cache, store: &Counting, ip: &str) -> Option<String> {
+        let meta = View::new(store).meta_and_cas();
+        cache.align(meta);
+        let (meta, _) = meta?;
+        let ip = ip.parse().unwrap();
+        match cache.record(store, &meta, &ip).0 {
+            Entry::Present(r) => r.pods.first().map(|p| p.name.clone()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_hit_costs_one_read_of_meta() {
+        let mut store = Counting::default();
+        let mut p = poller();
+        snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
+        let mut cache = Cache::default();
+        store.reads.set(0);
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(store.reads.get(), 2, "meta and the bucket");
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(store.reads.get(), 3, "meta only");
+        let meta = View::new(&store).meta().unwrap();
+        assert_eq!(cache.service(&store, &meta, &cart()), Entry::Present(()));
+        assert_eq!(cache.service(&store, &meta, &cart()), Entry::Present(()));
+        assert_eq!(store.reads.get(), 5, "meta above, then the service once");
+    }
+
+    #[test]
+    fn a_new_generation_or_a_rewrite_of_the_same_ip_invalidates() {
+        let mut store = Counting::default();
+        let mut p = poller();
+        snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
+        let mut cache = Cache::default();
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.2"), None);
+        // The same IP rewritten (a recycled IP), and a new one.
+        delta(
+            &mut store,
+            &mut p,
+            1,
+            vec![record("10.0.0.1", "b"), record("10.0.0.2", "c")],
+        );
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("b"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.2").as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn a_new_load_invalidates() {
+        let mut store = Counting::default();
+        let mut p = poller();
+        snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
+        let mut cache = Cache::default();
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        let before = View::new(&store).meta().unwrap();
+        // A validator restart: another epoch, the same generation number.
+        snapshot(&mut store, &mut p, 2, vec![record("10.0.0.1", "z")]);
+        let after = View::new(&store).meta().unwrap();
+        assert_ne!(before.load, after.load);
+        assert_eq!(before.generation, after.generation);
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("z"));
+    }
+
+    #[test]
+    fn any_write_of_meta_invalidates_even_with_the_same_contents() {
+        let mut store = Counting::default();
+        let mut p = poller();
+        snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
+        let mut cache = Cache::default();
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        // A bucket rewritten behind meta's back, then meta rewritten as it
+        // was: the token moved, so the entries go.
+        let meta = View::new(&store).meta().unwrap();
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        crate::buckets::put(
+            &mut store.inner,
+            meta.load,
+            meta.buckets,
+            &record("10.0.0.1", "q"),
+        )
+        .unwrap();
+        assert_eq!(
+            pod_of(&mut cache, &store, "10.0.0.1").as_deref(),
+            Some("a"),
+            "not committed yet"
+        );
+        store
+            .inner
+            .set(crate::store::META_KEY, &meta.encode(), None)
+            .unwrap();
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("q"));
+        assert!(matches!(
+            cache.reread(&store, &meta, &ip),
+            Entry::Present(r) if r.pods[0].name == "q"
+        ));
+    }
+
+    #[test]
+    fn never_serves_a_record_after_meta_moved() {
+        // Interleave deltas with reads of changing IPs: every read answers
+        // exactly what an uncached read of the same moment answers.
+        let mut store = Counting::default();
+        let mut p = poller();
+        snapshot(&mut store, &mut p, 1, vec![]);
+        let mut cache = Cache::with_limit(8);
+        let ips: Vec<String> = (1..=20).map(|i| format!("10.0.1.{i}")).collect();
+        for g in 1..60u64 {
+            let ip = &ips[(g as usize * 7) % ips.len()];
+            delta(&mut store, &mut p, g, vec![record(ip, &format!("p{g}"))]);
+            for probe in &ips {
+                let expected = match View::new(&store.inner)
+                    .lookup(&cart(), &probe.parse().unwrap())
+                    .record
+                {
+                    Entry::Present(r) => r.pods.first().map(|p| p.name.clone()),
+                    _ => None,
+                };
+                assert_eq!(
+                    pod_of(&mut cache, &store, probe),
+                    expected,
+                    "{probe} at {g}"
+                );
+            }
+            assert!(cache.sizes().2 <= 8);
+        }
+    }
+
+    #[test]
+    fn maps_are_bounded_and_clusters_resolve_once() {
+        let mut cache = Cache::with_limit(3);
+        let mut calls = 0;
+        for round in 0..2 {
+            for c in ["a", "b", "c"] {
+                let got = cache.service_of(c, || {
+                    calls += 1;
+                    (c != "c").then(cart)
+                });
+                assert_eq!(got.is_some(), c != "c", "{c} in round {round}");
+            }
+        }
+        assert_eq!(
+            calls, 3,
+            "a miss resolves, unmapped clusters are cached too"
+        );
+        cache.service_of("d", || None);
+        assert_eq!(cache.sizes().0, 1, "full: cleared before the insert");
+        cache.clear_clusters();
+        assert_eq!(cache.sizes().0, 0);
+        // Before any sync there is nothing to file entries under.
+        let store = Counting::default();
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), None);
+        assert_eq!(cache.sizes().2, 0);
+    }
+}
