@@ -455,6 +455,10 @@ impl Poller {
         mut snapshot: Snapshot,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
+        // The decoder grew the records by doubling: give the spare capacity
+        // (up to half of it) to what applying builds next, the guard's baseline
+        // and the member lists, instead of growing the VM further.
+        snapshot.records.shrink_to_fit();
         if !self.guard.admit(now_ms, Answer::Reset(&snapshot)) {
             let gains = self.guard.gains(Answer::Reset(&snapshot));
             self.write_gains(&gains, store)?;
