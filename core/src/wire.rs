@@ -328,18 +328,39 @@ impl Snapshot {
         check_version("snapshot", snapshot.v)?;
         Ok(snapshot)
     }
+
+    /// Like [`Snapshot::from_json`], reading the document from `reader` as it
+    /// goes: a reader that holds a large answer elsewhere (a proxy-wasm
+    /// filter reading its call's body in chunks from the host) needs no copy
+    /// of the whole document beside the decoded value.
+    pub fn from_reader(reader: impl std::io::Read) -> Result<Self, WireError> {
+        let snapshot: Self = parse_reader("snapshot", reader)?;
+        check_version("snapshot", snapshot.v)?;
+        Ok(snapshot)
+    }
 }
 
 impl Changes {
     /// Reads a changes answer, refusing other wire versions.
     pub fn from_json(bytes: &[u8]) -> Result<Self, WireError> {
         let changes: Self = parse("changes", bytes)?;
-        let v = match &changes {
+        changes.checked()
+    }
+
+    /// Like [`Changes::from_json`], reading from `reader` as it goes (see
+    /// [`Snapshot::from_reader`]).
+    pub fn from_reader(reader: impl std::io::Read) -> Result<Self, WireError> {
+        let changes: Self = parse_reader("changes", reader)?;
+        changes.checked()
+    }
+
+    fn checked(self) -> Result<Self, WireError> {
+        let v = match &self {
             Changes::Delta(d) => d.v,
             Changes::Reset(s) => s.v,
         };
         check_version("changes", v)?;
-        Ok(changes)
+        Ok(self)
     }
 }
 
@@ -381,6 +402,13 @@ impl PodHolder {
 
 fn parse<'a, T: Deserialize<'a>>(what: &'static str, bytes: &'a [u8]) -> Result<T, WireError> {
     serde_json::from_slice(bytes).map_err(|source| WireError::Malformed { what, source })
+}
+
+fn parse_reader<T: serde::de::DeserializeOwned>(
+    what: &'static str,
+    reader: impl std::io::Read,
+) -> Result<T, WireError> {
+    serde_json::from_reader(reader).map_err(|source| WireError::Malformed { what, source })
 }
 
 fn check_version(what: &'static str, found: u32) -> Result<(), WireError> {

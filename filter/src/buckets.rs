@@ -6,19 +6,24 @@
 //! ever seen, and IPv6 pods rarely see an IP twice. So IPs share a fixed set of
 //! keys: an IP's entry lives in bucket `fnv1a(canonical IP) mod B` under
 //! `staleguard/ipb/<B>/<index>`, where `B` (a power of two, at least
-//! [`MIN_BUCKETS`], about one IP per bucket) is chosen at each full load and
-//! recorded in `meta`. Keys are reused as IPs come and go; their number is at
-//! most `2 × B` over every `B` ever used, and `B` follows the peak of the live
-//! index, not the number of IPs ever seen.
+//! [`MIN_BUCKETS`], about [`IPS_PER_BUCKET`] IPs per bucket) is chosen at each
+//! full load and recorded in `meta`. Keys are reused as IPs come and go; their
+//! number is at most `2 × B` over every `B` ever used, and `B` follows the
+//! peak of the live index, not the number of IPs ever seen. Several IPs share
+//! a key because every key costs Envoy a hash node and two strings (about 150
+//! bytes), more than an IP's line itself.
 //!
-//! A bucket's value is `LOAD`, then one line per IP: `\n<ip> <IpRecord JSON>`
-//! (JSON never holds a raw newline). Empty means no entries. Like every entry,
-//! a bucket written under a load older than `meta`'s is absent.
+//! A bucket's value is `LOAD`, then one line per IP: `\n<ip> <holders>`, where
+//! `<holders>` is the compact record of [`Holders`]: only what the verdict,
+//! the member lists and the guard's successor need, no names, no JSON. Empty
+//! means no entries. Like every entry, a bucket written under a load older
+//! than `meta`'s is absent.
 
 use std::net::IpAddr;
 
 use staleguard_core::ip::canonical;
-use staleguard_core::IpRecord;
+use staleguard_core::wire::{Membership, Tombstone, Via};
+use staleguard_core::{IpRecord, PodHolder, ServiceKey};
 
 use crate::store::{Entry, SharedData, StoreError};
 
@@ -26,12 +31,17 @@ use crate::store::{Entry, SharedData, StoreError};
 /// keys, and small changes in its size never change the layout.
 pub const MIN_BUCKETS: u32 = 1_024;
 
-/// The most buckets a layout has (16 M IPs at one per bucket).
+/// The most buckets a layout has.
 pub const MAX_BUCKETS: u32 = 1 << 24;
 
-/// The bucket count for an index of `entries` IPs: about one IP per bucket.
+/// IPs per bucket a new layout aims at: a reader copies and scans one bucket
+/// (about 35 bytes per IP), so a few IPs share the cost of a key.
+pub const IPS_PER_BUCKET: u64 = 8;
+
+/// The bucket count for an index of `entries` IPs: about
+/// [`IPS_PER_BUCKET`] IPs per bucket.
 pub fn bucket_count(entries: u64) -> u32 {
-    let wanted = u32::try_from(entries).unwrap_or(MAX_BUCKETS);
+    let wanted = u32::try_from(entries.div_ceil(IPS_PER_BUCKET)).unwrap_or(MAX_BUCKETS);
     wanted
         .checked_next_power_of_two()
         .unwrap_or(MAX_BUCKETS)
@@ -39,9 +49,10 @@ pub fn bucket_count(entries: u64) -> u32 {
 }
 
 /// True when an index of `entries` IPs has outgrown `buckets` (on average
-/// more than two IPs per bucket): the next full load should re-lay it.
+/// more than twice [`IPS_PER_BUCKET`] IPs per bucket): the next full load
+/// should re-lay it.
 pub fn outgrown(entries: u64, buckets: u32) -> bool {
-    buckets < MAX_BUCKETS && entries > u64::from(buckets) * 2
+    buckets < MAX_BUCKETS && entries > u64::from(buckets) * IPS_PER_BUCKET * 2
 }
 
 /// The bucket of `ip` in a layout of `buckets` (a power of two).
@@ -69,7 +80,7 @@ pub fn key_of(ip: &IpAddr, buckets: u32) -> String {
 /// The entries of one bucket, as the poller edits them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Bucket {
-    /// `(canonical IP, record JSON)`, at most one line per IP.
+    /// `(canonical IP, encoded [`Holders`])`, at most one line per IP.
     lines: Vec<(IpAddr, Vec<u8>)>,
 }
 
@@ -107,18 +118,14 @@ impl Bucket {
         if record.is_vacant() {
             return self.remove(&ip);
         }
-        // Serializing a plain data struct cannot fail; if it ever did, the IP
-        // is dropped (absent) rather than written half.
-        let Ok(json) = serde_json::to_vec(record) else {
-            return self.remove(&ip);
-        };
+        let holders = Holders::from_record(record).encode();
         match self.lines.iter_mut().find(|(i, _)| *i == ip) {
             Some(line) => {
-                line.1 = json;
+                line.1 = holders;
                 0
             }
             None => {
-                self.lines.push((ip, json));
+                self.lines.push((ip, holders));
                 1
             }
         }
@@ -142,11 +149,11 @@ impl Bucket {
             return Vec::new();
         }
         let mut out = load.to_string().into_bytes();
-        for (ip, json) in &self.lines {
+        for (ip, holders) in &self.lines {
             out.push(b'\n');
             out.extend_from_slice(ip.to_string().as_bytes());
             out.push(b' ');
-            out.extend_from_slice(json);
+            out.extend_from_slice(holders);
         }
         out
     }
@@ -181,7 +188,7 @@ fn split_line(line: &[u8]) -> Option<(IpAddr, &[u8])> {
 
 /// What a bucket value says about `ip`, for a reader: only that IP's line is
 /// decoded.
-pub fn find(bytes: &[u8], ip: &IpAddr, meta_load: u64) -> Entry<IpRecord> {
+pub fn find(bytes: &[u8], ip: &IpAddr, meta_load: u64) -> Entry<Holders> {
     let rest = match lines_after_load(bytes, meta_load) {
         Ok(Some(rest)) => rest,
         Ok(None) => return Entry::Absent,
@@ -193,13 +200,258 @@ pub fn find(bytes: &[u8], ip: &IpAddr, meta_load: u64) -> Entry<IpRecord> {
             return Entry::Corrupt;
         };
         if &line[..space] == wanted.as_bytes() {
-            return match serde_json::from_slice::<IpRecord>(&line[space + 1..]) {
-                Ok(record) => Entry::Present(record),
-                Err(_) => Entry::Corrupt,
+            return match line.get(space + 1..).and_then(Holders::decode) {
+                Some(holders) => Entry::Present(holders),
+                None => Entry::Corrupt,
             };
         }
     }
     Entry::Absent
+}
+
+/// A service as a bucket line names it: 64-bit FNV-1a of `namespace/name`.
+/// Stable across VMs and releases, so a reader hashes the service it asks
+/// about and needs no table; two of a cluster's services sharing an id (odds
+/// about 3e-14 among 1,000 services) would count as one.
+pub fn service_id(service: &ServiceKey) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let parts = [service.namespace.as_bytes(), b"/", service.name.as_bytes()];
+    for byte in parts.into_iter().flatten() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+/// One pod holding an IP, as a bucket line keeps it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pod {
+    /// The pod is ready.
+    pub ready: bool,
+    /// The pod is terminating.
+    pub terminating: bool,
+    /// The pod runs in the node's network namespace.
+    pub host_network: bool,
+    /// Its services (by [`service_id`]), with the ports the index lists.
+    pub services: Vec<(u64, Vec<u16>)>,
+}
+
+/// An IP's entry as a bucket line keeps it: what [`staleguard_core::decide`]
+/// and the member lists need, and no more (no pod names, uids or conditions).
+///
+/// Encoded as tokens separated by one space: `p` and the pod's flags (`r`
+/// ready, `t` terminating, `h` host network) open a pod; `s<id>` (16 hex
+/// digits) is a service of the pod opened last, with `/PORT,PORT` when the
+/// index lists ports; `b<id>` a bare service; `t` a tombstone. A pod line of
+/// one service is 20 bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Holders {
+    /// The pods holding the IP.
+    pub pods: Vec<Pod>,
+    /// Services listing the IP without a pod, by [`service_id`].
+    pub bare: Vec<u64>,
+    /// A tombstone remembers what held the IP (it never changes a verdict).
+    pub tombstone: bool,
+}
+
+impl Holders {
+    /// What a bucket keeps of `record`.
+    pub fn from_record(record: &IpRecord) -> Self {
+        Self {
+            pods: record
+                .pods
+                .iter()
+                .map(|p| Pod {
+                    ready: p.ready,
+                    terminating: p.terminating,
+                    host_network: p.host_network,
+                    services: p
+                        .services
+                        .iter()
+                        .map(|m| {
+                            let mut ports: Vec<u16> = m.ports.iter().map(|p| p.port).collect();
+                            ports.sort_unstable();
+                            ports.dedup();
+                            (service_id(&m.service), ports)
+                        })
+                        .collect(),
+                })
+                .collect(),
+            bare: record.bare_services.iter().map(service_id).collect(),
+            tombstone: record.tombstone.is_some(),
+        }
+    }
+
+    /// The line's text (never empty for a record that is not vacant).
+    pub fn encode(&self) -> Vec<u8> {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let token = |out: &mut String| {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+        };
+        for pod in &self.pods {
+            token(&mut out);
+            out.push('p');
+            for (set, flag) in [
+                (pod.ready, 'r'),
+                (pod.terminating, 't'),
+                (pod.host_network, 'h'),
+            ] {
+                if set {
+                    out.push(flag);
+                }
+            }
+            for (id, ports) in &pod.services {
+                token(&mut out);
+                let _ = write!(out, "s{id:016x}");
+                for (i, port) in ports.iter().enumerate() {
+                    out.push(if i == 0 { '/' } else { ',' });
+                    let _ = write!(out, "{port}");
+                }
+            }
+        }
+        for id in &self.bare {
+            token(&mut out);
+            let _ = write!(out, "b{id:016x}");
+        }
+        if self.tombstone {
+            token(&mut out);
+            out.push('t');
+        }
+        out.into_bytes()
+    }
+
+    /// Reads [`Holders::encode`]'s output; `None` for anything else (an
+    /// empty line, an unknown token, a service before any pod).
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        if text.is_empty() {
+            return None;
+        }
+        let mut holders = Self::default();
+        for token in text.split(' ') {
+            let (kind, rest) = token.split_at_checked(1)?;
+            match kind {
+                "p" => {
+                    let mut pod = Pod::default();
+                    for flag in rest.chars() {
+                        let slot = match flag {
+                            'r' => &mut pod.ready,
+                            't' => &mut pod.terminating,
+                            'h' => &mut pod.host_network,
+                            _ => return None,
+                        };
+                        if std::mem::replace(slot, true) {
+                            return None;
+                        }
+                    }
+                    holders.pods.push(pod);
+                }
+                "s" => {
+                    let (id, ports) = match rest.split_once('/') {
+                        // A `/` promises at least one port.
+                        Some((id, ports)) => (
+                            id,
+                            ports
+                                .split(',')
+                                .map(|p| p.parse::<u16>().ok())
+                                .collect::<Option<Vec<_>>>()?,
+                        ),
+                        None => (rest, Vec::new()),
+                    };
+                    holders.pods.last_mut()?.services.push((hex_id(id)?, ports));
+                }
+                "b" => holders.bare.push(hex_id(rest)?),
+                "t" if rest.is_empty() && !holders.tombstone => holders.tombstone = true,
+                _ => return None,
+            }
+        }
+        Some(holders)
+    }
+
+    /// The record a verdict about `service` needs: the memberships in
+    /// `service` carry its key; any other service is a placeholder key that
+    /// equals no real one (its namespace is empty, which Kubernetes never
+    /// allows), and names, uids and the tombstone's details are empty.
+    pub fn record_for(&self, ip: IpAddr, service: &ServiceKey) -> IpRecord {
+        let wanted = service_id(service);
+        self.record_with(ip, |id| {
+            if id == wanted {
+                service.clone()
+            } else {
+                placeholder(id)
+            }
+        })
+    }
+
+    /// The record with every service a [`placeholder`]: a verdict about
+    /// `placeholder(id)` is the verdict about the service with that id.
+    pub fn record_by_ids(&self, ip: IpAddr) -> IpRecord {
+        self.record_with(ip, placeholder)
+    }
+
+    fn record_with(&self, ip: IpAddr, key: impl Fn(u64) -> ServiceKey) -> IpRecord {
+        IpRecord {
+            ip,
+            pods: self
+                .pods
+                .iter()
+                .map(|p| PodHolder {
+                    namespace: String::new(),
+                    name: String::new(),
+                    uid: String::new(),
+                    services: p
+                        .services
+                        .iter()
+                        .map(|(id, _)| Membership {
+                            service: key(*id),
+                            via: Via::Both,
+                            ports: vec![],
+                            conditions: None,
+                        })
+                        .collect(),
+                    ready: p.ready,
+                    terminating: p.terminating,
+                    host_network: p.host_network,
+                })
+                .collect(),
+            bare_services: self.bare.iter().map(|id| key(*id)).collect(),
+            tombstone: self.tombstone.then(|| Tombstone {
+                pod: String::new(),
+                uid: String::new(),
+                services: vec![],
+                since_ms: 0,
+            }),
+        }
+    }
+
+    /// Every service id the line names, each once.
+    pub fn service_ids(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self
+            .pods
+            .iter()
+            .flat_map(|p| p.services.iter().map(|(id, _)| *id))
+            .chain(self.bare.iter().copied())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+}
+
+/// The key standing for the service with id `id` in a decoded record: its
+/// namespace is empty, which no Kubernetes Service has.
+pub fn placeholder(id: u64) -> ServiceKey {
+    ServiceKey::new("", format!("{id:016x}"))
+}
+
+fn hex_id(text: &str) -> Option<u64> {
+    if text.len() != 16 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u64::from_str_radix(text, 16).ok()
 }
 
 /// Writes one record into its bucket (read, edit, write): for tests and
@@ -242,11 +494,12 @@ mod tests {
     #[test]
     fn bucket_counts_follow_the_index_within_bounds() {
         assert_eq!(bucket_count(0), MIN_BUCKETS);
-        assert_eq!(bucket_count(1_025), 2_048);
-        assert_eq!(bucket_count(150_000), 262_144);
+        assert_eq!(bucket_count(8 * 1_024), 1_024);
+        assert_eq!(bucket_count(8 * 1_024 + 1), 2_048);
+        assert_eq!(bucket_count(150_000), 32_768, "4.6 IPs per bucket");
         assert_eq!(bucket_count(u64::MAX), MAX_BUCKETS);
-        assert!(!outgrown(2_048, 1_024));
-        assert!(outgrown(2_049, 1_024));
+        assert!(!outgrown(16_384, 1_024));
+        assert!(outgrown(16_385, 1_024));
         assert!(!outgrown(u64::MAX, MAX_BUCKETS), "nothing bigger to go to");
     }
 
@@ -269,8 +522,9 @@ mod tests {
         assert_eq!(b.put(&record("10.0.0.1")), 0, "replaced");
         let bytes = b.encode(7);
         let one: IpAddr = "10.0.0.1".parse().unwrap();
-        assert_eq!(find(&bytes, &one, 7), Entry::Present(record("10.0.0.1")));
-        assert_eq!(find(&bytes, &one, 6), Entry::Present(record("10.0.0.1")));
+        let kept = Holders::from_record(&record("10.0.0.1"));
+        assert_eq!(find(&bytes, &one, 7), Entry::Present(kept.clone()));
+        assert_eq!(find(&bytes, &one, 6), Entry::Present(kept));
         assert_eq!(find(&bytes, &one, 8), Entry::Absent, "an older load");
         assert_eq!(find(&bytes, &"10.0.0.2".parse().unwrap(), 7), Entry::Absent);
         assert_eq!(Bucket::read(&bytes, 7), b);
@@ -285,5 +539,108 @@ mod tests {
         assert_eq!(find(b"x\n10.0.0.1 {}", &one, 0), Entry::Corrupt);
         assert_eq!(find(b"1\n10.0.0.1 {", &one, 0), Entry::Corrupt);
         assert_eq!(find(b"1\nnospace", &one, 0), Entry::Corrupt);
+    }
+
+    #[test]
+    fn holders_keep_what_verdicts_and_member_lists_need_and_round_trip() {
+        use staleguard_core::wire::EndpointPort;
+        use staleguard_core::{decide, Policy, Reason};
+        let cart = ServiceKey::new("shop", "cart");
+        let pay = ServiceKey::new("shop", "pay");
+        let mut r = record("10.0.0.1");
+        r.pods[0].services = vec![Membership {
+            service: cart.clone(),
+            via: Via::Slice,
+            ports: vec![
+                EndpointPort {
+                    name: None,
+                    port: 9090,
+                    protocol: None,
+                },
+                EndpointPort {
+                    name: None,
+                    port: 8080,
+                    protocol: None,
+                },
+            ],
+            conditions: None,
+        }];
+        let mut stranger = r.pods[0].clone();
+        stranger.services = vec![];
+        stranger.ready = false;
+        stranger.terminating = true;
+        stranger.host_network = true;
+        r.pods.push(stranger);
+        r.bare_services = vec![pay.clone()];
+        r.tombstone = Some(Tombstone {
+            pod: "shop/old".into(),
+            uid: "u".into(),
+            services: vec![cart.clone()],
+            since_ms: 5,
+        });
+        let holders = Holders::from_record(&r);
+        let line = holders.encode();
+        assert_eq!(
+            String::from_utf8(line.clone()).unwrap(),
+            format!(
+                "pr s{:016x}/8080,9090 pth b{:016x} t",
+                service_id(&cart),
+                service_id(&pay)
+            )
+        );
+        assert_eq!(Holders::decode(&line), Some(holders.clone()));
+        // The verdict on the kept record is the verdict on the full one, for
+        // the service asked about and for one the line does not name.
+        let other = ServiceKey::new("shop", "other");
+        for service in [&cart, &pay, &other] {
+            let kept = holders.record_for(r.ip, service);
+            let strict = Policy {
+                terminating: staleguard_core::Action::Reject,
+                ..Policy::default()
+            };
+            for policy in [Policy::default(), strict] {
+                assert_eq!(
+                    decide(&policy, true, service, true, Some(&kept)),
+                    decide(&policy, true, service, true, Some(&r)),
+                    "{service}"
+                );
+            }
+        }
+        let kept = holders.record_for(r.ip, &other);
+        assert_eq!(
+            decide(&Policy::default(), true, &other, true, Some(&kept)).reason,
+            Reason::HostNetwork,
+            "the host-network stranger is kept"
+        );
+        assert_eq!(
+            service_id(&cart),
+            service_id(&ServiceKey::new("shop", "cart"))
+        );
+        assert_ne!(service_id(&cart), service_id(&pay));
+        // A small line: one pod, one service.
+        assert_eq!(Holders::from_record(&record("10.0.0.2")).encode(), b"pr");
+        for bad in [
+            &b""[..],
+            b"x",
+            b"s0123456789abcdef",
+            b"pr s0123",
+            b"pr s0123456789abcdeg",
+            b"pr s+123456789abcdef",
+            b"prr",
+            b"pq",
+            b"pr s0123456789abcdef/",
+            b"pr s0123456789abcdef/70000",
+            b"t t",
+            b"tx",
+            b"pr  t",
+            b"pr\xff",
+        ] {
+            assert_eq!(
+                Holders::decode(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 }

@@ -208,6 +208,9 @@ mod tests {
         ServiceKey::new("shop", "cart")
     }
 
+    /// The IP held by pod `pod`, a member of a service of the same name:
+    /// shared data keeps no pod names, so the tests tell holders apart by
+    /// their service.
     fn record(ip: &str, pod: &str) -> IpRecord {
         IpRecord {
             ip: ip.parse().unwrap(),
@@ -216,7 +219,7 @@ mod tests {
                 name: pod.into(),
                 uid: format!("uid-{pod}"),
                 services: vec![Membership {
-                    service: cart(),
+                    service: ServiceKey::new("shop", pod),
                     via: Via::Slice,
                     ports: vec![],
                     conditions: None,
@@ -284,14 +287,24 @@ mod tests {
             .unwrap();
     }
 
+    /// The service (by id, as shared data names it) of the first pod that
+    /// holds `ip`: what tells holders apart here (see `record`).
+    fn by_id(pod: &str) -> ServiceKey {
+        crate::buckets::placeholder(crate::buckets::service_id(&ServiceKey::new("shop", pod)))
+    }
+
+    fn held_for(r: &IpRecord) -> Option<ServiceKey> {
+        Some(r.pods.first()?.services.first()?.service.clone())
+    }
+
     /// One request's reads, as `check::judge` does them: meta, then entries.
-    fn pod_of(cache: &mut Cache, store: &Counting, ip: &str) -> Option<String> {
+    fn pod_of(cache: &mut Cache, store: &Counting, ip: &str) -> Option<ServiceKey> {
         let meta = View::new(store).meta_and_cas();
         cache.align(meta);
         let (meta, _) = meta?;
         let ip = ip.parse().unwrap();
         match cache.record(store, &meta, &ip).0 {
-            Entry::Present(r) => r.pods.first().map(|p| p.name.clone()),
+            Entry::Present(r) => held_for(r),
             _ => None,
         }
     }
@@ -303,9 +316,9 @@ mod tests {
         snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
         let mut cache = Cache::default();
         store.reads.set(0);
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
         assert_eq!(store.reads.get(), 2, "meta and the bucket");
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
         assert_eq!(store.reads.get(), 3, "meta only");
         let meta = View::new(&store).meta().unwrap();
         assert_eq!(cache.service(&store, &meta, &cart()), Entry::Present(()));
@@ -319,7 +332,7 @@ mod tests {
         let mut p = poller();
         snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
         let mut cache = Cache::default();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
         assert_eq!(pod_of(&mut cache, &store, "10.0.0.2"), None);
         // The same IP rewritten (a recycled IP), and a new one.
         delta(
@@ -328,8 +341,8 @@ mod tests {
             1,
             vec![record("10.0.0.1", "b"), record("10.0.0.2", "c")],
         );
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("b"));
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.2").as_deref(), Some("c"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("b")));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.2"), Some(by_id("c")));
     }
 
     #[test]
@@ -338,14 +351,14 @@ mod tests {
         let mut p = poller();
         snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
         let mut cache = Cache::default();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
         let before = View::new(&store).meta().unwrap();
         // A validator restart: another epoch, the same generation number.
         snapshot(&mut store, &mut p, 2, vec![record("10.0.0.1", "z")]);
         let after = View::new(&store).meta().unwrap();
         assert_ne!(before.load, after.load);
         assert_eq!(before.generation, after.generation);
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("z"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("z")));
     }
 
     #[test]
@@ -354,7 +367,7 @@ mod tests {
         let mut p = poller();
         snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
         let mut cache = Cache::default();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
         // A bucket rewritten behind meta's back, then meta rewritten as it
         // was: the token moved, so the entries go.
         let meta = View::new(&store).meta().unwrap();
@@ -367,18 +380,18 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            pod_of(&mut cache, &store, "10.0.0.1").as_deref(),
-            Some("a"),
+            pod_of(&mut cache, &store, "10.0.0.1"),
+            Some(by_id("a")),
             "not committed yet"
         );
         store
             .inner
             .set(crate::store::META_KEY, &meta.encode(), None)
             .unwrap();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1").as_deref(), Some("q"));
+        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("q")));
         assert!(matches!(
             cache.reread(&store, &meta, &ip),
-            Entry::Present(r) if r.pods[0].name == "q"
+            Entry::Present(r) if held_for(r) == Some(by_id("q"))
         ));
     }
 
@@ -395,11 +408,9 @@ mod tests {
             let ip = &ips[(g as usize * 7) % ips.len()];
             delta(&mut store, &mut p, g, vec![record(ip, &format!("p{g}"))]);
             for probe in &ips {
-                let expected = match View::new(&store.inner)
-                    .lookup(&cart(), &probe.parse().unwrap())
-                    .record
-                {
-                    Entry::Present(r) => r.pods.first().map(|p| p.name.clone()),
+                let view = View::new(&store.inner);
+                let expected = match view.record(&view.meta().unwrap(), &probe.parse().unwrap()) {
+                    Entry::Present(r) => held_for(&r),
                     _ => None,
                 };
                 assert_eq!(

@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use staleguard_core::ip::canonical;
 use staleguard_core::{decide, Action, IpRecord, Reason, ServiceKey, Verdict};
 
+use crate::buckets;
 use crate::cache::Cache;
 use crate::config::{Config, Mode};
 use crate::store::{Entry, SharedData, View};
@@ -185,7 +186,9 @@ fn verdict_of(
             None
         }
     };
-    decide(&config.raw.policy, fresh, service, known, record)
+    // Cached records name their services by id (`View::record`).
+    let by_id = buckets::placeholder(buckets::service_id(service));
+    decide(&config.raw.policy, fresh, &by_id, known, record)
 }
 
 /// The reason code the reject header carries: nothing else leaves Envoy.

@@ -399,6 +399,31 @@ impl Root {
     }
 }
 
+/// The body of the poller's call, read from the host a piece at a time.
+struct CallBody {
+    offset: usize,
+    size: usize,
+}
+
+impl std::io::Read for CallBody {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let wanted = buf.len().min(self.size.saturating_sub(self.offset));
+        if wanted == 0 {
+            return Ok(0);
+        }
+        let piece = hostcalls::get_buffer(BufferType::HttpCallResponseBody, self.offset, wanted)
+            .map_err(|status| std::io::Error::other(format!("get_buffer: {status:?}")))?
+            .unwrap_or_default();
+        let n = piece.len().min(wanted);
+        match (buf.get_mut(..n), piece.get(..n)) {
+            (Some(to), Some(from)) => to.copy_from_slice(from),
+            _ => return Ok(0),
+        }
+        self.offset += n;
+        Ok(n)
+    }
+}
+
 impl Context for Root {
     fn on_done(&mut self) -> bool {
         self.metrics.borrow_mut().flush();
@@ -437,17 +462,20 @@ impl Context for Root {
             self.arm_timer(now);
             return;
         };
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
         self.metrics
             .borrow_mut()
-            .inc(metrics::SYNC_BYTES, body.len() as u64);
+            .inc(metrics::SYNC_BYTES, body_size as u64);
         // The time this thread spends decoding the answer and writing shared
         // data: what a large snapshot costs the thread that holds the lease.
+        // The body is read from the host in chunks as the decoder goes: a
+        // copy of a whole 150k-IP answer would be 21 MB of the VM's memory,
+        // which a Wasm VM never gives back.
         let started_us = now_us();
-        let applied = poller.on_response(now, status, &body, &mut HostStore);
+        let mut body = CallBody {
+            offset: 0,
+            size: body_size,
+        };
+        let applied = poller.on_response_from(now, status, &mut body, &mut HostStore);
         let spent_us = now_us().saturating_sub(started_us);
         if applied.is_ok() {
             self.metrics
@@ -461,7 +489,7 @@ impl Context for Root {
                     "[ctx {}] staleguard: loaded a full snapshot: generation {:?}, {entries} IPs, {} bytes in {} ms",
                     self.id,
                     poller.generation(),
-                    body.len(),
+                    body_size,
                     spent_us / 1000
                 );
             }

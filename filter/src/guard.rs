@@ -142,9 +142,41 @@ pub enum GuardEvent {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct IpFacts {
     /// Ids of the services the IP is allowed for.
-    allowed: Box<[u32]>,
+    allowed: Allowed,
     /// A fingerprint of the pods holding it.
     holders: u64,
+}
+
+/// Service ids, inline when there is at most one (almost every IP): the
+/// baseline is one entry per IP of the index, so an allocation per IP would
+/// cost the poller's VM as much again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Allowed {
+    None,
+    One(u32),
+    Many(Box<[u32]>),
+}
+
+impl Allowed {
+    fn new(ids: Vec<u32>) -> Self {
+        match ids.as_slice() {
+            [] => Allowed::None,
+            [id] => Allowed::One(*id),
+            _ => Allowed::Many(ids.into_boxed_slice()),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        matches!(self, Allowed::None)
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, u32> {
+        match self {
+            Allowed::None => [].iter(),
+            Allowed::One(id) => std::slice::from_ref(id).iter(),
+            Allowed::Many(ids) => ids.iter(),
+        }
+    }
 }
 
 /// What the poller last applied, reduced to what the guard compares.
@@ -436,7 +468,7 @@ impl Baseline {
         self.ips.insert(
             record.ip,
             IpFacts {
-                allowed: allowed.into_boxed_slice(),
+                allowed: Allowed::new(allowed),
                 holders: holders(record),
             },
         );

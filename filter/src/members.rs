@@ -8,13 +8,16 @@
 //!
 //! | key                              | value                                  |
 //! |----------------------------------|----------------------------------------|
-//! | `staleguard/members/<ns>/<name>` | `LOAD IP[/PORT,PORT] IP ...`, or empty |
+//! | `staleguard/members/<id>`        | `LOAD IP[/PORT,PORT] IP ...`, or empty |
+//!
+//! `<id>` is the service's [`service_id`] in 16 hex digits, the name bucket
+//! lines know it by.
 //!
 //! A member here is an IP whose verdict for the service is
 //! [`Reason::Member`] (the one rule, [`staleguard_core::decide`]) and which a
 //! *ready* pod holds (or a slice lists without a pod): the hosts a request can
 //! be sent to now. A full snapshot writes every list under its new load; a
-//! delta reads the IP's old record and rewrites only the lists whose
+//! delta reads the IP's old line and rewrites only the lists whose
 //! membership changed, so a poller that took over from another keeps them
 //! right without knowing what its predecessor wrote.
 
@@ -23,6 +26,7 @@ use std::net::IpAddr;
 
 use staleguard_core::{decide, IpRecord, Policy, Reason, ServiceKey};
 
+use crate::buckets::{placeholder, service_id, Holders};
 use crate::store::{SharedData, StoreError};
 
 /// One live member: its IP, and the ports the index lists for it in the
@@ -37,43 +41,49 @@ pub struct Member {
 
 /// Key of one service's member list.
 pub fn members_key(service: &ServiceKey) -> String {
-    format!("staleguard/members/{service}")
+    id_key(service_id(service))
 }
 
-/// The services `record` makes its IP a live, ready member of, with the ports
-/// the index lists for each.
-pub fn live_memberships(record: &IpRecord) -> BTreeMap<ServiceKey, Vec<u16>> {
+/// Key of the member list of the service with id `id` ([`service_id`]): a
+/// bucket line names services by id, so a delta can update the lists of an
+/// IP's old services from its line alone.
+fn id_key(id: u64) -> String {
+    format!("staleguard/members/{id:016x}")
+}
+
+/// The services (by [`service_id`]) `holders` make their IP a live, ready
+/// member of, with the ports the index lists for each.
+pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>> {
     let mut out = BTreeMap::new();
-    let candidates = record
-        .pods
-        .iter()
-        .flat_map(|p| p.services.iter().map(|m| &m.service))
-        .chain(record.bare_services.iter());
-    for service in candidates {
-        if out.contains_key(service) {
-            continue;
-        }
-        let verdict = decide(&Policy::default(), true, service, true, Some(record));
+    let record = holders.record_by_ids(ip);
+    for id in holders.service_ids() {
+        let verdict = decide(
+            &Policy::default(),
+            true,
+            &placeholder(id),
+            true,
+            Some(&record),
+        );
         if verdict.reason != Reason::Member {
             continue;
         }
-        let ready_pod = record
+        let ready_pod = holders
             .pods
             .iter()
             .filter(|p| p.ready && !p.terminating)
             .flat_map(|p| p.services.iter())
-            .filter(|m| &m.service == service)
+            .filter(|(sid, _)| *sid == id)
             .collect::<Vec<_>>();
-        if ready_pod.is_empty() && !record.bare_services.contains(service) {
+        if ready_pod.is_empty() && !holders.bare.contains(&id) {
             continue;
         }
         let mut ports: Vec<u16> = ready_pod
             .iter()
-            .flat_map(|m| m.ports.iter().map(|p| p.port))
+            .flat_map(|(_, ports)| ports.iter().copied())
             .collect();
         ports.sort_unstable();
         ports.dedup();
-        out.insert(service.clone(), ports);
+        out.insert(id, ports);
     }
     out
 }
@@ -122,7 +132,11 @@ pub fn decode(bytes: &[u8], meta_load: u64) -> Option<Vec<Member>> {
 
 /// Reads a service's live members at `meta_load` (empty when none is known).
 pub fn read(store: &dyn SharedData, service: &ServiceKey, meta_load: u64) -> Vec<Member> {
-    match store.get(&members_key(service)) {
+    read_id(store, service_id(service), meta_load)
+}
+
+fn read_id(store: &dyn SharedData, id: u64, meta_load: u64) -> Vec<Member> {
+    match store.get(&id_key(id)) {
         Ok((Some(value), _)) => decode(&value, meta_load).unwrap_or_default(),
         _ => Vec::new(),
     }
@@ -136,18 +150,19 @@ pub fn write_snapshot(
     load: u64,
     records: &[IpRecord],
 ) -> Result<(), StoreError> {
-    let mut lists: BTreeMap<ServiceKey, Vec<Member>> = BTreeMap::new();
+    let mut lists: BTreeMap<u64, Vec<Member>> = BTreeMap::new();
     for record in records {
-        for (service, ports) in live_memberships(record) {
-            lists.entry(service).or_default().push(Member {
+        let holders = Holders::from_record(record);
+        for (id, ports) in live_memberships(record.ip, &holders) {
+            lists.entry(id).or_default().push(Member {
                 ip: record.ip,
                 ports,
             });
         }
     }
-    for (service, mut members) in lists {
+    for (id, mut members) in lists {
         members.sort();
-        store.set(&members_key(&service), &encode(load, &members), None)?;
+        store.set(&id_key(id), &encode(load, &members), None)?;
     }
     Ok(())
 }
@@ -159,18 +174,20 @@ pub fn apply_change(
     store: &mut dyn SharedData,
     load: u64,
     ip: IpAddr,
-    old: Option<&IpRecord>,
+    old: Option<&Holders>,
     new: Option<&IpRecord>,
 ) -> Result<(), StoreError> {
-    let old = old.map(live_memberships).unwrap_or_default();
-    let new = new.map(live_memberships).unwrap_or_default();
+    let old = old.map(|h| live_memberships(ip, h)).unwrap_or_default();
+    let new = new
+        .map(|r| live_memberships(ip, &Holders::from_record(r)))
+        .unwrap_or_default();
     let services = old.keys().chain(new.keys()).collect::<Vec<_>>();
-    for service in services {
-        let (before, after) = (old.get(service), new.get(service));
+    for id in services {
+        let (before, after) = (old.get(id), new.get(id));
         if before == after {
             continue;
         }
-        let mut members = read(store, service, load);
+        let mut members = read_id(store, *id, load);
         members.retain(|m| m.ip != ip);
         if let Some(ports) = after {
             members.push(Member {
@@ -179,7 +196,7 @@ pub fn apply_change(
             });
             members.sort();
         }
-        store.set(&members_key(service), &encode(load, &members), None)?;
+        store.set(&id_key(*id), &encode(load, &members), None)?;
     }
     Ok(())
 }
@@ -221,24 +238,26 @@ mod tests {
         }
     }
 
+    /// The memberships as a bucket line gives them.
+    fn live(r: &IpRecord) -> BTreeMap<u64, Vec<u16>> {
+        live_memberships(r.ip, &Holders::from_record(r))
+    }
+
     fn ips(members: &[Member]) -> Vec<String> {
         members.iter().map(|m| m.ip.to_string()).collect()
     }
 
     #[test]
     fn only_ready_live_members_count() {
-        assert_eq!(
-            live_memberships(&rec("10.0.0.1", &cart(), true, false)).len(),
-            1
-        );
-        assert!(live_memberships(&rec("10.0.0.1", &cart(), false, false)).is_empty());
-        assert!(live_memberships(&rec("10.0.0.1", &cart(), true, true)).is_empty());
+        assert_eq!(live(&rec("10.0.0.1", &cart(), true, false)).len(), 1);
+        assert!(live(&rec("10.0.0.1", &cart(), false, false)).is_empty());
+        assert!(live(&rec("10.0.0.1", &cart(), true, true)).is_empty());
         let mut bare = rec("10.0.0.2", &cart(), true, false);
         bare.pods.clear();
         bare.bare_services = vec![pay()];
         assert_eq!(
-            live_memberships(&bare).keys().collect::<Vec<_>>(),
-            vec![&pay()]
+            live(&bare).keys().collect::<Vec<_>>(),
+            vec![&service_id(&pay())]
         );
     }
 
@@ -272,7 +291,7 @@ mod tests {
             port: 8443,
             protocol: None,
         }];
-        assert_eq!(live_memberships(&r).get(&cart()), Some(&vec![8443]));
+        assert_eq!(live(&r).get(&service_id(&cart())), Some(&vec![8443]));
     }
 
     #[test]
@@ -374,11 +393,13 @@ mod tests {
             rec("10.0.0.1", &cart(), true, true),
             rec("10.0.0.4", &cart(), true, false),
         ] {
-            apply_change(&mut s, 1, r.ip, index.get(&r.ip), Some(&r)).unwrap();
+            let old = index.get(&r.ip).map(Holders::from_record);
+            apply_change(&mut s, 1, r.ip, old.as_ref(), Some(&r)).unwrap();
             index.insert(r.ip, r);
         }
         let gone: IpAddr = "10.0.0.3".parse().unwrap();
-        apply_change(&mut s, 1, gone, index.get(&gone), None).unwrap();
+        let old = index.get(&gone).map(Holders::from_record);
+        apply_change(&mut s, 1, gone, old.as_ref(), None).unwrap();
         assert_eq!(ips(&read(&s, &cart(), 1)), ["10.0.0.4"]);
         assert_eq!(ips(&read(&s, &pay(), 1)), ["10.0.0.2"]);
         // A new load hides every list the snapshot did not write.

@@ -6,7 +6,7 @@
 //!
 //! | key                            | value                                                    |
 //! |--------------------------------|----------------------------------------------------------|
-//! | `staleguard/meta`              | [`Meta`]: `m2 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS` |
+//! | `staleguard/meta`              | [`Meta`]: `m3 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS` |
 //! | `staleguard/ipb/<B>/<i>`       | bucket `i` of `B`: `LOAD` and a line per IP (see [`crate::buckets`]), or empty |
 //! | `staleguard/svc/<ns>/<name>`   | `LOAD`, or empty (absent)                                |
 //! | `staleguard/lease`             | `OWNER EXPIRES_MS` (see [`crate::lease`])                |
@@ -123,10 +123,10 @@ pub struct Meta {
 }
 
 impl Meta {
-    /// Encodes as `m2 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS`.
+    /// Encodes as `m3 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS`.
     pub fn encode(&self) -> Vec<u8> {
         format!(
-            "m2 {} {} {} {} {} {} {}",
+            "m3 {} {} {} {} {} {} {}",
             self.load,
             self.epoch,
             self.generation,
@@ -139,12 +139,13 @@ impl Meta {
     }
 
     /// Decodes [`Meta::encode`]'s output; anything else is `None` (also the
-    /// `m1` of releases with a key per IP: no data until the new poller's first
-    /// load, which the failure policy covers).
+    /// `m1` of releases with a key per IP and the `m2` of releases with JSON
+    /// bucket lines: no data until the new poller's first load, which the
+    /// failure policy covers).
     pub fn decode(bytes: &[u8]) -> Option<Self> {
         let text = std::str::from_utf8(bytes).ok()?;
         let mut parts = text.split(' ');
-        if parts.next()? != "m2" {
+        if parts.next()? != "m3" {
             return None;
         }
         let mut num = || parts.next()?.parse::<u64>().ok();
@@ -256,7 +257,9 @@ pub struct Lookup {
     pub meta: Option<Meta>,
     /// Whether the service is known.
     pub service: Entry<()>,
-    /// The IP's record.
+    /// The IP's record as the verdict about the asked service needs it
+    /// ([`buckets::Holders::record_for`]: other services and pod names are
+    /// placeholders).
     pub record: Entry<IpRecord>,
 }
 
@@ -287,10 +290,17 @@ impl<'a, S: SharedData + ?Sized> View<'a, S> {
         }
     }
 
-    /// The record of `ip` in the index `meta` describes.
+    /// The record of `ip` in the index `meta` describes, with every service
+    /// in it a [`buckets::placeholder`] of its id: one record serves a
+    /// verdict about any service, asked as
+    /// `placeholder(service_id(service))` (what `crate::check` does).
     pub fn record(&self, meta: &Meta, ip: &IpAddr) -> Entry<IpRecord> {
         match self.store.get(&buckets::key_of(ip, meta.buckets)) {
-            Ok((value, _)) => buckets::find(&value.unwrap_or_default(), ip, meta.load),
+            Ok((value, _)) => match buckets::find(&value.unwrap_or_default(), ip, meta.load) {
+                Entry::Present(holders) => Entry::Present(holders.record_by_ids(*ip)),
+                Entry::Absent => Entry::Absent,
+                Entry::Corrupt => Entry::Corrupt,
+            },
             Err(_) => Entry::Corrupt,
         }
     }
@@ -304,11 +314,25 @@ impl<'a, S: SharedData + ?Sized> View<'a, S> {
                 record: Entry::Absent,
             };
         };
-        let service = self.service(&meta, service);
-        let record = self.record(&meta, ip);
+        let read = |key: String| match self.store.get(&key) {
+            Ok((value, _)) => Ok(value.unwrap_or_default()),
+            Err(_) => Err(()),
+        };
+        let known = match read(service_key(service)) {
+            Ok(v) => decode_service(&v, meta.load),
+            Err(()) => Entry::Corrupt,
+        };
+        let record = match read(buckets::key_of(ip, meta.buckets)) {
+            Ok(v) => match buckets::find(&v, ip, meta.load) {
+                Entry::Present(holders) => Entry::Present(holders.record_for(*ip, service)),
+                Entry::Absent => Entry::Absent,
+                Entry::Corrupt => Entry::Corrupt,
+            },
+            Err(()) => Entry::Corrupt,
+        };
         Lookup {
             meta: Some(meta),
-            service,
+            service: known,
             record,
         }
     }
@@ -332,12 +356,13 @@ mod tests {
         assert_eq!(Meta::decode(&m.encode()), Some(m));
         for bad in [
             &b""[..],
-            b"m2",
+            b"m3",
             b"m1 1 1 1 1 1 1",
-            b"m2 1 1 1 1 1 1",
-            b"m2 1 1 1 1 2 1 1024",
-            b"m2 1 1 1 1 1 1 1000",
-            b"m2 1 1 1 1 1 1 1024 1",
+            b"m2 1 1 1 1 1 1 1024",
+            b"m3 1 1 1 1 1 1",
+            b"m3 1 1 1 1 2 1 1024",
+            b"m3 1 1 1 1 1 1 1000",
+            b"m3 1 1 1 1 1 1 1024 1",
         ] {
             assert_eq!(
                 Meta::decode(bad),

@@ -97,6 +97,9 @@ pub const LONG_POLL_SLACK_MS: u64 = 5_000;
 /// a 150k-IP snapshot takes about a second (docs/benchmarks.md).
 pub const SNAPSHOT_TIMEOUT_MS: u64 = 30_000;
 
+/// How much of an answer's body the poller reads at a time.
+pub const BODY_CHUNK: usize = 64 * 1024;
+
 /// What the watchdog adds to the host's timeout before it gives up itself.
 pub const WATCHDOG_SLACK_MS: u64 = 2_000;
 
@@ -348,6 +351,19 @@ impl Poller {
         body: &[u8],
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
+        self.on_response_from(now_ms, status, &mut &body[..], store)
+    }
+
+    /// Like [`Poller::on_response`], decoding the body as `body` yields it:
+    /// the glue reads a large answer from the host in chunks instead of
+    /// copying all of it into the VM first.
+    pub fn on_response_from(
+        &mut self,
+        now_ms: u64,
+        status: u32,
+        body: &mut dyn std::io::Read,
+        store: &mut dyn SharedData,
+    ) -> Result<Applied, SyncError> {
         let request = self.in_flight.take();
         let result = self.apply(now_ms, request, status, body, store);
         match &result {
@@ -410,19 +426,22 @@ impl Poller {
         now_ms: u64,
         request: Option<Request>,
         status: u32,
-        body: &[u8],
+        body: &mut dyn std::io::Read,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
         if status != 200 {
             return Err(SyncError::Status(status));
         }
+        // serde_json reads a byte at a time; a buffer makes that a copy out
+        // of memory, and asks `body` for large pieces.
+        let body = std::io::BufReader::with_capacity(BODY_CHUNK, body);
         match request {
             Some(Request::Snapshot) | None => {
-                let snapshot = Snapshot::from_json(body).map_err(SyncError::Decode)?;
+                let snapshot = Snapshot::from_reader(body).map_err(SyncError::Decode)?;
                 self.load_snapshot(now_ms, snapshot, store)
             }
             Some(Request::Changes { .. }) => {
-                match Changes::from_json(body).map_err(SyncError::Decode)? {
+                match Changes::from_reader(body).map_err(SyncError::Decode)? {
                     Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
                     Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
                 }
@@ -436,6 +455,10 @@ impl Poller {
         mut snapshot: Snapshot,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
+        // The decoder grew the records by doubling: give the spare capacity
+        // (up to half of it) to what applying builds next, the guard's baseline
+        // and the member lists, instead of growing the VM further.
+        snapshot.records.shrink_to_fit();
         if !self.guard.admit(now_ms, Answer::Reset(&snapshot)) {
             let gains = self.guard.gains(Answer::Reset(&snapshot));
             self.write_gains(&gains, store)?;
@@ -577,7 +600,7 @@ impl Poller {
                     Edit::Remove(ip) => (**ip, None),
                 };
                 let old = match buckets::find(&value, &ip, load) {
-                    Entry::Present(record) => Some(record),
+                    Entry::Present(holders) => Some(holders),
                     Entry::Absent | Entry::Corrupt => None,
                 };
                 members::apply_change(store, load, ip, old.as_ref(), new)?;
@@ -1123,22 +1146,31 @@ mod tests {
         p.next_request(0, &store);
         p.on_response(0, 200, &json(&snapshot(9, 1, &[])), &mut store)
             .unwrap();
-        let grown: Vec<IpRecord> = (0..2_049).map(|n| rec(&v6(n))).collect();
+        // One IP more than twice the aimed-for density of the smallest layout.
+        let n = 2 * buckets::IPS_PER_BUCKET as u32 * buckets::MIN_BUCKETS + 1;
+        // Pods in no service: the member lists (one key per service, each
+        // rewritten per change) are not what this test is about.
+        let bare = |n: u32| {
+            let mut r = rec(&v6(n));
+            r.pods[0].services.clear();
+            r
+        };
+        let grown: Vec<IpRecord> = (0..n).map(bare).collect();
         p.next_request(1_000, &store).unwrap();
         let mut d = delta(9, 1, 2);
         d.upserts = grown.clone();
         p.on_response(1_000, 200, &json(&Changes::Delta(d)), &mut store)
             .unwrap();
         assert_eq!(View::new(&store).meta().unwrap().buckets, 1_024);
-        assert!(present(&store, &v6(2_048)), "still served meanwhile");
+        assert!(present(&store, &v6(n - 1)), "still served meanwhile");
         assert_eq!(p.next_request(2_000, &store), Some(Request::Snapshot));
-        let ips: Vec<String> = (0..2_049).map(v6).collect();
+        let ips: Vec<String> = (0..n).map(v6).collect();
         let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
         p.on_response(2_000, 200, &json(&snapshot(9, 2, &ips)), &mut store)
             .unwrap();
         let meta = View::new(&store).meta().unwrap();
-        assert_eq!((meta.buckets, meta.entries), (4_096, 2_049));
-        assert!(present(&store, &v6(2_048)) && present(&store, &v6(0)));
+        assert_eq!((meta.buckets, meta.entries), (4_096, u64::from(n)));
+        assert!(present(&store, &v6(n - 1)) && present(&store, &v6(0)));
     }
 
     #[test]

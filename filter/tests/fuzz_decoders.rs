@@ -47,6 +47,9 @@ const SEEDS: &[&str] = &[
     r#"{"kind":"delta","v":1,"epoch":7,"since":3,"generation":5,"freshness":{"fresh":true},"services_added":["a/b"],"services_removed":["shop/pay"],"upserts":[{"ip":"10.0.0.9","pods":[{"namespace":"a","name":"b","terminating":true,"host_network":true}]}],"removed":["10.0.0.1","::1"]}"#,
     r#"{"kind":"reset","v":1,"epoch":8,"generation":1,"freshness":{"fresh":false},"services":[],"records":[]}"#,
     "m1 3 7 5 1700000000000 1 12",
+    "m3 3 7 5 1700000000000 1 12 1024",
+    "3\n10.0.0.1 pr s0123456789abcdef/80,443 pt sfedcba9876543210\nfd00::2 b0123456789abcdef t",
+    "prth s0123456789abcdef s0000000000000001/1 b00000000000000ff",
     "3 {\"ip\":\"10.0.0.1\",\"pods\":[{\"namespace\":\"a\",\"name\":\"b\"}]}",
     "12",
     "42 99999",
@@ -77,6 +80,12 @@ const TOKENS: &[&str] = &[
     "\"a/\"",
     "\"/b\"",
     "m1",
+    "m3",
+    "pr",
+    " s0123456789abcdef",
+    " b",
+    " t",
+    "/",
     "\n",
 ];
 
@@ -129,6 +138,17 @@ fn feed(input: &[u8], rng: &mut Rng) {
     let ip = "10.0.0.1".parse().unwrap();
     let _ = buckets::find(input, &ip, rng.next() % 4);
     let _ = buckets::Bucket::read(input, rng.next() % 4);
+    // A bucket line's holders: whatever decodes encodes back to itself.
+    if let Some(holders) = buckets::Holders::decode(input) {
+        let again = buckets::Holders::decode(&holders.encode());
+        assert_eq!(
+            again.as_ref(),
+            Some(&holders),
+            "{:?}",
+            String::from_utf8_lossy(input)
+        );
+        let _ = holders.record_for(ip, &"shop/cart".parse().unwrap());
+    }
     let _ = decode_service(input, rng.next() % 4);
 
     // Validator answers through the poller, starting from a synced index.

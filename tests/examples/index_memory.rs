@@ -1,0 +1,199 @@
+//! What the index costs the gateway's memory (issue 14): Envoy's resident set
+//! after a full snapshot of `PODS` IPs, per IP, above a floor, and how much of
+//! it is the poller VM's linear memory. Not a test: a benchmark, run by hand
+//! (see docs/benchmarks.md, "The index in the gateway's memory"):
+//!
+//! ```text
+//! . scripts/setup.sh && sg_setup_all
+//! NOOP_WASM=/path/to/noop.wasm cargo run --release -p staleguard-tests --example index_memory
+//! ```
+//!
+//! Each round starts three Envoys (`--concurrency 1`, the plugin
+//! configuration deploy/ ships, one guarded cluster and its twin):
+//!
+//! - **noop**: the same gateway with a module whose filter does nothing
+//!   (`NOOP_WASM`, e.g. the `bench/filters` no-op; skipped when unset): the
+//!   floor any Wasm filter pays;
+//! - **empty**: staleguard synced to an empty index;
+//! - **full**: the same Envoy after the validator's index became `PODS` pods
+//!   in `SERVICES` services (verdict view; the filter applies it as a reset).
+//!
+//! Resident set: `VmRSS` of the Envoy process, read `SETTLE_MS` (2000) after
+//! the answer was applied. VM memory: the filter's
+//! `staleguard_filter_vm_memory_bytes` gauge (the poller VM's linear memory,
+//! which never shrinks: its peak). The rest of the growth is Envoy's: shared
+//! data and what its allocator keeps of the answer's buffers. `ROUNDS` (3),
+//! medians.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use staleguard_core::{Freshness, IpRecord};
+use staleguard_tests::bench::{env_usize, median};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::fake_validator::FakeValidator;
+use staleguard_validator::index::{Index, IndexConfig};
+use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::synth;
+
+fn rss_bytes(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .context("no VmRSS")?;
+    Ok(kb * 1024)
+}
+
+/// Replaces every string naming `from` in the bootstrap by `to`.
+fn swap_module(value: &mut Value, from: &str, to: &str) {
+    match value {
+        Value::String(s) if s == from => *s = to.to_owned(),
+        Value::Array(items) => items.iter_mut().for_each(|v| swap_module(v, from, to)),
+        Value::Object(map) => map.values_mut().for_each(|v| swap_module(v, from, to)),
+        _ => {}
+    }
+}
+
+fn gateway(validator: &FakeValidator) -> Result<Gateway> {
+    Ok(Gateway {
+        concurrency: 1,
+        validator: validator.addr(),
+        replicas: vec![],
+        clusters: vec![Cluster::new(
+            "outbound|80||svc-0.bench.svc.cluster.local",
+            "127.0.1.250:9".parse()?,
+            Some(shipped_plugin(json!({}))),
+        )],
+        dynamic: vec![],
+    })
+}
+
+fn started(envoy: Option<Envoy>) -> Result<Envoy> {
+    envoy.context("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`")
+}
+
+fn main() -> Result<()> {
+    let services = env_usize("SERVICES", 1000);
+    let pods = env_usize("PODS", 150_000);
+    let rounds = env_usize("ROUNDS", 3).max(1);
+    let settle = Duration::from_millis(env_usize("SETTLE_MS", 2000) as u64);
+    let noop: Option<PathBuf> = std::env::var_os("NOOP_WASM").map(PathBuf::from);
+    let ours = std::env::var("STALEGUARD_WASM").context("STALEGUARD_WASM is not set")?;
+
+    let shared = SharedIndex::new(
+        Index::new(1, IndexConfig::default()),
+        Duration::from_secs(3600),
+    );
+    synth::feed(&shared, synth::cluster(services, pods / services));
+    let snapshot = shared.read().snapshot(Freshness {
+        fresh: true,
+        age_ms: Some(0),
+    });
+    let keys = snapshot.services.clone();
+    let records: Vec<IpRecord> = snapshot
+        .records
+        .into_iter()
+        .map(IpRecord::verdict_view)
+        .collect();
+    drop(shared);
+    let ips = records.len() as u64;
+    println!("{ips} IPs in {} services", keys.len());
+
+    let noop_rss = |module: &Path| -> Result<u64> {
+        let validator = FakeValidator::start(7)?;
+        let mut envoy = started(gateway(&validator)?.start_with(|config| {
+            swap_module(config, &ours, &module.display().to_string());
+            Ok(())
+        })?)?;
+        std::thread::sleep(settle);
+        let rss = rss_bytes(envoy.pid())?;
+        envoy.stop();
+        Ok(rss)
+    };
+    let ours_rss = || -> Result<[u64; 6]> {
+        let validator = FakeValidator::start(7)?;
+        let mut envoy = started(gateway(&validator)?.start()?)?;
+        envoy.eventually("the first answer", Duration::from_secs(120), |e| {
+            Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
+        })?;
+        std::thread::sleep(settle);
+        let empty_rss = rss_bytes(envoy.pid())?;
+        let empty_vm = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
+        validator.set_index(keys.clone(), records.clone());
+        envoy.eventually("the reset", Duration::from_secs(180), |e| {
+            Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 2)
+        })?;
+        let entries = envoy.stat("wasmcustom.staleguard_filter_index_entries")?;
+        if entries != ips {
+            bail!("{entries} entries loaded, not {ips}");
+        }
+        std::thread::sleep(settle);
+        let full_rss = rss_bytes(envoy.pid())?;
+        let full_vm = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
+        let apply_us = envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?;
+        let bytes = envoy.stat("wasmcustom.staleguard_filter_sync_received_bytes_total")?;
+        envoy.stop();
+        Ok([empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes])
+    };
+
+    let mut rows: Vec<[u64; 6]> = vec![];
+    let mut floors: Vec<u64> = vec![];
+    for round in 0..rounds {
+        // Alternate which gateway starts first, so a drift in the machine's
+        // state does not always favour the same one.
+        if round % 2 == 1 {
+            rows.push(ours_rss()?);
+        }
+        if let Some(module) = &noop {
+            floors.push(noop_rss(module)?);
+        }
+        if round % 2 == 0 {
+            rows.push(ours_rss()?);
+        }
+    }
+    let col = |i: usize| median(&mut rows.iter().map(|r| r[i]).collect::<Vec<_>>());
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let per_ip = |b: u64| b as f64 / ips as f64;
+    let (empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes) =
+        (col(0), col(1), col(2), col(3), col(4), col(5));
+    println!("{ips} IPs, {rounds} rounds (medians), Envoy --concurrency 1, shipped plugin:");
+    if !floors.is_empty() {
+        let floor = median(&mut floors.clone());
+        println!("  noop module RSS:        {:7.1} MiB", mib(floor));
+        println!(
+            "  staleguard, full index: {:7.1} MiB = {:.0} bytes per IP above the noop",
+            mib(full_rss),
+            per_ip(full_rss.saturating_sub(floor))
+        );
+    }
+    println!(
+        "  staleguard, empty:      {:7.1} MiB (poller VM {:.1} MiB)",
+        mib(empty_rss),
+        mib(empty_vm)
+    );
+    println!(
+        "  staleguard, full:       {:7.1} MiB (poller VM {:.1} MiB), {:.0} bytes per IP above empty",
+        mib(full_rss),
+        mib(full_vm),
+        per_ip(full_rss.saturating_sub(empty_rss))
+    );
+    let vm_growth = full_vm.saturating_sub(empty_vm);
+    let rest = full_rss.saturating_sub(empty_rss).saturating_sub(vm_growth);
+    println!(
+        "  of which poller VM:     {:.0} bytes per IP; Envoy (shared data, buffers): {:.0} bytes per IP",
+        per_ip(vm_growth),
+        per_ip(rest)
+    );
+    println!(
+        "  answer: {:.1} MB applied in {:.0} ms",
+        bytes as f64 / 1e6,
+        apply_us as f64 / 1000.0
+    );
+    println!("  raw [empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes]: {rows:?}; noop rss {floors:?}");
+    Ok(())
+}
