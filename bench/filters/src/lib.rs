@@ -26,6 +26,8 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
+/// The naive filter's counter of requests it asked the validator about.
+pub const NAIVE_ASKED: &str = "bench_naive_asked_total";
 /// The naive filter's counter of requests it let through.
 pub const NAIVE_ALLOWED: &str = "bench_naive_allowed_total";
 /// The naive filter's counter of requests it answered 503.
@@ -42,6 +44,7 @@ struct Naive {
     cluster: String,
     service: String,
     timeout: Duration,
+    asked: Option<u32>,
     allowed: Option<u32>,
     rejected: Option<u32>,
     failed: Option<u32>,
@@ -83,6 +86,7 @@ impl RootContext for Root {
                     .and_then(|v| v.as_u64())
                     .unwrap_or(1000),
             ),
+            asked: metric(NAIVE_ASKED),
             allowed: metric(NAIVE_ALLOWED),
             rejected: metric(NAIVE_REJECTED),
             failed: metric(NAIVE_FAILED),
@@ -169,7 +173,10 @@ impl HttpContext for Ask {
             vec![],
             self.naive.timeout,
         ) {
-            Ok(_) => Action::Pause,
+            Ok(_) => {
+                count(self.naive.asked);
+                Action::Pause
+            }
             Err(_) => {
                 count(self.naive.failed);
                 Action::Continue
