@@ -115,12 +115,16 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
             name: GUARDED.into(),
             plugin: Some(plugin),
             concurrency: 1,
+            cluster_extra: json!({}),
+            route_extra: json!({}),
             detach: true,
         },
         GatewaySpec {
             name: PLAIN.into(),
             plugin: None,
             concurrency: 1,
+            cluster_extra: json!({}),
+            route_extra: json!({}),
             detach: true,
         },
     ];

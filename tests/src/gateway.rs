@@ -42,6 +42,12 @@ pub struct GatewaySpec {
     pub plugin: Option<Value>,
     /// Envoy worker threads.
     pub concurrency: u32,
+    /// Fields set on every service cluster (Envoy's own defences:
+    /// `health_checks`, `outlier_detection`...); `{}` for none.
+    pub cluster_extra: Value,
+    /// Fields set on every service route's action (`retry_policy`...); `{}`
+    /// for none.
+    pub route_extra: Value,
     /// Run Envoy in its own process group, so a terminal's Ctrl-C reaches only
     /// the harness, which then stops it (the demo); tests leave it `false` so
     /// an interrupted test run takes Envoy down with it.
@@ -105,18 +111,21 @@ impl GatewaySpec {
                     },
                 },
             });
+            merge_into(&mut cluster, &self.cluster_extra);
             if let Some(plugin) = &self.plugin {
                 cluster["typed_extension_protocol_options"] = upstream_filter_options(wasm, plugin);
                 // The twin reads the same EDS resource: the same endpoints.
                 clusters.extend(twin_cluster(&cluster, wasm, plugin));
             }
             clusters.push(cluster);
+            let mut route = json!({"cluster": name, "timeout": "5s"});
+            merge_into(&mut route, &self.route_extra);
             vhosts.push(json!({
                 "name": service,
                 "domains": [service, format!("{service}:*")],
                 "routes": [{
                     "match": {"prefix": "/"},
-                    "route": {"cluster": name, "timeout": "5s"},
+                    "route": route,
                     "request_headers_to_add": [
                         {"header": {"key": INTENDED_HEADER, "value": World::key(service)},
                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
@@ -249,6 +258,8 @@ impl GatewaySpec {
             name: name.into(),
             plugin: Some(crate::envoy::shipped_plugin(extra)),
             concurrency: 1,
+            cluster_extra: json!({}),
+            route_extra: json!({}),
             detach: false,
         }
     }
@@ -259,7 +270,18 @@ impl GatewaySpec {
             name: name.into(),
             plugin: None,
             concurrency: 1,
+            cluster_extra: json!({}),
+            route_extra: json!({}),
             detach: false,
+        }
+    }
+}
+
+/// Sets every field of the object `extra` on the object `into`.
+fn merge_into(into: &mut Value, extra: &Value) {
+    if let (Some(into), Some(extra)) = (into.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            into.insert(k.clone(), v.clone());
         }
     }
 }

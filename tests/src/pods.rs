@@ -17,6 +17,7 @@
 //! [`Ghost`]: Occupant::Ghost
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -24,7 +25,12 @@ use anyhow::{Context, Result};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, Response};
-use tokio::task::JoinHandle;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::task::{AbortHandle, JoinHandle};
+
+/// The response header a health check's `service_name_matcher` reads.
+pub const HEALTHCHECKED_HEADER: &str = "x-envoy-upstream-healthchecked-cluster";
 
 /// The request header naming the service the gateway's cluster routes to.
 pub const INTENDED_HEADER: &str = "x-sg-intended";
@@ -119,6 +125,8 @@ pub struct PodServer {
     addr: SocketAddr,
     state: Arc<PodState>,
     task: JoinHandle<()>,
+    /// The open connections' tasks, so [`PodServer::stop`] can close them.
+    connections: Arc<Mutex<Vec<AbortHandle>>>,
 }
 
 impl PodServer {
@@ -131,14 +139,23 @@ impl PodServer {
             occupant: Mutex::new(occupant),
             tallies: Mutex::new(Tallies::new()),
         });
-        let app = axum::Router::new()
-            .fallback(answer)
-            .with_state(state.clone());
-        let task = tokio::spawn(async move {
-            // The server only ends when the task is aborted.
-            let _ = axum::serve(listener, app).await;
-        });
-        Ok(Self { addr, state, task })
+        let connections = Arc::new(Mutex::new(Vec::new()));
+        let task = tokio::spawn(accept(listener, state.clone(), connections.clone()));
+        Ok(Self {
+            addr,
+            state,
+            task,
+            connections,
+        })
+    }
+
+    /// Stops the pod as a killed process stops: the address refuses new
+    /// connections and the open ones are closed (Envoy sees them end).
+    pub fn stop(&self) {
+        self.task.abort();
+        for connection in lock(&self.connections).drain(..) {
+            connection.abort();
+        }
     }
 
     /// The address.
@@ -164,7 +181,40 @@ impl PodServer {
 
 impl Drop for PodServer {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop();
+    }
+}
+
+/// Serves HTTP/1.1 on every accepted connection, each in a task of its own
+/// (kept in `connections`, so [`PodServer::stop`] can end them).
+async fn accept(
+    listener: tokio::net::TcpListener,
+    state: Arc<PodState>,
+    connections: Arc<Mutex<Vec<AbortHandle>>>,
+) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(_) => {
+                // Out of descriptors, most likely: wait instead of spinning.
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            let state = state.clone();
+            async move { Ok::<_, Infallible>(answer(State(state), req.headers().clone()).await) }
+        });
+        let task = tokio::spawn(async move {
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+        let mut open = lock(&connections);
+        open.retain(|c| !c.is_finished());
+        open.push(task.abort_handle());
     }
 }
 
@@ -197,7 +247,14 @@ async fn answer(State(state): State<Arc<PodState>>, headers: HeaderMap) -> Respo
         Occupant::Ghost => ("ghost".into(), "-".into(), "ghost\n".into()),
     };
     let mut response = Response::new(Body::from(body));
-    for (name, value) in [(SERVICE_HEADER, service), (POD_HEADER, pod)] {
+    // What a sidecar's health check answer names (Envoy's
+    // `service_name_matcher` compares it): the service this address serves now.
+    let checked = service.clone();
+    for (name, value) in [
+        (SERVICE_HEADER, service),
+        (POD_HEADER, pod),
+        (HEALTHCHECKED_HEADER, checked),
+    ] {
         if let Ok(value) = HeaderValue::from_str(&value) {
             response.headers_mut().insert(name, value);
         }

@@ -216,6 +216,20 @@ impl World {
         Ok(name)
     }
 
+    /// Stops the server on `ip` now, as a killed pod stops: connections are
+    /// refused from then on (what [`settle`](World::settle) queued for it no
+    /// longer matters). For a benchmark that times the gateways' reaction to
+    /// the event itself.
+    pub fn stop_address(&self, ip: IpAddr) -> Result<()> {
+        match self.servers.get(&ip) {
+            Some(server) => {
+                server.stop();
+                Ok(())
+            }
+            None => bail!("{ip} is not a pod address of this world"),
+        }
+    }
+
     /// Marks a pod terminating (deletion timestamp set, slice entry
     /// `terminating`); it keeps serving while it drains.
     pub fn mark_terminating(&mut self, pod: &str) -> Result<IpAddr> {

@@ -1,0 +1,671 @@
+//! What staleguard costs per request against what a user would otherwise run
+//! (issue 14, `bench/run` section 1): gateways side by side, Envoy 1.40 with
+//! one worker each, that differ only in the guarded cluster's upstream HTTP
+//! filters. wrk drives each in turn (interleaved rounds); Envoy's CPU comes
+//! from `/proc/PID/stat` (utime + stime, every thread), latency from wrk.
+//!
+//! ```text
+//! . scripts/setup.sh && sg_setup_all
+//! cargo build -p staleguard-bench-filters --target wasm32-wasip1 --profile wasm-release
+//! STALEGUARD_BENCH_WASM=target/wasm32-wasip1/wasm-release/staleguard_bench_filters.wasm \
+//!   cargo run --release -p staleguard-tests --example alternatives_cost
+//! # PODS=150000 ROUNDS=6 SECONDS=15 CONNECTIONS=16 are the defaults
+//! ```
+//!
+//! The validator's real API serves a synthetic index of `PODS` IPs in 1,000
+//! services plus the benchmark's own: `bench/live` (4 pods, servers on
+//! 127.0.1.1-4) and `bench/other` (one pod on 127.0.1.9: the recycled IP the
+//! reject and retry paths aim at). It runs in a child process (this binary
+//! again), so the naive design's validator CPU is its own. Prints a markdown
+//! section on stdout; progress on stderr.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use staleguard_tests::bench::{env_usize, median};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::process::Guard;
+
+const LIVE: &str = "outbound|80||live.bench.svc.cluster.local";
+const LIVE_IPS: [&str; 4] = ["127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.1.4"];
+/// A pod of `bench/other`: for `bench/live`'s cluster, a recycled IP.
+const RECYCLED_IP: &str = "127.0.1.9";
+const CHILD_ENV: &str = "REQUEST_COST_VALIDATOR";
+
+/// One gateway of the comparison.
+struct Variant {
+    name: &'static str,
+    /// What the filter counts for each request, checked against Envoy's
+    /// `http.gateway.downstream_rq_total` (`None`: the variant counts nothing).
+    counted: Option<Counter>,
+    /// Every answer must be 2xx (else: every answer must not be).
+    ok: bool,
+    envoy: Envoy,
+}
+
+#[derive(Clone, Copy)]
+enum Counter {
+    Requests(&'static str, &'static str),
+    Stat(&'static str),
+}
+
+#[derive(Default)]
+struct Samples {
+    cpu_us: Vec<f64>,
+    validator_us: Vec<f64>,
+    p50_us: Vec<f64>,
+    p99_us: Vec<f64>,
+    rps: Vec<f64>,
+    requests: u64,
+    bad_status: u64,
+    socket_errors: u64,
+}
+
+fn main() -> Result<()> {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return serve_validator();
+    }
+    let pods = env_usize("PODS", 150_000);
+    let rounds = env_usize("ROUNDS", 6).max(1);
+    let seconds = env_usize("SECONDS", 15).max(1);
+    let connections = env_usize("CONNECTIONS", 16).max(1);
+    let bench_wasm = PathBuf::from(
+        std::env::var("STALEGUARD_BENCH_WASM")
+            .context("STALEGUARD_BENCH_WASM: the bench filter module (bench/run builds it)")?,
+    );
+    if !bench_wasm.exists() {
+        bail!("{}: no such module", bench_wasm.display());
+    }
+
+    // === the validator, in a child process ===
+    eprintln!("request_cost: validator with {pods} synthetic IPs (child process)");
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.env(CHILD_ENV, "1").env("PODS", pods.to_string());
+    let mut validator = Guard::spawn("request-cost-validator", cmd)?;
+    let started = Instant::now();
+    let validator_addr: SocketAddr = loop {
+        validator.check_alive()?;
+        if let Some(line) = validator
+            .output()
+            .lines()
+            .find_map(|l| l.strip_prefix("LISTEN ").map(str::to_owned))
+        {
+            break line.trim().parse()?;
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            bail!("the validator child did not start:\n{}", validator.output());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+
+    // === the pods ===
+    let port = bind_pods()?;
+    let live: Vec<SocketAddr> = LIVE_IPS
+        .iter()
+        .map(|ip| SocketAddr::new(ip.parse().unwrap(), port))
+        .collect();
+    let recycled = SocketAddr::new(RECYCLED_IP.parse()?, port);
+
+    // === the gateways ===
+    let gateway = |hosts: Vec<SocketAddr>, plugin: Option<Value>| Gateway {
+        concurrency: 1,
+        validator: validator_addr,
+        replicas: vec![],
+        dynamic: vec![],
+        clusters: vec![Cluster {
+            name: LIVE.into(),
+            hosts,
+            plugin,
+            metadata: None,
+        }],
+    };
+    let start = |name: &str, g: Gateway, edit: &dyn Fn(&mut Value) -> Result<()>| {
+        eprintln!("request_cost: starting gateway `{name}`");
+        match g.start_with(edit)? {
+            Some(envoy) => Ok(envoy),
+            None => bail!(
+                "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`"
+            ),
+        }
+    };
+    let keep = |_: &mut Value| Ok(());
+    let bench_module = |b: &mut Value| {
+        swap_module(b, &bench_wasm);
+        Ok(())
+    };
+    // The retry path: every pick is the recycled IP; the twin also has the
+    // live pods, which the replay names.
+    let twin_has_live = |b: &mut Value| {
+        let twin_name = format!("{LIVE}|staleguard-twin");
+        let clusters = b["static_resources"]["clusters"]
+            .as_array_mut()
+            .context("clusters")?;
+        let twin = clusters
+            .iter_mut()
+            .find(|c| c["name"] == twin_name.as_str())
+            .context("the twin")?;
+        let endpoints = twin["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            .as_array_mut()
+            .context("endpoints")?;
+        for a in &live {
+            endpoints.push(json!({"endpoint": {"address": {"socket_address": {
+                "address": a.ip().to_string(), "port_value": a.port()}}}}));
+        }
+        Ok(())
+    };
+    let mut variants = vec![
+        Variant {
+            name: "no filter",
+            counted: None,
+            ok: true,
+            envoy: start("no filter", gateway(live.clone(), None), &keep)?,
+        },
+        Variant {
+            name: "no-op Wasm filter",
+            counted: None,
+            ok: true,
+            envoy: start(
+                "no-op",
+                gateway(live.clone(), Some(json!({}))),
+                &bench_module,
+            )?,
+        },
+        Variant {
+            name: "staleguard, allow path (shipped)",
+            counted: Some(Counter::Requests("member", "allow")),
+            ok: true,
+            envoy: start(
+                "staleguard allow",
+                gateway(live.clone(), Some(shipped_plugin(json!({})))),
+                &keep,
+            )?,
+        },
+        Variant {
+            name: "staleguard, reject path (knob: on_reject=reject)",
+            counted: Some(Counter::Requests("recycled", "reject")),
+            ok: false,
+            envoy: start(
+                "staleguard reject",
+                gateway(
+                    vec![recycled],
+                    Some(shipped_plugin(json!({"on_reject": "reject"}))),
+                ),
+                &keep,
+            )?,
+        },
+        Variant {
+            name: "staleguard, retry path (shipped: replayed via the twin)",
+            counted: Some(Counter::Requests("recycled", "retry")),
+            ok: true,
+            envoy: start(
+                "staleguard retry",
+                gateway(vec![recycled], Some(shipped_plugin(json!({})))),
+                &twin_has_live,
+            )?,
+        },
+        Variant {
+            name: "naive: ask the validator per request",
+            counted: Some(Counter::Stat("wasmcustom.bench_naive_asked_total")),
+            ok: true,
+            envoy: start(
+                "naive",
+                gateway(
+                    live.clone(),
+                    Some(json!({"mode": "naive", "service": "bench/live"})),
+                ),
+                &bench_module,
+            )?,
+        },
+    ];
+    const NAIVE: usize = 5;
+    const ALLOW: usize = 2;
+    const NOOP: usize = 1;
+    const NONE: usize = 0;
+
+    for v in &mut variants {
+        if v.counted.is_some() && !v.name.starts_with("naive") {
+            v.envoy
+                .eventually("the first sync", Duration::from_secs(300), |e| {
+                    Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
+                })?;
+        }
+    }
+    let entries = variants[ALLOW]
+        .envoy
+        .stat("wasmcustom.staleguard_filter_index_entries")?;
+    let resync_us = variants[ALLOW]
+        .envoy
+        .stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?;
+
+    // === warm-up, then interleaved rounds ===
+    for v in &variants {
+        let r = wrk(&v.envoy, connections, 1)?;
+        if v.ok != (r.bad_status == 0) || r.requests == 0 {
+            bail!(
+                "{}: warm-up answered {} of {} requests with a non-2xx status",
+                v.name,
+                r.bad_status,
+                r.requests
+            );
+        }
+    }
+    let load_before = loadavg();
+    let mut samples: Vec<Samples> = variants.iter().map(|_| Samples::default()).collect();
+    for round in 0..rounds {
+        for k in 0..variants.len() {
+            let i = (k + round) % variants.len();
+            let v = &variants[i];
+            let cpu0 = cpu_ticks(v.envoy.pid())?;
+            let val0 = cpu_ticks(validator.pid())?;
+            let r = wrk(&v.envoy, connections, seconds)?;
+            let cpu = cpu_ticks(v.envoy.pid())? - cpu0;
+            let val = cpu_ticks(validator.pid())? - val0;
+            let s = &mut samples[i];
+            let done = r.requests.max(1) as f64;
+            s.cpu_us.push(ticks_us(cpu) / done);
+            if i == NAIVE {
+                s.validator_us.push(ticks_us(val) / done);
+            }
+            s.p50_us.push(r.p50_us);
+            s.p99_us.push(r.p99_us);
+            s.rps.push(r.requests as f64 / seconds as f64);
+            s.requests += r.requests;
+            s.bad_status += r.bad_status;
+            s.socket_errors += r.socket_errors;
+        }
+        eprintln!("request_cost: round {} of {rounds} done", round + 1);
+    }
+    let load_after = loadavg();
+
+    // === checks: every request judged once, statuses as the path says ===
+    let mut problems = Vec::new();
+    let mut checked = Vec::new();
+    for (v, s) in variants.iter().zip(&samples) {
+        let downstream = v.envoy.stat("http.gateway.downstream_rq_total")?;
+        if let Some(counter) = v.counted {
+            let counted = match counter {
+                Counter::Requests(reason, action) => v.envoy.requests(reason, action)?,
+                Counter::Stat(name) => v.envoy.stat(name)?,
+            };
+            // wrk stops with up to one request in flight per connection; a
+            // request its client abandoned mid-replay is not counted by the
+            // filter (it counts a replay when it ends).
+            let runs = (rounds + 1) * connections;
+            let abandoned = downstream.saturating_sub(counted);
+            if counted > downstream || abandoned > runs as u64 {
+                problems.push(format!(
+                    "{}: the filter counted {counted} requests, Envoy {downstream}",
+                    v.name
+                ));
+            }
+            checked.push(format!(
+                "{}: {counted} of {downstream}{}",
+                v.name,
+                if abandoned > 0 {
+                    format!(" ({abandoned} abandoned in flight when wrk stopped)")
+                } else {
+                    String::new()
+                }
+            ));
+        }
+        let bad = if v.ok {
+            s.bad_status
+        } else {
+            s.requests - s.bad_status
+        };
+        if bad > 0 {
+            problems.push(format!(
+                "{}: {bad} of {} answers had the wrong status class",
+                v.name, s.requests
+            ));
+        }
+    }
+
+    // === report ===
+    let mut cpu: Vec<f64> = samples.iter_mut().map(|s| median(&mut s.cpu_us)).collect();
+    let validator_cpu = median(&mut samples[NAIVE].validator_us);
+    cpu.push(0.0);
+    let none = cpu[NONE];
+    let noop = cpu[NOOP];
+    println!(
+        "{rounds} interleaved rounds of {seconds} s per gateway, wrk with {connections} keep-alive \
+         connections (1 thread), Envoy 1.40 `--concurrency 1` per gateway; index of {entries} IPs \
+         in the filter. Load average {load_before} before, {load_after} after.\n"
+    );
+    println!(
+        "| gateway (upstream filters) | Envoy CPU per request (median) | x no filter | x no-op Wasm | \
+         requests/s | latency p50 / p99 (medians) | requests | non-2xx |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    for (i, (v, s)) in variants.iter().zip(samples.iter_mut()).enumerate() {
+        let c = cpu[i];
+        let extra = if i == NAIVE {
+            format!(
+                " + validator {validator_cpu:.1} us = **{:.1} us**",
+                c + validator_cpu
+            )
+        } else {
+            String::new()
+        };
+        let total = if i == NAIVE { c + validator_cpu } else { c };
+        println!(
+            "| {} | {c:.1} us{extra} | {:.2}x | {:.2}x | {:.0} | {:.0} / {:.0} us | {} | {} |",
+            v.name,
+            total / none,
+            total / noop,
+            median(&mut s.rps),
+            median(&mut s.p50_us),
+            median(&mut s.p99_us),
+            s.requests,
+            s.bad_status
+        );
+    }
+    let sg = cpu[ALLOW];
+    let naive_total = cpu[NAIVE] + validator_cpu;
+    println!();
+    println!(
+        "- naive / staleguard (allow path), Envoy + validator CPU per request: **{:.1}x** \
+         (target >= 5x: {}); Envoy alone: {:.1}x",
+        naive_total / sg,
+        verdict(naive_total / sg >= 5.0),
+        cpu[NAIVE] / sg
+    );
+    println!(
+        "- staleguard (allow path) / no-op Wasm: **{:.2}x** (target <= 1.05x: {}); \
+         staleguard's own share above the no-op: {:.1} us per request",
+        sg / noop,
+        verdict(sg / noop <= 1.05),
+        sg - noop
+    );
+    println!(
+        "- the filter's full resync of {entries} IPs inside Envoy (decode + write to shared data, \
+         `staleguard_filter_sync_apply_microseconds`): {:.2} s",
+        resync_us as f64 / 1e6
+    );
+    let rss_noop = rss_kib(variants[NOOP].envoy.pid())?;
+    let rss_sg = rss_kib(variants[ALLOW].envoy.pid())?;
+    let rss_none = rss_kib(variants[NONE].envoy.pid())?;
+    println!(
+        "- Envoy RSS: no filter {:.1} MiB, no-op Wasm {:.1} MiB, staleguard {:.1} MiB: \
+         **{:.1} MiB above the no-op, {:.0} bytes per IP**",
+        rss_none as f64 / 1024.0,
+        rss_noop as f64 / 1024.0,
+        rss_sg as f64 / 1024.0,
+        (rss_sg as f64 - rss_noop as f64) / 1024.0,
+        (rss_sg as f64 - rss_noop as f64) * 1024.0 / entries.max(1) as f64
+    );
+    if problems.is_empty() {
+        println!(
+            "- checks: statuses as expected; requests the filter counted, of Envoy's downstream \
+             requests: {}",
+            checked.join("; ")
+        );
+    } else {
+        for p in &problems {
+            println!("- **check failed**: {p}");
+        }
+    }
+    println!(
+        "\nMACHINE request_cost sg_over_noop={:.3} naive_over_sg={:.2} sg_us={sg:.1} noop_us={noop:.1} \
+         none_us={none:.1} naive_us={:.1} naive_validator_us={validator_cpu:.1} resync_s={:.2} \
+         rss_above_noop_mib={:.1} entries={entries}",
+        sg / noop,
+        naive_total / sg,
+        cpu[NAIVE],
+        resync_us as f64 / 1e6,
+        (rss_sg as f64 - rss_noop as f64) / 1024.0
+    );
+    if !problems.is_empty() {
+        bail!("{} check(s) failed (see the report)", problems.len());
+    }
+    Ok(())
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "**missed**"
+    }
+}
+
+/// Replaces the module of every Wasm filter in the bootstrap with `wasm`.
+fn swap_module(v: &mut Value, wasm: &Path) {
+    match v {
+        Value::Object(map) => {
+            if let Some(code) = map.get_mut("code") {
+                if code.get("local").is_some() {
+                    *code = json!({"local": {"filename": wasm.display().to_string()}});
+                    return;
+                }
+            }
+            for child in map.values_mut() {
+                swap_module(child, wasm);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|c| swap_module(c, wasm)),
+        _ => {}
+    }
+}
+
+// === the validator child ===
+
+fn serve_validator() -> Result<()> {
+    use staleguard_validator::api::{self, ApiConfig};
+    use staleguard_validator::index::{Index, IndexConfig};
+    use staleguard_validator::shared::SharedIndex;
+    use staleguard_validator::synth;
+
+    let pods = env_usize("PODS", 150_000);
+    let services = 1000.min(pods.max(1));
+    let shared = SharedIndex::new(
+        Index::new(1, IndexConfig::default()),
+        Duration::from_secs(3600),
+    );
+    let mut cluster = synth::cluster(services, pods / services);
+    for (app, ips) in [("live", &LIVE_IPS[..]), ("other", &[RECYCLED_IP][..])] {
+        let members: Vec<synth::SynthPod> = ips
+            .iter()
+            .enumerate()
+            .map(|(n, ip)| {
+                synth::SynthPod::new("bench", &format!("{app}-{n}"), app, ip.parse().unwrap())
+            })
+            .collect();
+        cluster.services.push(synth::service("bench", app));
+        cluster.slices.push(synth::slice(
+            "bench",
+            &format!("{app}-slice"),
+            app,
+            members.iter().map(synth::SynthPod::endpoint).collect(),
+        ));
+        cluster
+            .pods
+            .extend(members.iter().map(synth::SynthPod::build));
+    }
+    synth::feed(&shared, cluster);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let config = ApiConfig {
+            listen: "127.0.0.1:0".parse()?,
+            admin_listen: "127.0.0.1:0".parse()?,
+            ..ApiConfig::default()
+        };
+        let (addr, _admin) = api::spawn(shared.clone(), &config).await?;
+        println!("LISTEN {addr}");
+        std::io::stdout().flush()?;
+        std::future::pending::<()>().await;
+        Ok(())
+    })
+}
+
+// === the pods: answer at once, keep connections ===
+
+/// Binds the live pods and the recycled IP on one port; returns the port.
+fn bind_pods() -> Result<u16> {
+    for _ in 0..20 {
+        let first = TcpListener::bind((LIVE_IPS[0], 0))?;
+        let port = first.local_addr()?.port();
+        let mut listeners = vec![(first, "live")];
+        let rest: Result<Vec<_>, _> = LIVE_IPS[1..]
+            .iter()
+            .map(|ip| TcpListener::bind((*ip, port)).map(|l| (l, "live")))
+            .chain(std::iter::once(
+                TcpListener::bind((RECYCLED_IP, port)).map(|l| (l, "other")),
+            ))
+            .collect();
+        let Ok(rest) = rest else { continue };
+        listeners.extend(rest);
+        for (listener, app) in listeners {
+            std::thread::spawn(move || serve_pod(listener, app));
+        }
+        return Ok(port);
+    }
+    bail!("no port free on all of 127.0.1.1-4 and .9")
+}
+
+fn serve_pod(listener: TcpListener, app: &'static str) {
+    for stream in listener.incoming().flatten() {
+        std::thread::spawn(move || {
+            let _ = stream.set_nodelay(true);
+            let Ok(clone) = stream.try_clone() else {
+                return;
+            };
+            let mut reader = BufReader::new(clone);
+            let mut stream = stream;
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nx-app: {app}\r\n\r\n{app}\n",
+                app.len() + 1
+            );
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match reader.read_line(&mut line) {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) if line == "\r\n" => {
+                        if stream.write_all(answer.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                }
+            }
+        });
+    }
+}
+
+// === wrk ===
+
+struct WrkRun {
+    requests: u64,
+    bad_status: u64,
+    socket_errors: u64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+fn wrk(envoy: &Envoy, connections: usize, seconds: usize) -> Result<WrkRun> {
+    let out = Command::new("wrk")
+        .args(["-t1", "--latency"])
+        .arg(format!("-c{connections}"))
+        .arg(format!("-d{seconds}s"))
+        .args(["-H", &format!("x-cluster: {LIVE}")])
+        .arg(format!("http://{}/", envoy.listener))
+        .output()
+        .context("run wrk (bench/run installs it: apt-get install wrk)")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    }
+    parse_wrk(&text).with_context(|| format!("wrk's output:\n{text}"))
+}
+
+fn parse_wrk(text: &str) -> Result<WrkRun> {
+    let mut run = WrkRun {
+        requests: 0,
+        bad_status: 0,
+        socket_errors: 0,
+        p50_us: f64::NAN,
+        p99_us: f64::NAN,
+    };
+    for line in text.lines().map(str::trim) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            [n, "requests", "in", ..] => run.requests = n.parse()?,
+            ["Non-2xx", "or", "3xx", "responses:", n] => run.bad_status = n.parse()?,
+            ["Socket", "errors:", rest @ ..] => {
+                run.socket_errors = rest
+                    .iter()
+                    .filter_map(|w| w.trim_end_matches(',').parse::<u64>().ok())
+                    .sum();
+            }
+            ["50%", v] => run.p50_us = duration_us(v)?,
+            ["99%", v] => run.p99_us = duration_us(v)?,
+            _ => {}
+        }
+    }
+    if run.p50_us.is_nan() {
+        bail!("no latency distribution");
+    }
+    Ok(run)
+}
+
+fn duration_us(v: &str) -> Result<f64> {
+    let split = v
+        .find(|c: char| c.is_ascii_alphabetic())
+        .context("a unit")?;
+    let (n, unit) = v.split_at(split);
+    let n: f64 = n.parse()?;
+    Ok(match unit {
+        "us" => n,
+        "ms" => n * 1e3,
+        "s" => n * 1e6,
+        "m" => n * 60e6,
+        other => bail!("unit {other}"),
+    })
+}
+
+// === /proc ===
+
+/// utime + stime of every thread of `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name may hold spaces: fields count from after its `)`.
+    let rest = stat.rsplit_once(')').context("stat")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11).context("utime")?.parse()?;
+    let stime: u64 = fields.get(12).context("stime")?.parse()?;
+    Ok(utime + stime)
+}
+
+fn ticks_us(ticks: u64) -> f64 {
+    // USER_HZ is 100 on Linux for every architecture this runs on.
+    ticks as f64 * 10_000.0
+}
+
+fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .context("VmRSS")?
+        .parse()
+        .context("VmRSS")
+}
+
+/// The 1-minute load average.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
