@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 use staleguard_tests::bench::env_usize;
+use staleguard_tests::envoy::shipped_route_retry_policy;
 use staleguard_tests::gateway::{cluster_name, Gateway, GatewaySpec};
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{deps, Scene};
@@ -107,7 +108,12 @@ async fn main() -> Result<()> {
     world.add_service("web", 4).await?;
     world.add_service("other", 1).await?;
     let specs = vec![
-        GatewaySpec::guarded("staleguard", json!({})),
+        // The shipped gateway: the plugin and the route's retry on a refused
+        // connection, both from deploy/envoy/envoy.yaml.
+        GatewaySpec {
+            route_extra: json!({"retry_policy": shipped_route_retry_policy()}),
+            ..GatewaySpec::guarded("staleguard", json!({}))
+        },
         spec(
             "health-check",
             health_check(json!({"path": "/"})),
@@ -311,7 +317,7 @@ async fn main() -> Result<()> {
 /// What the report calls a gateway.
 fn label(name: &str) -> &str {
     match name {
-        "staleguard" => "staleguard (shipped configuration)",
+        "staleguard" => "staleguard (shipped configuration: the plugin, and the route's retry on `connect-failure,refused-stream`)",
         "health-check" => "active health check (5 s interval, unhealthy threshold 3)",
         "health-check-service-name" => {
             "the same, matching the service name (`service_name_matcher`)"

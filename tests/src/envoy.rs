@@ -113,6 +113,24 @@ pub fn shipped_plugin_config() -> Value {
     config
 }
 
+/// The `retry_policy` of the route `deploy/envoy/envoy.yaml` ships for
+/// requests without a body (the last route of the gateway's virtual host):
+/// what a gateway that stands for the shipped one sets on its routes.
+pub fn shipped_route_retry_policy() -> Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/envoy/envoy.yaml");
+    let yaml = std::fs::read_to_string(path).unwrap_or_default();
+    let doc: Value =
+        serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("{path} is not YAML: {e}"));
+    let routes = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"];
+    routes
+        .as_array()
+        .and_then(|r| r.last())
+        .map(|r| r["route"]["retry_policy"].clone())
+        .filter(|p| p.is_object())
+        .unwrap_or_else(|| panic!("no retry_policy on the last route of {path}"))
+}
+
 /// The shipped plugin configuration ([`shipped_plugin_config`]) with `extra`
 /// fields on top: topology (`clusters`, `istio`), a `token`, or the knob a
 /// test is about. A test that turns a knob names it in its title.

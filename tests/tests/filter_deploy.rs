@@ -108,3 +108,20 @@ fn shipped_plugin_configs_are_valid() {
     check_plugin_configs("deploy/envoy/envoy.yaml", 2);
     check_plugin_configs("deploy/istio/envoyfilter.yaml", 1);
 }
+
+/// A deleted pod refuses the connection before any upstream filter runs, so
+/// the shipped route retries a refused connection on another host
+/// (docs/benchmarks.md, "Reaction time"); the reaction benchmark reads the
+/// same policy.
+#[test]
+fn the_shipped_route_retries_a_refused_connection_on_another_host() {
+    let policy = staleguard_tests::envoy::shipped_route_retry_policy();
+    let on = policy["retry_on"].as_str().unwrap_or_default();
+    assert!(on.split(',').any(|c| c == "connect-failure"), "{policy}");
+    assert!(policy["num_retries"].as_u64().unwrap_or(0) >= 1, "{policy}");
+    assert_eq!(
+        policy["retry_host_predicate"][0]["name"],
+        "envoy.retry_host_predicates.previous_hosts",
+        "{policy}"
+    );
+}
