@@ -67,6 +67,19 @@ sg_setup_apiserver() {
   fi
 }
 
+# cargo-deny (deny.toml: licenses, bans, sources, advisories), built from
+# crates.io into the cache once (a few minutes).
+CARGO_DENY_VERSION=0.20.2
+sg_setup_cargo_deny() {
+  local root="$STALEGUARD_CACHE/cargo-deny-$CARGO_DENY_VERSION"
+  if ! "$root/bin/cargo-deny" --version >/dev/null 2>&1; then
+    sg_step "installing cargo-deny $CARGO_DENY_VERSION into $root (builds from crates.io, a few minutes)"
+    cargo install --quiet --locked --root "$root" --version "$CARGO_DENY_VERSION" cargo-deny >&2
+  fi
+  CARGO_DENY="$root/bin/cargo-deny"
+  export CARGO_DENY
+}
+
 sg_setup_all() {
   sg_setup_wasm_target
   sg_setup_envoy

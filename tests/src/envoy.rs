@@ -120,7 +120,7 @@ pub fn shipped_route_retry_policy() -> Value {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/envoy/envoy.yaml");
     let yaml = std::fs::read_to_string(path).unwrap_or_default();
     let doc: Value =
-        serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("{path} is not YAML: {e}"));
+        yaml_serde::from_str(&yaml).unwrap_or_else(|e| panic!("{path} is not YAML: {e}"));
     let routes = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"];
     routes

@@ -84,8 +84,8 @@ fn repo() -> PathBuf {
 pub fn read_yaml(path: &str) -> Result<Value> {
     let text =
         std::fs::read_to_string(repo().join(path)).with_context(|| format!("read {path}"))?;
-    let value: serde_yaml::Value =
-        serde_yaml::from_str(&text).with_context(|| format!("parse {path}"))?;
+    let value: yaml_serde::Value =
+        yaml_serde::from_str(&text).with_context(|| format!("parse {path}"))?;
     serde_json::to_value(value).with_context(|| format!("{path} as JSON"))
 }
 

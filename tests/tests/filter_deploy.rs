@@ -1,7 +1,8 @@
 //! The shipped plain-Envoy example is a configuration Envoy 1.40 accepts, and
 //! its stats_tags (and the Istio bootstrap override's) are the ones the
 //! filter tests check in /stats/prometheus; the plugin configurations it
-//! ships parse under the filter's strict schema.
+//! ships parse under the filter's strict schema, and the guarding plugin
+//! fails open.
 
 use std::process::Command;
 
@@ -120,8 +121,62 @@ fn the_shipped_route_retries_a_refused_connection_on_another_host() {
     assert!(on.split(',').any(|c| c == "connect-failure"), "{policy}");
     assert!(policy["num_retries"].as_u64().unwrap_or(0) >= 1, "{policy}");
     assert_eq!(
-        policy["retry_host_predicate"][0]["name"],
-        "envoy.retry_host_predicates.previous_hosts",
+        policy["retry_host_predicate"][0]["name"], "envoy.retry_host_predicates.previous_hosts",
         "{policy}"
     );
+}
+
+/// Every Wasm filter named `staleguard` in `yaml` with its `failure_policy`
+/// (`None` when unset), found wherever it sits in the document.
+fn wasm_failure_policies(yaml: &str) -> Vec<(String, Option<String>)> {
+    fn walk(v: &yaml_serde::Value, out: &mut Vec<(String, Option<String>)>) {
+        match v {
+            yaml_serde::Value::Mapping(m) => {
+                let name = m.get("name").and_then(|n| n.as_str());
+                if let (Some("staleguard"), Some(vm)) = (name, m.get("vm_config")) {
+                    let vm_id = vm
+                        .get("vm_id")
+                        .and_then(|i| i.as_str())
+                        .unwrap_or_default()
+                        .to_owned();
+                    let policy = m
+                        .get("failure_policy")
+                        .and_then(|p| p.as_str())
+                        .map(str::to_owned);
+                    out.push((vm_id, policy));
+                }
+                m.values().for_each(|v| walk(v, out));
+            }
+            yaml_serde::Value::Sequence(s) => s.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    for doc in yaml_serde::Deserializer::from_str(yaml) {
+        let value = <yaml_serde::Value as serde::Deserialize>::deserialize(doc).unwrap();
+        walk(&value, &mut out);
+    }
+    out
+}
+
+/// Envoy's default for a Wasm VM that fails is FAIL_CLOSED: a 503 for every
+/// request of the worker. The plugin that guards a cluster must fail open in
+/// every shipped configuration. A retry twin's plugin has none on purpose: a
+/// twin that cannot run fails the replay, which the guard turns into its
+/// normal rejection (docs/filter.md, "The twin, plain Envoy and Istio").
+#[test]
+fn the_guarding_plugin_fails_open_in_every_shipped_configuration() {
+    for path in ["deploy/envoy/envoy.yaml", "deploy/istio/envoyfilter.yaml"] {
+        let yaml = std::fs::read_to_string(repo(path)).unwrap();
+        let plugins = wasm_failure_policies(&yaml);
+        let guards: Vec<_> = plugins
+            .iter()
+            .filter(|(vm, _)| vm == "staleguard")
+            .collect();
+        assert_eq!(guards.len(), 1, "{path}: {plugins:?}");
+        for (vm, policy) in &plugins {
+            let want = (vm == "staleguard").then_some("FAIL_OPEN");
+            assert_eq!(policy.as_deref(), want, "{path}: vm_id {vm}");
+        }
+    }
 }

@@ -347,42 +347,15 @@ impl Config {
     }
 }
 
-/// Parses `500ms`, `90s`, `10m`, `1h`, or a sum such as `1m30s`.
+/// Parses a duration such as `500ms`, `1.5s`, `10m`, `1h` or `1m30s` (humantime's
+/// syntax: numbers with a unit each, summed). A bare number has no unit and is
+/// refused rather than guessed.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     if text.is_empty() {
         return Err("empty duration (use e.g. 500ms, 30s, 10m, 1h)".into());
     }
-    let mut total = Duration::ZERO;
-    let mut rest = text;
-    while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        if digits == 0 {
-            return Err(format!(
-                "expected a number at {rest:?} (use e.g. 500ms, 30s, 10m, 1h)"
-            ));
-        }
-        let number: u64 = rest[..digits]
-            .parse()
-            .map_err(|_| format!("number too large in {text:?}"))?;
-        rest = &rest[digits..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let part = match &rest[..unit_len] {
-            "ms" => Duration::from_millis(number),
-            "s" => Duration::from_secs(number),
-            "m" => Duration::from_secs(number.saturating_mul(60)),
-            "h" => Duration::from_secs(number.saturating_mul(3600)),
-            "" => return Err(format!("missing unit after {number} (ms, s, m or h)")),
-            other => return Err(format!("unknown unit {other:?} (ms, s, m or h)")),
-        };
-        total = total.saturating_add(part);
-        rest = &rest[unit_len..];
-    }
-    Ok(total)
+    humantime::parse_duration(text).map_err(|e| format!("{e} (use e.g. 500ms, 30s, 10m, 1h)"))
 }
 
 /// A shallow check of label selector syntax; the API server has the last word,
@@ -447,7 +420,8 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
-        for bad in ["", "10", "ms", "10x", "1.5s", "-1s"] {
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        for bad in ["", "10", "ms", "10x", "-1s", "1s garbage"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
     }

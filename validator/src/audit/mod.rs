@@ -591,8 +591,8 @@ mod tests {
             env!("CARGO_MANIFEST_DIR"),
             "/../deploy/audit/gateway-sidecar.yaml"
         );
-        let doc: serde_yaml::Value =
-            serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let doc: yaml_serde::Value =
+            yaml_serde::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let container = &doc["spec"]["template"]["spec"]["containers"][0];
         let args: Vec<&str> = container["args"]
             .as_sequence()

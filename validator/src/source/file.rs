@@ -48,7 +48,7 @@ pub enum FileError {
         doc: usize,
         /// The parser's complaint.
         #[source]
-        source: serde_yaml::Error,
+        source: yaml_serde::Error,
     },
     /// A document, or a `List` item, that is not an object with a `kind`.
     #[error("{path}: document {doc}: {what}")]
@@ -73,7 +73,7 @@ pub enum FileError {
         name: String,
         /// Why it does not fit.
         #[source]
-        source: serde_yaml::Error,
+        source: yaml_serde::Error,
     },
 }
 
@@ -102,10 +102,10 @@ impl Objects {
 /// Parses the text of one file; `path` only names it in errors.
 pub fn parse(text: &str, path: &Path) -> Result<Objects, FileError> {
     let mut objects = Objects::default();
-    for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+    for (i, document) in yaml_serde::Deserializer::from_str(text).enumerate() {
         let doc = i + 1;
         let value =
-            serde_yaml::Value::deserialize(document).map_err(|source| FileError::Syntax {
+            yaml_serde::Value::deserialize(document).map_err(|source| FileError::Syntax {
                 path: path.to_owned(),
                 doc,
                 source,
@@ -116,7 +116,7 @@ pub fn parse(text: &str, path: &Path) -> Result<Objects, FileError> {
 }
 
 fn collect(
-    value: serde_yaml::Value,
+    value: yaml_serde::Value,
     path: &Path,
     doc: usize,
     out: &mut Objects,
@@ -137,8 +137,8 @@ fn collect(
     };
     if kind.ends_with("List") {
         let items = match map.get("items") {
-            Some(serde_yaml::Value::Sequence(items)) => items.clone(),
-            Some(serde_yaml::Value::Null) | None => Vec::new(),
+            Some(yaml_serde::Value::Sequence(items)) => items.clone(),
+            Some(yaml_serde::Value::Null) | None => Vec::new(),
             Some(_) => return Err(not_an_object("`items` of a List is not a sequence")),
         };
         for item in items {
@@ -162,13 +162,13 @@ fn collect(
     match kind.as_str() {
         "Pod" => out
             .pods
-            .push(serde_yaml::from_value(value).map_err(malformed)?),
+            .push(yaml_serde::from_value(value).map_err(malformed)?),
         "Service" => out
             .services
-            .push(serde_yaml::from_value(value).map_err(malformed)?),
+            .push(yaml_serde::from_value(value).map_err(malformed)?),
         "EndpointSlice" => out
             .slices
-            .push(serde_yaml::from_value(value).map_err(malformed)?),
+            .push(yaml_serde::from_value(value).map_err(malformed)?),
         _ => out.ignored += 1,
     }
     Ok(())
