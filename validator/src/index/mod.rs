@@ -33,6 +33,7 @@
 //! | [`pods`] | pods, by name, uid and namespace |
 //! | [`services`] | services, in or out of scope, and which pods they select |
 //! | [`slices`] | slice entries, kept under the IPs they list |
+//! | [`relist`] | buffering a relist and swapping it in, for every kind |
 //! | [`records`] | the records derived from those facts, fingerprints, `finish` |
 //! | [`tombstones`] | what an IP remembers once nobody holds it |
 //! | [`log`] | the change log |
@@ -41,6 +42,7 @@ mod log;
 mod objects;
 mod pods;
 mod records;
+mod relist;
 mod services;
 mod slices;
 mod table;
@@ -66,16 +68,20 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hashbrown::HashTable;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::watcher::Event;
 use smallvec::SmallVec;
 use staleguard_core::wire::{Delta, WIRE_VERSION};
 use staleguard_core::{Freshness, ServiceKey, Snapshot};
 
 use self::log::{ChangeKey, ChangeLog};
 pub(crate) use self::objects::SERVICE_NAME_LABEL;
-use self::objects::{Interner, ObjName, PodFacts, ServiceFacts, SliceFacts, Uid};
+use self::objects::{Interner, ServiceFacts, Uid};
 pub use self::objects::{Kind, Skip};
 use self::pods::PodState;
 use self::records::IpState;
+use self::relist::Relists;
 use self::slices::SliceState;
 use self::table::{Id, Table};
 use self::tombstones::TombState;
@@ -126,14 +132,6 @@ pub struct IndexStats {
     pub change_log: usize,
     /// Objects (or parts of them) skipped as malformed, by kind and reason.
     pub skipped: BTreeMap<(Kind, Skip), u64>,
-}
-
-/// Objects listed since the last `Init`, waiting for `InitDone`.
-#[derive(Debug, Default)]
-struct Relists {
-    pods: Option<Vec<(ObjName, PodFacts)>>,
-    services: Option<Vec<ServiceFacts>>,
-    slices: Option<Vec<SliceFacts>>,
 }
 
 /// The pod IP -> identity index. See the module docs.
@@ -238,6 +236,21 @@ impl Index {
     /// True once every kind finished its first list.
     pub fn synced(&self) -> bool {
         self.synced.iter().all(|s| *s)
+    }
+
+    /// Applies one Pod watch event.
+    pub fn apply_pod(&mut self, event: Event<Pod>, now: SystemTime) {
+        self.apply_event(event, now);
+    }
+
+    /// Applies one Service watch event.
+    pub fn apply_service(&mut self, event: Event<Service>, now: SystemTime) {
+        self.apply_event(event, now);
+    }
+
+    /// Applies one EndpointSlice watch event.
+    pub fn apply_slice(&mut self, event: Event<EndpointSlice>, now: SystemTime) {
+        self.apply_event(event, now);
     }
 
     /// True when a Service object `service` exists (in the watched scope).

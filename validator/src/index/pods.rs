@@ -8,17 +8,16 @@
 
 use std::collections::hash_map::Entry;
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::runtime::watcher::Event;
 use smallvec::SmallVec;
 use staleguard_core::ServiceKey;
 
 use super::objects::{name_parts, obj_name, pod_facts, Ips, Kind, ObjName, PodFacts, Skip, Uid};
+use super::relist::{Relist, Relists, Watched};
 use super::slices::IpEntry;
 use super::table::{Id, Named};
-use super::{HashSet, Index};
+use super::Index;
 
 /// A pod as the index keeps it: its facts and the services that select it.
 #[derive(Debug)]
@@ -44,77 +43,84 @@ impl PodState {
     }
 }
 
-impl Index {
-    /// Applies one Pod watch event.
-    pub fn apply_pod(&mut self, event: Event<Pod>, now: SystemTime) {
-        match event {
-            Event::Init => self.relists.pods = Some(Vec::new()),
-            Event::InitApply(pod) => match obj_name(&pod, &mut self.interner) {
-                Some(name) => {
-                    let before = self.pods.find(&name).and_then(|id| self.pods.get(id));
-                    let labels_before = before.map(|p| &p.facts.labels);
-                    let facts = pod_facts(&pod, &mut self.interner, &mut self.skips, labels_before);
-                    self.relists
-                        .pods
-                        .get_or_insert_with(Vec::new)
-                        .push((name, facts));
-                }
-                None => self.skips.push(Skip::MissingName),
-            },
-            Event::InitDone => {
-                self.synced[Kind::Pod.slot()] = true;
-                if let Some(listed) = self.relists.pods.take() {
-                    let keep: HashSet<&ObjName> = listed.iter().map(|(name, _)| name).collect();
-                    let gone: Vec<Id> = self
-                        .pods
-                        .iter()
-                        .filter(|(_, p)| !keep.contains(&p.name))
-                        .map(|(id, _)| id)
-                        .collect();
-                    for id in gone {
-                        self.remove_pod(id);
-                    }
-                    for (name, facts) in listed {
-                        match self.pods.find(&name) {
-                            Some(id) => self.update_pod(id, facts),
-                            None => self.insert_pod(name, facts),
-                        }
-                    }
-                }
-            }
-            // The hot path: look the pod up by borrowed name, and allocate a
-            // name only for a pod the index has not seen.
-            Event::Apply(pod) => match name_parts(&pod) {
-                Some((namespace, name)) => {
-                    let id = self.pods.find_parts(namespace, name);
-                    let before = id.and_then(|id| self.pods.get(id));
-                    let labels_before = before.map(|p| &p.facts.labels);
-                    let facts = pod_facts(&pod, &mut self.interner, &mut self.skips, labels_before);
-                    match id {
-                        Some(id) => self.update_pod(id, facts),
-                        None => {
-                            let name = ObjName {
-                                namespace: self.interner.get(namespace),
-                                name: name.into(),
-                            };
-                            self.insert_pod(name, facts);
-                        }
-                    }
-                }
-                None => self.skips.push(Skip::MissingName),
-            },
-            Event::Delete(pod) => match name_parts(&pod) {
-                Some((namespace, name)) => {
-                    if let Some(id) = self.pods.find_parts(namespace, name) {
-                        self.remove_pod(id);
-                    }
-                }
-                None => self.skips.push(Skip::MissingName),
-            },
-        }
-        self.finish(Kind::Pod, now);
+// === impl Watched for Pod ===
+
+impl Watched for Pod {
+    const KIND: Kind = Kind::Pod;
+    type Facts = (ObjName, PodFacts);
+    type Name = ObjName;
+    type Handle = Id;
+
+    fn buffer(relists: &mut Relists) -> &mut Relist<Self::Facts> {
+        &mut relists.pods
     }
 
+    fn facts(index: &mut Index, pod: &Pod) -> Option<Self::Facts> {
+        let Some(name) = obj_name(pod, &mut index.interner) else {
+            index.skips.push(Skip::MissingName);
+            return None;
+        };
+        let before = index.pods.find(&name).and_then(|id| index.pods.get(id));
+        let labels_before = before.map(|p| &p.facts.labels);
+        let facts = pod_facts(pod, &mut index.interner, &mut index.skips, labels_before);
+        Some((name, facts))
+    }
+
+    fn name((name, _): &Self::Facts) -> &ObjName {
+        name
+    }
+
+    fn known(index: &Index) -> impl Iterator<Item = (Id, &ObjName)> {
+        index.pods.iter().map(|(id, p)| (id, &p.name))
+    }
+
+    fn upsert(index: &mut Index, (name, facts): Self::Facts) {
+        match index.pods.find(&name) {
+            Some(id) => index.update_pod(id, facts),
+            None => index.insert_pod(name, facts),
+        }
+    }
+
+    fn remove(index: &mut Index, id: Id) {
+        index.remove_pod(id);
+    }
+
+    // The hot path: look the pod up by borrowed name, and allocate a name
+    // only for a pod the index has not seen.
+    fn apply(index: &mut Index, pod: Pod) {
+        let Some((namespace, name)) = name_parts(&pod) else {
+            index.skips.push(Skip::MissingName);
+            return;
+        };
+        let id = index.pods.find_parts(namespace, name);
+        let before = id.and_then(|id| index.pods.get(id));
+        let labels_before = before.map(|p| &p.facts.labels);
+        let facts = pod_facts(&pod, &mut index.interner, &mut index.skips, labels_before);
+        match id {
+            Some(id) => index.update_pod(id, facts),
+            None => {
+                let name = ObjName {
+                    namespace: index.interner.get(namespace),
+                    name: name.into(),
+                };
+                index.insert_pod(name, facts);
+            }
+        }
+    }
+
+    fn delete(index: &mut Index, pod: Pod) {
+        match name_parts(&pod) {
+            Some((namespace, name)) => {
+                if let Some(id) = index.pods.find_parts(namespace, name) {
+                    index.remove_pod(id);
+                }
+            }
+            None => index.skips.push(Skip::MissingName),
+        }
+    }
+}
+
+impl Index {
     /// The pods with `uid`: one, unless objects disagree.
     pub(super) fn pods_with_uid<'a>(&'a self, uid: &'a Uid) -> impl Iterator<Item = Id> + 'a {
         self.pods_by_uid

@@ -6,65 +6,70 @@
 //! re-selects the pods of its namespace and marks the IPs of those that moved.
 
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use k8s_openapi::api::core::v1::Service;
-use kube::runtime::watcher::Event;
 use smallvec::SmallVec;
 use staleguard_core::ServiceKey;
 
 use super::objects::{obj_name, service_facts, Kind, Labels, ServiceFacts, Skip};
-use super::{HashSet, Index};
+use super::relist::{Relist, Relists, Watched};
+use super::Index;
 
-impl Index {
-    /// Applies one Service watch event.
-    pub fn apply_service(&mut self, event: Event<Service>, now: SystemTime) {
-        match event {
-            Event::Init => self.relists.services = Some(Vec::new()),
-            Event::InitApply(service) => {
-                if let Some(facts) = service_facts(&service, &mut self.interner, &mut self.skips) {
-                    self.relists
-                        .services
-                        .get_or_insert_with(Vec::new)
-                        .push(facts);
-                }
-            }
-            Event::InitDone => {
-                self.synced[Kind::Service.slot()] = true;
-                if let Some(listed) = self.relists.services.take() {
-                    let keep: HashSet<Arc<ServiceKey>> =
-                        listed.iter().map(|f| f.key.clone()).collect();
-                    let gone: Vec<_> = self
-                        .services
-                        .keys()
-                        .filter(|k| !keep.contains(*k))
-                        .cloned()
-                        .collect();
-                    for key in gone {
-                        self.remove_service(&key);
-                    }
-                    self.out_of_scope.retain(|k, _| keep.contains(k));
-                    for facts in listed {
-                        self.upsert_service(facts);
-                    }
-                }
-            }
-            Event::Apply(service) => {
-                if let Some(facts) = service_facts(&service, &mut self.interner, &mut self.skips) {
-                    self.upsert_service(facts);
-                }
-            }
-            Event::Delete(service) => match obj_name(&service, &mut self.interner) {
-                Some(name) => {
-                    let key = ServiceKey::new(&*name.namespace, &*name.name);
-                    self.remove_service(&key);
-                }
-                None => self.skips.push(Skip::MissingName),
-            },
-        }
-        self.finish(Kind::Service, now);
+// === impl Watched for Service ===
+
+impl Watched for Service {
+    const KIND: Kind = Kind::Service;
+    type Facts = ServiceFacts;
+    type Name = Arc<ServiceKey>;
+    type Handle = Arc<ServiceKey>;
+
+    fn buffer(relists: &mut Relists) -> &mut Relist<ServiceFacts> {
+        &mut relists.services
     }
 
+    fn facts(index: &mut Index, service: &Service) -> Option<ServiceFacts> {
+        service_facts(service, &mut index.interner, &mut index.skips)
+    }
+
+    fn name(facts: &ServiceFacts) -> &Arc<ServiceKey> {
+        &facts.key
+    }
+
+    /// Services out of scope too: one the list no longer has keeps no reason.
+    fn known(index: &Index) -> impl Iterator<Item = (Arc<ServiceKey>, &Arc<ServiceKey>)> {
+        index
+            .services
+            .keys()
+            .chain(index.out_of_scope.keys())
+            .map(|key| (key.clone(), key))
+    }
+
+    fn upsert(index: &mut Index, facts: ServiceFacts) {
+        index.upsert_service(facts);
+    }
+
+    fn remove(index: &mut Index, key: Arc<ServiceKey>) {
+        index.remove_service(&key);
+    }
+
+    fn apply(index: &mut Index, service: Service) {
+        if let Some(facts) = service_facts(&service, &mut index.interner, &mut index.skips) {
+            index.upsert_service(facts);
+        }
+    }
+
+    fn delete(index: &mut Index, service: Service) {
+        match obj_name(&service, &mut index.interner) {
+            Some(name) => {
+                let key = ServiceKey::new(&*name.namespace, &*name.name);
+                index.remove_service(&key);
+            }
+            None => index.skips.push(Skip::MissingName),
+        }
+    }
+}
+
+impl Index {
     /// Services of `namespace` whose selector matches `labels`, sorted.
     pub(super) fn select(
         &self,

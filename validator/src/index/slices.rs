@@ -8,10 +8,8 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::runtime::watcher::Event;
 use smallvec::SmallVec;
 use staleguard_core::wire::{EndpointConditions, EndpointPort};
 use staleguard_core::ServiceKey;
@@ -19,8 +17,9 @@ use staleguard_core::ServiceKey;
 use super::objects::{
     obj_name, slice_facts, EntryFacts, Kind, ObjName, Skip, SliceFacts, Target, Uid,
 };
+use super::relist::{Relist, Relists, Watched};
 use super::table::{Id, Named};
-use super::{HashMap, HashSet, Index};
+use super::{HashMap, Index};
 
 /// A slice as the index keeps it. Its entries live under their IPs only; the
 /// slice remembers which IPs it listed, to diff the next version against.
@@ -50,59 +49,65 @@ pub(super) struct IpEntry {
     pub(super) unmatched: bool,
 }
 
-impl Index {
-    /// Applies one EndpointSlice watch event.
-    pub fn apply_slice(&mut self, event: Event<EndpointSlice>, now: SystemTime) {
-        match event {
-            Event::Init => self.relists.slices = Some(Vec::new()),
-            Event::InitApply(slice) => {
-                if let Some(facts) = slice_facts(&slice, &mut self.interner, &mut self.skips) {
-                    self.relists.slices.get_or_insert_with(Vec::new).push(facts);
-                }
-            }
-            Event::InitDone => {
-                self.synced[Kind::EndpointSlice.slot()] = true;
-                if let Some(listed) = self.relists.slices.take() {
-                    let keep: HashSet<&ObjName> = listed.iter().map(|f| &f.name).collect();
-                    let gone: Vec<Id> = self
-                        .slices
-                        .iter()
-                        .filter(|(_, s)| !keep.contains(&s.name))
-                        .map(|(id, _)| id)
-                        .collect();
-                    for id in gone {
-                        self.remove_slice(id);
-                    }
-                    for facts in listed {
-                        self.upsert_slice(facts);
-                    }
-                }
-            }
-            Event::Apply(slice) => {
-                match slice_facts(&slice, &mut self.interner, &mut self.skips) {
-                    Some(facts) => self.upsert_slice(facts),
-                    // A slice that lost its service label lists nobody now.
-                    None => {
-                        if let Some(id) = obj_name(&slice, &mut self.interner)
-                            .and_then(|name| self.slices.find(&name))
-                        {
-                            self.remove_slice(id);
-                        }
-                    }
-                }
-            }
-            Event::Delete(slice) => match obj_name(&slice, &mut self.interner) {
-                Some(name) => {
-                    if let Some(id) = self.slices.find(&name) {
-                        self.remove_slice(id);
-                    }
-                }
-                None => self.skips.push(Skip::MissingName),
-            },
-        }
-        self.finish(Kind::EndpointSlice, now);
+// === impl Watched for EndpointSlice ===
+
+impl Watched for EndpointSlice {
+    const KIND: Kind = Kind::EndpointSlice;
+    type Facts = SliceFacts;
+    type Name = ObjName;
+    type Handle = Id;
+
+    fn buffer(relists: &mut Relists) -> &mut Relist<SliceFacts> {
+        &mut relists.slices
     }
 
+    fn facts(index: &mut Index, slice: &EndpointSlice) -> Option<SliceFacts> {
+        slice_facts(slice, &mut index.interner, &mut index.skips)
+    }
+
+    fn name(facts: &SliceFacts) -> &ObjName {
+        &facts.name
+    }
+
+    fn known(index: &Index) -> impl Iterator<Item = (Id, &ObjName)> {
+        index.slices.iter().map(|(id, s)| (id, &s.name))
+    }
+
+    fn upsert(index: &mut Index, facts: SliceFacts) {
+        index.upsert_slice(facts);
+    }
+
+    fn remove(index: &mut Index, id: Id) {
+        index.remove_slice(id);
+    }
+
+    fn apply(index: &mut Index, slice: EndpointSlice) {
+        match slice_facts(&slice, &mut index.interner, &mut index.skips) {
+            Some(facts) => index.upsert_slice(facts),
+            // A slice that lost its service label lists nobody now.
+            None => {
+                if let Some(id) =
+                    obj_name(&slice, &mut index.interner).and_then(|name| index.slices.find(&name))
+                {
+                    index.remove_slice(id);
+                }
+            }
+        }
+    }
+
+    fn delete(index: &mut Index, slice: EndpointSlice) {
+        match obj_name(&slice, &mut index.interner) {
+            Some(name) => {
+                if let Some(id) = index.slices.find(&name) {
+                    index.remove_slice(id);
+                }
+            }
+            None => index.skips.push(Skip::MissingName),
+        }
+    }
+}
+
+impl Index {
     pub(super) fn upsert_slice(&mut self, facts: SliceFacts) {
         let SliceFacts {
             name,
