@@ -34,11 +34,13 @@
 //! | [`services`] | services, in or out of scope, and which pods they select |
 //! | [`slices`] | slice entries, kept under the IPs they list |
 //! | [`relist`] | buffering a relist and swapping it in, for every kind |
+//! | [`membership`] | which services a pod is a member of at an IP, and how |
 //! | [`records`] | the records derived from those facts, fingerprints, `finish` |
 //! | [`tombstones`] | what an IP remembers once nobody holds it |
 //! | [`log`] | the change log |
 
 mod log;
+mod membership;
 mod objects;
 mod pods;
 mod records;

@@ -7,19 +7,17 @@
 //! log.
 
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::net::IpAddr;
 use std::time::SystemTime;
 
 use smallvec::SmallVec;
-use staleguard_core::wire::{EndpointConditions, Membership, PodHolder, Tombstone, Via};
+use staleguard_core::wire::{PodHolder, Tombstone};
 use staleguard_core::{IpRecord, ServiceKey};
 
 use super::log::ChangeKey;
 use super::objects::{canonical, Kind, Target};
-use super::pods::PodState;
-use super::slices::{IpEntry, SliceState};
+use super::slices::IpEntry;
 use super::table::Id;
 use super::tombstones::TombState;
 use super::{unix_ms, Index};
@@ -69,14 +67,11 @@ impl Index {
             });
         }
         sort_holders(&mut pods);
-        let mut bare_services: Vec<ServiceKey> = entries
+        let bare_services: Vec<ServiceKey> = self
+            .bare_services(entries)
             .iter()
-            .filter(|e| e.target == Target::Bare)
-            .filter_map(|e| self.slices.get(e.slice))
-            .map(|s| (*s.service).clone())
+            .map(|s| (***s).clone())
             .collect();
-        bare_services.sort();
-        bare_services.dedup();
         let tombstone = state.and_then(|s| s.tomb.as_ref()).map(|t| Tombstone {
             pod: t.pod.to_string(),
             uid: t.uid.to_string(),
@@ -92,17 +87,18 @@ impl Index {
         (!record.is_vacant()).then_some(record)
     }
 
-    /// A hash of everything `record(ip)` would say, computed from the facts
-    /// it is derived from without building it (the hot path of every event);
-    /// 0 exactly when `record(ip)` is `None`. A new field in the record must
-    /// be derived from facts hashed here, or its changes would never reach
-    /// clients (the property test compares deltas with snapshots).
+    /// A hash of everything `record(ip)` would say, computed from the same
+    /// derivations (holders, [`Index::members`], [`Index::bare_services`])
+    /// without building it (the hot path of every event); 0 exactly when
+    /// `record(ip)` is `None`. A new field in the record must be hashed here,
+    /// or its changes would never reach clients (the property test compares
+    /// deltas with snapshots).
     pub(super) fn fingerprint(&self, ip: IpAddr, state: Option<&IpState>) -> u64 {
         let holders = state.map(|s| self.holders(s)).unwrap_or_default();
         let entries: &[IpEntry] = state.map_or(&[], |s| &s.entries);
         let tomb = state.and_then(|s| s.tomb.as_ref());
-        let has_bare = entries.iter().any(|e| e.target == Target::Bare);
-        if holders.is_empty() && !has_bare && tomb.is_none() {
+        let bare = self.bare_services(entries);
+        if holders.is_empty() && bare.is_empty() && tomb.is_none() {
             return 0;
         }
         let mut h = self.fingerprints.build_hasher();
@@ -114,28 +110,15 @@ impl Index {
             let f = &pod.facts;
             (&pod.name, &f.uid).hash(&mut ph);
             (f.ready, f.terminating, f.host_network).hash(&mut ph);
-            pod.selected.len().hash(&mut ph);
-            for s in &pod.selected {
-                s.hash(&mut ph);
-            }
-            for e in entries.iter().filter(|e| pod.listed_by(e)) {
-                if let Some(slice) = self.slices.get(e.slice) {
-                    slice.service.hash(&mut ph);
-                    hash_entry(slice, e, &mut ph);
-                }
+            let members = self.members(pod, entries);
+            members.len().hash(&mut ph);
+            for m in &members {
+                m.hash_into(&mut ph);
             }
             holders_sum = holders_sum.wrapping_add(ph.finish());
         }
         holders_sum.hash(&mut h);
-        if has_bare {
-            let mut bare: Vec<&ServiceKey> = entries
-                .iter()
-                .filter(|e| e.target == Target::Bare)
-                .filter_map(|e| self.slices.get(e.slice))
-                .map(|s| &*s.service)
-                .collect();
-            bare.sort();
-            bare.dedup();
+        if !bare.is_empty() {
             bare.hash(&mut h);
         }
         if let Some(t) = tomb {
@@ -160,69 +143,6 @@ impl Index {
                 }
             }
         }
-        out
-    }
-
-    /// Per service, how many live (non-terminating) pods are members, sorted by
-    /// service; services without members are listed with 0.
-    pub fn service_members(&self) -> Vec<(ServiceKey, usize)> {
-        let mut counts: BTreeMap<ServiceKey, usize> =
-            self.services.keys().map(|k| ((**k).clone(), 0)).collect();
-        for (_, pod) in self.pods.iter() {
-            if pod.facts.terminating || pod.facts.ips.is_empty() {
-                continue;
-            }
-            let mut services: BTreeSet<&ServiceKey> = pod.selected.iter().map(|s| &**s).collect();
-            for ip in pod.facts.ips.iter() {
-                let entries = self.ips.get(ip).map_or(&[][..], |s| &s.entries);
-                for e in entries.iter().filter(|e| pod.listed_by(e)) {
-                    if let Some(slice) = self.slices.get(e.slice) {
-                        services.insert(&slice.service);
-                    }
-                }
-            }
-            for s in services {
-                *counts.entry(s.clone()).or_default() += 1;
-            }
-        }
-        counts.into_iter().collect()
-    }
-
-    /// The memberships of `pod` at an IP whose slice entries are `entries`.
-    fn memberships(&self, pod: &PodState, entries: &[IpEntry]) -> Vec<Membership> {
-        let mut out: Vec<Membership> = pod
-            .selected
-            .iter()
-            .map(|s| Membership {
-                service: (**s).clone(),
-                via: Via::Selector,
-                ports: Vec::new(),
-                conditions: None,
-            })
-            .collect();
-        for entry in entries.iter().filter(|e| pod.listed_by(e)) {
-            let Some(slice) = self.slices.get(entry.slice) else {
-                continue;
-            };
-            match out.iter_mut().find(|m| m.service == *slice.service) {
-                Some(m) => {
-                    if m.via == Via::Selector {
-                        m.via = Via::Both;
-                    }
-                    m.ports.extend(slice.ports.iter().cloned());
-                    m.ports.sort();
-                    m.ports.dedup();
-                    m.conditions.get_or_insert(entry.conditions);
-                }
-                None => out.push(Membership {
-                    service: (*slice.service).clone(),
-                    via: Via::Slice,
-                    ports: slice.ports.to_vec(),
-                    conditions: Some(entry.conditions),
-                }),
-            }
-        }
-        out.sort_by(|a, b| a.service.cmp(&b.service));
         out
     }
 
@@ -311,18 +231,4 @@ fn sort_holders(pods: &mut [PodHolder]) {
             &b.uid,
         ))
     });
-}
-
-/// Hashes what a slice entry contributes to a membership.
-fn hash_entry(slice: &SliceState, e: &IpEntry, h: &mut impl Hasher) {
-    slice.ports.len().hash(h);
-    for p in slice.ports.iter() {
-        (&p.name, p.port, &p.protocol).hash(h);
-    }
-    let EndpointConditions {
-        ready,
-        serving,
-        terminating,
-    } = e.conditions;
-    (ready, serving, terminating).hash(h);
 }

@@ -850,3 +850,27 @@ fn a_pod_scope_treats_services_it_may_not_cover_as_unknown() {
     ix.apply_service(Event::InitDone, t(4));
     assert_eq!(ix.out_of_scope_count(), 0);
 }
+
+#[test]
+fn a_second_slice_of_one_service_adds_its_ports_but_not_its_conditions() {
+    let mut ix = cart_world();
+    // Slices sort by name: cart-abc (ready) comes before cart-xyz.
+    let second = |ready: bool| {
+        slice("shop", "cart-xyz", "cart")
+            .port("metrics", 9090)
+            .endpoint_with("10.0.0.1", Some("uid-cart-1"), Some((ready, ready, false)))
+            .build()
+    };
+    ix.apply_slice(Event::Apply(second(false)), t(1));
+    let m = &ix.record(ip("10.0.0.1")).unwrap().pods[0].services[0];
+    let ports: Vec<u16> = m.ports.iter().map(|p| p.port).collect();
+    assert_eq!(ports, vec![8080, 9090]);
+    assert!(m.conditions.unwrap().ready, "the first slice's conditions");
+    // Only the second slice's conditions change: the record does not, and
+    // neither does the generation.
+    let generation = ix.generation();
+    let record = ix.record(ip("10.0.0.1"));
+    ix.apply_slice(Event::Apply(second(true)), t(2));
+    assert_eq!(ix.record(ip("10.0.0.1")), record);
+    assert_eq!(ix.generation(), generation);
+}

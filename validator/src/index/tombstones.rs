@@ -58,16 +58,12 @@ impl Index {
         let (Some(old), Some(state)) = (self.pods.get(id), self.ips.get(&ip)) else {
             return;
         };
-        // The services the pod was a member of at this IP, as `memberships`
-        // would list them, without building the memberships.
-        let mut services: Vec<Arc<ServiceKey>> = old.selected.to_vec();
-        for e in state.entries.iter().filter(|e| old.listed_by(e)) {
-            if let Some(slice) = self.slices.get(e.slice) {
-                services.push(slice.service.clone());
-            }
-        }
-        services.sort();
-        services.dedup();
+        // The services the pod was a member of at this IP.
+        let services: Vec<Arc<ServiceKey>> = self
+            .members(old, &state.entries)
+            .iter()
+            .map(|m| m.service.clone())
+            .collect();
         self.pending_tombs.insert(
             ip,
             TombState {
