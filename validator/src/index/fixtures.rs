@@ -75,6 +75,16 @@ impl PodBuilder {
         self.ips(&[ip])
     }
 
+    /// Sets only the older `status.podIP`; `status.podIPs` is an empty list
+    /// when `empty_list`, absent otherwise (as some API servers and hand-made
+    /// files leave it).
+    pub(crate) fn pod_ip_only(mut self, ip: &str, empty_list: bool) -> Self {
+        let status = self.status();
+        status.pod_ip = Some(ip.to_owned());
+        status.pod_ips = empty_list.then(Vec::new);
+        self
+    }
+
     pub(crate) fn labels(mut self, pairs: &[(&str, &str)]) -> Self {
         self.0.metadata.labels = Some(labels(pairs));
         self
@@ -194,6 +204,27 @@ impl SliceBuilder {
             }),
             ..Endpoint::default()
         });
+        self
+    }
+
+    /// Replaces the `targetRef` of the last endpoint with one of `kind`, with
+    /// the given namespace, name and uid (each may be unset).
+    pub(crate) fn target_ref(
+        mut self,
+        kind: &str,
+        namespace: Option<&str>,
+        name: Option<&str>,
+        uid: Option<&str>,
+    ) -> Self {
+        if let Some(last) = self.0.endpoints.last_mut() {
+            last.target_ref = Some(ObjectReference {
+                kind: Some(kind.into()),
+                namespace: namespace.map(Into::into),
+                name: name.map(Into::into),
+                uid: uid.map(Into::into),
+                ..ObjectReference::default()
+            });
+        }
         self
     }
 

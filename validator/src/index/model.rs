@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, UNIX_EPOCH};
 
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod, PodStatus, Service};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use kube::runtime::watcher::Event;
 use kube::ResourceExt;
@@ -90,10 +90,8 @@ impl Model {
             if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
                 continue;
             }
-            for ip in status.pod_ips.iter().flatten() {
-                if let Ok(ip) = ip.ip.parse() {
-                    real.insert((ip, p.metadata.uid.clone().unwrap_or_default()));
-                }
+            for ip in listed_ips(&status) {
+                real.insert((ip, p.metadata.uid.clone().unwrap_or_default()));
             }
         }
         for ((ns, name), p) in &self.pods.live {
@@ -103,19 +101,13 @@ impl Model {
             }
             let uid = p.metadata.uid.clone().unwrap_or_default();
             let labels = p.metadata.labels.clone().unwrap_or_default();
-            let mut ips: BTreeSet<IpAddr> = status
-                .pod_ips
-                .clone()
-                .unwrap_or_default()
-                .iter()
-                .filter_map(|i| i.ip.parse().ok())
-                .collect();
+            let mut ips: BTreeSet<IpAddr> = listed_ips(&status).into_iter().collect();
             // A pod without an IP yet holds every address a slice entry
             // naming it lists (its update with the IP is on its way), unless
             // a pod with its uid really holds that address.
             if ips.is_empty() && p.metadata.deletion_timestamp.is_none() {
                 for sl in self.slices.live.values() {
-                    for e in sl.endpoints.iter().filter(|e| names(e, &uid)) {
+                    for e in sl.endpoints.iter().filter(|e| names_uid(e, &uid)) {
                         let family_ok = |ip: &IpAddr| ip.is_ipv4() == (sl.address_type == "IPv4");
                         ips.extend(
                             e.addresses
@@ -154,7 +146,7 @@ impl Model {
                 for ((sns, _), sl) in &self.slices.live {
                     let svc = ServiceKey::new(sns, &sl.labels()["kubernetes.io/service-name"]);
                     for e in &sl.endpoints {
-                        let names_pod = names(e, &uid);
+                        let names_pod = names_pod(e, sns, (ns, name), &uid);
                         let lists_ip = e.addresses.iter().any(|a| a.parse() == Ok(ip))
                             && ip.is_ipv4() == (sl.address_type == "IPv4");
                         if !(names_pod && lists_ip) {
@@ -208,7 +200,7 @@ impl Model {
         }
         for ((sns, _), sl) in &self.slices.live {
             let svc = ServiceKey::new(sns, &sl.labels()["kubernetes.io/service-name"]);
-            for e in sl.endpoints.iter().filter(|e| e.target_ref.is_none()) {
+            for e in sl.endpoints.iter().filter(|e| is_bare(e)) {
                 for a in &e.addresses {
                     let family_ok = |ip: &IpAddr| ip.is_ipv4() == (sl.address_type == "IPv4");
                     if let Some(ip) = a.parse::<IpAddr>().ok().filter(family_ok) {
@@ -254,12 +246,47 @@ fn expected_reason(live: &Live, service: &ServiceKey) -> Reason {
     }
 }
 
-/// True when slice entry `e` names the pod with `uid`.
-fn names(e: &Endpoint, uid: &str) -> bool {
+/// The IPs a pod's status lists: `podIPs`, or `podIP` when that is empty.
+fn listed_ips(status: &PodStatus) -> Vec<IpAddr> {
+    let texts: Vec<&str> = match status.pod_ips.as_deref() {
+        Some(list) if !list.is_empty() => list.iter().map(|i| i.ip.as_str()).collect(),
+        _ => status.pod_ip.as_deref().into_iter().collect(),
+    };
+    texts.iter().filter_map(|t| t.parse().ok()).collect()
+}
+
+/// The entry's `targetRef` when it refers to a Pod (a reference without a
+/// kind does).
+fn pod_ref(e: &Endpoint) -> Option<&ObjectReference> {
     e.target_ref
         .as_ref()
+        .filter(|r| r.kind.as_deref().is_none_or(|k| k == "Pod"))
+}
+
+/// True when slice entry `e` has no pod identity: no `targetRef`, or one to
+/// another kind.
+fn is_bare(e: &Endpoint) -> bool {
+    pod_ref(e).is_none()
+}
+
+/// True when slice entry `e` names the pod with `uid` by uid.
+fn names_uid(e: &Endpoint, uid: &str) -> bool {
+    pod_ref(e)
         .and_then(|r| r.uid.as_deref())
         .is_some_and(|u| u == uid)
+}
+
+/// True when slice entry `e`, of a slice in namespace `slice_ns`, names the
+/// pod `(namespace, name)` with `uid`: by uid, or by name when it has none.
+fn names_pod(e: &Endpoint, slice_ns: &str, (namespace, name): (&str, &str), uid: &str) -> bool {
+    let Some(r) = pod_ref(e) else {
+        return false;
+    };
+    match (r.uid.as_deref(), r.name.as_deref()) {
+        (Some(u), _) => u == uid,
+        (None, Some(n)) => n == name && r.namespace.as_deref().unwrap_or(slice_ns) == namespace,
+        (None, None) => false,
+    }
 }
 
 // === generators ===
@@ -294,13 +321,18 @@ fn any_pod() -> impl Strategy<Value = Pod> + Clone {
         0..3usize,
         0..4usize,
         any::<bool>(),
+        // Now and then only `podIP`, with `podIPs` empty or absent.
+        proptest::option::weighted(0.2, any::<bool>()),
     )
-        .prop_map(|(ns, n, incarnation, ips, app, state, host)| {
+        .prop_map(|(ns, n, incarnation, ips, app, state, host, pod_ip_only)| {
             let name = format!("p{n}");
             let mut b = pod(NAMESPACES[ns], &name)
                 .uid(&uid_of(n, incarnation))
-                .ips(&ips)
                 .labels(&[("app", ["x", "y", "z"][app])]);
+            b = match (pod_ip_only, ips.first()) {
+                (Some(empty_list), Some(first)) => b.pod_ip_only(first, empty_list),
+                _ => b.ips(&ips),
+            };
             b = match state {
                 0 => b,
                 1 => b.not_ready(),
@@ -324,10 +356,35 @@ fn any_service() -> impl Strategy<Value = Service> + Clone {
     })
 }
 
+/// Who a generated slice entry names.
+#[derive(Debug, Clone)]
+enum Ref {
+    /// No `targetRef`.
+    None,
+    /// Pod `p<n>`'s incarnation, by uid.
+    Uid(usize, usize),
+    /// Pod `p<n>` by name only, in the slice's namespace or the given one.
+    Name(usize, Option<usize>),
+    /// A Node, with the uid of a pod's incarnation (which must not count).
+    Node(usize, usize),
+    /// A Pod reference with neither uid nor name.
+    Nobody,
+}
+
+fn any_ref() -> impl Strategy<Value = Ref> + Clone {
+    prop_oneof![
+        6 => Just(Ref::None),
+        6 => (0..4usize, 0..3usize).prop_map(|(n, inc)| Ref::Uid(n, inc)),
+        2 => (0..4usize, proptest::option::of(0..2usize)).prop_map(|(n, ns)| Ref::Name(n, ns)),
+        1 => (0..4usize, 0..3usize).prop_map(|(n, inc)| Ref::Node(n, inc)),
+        1 => Just(Ref::Nobody),
+    ]
+}
+
 fn any_slice() -> impl Strategy<Value = EndpointSlice> + Clone {
     let entry = (
         0..IPS.len(),
-        proptest::option::of((0..4usize, 0..3usize)),
+        any_ref(),
         proptest::option::of((any::<bool>(), any::<bool>(), any::<bool>())),
         // Now and then a second address (maybe the same one, maybe of the
         // other family) on the same endpoint.
@@ -347,8 +404,27 @@ fn any_slice() -> impl Strategy<Value = EndpointSlice> + Clone {
                 b = b.address_type("IPv6");
             }
             for (ip, target, conditions, also) in entries {
-                let uid = target.map(|(n, inc)| uid_of(n, inc));
-                b = b.endpoint_with(IPS[ip], uid.as_deref(), conditions);
+                b = match target {
+                    Ref::None => b.endpoint_with(IPS[ip], None, conditions),
+                    Ref::Uid(n, inc) => b.endpoint_with(IPS[ip], Some(&uid_of(n, inc)), conditions),
+                    Ref::Name(n, namespace) => {
+                        b.endpoint_with(IPS[ip], None, conditions).target_ref(
+                            "Pod",
+                            namespace.map(|ns| NAMESPACES[ns]),
+                            Some(&format!("p{n}")),
+                            None,
+                        )
+                    }
+                    Ref::Node(n, inc) => b.endpoint_with(IPS[ip], None, conditions).target_ref(
+                        "Node",
+                        None,
+                        Some(&format!("node-{n}")),
+                        Some(&uid_of(n, inc)),
+                    ),
+                    Ref::Nobody => b
+                        .endpoint_with(IPS[ip], None, conditions)
+                        .target_ref("Pod", None, None, None),
+                };
                 if let Some(also) = also {
                     b = b.also(IPS[also]);
                 }

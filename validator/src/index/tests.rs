@@ -850,3 +850,176 @@ fn a_pod_scope_treats_services_it_may_not_cover_as_unknown() {
     ix.apply_service(Event::InitDone, t(4));
     assert_eq!(ix.out_of_scope_count(), 0);
 }
+
+#[test]
+fn a_second_slice_of_one_service_adds_its_ports_but_not_its_conditions() {
+    let mut ix = cart_world();
+    // Slices sort by name: cart-abc (ready) comes before cart-xyz.
+    let second = |ready: bool| {
+        slice("shop", "cart-xyz", "cart")
+            .port("metrics", 9090)
+            .endpoint_with("10.0.0.1", Some("uid-cart-1"), Some((ready, ready, false)))
+            .build()
+    };
+    ix.apply_slice(Event::Apply(second(false)), t(1));
+    let m = &ix.record(ip("10.0.0.1")).unwrap().pods[0].services[0];
+    let ports: Vec<u16> = m.ports.iter().map(|p| p.port).collect();
+    assert_eq!(ports, vec![8080, 9090]);
+    assert!(m.conditions.unwrap().ready, "the first slice's conditions");
+    // Only the second slice's conditions change: the record does not, and
+    // neither does the generation.
+    let generation = ix.generation();
+    let record = ix.record(ip("10.0.0.1"));
+    ix.apply_slice(Event::Apply(second(true)), t(2));
+    assert_eq!(ix.record(ip("10.0.0.1")), record);
+    assert_eq!(ix.generation(), generation);
+}
+
+#[test]
+fn a_target_ref_without_uid_names_the_pod_by_namespace_and_name() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    ix.apply_service(Event::Apply(service("shop", "ext").build()), t(0));
+    ix.apply_pod(
+        Event::Apply(pod("shop", "ext-1").ip("10.0.0.5").build()),
+        t(0),
+    );
+    ix.apply_pod(Event::Apply(pod("shop", "ext-2").not_ready().build()), t(0));
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "ext-abc", "ext")
+                .port("http", 80)
+                // By name, namespace from the slice: a member by slice.
+                .endpoint("10.0.0.5", None)
+                .target_ref("Pod", None, Some("ext-1"), None)
+                // By name, a pod that holds another IP: a stale entry.
+                .endpoint("10.0.0.1", None)
+                .target_ref("Pod", Some("shop"), Some("ext-1"), None)
+                // By name, a pod without an IP yet: no provisional holder,
+                // that needs a uid.
+                .endpoint("10.0.0.6", None)
+                .target_ref("Pod", None, Some("ext-2"), None)
+                // Neither uid nor name: it names nobody, and is not bare.
+                .endpoint("10.0.0.7", None)
+                .target_ref("Pod", None, None, None)
+                .build(),
+        ),
+        t(1),
+    );
+    let ext = key("shop", "ext");
+    let record = ix.record(ip("10.0.0.5")).unwrap();
+    assert_eq!(record.pods[0].services[0].service, ext);
+    assert_eq!(record.pods[0].services[0].via, Via::Slice);
+    assert_eq!(record.pods[0].services[0].ports[0].port, 80);
+    assert_eq!(verdict(&ix, &ext, "10.0.0.5"), Reason::Member);
+    let held_by_cart = ix.record(ip("10.0.0.1")).unwrap();
+    assert_eq!(held_by_cart.pods.len(), 1);
+    assert_eq!(held_by_cart.pods[0].services[0].service, cart);
+    assert_eq!(verdict(&ix, &ext, "10.0.0.1"), Reason::Recycled);
+    assert_eq!(ix.record(ip("10.0.0.6")), None);
+    assert_eq!(ix.record(ip("10.0.0.7")), None);
+    assert_eq!(verdict(&ix, &ext, "10.0.0.7"), Reason::Destroyed);
+    // A name in another namespace names the pod there.
+    ix.apply_slice(
+        Event::Apply(
+            slice("bank", "ext-abc", "ext")
+                .endpoint("10.0.0.5", None)
+                .target_ref("Pod", Some("shop"), Some("ext-1"), None)
+                .build(),
+        ),
+        t(2),
+    );
+    let services: Vec<ServiceKey> = ix.record(ip("10.0.0.5")).unwrap().pods[0]
+        .services
+        .iter()
+        .map(|m| m.service.clone())
+        .collect();
+    assert_eq!(services, vec![key("bank", "ext"), ext]);
+}
+
+#[test]
+fn a_target_ref_to_another_kind_than_pod_makes_a_bare_member() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    let nodes = key("shop", "nodes");
+    ix.apply_service(Event::Apply(service("shop", "nodes").build()), t(0));
+    ix.apply_slice(
+        Event::Apply(
+            slice("shop", "nodes-abc", "nodes")
+                // Even with the uid of the pod holding the IP.
+                .endpoint("10.0.0.1", None)
+                .target_ref("Node", None, Some("node-a"), Some("uid-cart-1"))
+                .endpoint("172.16.0.9", None)
+                .target_ref("Node", None, Some("node-b"), Some("uid-node-b"))
+                .build(),
+        ),
+        t(1),
+    );
+    let record = ix.record(ip("10.0.0.1")).unwrap();
+    assert_eq!(record.bare_services, vec![nodes.clone()]);
+    let services: Vec<&ServiceKey> = record.pods[0].services.iter().map(|m| &m.service).collect();
+    assert_eq!(
+        services,
+        vec![&cart],
+        "not a member of nodes through the pod"
+    );
+    let node = ix.record(ip("172.16.0.9")).unwrap();
+    assert!(node.pods.is_empty());
+    assert_eq!(node.bare_services, vec![nodes.clone()]);
+    assert_eq!(verdict(&ix, &nodes, "172.16.0.9"), Reason::Member);
+    // Without a kind, a reference is taken to be a Pod.
+    let mut no_kind = slice("shop", "nodes-abc", "nodes")
+        .endpoint("10.0.0.1", Some("uid-cart-1"))
+        .build();
+    if let Some(r) = no_kind.endpoints[0].target_ref.as_mut() {
+        r.kind = None;
+    }
+    ix.apply_slice(Event::Apply(no_kind), t(2));
+    let record = ix.record(ip("10.0.0.1")).unwrap();
+    assert!(record.bare_services.is_empty());
+    let services: Vec<&ServiceKey> = record.pods[0].services.iter().map(|m| &m.service).collect();
+    assert_eq!(services, vec![&cart, &nodes]);
+}
+
+#[test]
+fn a_pod_with_empty_pod_ips_holds_its_pod_ip() {
+    let mut ix = cart_world();
+    let cart = key("shop", "cart");
+    for (name, addr, empty_list) in [("cart-2", "10.0.0.2", true), ("cart-3", "10.0.0.3", false)] {
+        ix.apply_pod(
+            Event::Apply(
+                pod("shop", name)
+                    .labels(&[("app", "cart")])
+                    .pod_ip_only(addr, empty_list)
+                    .build(),
+            ),
+            t(1),
+        );
+        let record = ix.record(ip(addr)).unwrap();
+        assert_eq!(record.pods[0].name, name);
+        assert_eq!(verdict(&ix, &cart, addr), Reason::Member);
+    }
+    // When podIPs lists anything, podIP is not read.
+    let mut both = pod("shop", "cart-4")
+        .labels(&[("app", "cart")])
+        .ip("10.0.0.4")
+        .build();
+    if let Some(status) = both.status.as_mut() {
+        status.pod_ip = Some("10.0.0.40".into());
+    }
+    ix.apply_pod(Event::Apply(both), t(2));
+    assert!(ix.record(ip("10.0.0.4")).is_some());
+    assert_eq!(ix.record(ip("10.0.0.40")), None);
+    // The pod's update to a podIPs list moves nothing but what it lists.
+    let generation = ix.generation();
+    ix.apply_pod(
+        Event::Apply(
+            pod("shop", "cart-2")
+                .labels(&[("app", "cart")])
+                .ip("10.0.0.2")
+                .build(),
+        ),
+        t(3),
+    );
+    assert_eq!(ix.generation(), generation);
+}
