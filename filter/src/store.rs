@@ -10,8 +10,8 @@
 //! | `staleguard/ipb/<B>/<i>`       | bucket `i` of `B`: `LOAD` and a line per IP (see [`crate::buckets`]), or empty |
 //! | `staleguard/svc/<ns>/<name>`   | `LOAD`, or empty (absent)                                |
 //! | `staleguard/lease`             | `OWNER EXPIRES_MS` (see [`crate::lease`])                |
-//! | `staleguard/owners`            | last owner id handed out                                 |
 //! | `staleguard/loads`             | last load id handed out                                  |
+//! | `staleguard/members/<id>`      | a service's live members, for the replay (see [`crate::members`]) |
 //!
 //! Shared data cannot delete keys, so "absent" is an empty value, and IPs share
 //! hash buckets so that the keys are reused as IPs come and go. Every entry
@@ -93,8 +93,6 @@ impl SharedData for MemoryStore {
 pub const META_KEY: &str = "staleguard/meta";
 /// Key of the poller lease.
 pub const LEASE_KEY: &str = "staleguard/lease";
-/// Key of the owner id counter.
-pub const OWNERS_KEY: &str = "staleguard/owners";
 /// Key of the load id counter.
 pub const LOADS_KEY: &str = "staleguard/loads";
 
@@ -411,8 +409,8 @@ mod tests {
     #[test]
     fn ids_are_unique() {
         let mut s = MemoryStore::default();
-        assert_eq!(next_id(&mut s, OWNERS_KEY).unwrap(), 1);
-        assert_eq!(next_id(&mut s, OWNERS_KEY).unwrap(), 2);
+        assert_eq!(next_id(&mut s, "staleguard/test-counter").unwrap(), 1);
+        assert_eq!(next_id(&mut s, "staleguard/test-counter").unwrap(), 2);
     }
 
     #[test]
