@@ -220,8 +220,9 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
     // A delta while Envoy runs: the ghost's IP gets a cart pod, the live pod goes.
     validator.upsert(pod("127.0.1.2", "cart-new", &[&cart], false));
     validator.remove("127.0.1.1".parse()?);
+    // Two changes, so possibly two deltas: wait until both have landed.
     envoy.eventually("the delta to apply", Duration::from_secs(10), |e| {
-        Ok(e.get(&istio("gone"))?.status == 200)
+        Ok(e.get(&istio("gone"))?.status == 200 && e.get(&istio("live"))?.status == 503)
     })?;
     rejected(&mut envoy, &istio("live"), "destroyed")?;
     assert!(envoy.stat("wasmcustom.staleguard_filter_sync_deltas_total")? >= 1);
