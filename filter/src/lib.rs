@@ -16,6 +16,7 @@ pub mod cache;
 pub mod check;
 pub mod config;
 pub mod guard;
+pub mod host;
 pub mod lease;
 pub mod members;
 pub mod metrics;
