@@ -21,6 +21,8 @@ pub mod lease;
 pub mod members;
 pub mod metrics;
 pub mod replay;
+pub mod request;
+pub mod root;
 pub mod secret;
 pub mod store;
 pub mod sync;
