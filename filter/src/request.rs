@@ -410,3 +410,160 @@ fn reject<H: Host>(host: &mut H, config: &Config, status: u32, reason: staleguar
     let body = format!("staleguard: {reason}\n");
     host.send_reply(status, &headers, Some(body.as_bytes()));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeHost;
+    use crate::root::tests::loaded;
+    use crate::root::Root;
+    use staleguard_core::{Reason, ServiceKey};
+
+    const CART: &str = "shop/cart";
+
+    /// A bodiless GET through the shipped `shop-cart` cluster, to `ip`.
+    fn get_to(host: &mut FakeHost, ip: &str) {
+        host.properties
+            .insert("xds.cluster_name".into(), "shop-cart".into());
+        host.properties
+            .insert("upstream.address".into(), format!("{ip}:8080"));
+        host.request_headers = vec![
+            (":method".into(), "GET".into()),
+            (":path".into(), "/items".into()),
+            (":authority".into(), "shop".into()),
+            (":scheme".into(), "http".into()),
+        ];
+    }
+
+    fn reject_status(extra: &str) -> u32 {
+        Config::parse(&crate::host::fake::shipped_config(extra))
+            .unwrap()
+            .raw
+            .reject_status
+    }
+
+    // Counting rejections: on_reject is `reject` (the shipped config retries).
+    const ON_REJECT_REJECT: &str = r#"{"on_reject":"reject"}"#;
+
+    #[test]
+    fn an_unconfigured_vm_lets_everything_through() {
+        let (_, mut host) = loaded("{}", &["10.0.0.1"]);
+        get_to(&mut host, "10.0.0.9");
+        let root = Root::new(3);
+        assert_eq!(
+            root.filter(2).request_headers(&mut host, true),
+            Action::Continue
+        );
+        assert!(host.replies.is_empty());
+    }
+
+    #[test]
+    fn a_member_is_let_through_without_a_reply() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+        let calls = host.calls.len();
+        get_to(&mut host, "10.0.0.1");
+        let mut filter = root.filter(2);
+        assert_eq!(filter.request_headers(&mut host, true), Action::Continue);
+        assert!(host.replies.is_empty());
+        assert_eq!(host.calls.len(), calls);
+        assert!(!filter.replaying());
+    }
+
+    #[test]
+    fn on_reject_reject_a_rejection_replies_with_the_status_and_the_reason_header() {
+        let (root, mut host) = loaded(ON_REJECT_REJECT, &["10.0.0.1"]);
+        get_to(&mut host, "10.0.0.9");
+        let mut filter = root.filter(2);
+        assert_eq!(filter.request_headers(&mut host, true), Action::Pause);
+        assert_eq!(host.replies.len(), 1);
+        let reply = &host.replies[0];
+        assert_eq!(reply.status, reject_status(ON_REJECT_REJECT));
+        let header = Config::parse(&crate::host::fake::shipped_config(ON_REJECT_REJECT))
+            .unwrap()
+            .raw
+            .reject_header;
+        assert_eq!(reply.header(&header), Some("destroyed"));
+        assert_eq!(reply.body, b"staleguard: destroyed\n");
+        assert!(!filter.replaying());
+    }
+
+    #[test]
+    fn on_reject_reject_request_counters_reach_the_host_on_the_tick_with_exact_sums() {
+        let (mut root, mut host) = loaded(ON_REJECT_REJECT, &["10.0.0.1"]);
+        let status = reject_status(ON_REJECT_REJECT);
+        let allowed = metrics::requests(CART, Reason::Member, Effect::Allow);
+        let rejected = metrics::requests(CART, Reason::Destroyed, Effect::Reject { status });
+        for ip in ["10.0.0.1", "10.0.0.9", "10.0.0.1", "10.0.0.9", "10.0.0.1"] {
+            get_to(&mut host, ip);
+            root.filter(2).request_headers(&mut host, true);
+        }
+        // Counted in VM memory until the tick.
+        assert_eq!(host.counter(&allowed), 0);
+        assert_eq!(host.counter(&rejected), 0);
+        root.tick(&mut host);
+        assert_eq!(host.counter(&allowed), 3);
+        assert_eq!(host.counter(&rejected), 2);
+        // Flushed once: another tick adds nothing.
+        root.tick(&mut host);
+        assert_eq!(host.counter(&allowed), 3);
+        assert_eq!(host.counter(&rejected), 2);
+    }
+
+    #[test]
+    fn a_rejected_bodiless_get_is_replayed_to_a_live_member_through_the_twin() {
+        let (mut root, mut host) = loaded("{}", &["10.0.0.1"]);
+        let calls = host.calls.len();
+        get_to(&mut host, "10.0.0.9");
+        let mut filter = root.filter(2);
+        assert_eq!(filter.request_headers(&mut host, true), Action::Pause);
+        assert!(host.replies.is_empty(), "no reply while the replay is out");
+        assert!(filter.replaying());
+        assert_eq!(host.calls.len(), calls + 1);
+        let call = host.calls.last().unwrap().clone();
+        assert_eq!(call.cluster, "shop-cart|staleguard-twin");
+        assert_eq!(call.header(":path"), Some("/items"));
+        let retry = Config::parse(&crate::host::fake::shipped_config("{}")).unwrap();
+        let endpoint = &retry.replay().unwrap().endpoint_header;
+        assert_eq!(call.header(endpoint), Some("10.0.0.1:8080"));
+        // The member answers: the client gets its answer.
+        host.answer = crate::host::fake::Answer {
+            headers: vec![
+                (":status".into(), "200".into()),
+                (replay::UPSTREAM_TIME_HEADER.into(), "3".into()),
+            ],
+            body: b"hello".to_vec(),
+        };
+        filter.call_response(&mut host, call.token, 2, 5);
+        assert!(!filter.replaying());
+        assert_eq!(host.replies.len(), 1);
+        assert_eq!(host.replies[0].status, 200);
+        assert_eq!(host.replies[0].body, b"hello");
+        root.tick(&mut host);
+        let label = ServiceKey::new("shop", "cart").to_string();
+        assert_eq!(
+            host.counter(&metrics::requests_replayed(&label, Reason::Destroyed)),
+            1
+        );
+        assert_eq!(host.counter(&metrics::retries(ReplayOutcome::Answered)), 1);
+    }
+
+    #[test]
+    fn a_request_with_a_body_is_rejected_not_replayed() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+        let calls = host.calls.len();
+        get_to(&mut host, "10.0.0.9");
+        assert_eq!(
+            root.filter(2).request_headers(&mut host, false),
+            Action::Pause
+        );
+        assert_eq!(host.calls.len(), calls, "no replay");
+        assert_eq!(host.replies.len(), 1);
+        assert_eq!(host.replies[0].status, reject_status("{}"));
+        assert_eq!(
+            host.counter(&metrics::retries(ReplayOutcome::NotEligible(
+                Ineligible::Body
+            ))),
+            1
+        );
+    }
+}

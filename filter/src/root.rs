@@ -256,9 +256,7 @@ impl Root {
         match host.dispatch_call(&config.raw.validator_cluster, &headers, timeout) {
             Ok(token) => {
                 self.in_flight = Some(token);
-                self.metrics
-                    .borrow_mut()
-                    .inc(host, metrics::SYNC_POLLS, 1);
+                self.metrics.borrow_mut().inc(host, metrics::SYNC_POLLS, 1);
                 log::debug!("[ctx {}] staleguard: sync request {path}", self.id);
             }
             Err(status) => {
@@ -363,9 +361,7 @@ impl Root {
         }
         match applied {
             Ok(Applied::Reset { entries }) => {
-                self.metrics
-                    .borrow_mut()
-                    .inc(host, metrics::SYNC_RESETS, 1);
+                self.metrics.borrow_mut().inc(host, metrics::SYNC_RESETS, 1);
                 log::info!(
                     "[ctx {}] staleguard: loaded a full snapshot: generation {:?}, {entries} IPs, {} bytes in {} ms",
                     self.id,
@@ -375,9 +371,7 @@ impl Root {
                 );
             }
             Ok(Applied::Delta { changed }) => {
-                self.metrics
-                    .borrow_mut()
-                    .inc(host, metrics::SYNC_DELTAS, 1);
+                self.metrics.borrow_mut().inc(host, metrics::SYNC_DELTAS, 1);
                 if changed > 0 {
                     log::debug!(
                         "[ctx {}] staleguard: applied a delta: generation {:?}, {changed} IPs changed",
@@ -466,5 +460,188 @@ impl Root {
             }
             None => m.gauge(host, metrics::GAUGE_FRESH, 0),
         }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::host::fake::{shipped_config, FakeHost};
+    use staleguard_core::wire::{Membership, Via};
+    use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
+
+    /// The validator's snapshot at generation 3: `ips` are ready members of
+    /// shop/cart (the service of the shipped `shop-cart` cluster).
+    pub(crate) fn snapshot_body(ips: &[&str]) -> Vec<u8> {
+        let cart = ServiceKey::new("shop", "cart");
+        let records = ips
+            .iter()
+            .map(|ip| IpRecord {
+                ip: ip.parse().unwrap(),
+                pods: vec![PodHolder {
+                    namespace: "shop".into(),
+                    name: format!("cart-{ip}"),
+                    uid: (*ip).into(),
+                    services: vec![Membership {
+                        service: cart.clone(),
+                        via: Via::Selector,
+                        ports: vec![],
+                        conditions: None,
+                    }],
+                    ready: true,
+                    terminating: false,
+                    host_network: false,
+                }],
+                bare_services: vec![],
+                tombstone: None,
+            })
+            .collect();
+        serde_json::to_vec(&Snapshot {
+            v: 1,
+            epoch: 9,
+            generation: 3,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(5),
+            },
+            services: vec![cart],
+            records,
+        })
+        .unwrap()
+    }
+
+    /// Fires the timer when it is due.
+    fn fire(root: &mut Root, host: &mut FakeHost) {
+        host.now_ms += root.timer_ms();
+        root.tick(host);
+    }
+
+    /// A root configured with the shipped configuration plus `extra`, that
+    /// holds the lease and has its first call (the snapshot) out.
+    pub(crate) fn polling(extra: &str) -> (Root, FakeHost) {
+        let mut host = FakeHost {
+            now_ms: 100_000,
+            ..FakeHost::default()
+        };
+        let mut root = Root::new(1);
+        assert!(root.configure(&mut host, &shipped_config(extra)));
+        root.tick(&mut host);
+        assert_eq!(host.counter(metrics::SYNC_LEASE_ACQUIRED), 1);
+        assert!(
+            host.calls.is_empty(),
+            "the tick that takes the lease polls next"
+        );
+        fire(&mut root, &mut host);
+        assert_eq!(host.calls.len(), 1);
+        (root, host)
+    }
+
+    /// [`polling`], with the snapshot of `ips` loaded.
+    pub(crate) fn loaded(extra: &str, ips: &[&str]) -> (Root, FakeHost) {
+        let (mut root, mut host) = polling(extra);
+        let body = snapshot_body(ips);
+        let size = body.len();
+        host.answer_with(200, body);
+        root.call_response(&mut host, 1, 1, size);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+        (root, host)
+    }
+
+    #[test]
+    fn the_timer_follows_the_pollers_next_step_no_sooner_than_the_least_interval() {
+        let (mut root, mut host) = polling("{}");
+        let snapshot = &host.calls[0];
+        assert_eq!(snapshot.cluster, "staleguard-validator");
+        assert_eq!(
+            snapshot.header(":path"),
+            Some("/v1/snapshot?v=1&view=verdict")
+        );
+        let body = snapshot_body(&["10.0.0.1"]);
+        let size = body.len();
+        host.answer_with(200, body);
+        root.call_response(&mut host, 1, 1, size);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+        assert_eq!(host.counter(metrics::SYNC_BYTES), size as u64);
+        assert_eq!(host.gauges.get(metrics::GAUGE_GENERATION), Some(&3));
+        // An answer at once does not make the next call at once: the timer
+        // is re-armed for the least interval.
+        assert_eq!(host.calls.len(), 1);
+        assert_eq!(root.timer_ms(), MIN_POLL_INTERVAL_MS);
+        assert_eq!(host.timer_ms(), Some(MIN_POLL_INTERVAL_MS));
+        fire(&mut root, &mut host);
+        assert_eq!(host.calls.len(), 2);
+        assert_eq!(
+            host.calls[1].header(":path"),
+            Some("/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=30")
+        );
+        // With the long poll out, the next thing due is the lease renewal.
+        let tick_ms = Config::parse(&shipped_config("{}")).unwrap().raw.tick_ms;
+        assert!(root.timer_ms() > MIN_POLL_INTERVAL_MS && root.timer_ms() <= tick_ms);
+        assert_eq!(host.counter(metrics::SYNC_POLLS), 2);
+    }
+
+    #[test]
+    fn the_watchdog_gives_up_on_a_call_never_answered_and_ignores_its_late_answer() {
+        let (mut root, mut host) = loaded("{}", &["10.0.0.1"]);
+        fire(&mut root, &mut host);
+        assert_eq!(host.calls.len(), 2);
+        let out_at = host.now_ms;
+        let timeout_ms = u64::try_from(host.calls[1].timeout.as_millis()).unwrap();
+        while host.now_ms < out_at + timeout_ms + crate::sync::WATCHDOG_SLACK_MS {
+            assert_eq!(host.counter(&metrics::sync_errors("timeout")), 0);
+            fire(&mut root, &mut host);
+        }
+        assert_eq!(host.counter(&metrics::sync_errors("timeout")), 1);
+        // Its answer, should it come now, is not applied.
+        let body = snapshot_body(&["10.0.0.2"]);
+        let size = body.len();
+        host.answer_with(200, body);
+        root.call_response(&mut host, 2, 1, size);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+        assert_eq!(host.counter(metrics::SYNC_DELTAS), 0);
+    }
+
+    #[test]
+    fn a_call_without_an_answer_counts_as_a_transport_error() {
+        let (mut root, mut host) = polling("{}");
+        // A failed call: no headers, no body.
+        root.call_response(&mut host, 1, 0, 0);
+        assert_eq!(host.counter(&metrics::sync_errors("transport")), 1);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 0);
+        assert_eq!(host.counter(metrics::SYNC_BYTES), 0);
+        // Backed off: no new call until the timer fires.
+        assert_eq!(host.calls.len(), 1);
+        assert!(root.timer_ms() > MIN_POLL_INTERVAL_MS);
+    }
+
+    #[test]
+    fn an_answer_with_an_error_status_counts_as_a_status_error() {
+        let (mut root, mut host) = polling("{}");
+        host.answer_with(500, Vec::new());
+        root.call_response(&mut host, 1, 1, 0);
+        assert_eq!(host.counter(&metrics::sync_errors("status")), 1);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 0);
+    }
+
+    #[test]
+    fn a_refused_dispatch_counts_as_a_transport_error() {
+        let mut host = FakeHost {
+            refuse_calls: true,
+            now_ms: 100_000,
+            ..FakeHost::default()
+        };
+        let mut root = Root::new(1);
+        assert!(root.configure(&mut host, &shipped_config("{}")));
+        root.tick(&mut host);
+        fire(&mut root, &mut host);
+        assert_eq!(host.counter(&metrics::sync_errors("transport")), 1);
+        assert_eq!(host.counter(metrics::SYNC_POLLS), 0);
+    }
+
+    #[test]
+    fn a_call_of_another_context_is_not_this_roots() {
+        let (mut root, mut host) = polling("{}");
+        root.call_response(&mut host, 77, 0, 0);
+        assert_eq!(host.counter(&metrics::sync_errors("transport")), 0);
     }
 }
