@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use staleguard_core::{Reason, ServiceKey};
 
 use crate::check::Effect;
+use crate::host::{Host, MetricKind};
 use crate::replay::Outcome;
 
 /// Counter: requests whose cluster maps to no service (passed untouched).
@@ -264,6 +265,69 @@ pub fn twin_picks(named: bool) -> String {
 /// Sync error counter: `staleguard_filter_sync_errors_total.kind.<kind>`.
 pub fn sync_errors(kind: &str) -> String {
     format!("staleguard_filter_sync_errors_total.kind.{kind}")
+}
+
+// === impl VmMetrics ===
+
+/// The metrics of one VM against its host: metric ids defined on first use,
+/// and the per-request counts not yet added to the host's counters.
+#[derive(Debug, Default)]
+pub struct VmMetrics {
+    ids: HashMap<String, Option<u32>>,
+    /// The service labels of this VM.
+    pub services: ServiceLabels,
+    tally: Tally,
+    count_ids: HashMap<Count, Option<u32>>,
+}
+
+impl VmMetrics {
+    /// Counts a request in VM memory; flushes when enough are pending.
+    pub fn count<H: Host + ?Sized>(&mut self, host: &mut H, count: Count) {
+        if self.tally.add(count) {
+            self.flush(host);
+        }
+    }
+
+    /// Adds the pending counts to the host's counters: a call per series
+    /// that moved, names built once per series and VM.
+    pub fn flush<H: Host + ?Sized>(&mut self, host: &mut H) {
+        for (count, n) in self.tally.drain() {
+            let id = match self.count_ids.get(&count) {
+                Some(id) => *id,
+                None => {
+                    let id = host.define_metric(MetricKind::Counter, &count.name(&self.services));
+                    self.count_ids.insert(count, id);
+                    id
+                }
+            };
+            if let Some(id) = id {
+                host.increment_metric(id, n);
+            }
+        }
+    }
+
+    fn id<H: Host + ?Sized>(&mut self, host: &mut H, kind: MetricKind, name: &str) -> Option<u32> {
+        if let Some(id) = self.ids.get(name) {
+            return *id;
+        }
+        let id = host.define_metric(kind, name);
+        self.ids.insert(name.to_owned(), id);
+        id
+    }
+
+    /// Adds `by` to the counter `name`.
+    pub fn inc<H: Host + ?Sized>(&mut self, host: &mut H, name: &str, by: u64) {
+        if let Some(id) = self.id(host, MetricKind::Counter, name) {
+            host.increment_metric(id, by);
+        }
+    }
+
+    /// Sets the gauge `name`.
+    pub fn gauge<H: Host + ?Sized>(&mut self, host: &mut H, name: &str, value: u64) {
+        if let Some(id) = self.id(host, MetricKind::Gauge, name) {
+            host.record_metric(id, value);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -29,6 +29,8 @@ use staleguard_core::{IpRecord, ServiceKey};
 
 use crate::buckets;
 
+pub mod write;
+
 /// Why a shared-data operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {

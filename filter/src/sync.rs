@@ -1,33 +1,30 @@
-//! The poller: keeps the shared-data index in step with the validator.
+//! The poller: the protocol state machine that keeps the shared-data index in
+//! step with the validator.
 //!
-//! A pure state machine, driven by the glue: [`Poller::next_request`] says what
-//! to ask the validator, if anything; [`Poller::on_response`] applies an
-//! answer to shared data; [`Poller::on_failure`] schedules a retry with
-//! exponential backoff and jitter; [`Poller::wake_at_ms`] says when the poller
-//! next has something to do, so the glue arms its timer for that moment instead
-//! of waiting for the next lease tick; [`Poller::watchdog`] gives up on a call
-//! that has been out longer than any answer can take. The cursor (epoch, generation, load) is taken from `meta` when the
-//! poller starts, so a context that takes the lease over from a dead poller
-//! continues with deltas instead of reloading everything.
+//! Driven by [`crate::root`]: [`Poller::next_request`] says what to ask the
+//! validator, if anything; [`Poller::on_response`] judges an answer (in
+//! sequence? held by the guard?) and has [`crate::store::write::Writer`] write
+//! it to shared data; [`Poller::on_failure`] schedules a retry after a
+//! [`crate::backoff`] delay; [`Poller::wake_at_ms`] says when the poller next
+//! has something to do, so the root arms its timer for that moment instead of
+//! waiting for the next lease tick; [`Poller::watchdog`] gives up on a call
+//! that has been out longer than any answer can take. The cursor (epoch,
+//! generation, load) is taken from `meta` when the poller starts, so a context
+//! that takes the lease over from a dead poller continues with deltas instead
+//! of reloading everything.
 //!
 //! A reset, an epoch that is not ours (a restarted validator, or another
 //! replica behind the same Service), or a delta that does not start at our
 //! generation all lead to a full snapshot under a new load id (see
 //! [`crate::store`]).
 
-use std::collections::{BTreeMap, HashSet};
-use std::net::IpAddr;
-
 use staleguard_core::wire::{Delta, WireError};
-use staleguard_core::{Changes, IpRecord, Policy, ServiceKey, Snapshot};
+use staleguard_core::{Changes, Policy, Snapshot};
 
-use crate::buckets::{self, Bucket};
+use crate::backoff::Backoff;
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
-use crate::members;
-use crate::store::{
-    encode_service, next_id, service_key, Entry, Meta, SharedData, StoreError, View, LOADS_KEY,
-    META_KEY,
-};
+use crate::store::write::Writer;
+use crate::store::{Meta, SharedData, StoreError, META_KEY};
 
 /// Why an answer could not be applied.
 #[derive(Debug, thiserror::Error)]
@@ -189,15 +186,9 @@ pub struct Poller {
     deadline_ms: u64,
     next_at_ms: u64,
     last_sent_ms: Option<u64>,
-    failures: u32,
-    rng: u64,
-    entries: u64,
-    /// The bucket count of the layout in use (see [`crate::buckets`]).
-    buckets: u32,
-    /// Buckets of that layout this poller wrote non-empty, to clear on a
-    /// reset; and services likewise.
-    known_buckets: HashSet<u32>,
-    known_services: HashSet<ServiceKey>,
+    backoff: Backoff,
+    /// What applying an answer writes to shared data.
+    writer: Writer,
     guard: Guard,
 }
 
@@ -212,12 +203,8 @@ impl Poller {
             deadline_ms: 0,
             next_at_ms: 0,
             last_sent_ms: None,
-            failures: 0,
-            rng: seed | 1,
-            entries: 0,
-            buckets: buckets::MIN_BUCKETS,
-            known_buckets: HashSet::new(),
-            known_services: HashSet::new(),
+            backoff: Backoff::new(config.backoff_initial_ms, config.backoff_max_ms, seed),
+            writer: Writer::default(),
             guard: Guard::new(GuardConfig::default(), Policy::default()),
         }
     }
@@ -259,8 +246,7 @@ impl Poller {
                         epoch: meta.epoch,
                         generation: meta.generation,
                     });
-                    self.entries = meta.entries;
-                    self.buckets = meta.buckets;
+                    self.writer.adopt(&meta);
                 }
             }
         }
@@ -328,7 +314,7 @@ impl Poller {
         self.in_flight = None;
         self.adopted = false;
         self.cursor = None;
-        self.failures = 0;
+        self.backoff.reset();
         self.next_at_ms = 0;
         self.guard.reset();
     }
@@ -340,7 +326,7 @@ impl Poller {
 
     /// IPs in the index.
     pub fn entries(&self) -> u64 {
-        self.entries
+        self.writer.entries()
     }
 
     /// Applies an answer (`status`, `body`) to the request in flight.
@@ -370,11 +356,10 @@ impl Poller {
             // Ask again, with backoff: the answer may be corrected, or
             // persist until the guard confirms it.
             Ok(Applied::Held) => {
-                self.failures = self.failures.saturating_add(1);
-                self.next_at_ms = now_ms.saturating_add(self.backoff_ms());
+                self.next_at_ms = now_ms.saturating_add(self.backoff.fail());
             }
             Ok(_) => {
-                self.failures = 0;
+                self.backoff.reset();
                 self.next_at_ms = now_ms;
             }
             Err(e) => self.fail(now_ms, e),
@@ -393,32 +378,7 @@ impl Poller {
             // We may be out of step: the next attempt starts over.
             self.cursor = None;
         }
-        self.failures = self.failures.saturating_add(1);
-        self.next_at_ms = now_ms.saturating_add(self.backoff_ms());
-    }
-
-    /// The delay before the next attempt: exponential in the failures so far,
-    /// capped, with "equal jitter" (half fixed, half random) so a fleet of
-    /// gateways does not retry in lockstep.
-    fn backoff_ms(&mut self) -> u64 {
-        let exp = self.failures.saturating_sub(1).min(32);
-        let base = self
-            .config
-            .backoff_initial_ms
-            .saturating_mul(1u64 << exp)
-            .min(self.config.backoff_max_ms);
-        let half = base / 2;
-        half + self.random() % (base - half + 1)
-    }
-
-    fn random(&mut self) -> u64 {
-        // xorshift64: jitter needs spread, not secrecy.
-        let mut x = self.rng;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.rng = x;
-        x
+        self.next_at_ms = now_ms.saturating_add(self.backoff.fail());
     }
 
     fn apply(
@@ -461,80 +421,19 @@ impl Poller {
         snapshot.records.shrink_to_fit();
         if !self.guard.admit(now_ms, Answer::Reset(&snapshot)) {
             let gains = self.guard.gains(Answer::Reset(&snapshot));
-            self.write_gains(&gains, store)?;
+            self.writer.write_gains(store, &gains)?;
             return Ok(Applied::Held);
         }
-        let load = next_id(store, LOADS_KEY)?;
-        // Lay the IPs out bucket by bucket: sorted by bucket, each bucket is
-        // built and written once, and only one is held at a time.
-        let layout = buckets::bucket_count(snapshot.records.len() as u64);
-        snapshot
-            .records
-            .sort_by_cached_key(|r| buckets::bucket_of(&r.ip, layout));
-        let Snapshot {
-            v: _,
-            epoch,
-            generation,
-            freshness,
-            services,
-            records,
-        } = &snapshot;
-        let (epoch, generation) = (*epoch, *generation);
-        let mut written = HashSet::new();
-        let mut entries = 0u64;
-        let mut current: Option<(u32, Bucket)> = None;
-        for record in records {
-            let index = buckets::bucket_of(&record.ip, layout);
-            if current.as_ref().is_some_and(|(i, _)| *i != index) {
-                if let Some((i, bucket)) = current.take() {
-                    entries += self.write_bucket(store, load, layout, i, &bucket, &mut written)?;
-                }
-            }
-            current
-                .get_or_insert_with(|| (index, Bucket::default()))
-                .1
-                .put(record);
-        }
-        if let Some((i, bucket)) = current.take() {
-            entries += self.write_bucket(store, load, layout, i, &bucket, &mut written)?;
-        }
-        members::write_snapshot(store, load, records)?;
-        let services: HashSet<ServiceKey> = services.iter().cloned().collect();
-        for service in &services {
-            store.set(&service_key(service), &encode_service(load), None)?;
-        }
-        // Buckets the new snapshot leaves empty, or of a layout it replaces,
-        // would be invalid anyway once meta names the new load; clearing them
-        // gives their memory back.
-        for index in &self.known_buckets {
-            if layout != self.buckets || !written.contains(index) {
-                store.set(&buckets::bucket_key(self.buckets, *index), b"", None)?;
-            }
-        }
-        for service in self.known_services.difference(&services) {
-            store.set(&service_key(service), b"", None)?;
-        }
-        self.buckets = layout;
-        self.known_buckets = written;
-        self.known_services = services;
-        let meta = Meta {
-            load,
-            epoch,
-            generation,
-            synced_ms: now_ms,
-            fresh: freshness.fresh,
-            entries,
-            buckets: layout,
-        };
-        store.set(META_KEY, &meta.encode(), None)?;
+        let meta = self.writer.write_snapshot(store, now_ms, &mut snapshot)?;
         self.cursor = Some(Cursor {
-            load,
-            epoch,
-            generation,
+            load: meta.load,
+            epoch: meta.epoch,
+            generation: meta.generation,
         });
-        self.entries = entries;
         self.guard.applied(Answer::Reset(&snapshot));
-        Ok(Applied::Reset { entries })
+        Ok(Applied::Reset {
+            entries: meta.entries,
+        })
     }
 
     fn apply_delta(
@@ -543,18 +442,7 @@ impl Poller {
         delta: Delta,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
-        let Delta {
-            v: _,
-            epoch,
-            since,
-            generation,
-            freshness,
-            services_added,
-            services_removed,
-            upserts,
-            removed,
-        } = &delta;
-        let (epoch, since, generation) = (*epoch, *since, *generation);
+        let (epoch, since, generation) = (delta.epoch, delta.since, delta.generation);
         let Some(cursor) = self.cursor else {
             return Err(SyncError::Sequence { since, ours: 0 });
         };
@@ -566,77 +454,17 @@ impl Poller {
         }
         if !self.guard.admit(now_ms, Answer::Delta(&delta)) {
             let gains = self.guard.gains(Answer::Delta(&delta));
-            self.write_gains(&gains, store)?;
+            self.writer.write_gains(store, &gains)?;
             return Ok(Applied::Held);
         }
-        let load = cursor.load;
-        for service in services_added {
-            store.set(&service_key(service), &encode_service(load), None)?;
-            self.known_services.insert(service.clone());
-        }
-        for service in services_removed {
-            store.set(&service_key(service), b"", None)?;
-            self.known_services.remove(service);
-        }
-        // Edits grouped by bucket: each bucket read, edited and written once.
-        let mut edits: BTreeMap<u32, Vec<Edit<'_>>> = BTreeMap::new();
-        for record in upserts {
-            let index = buckets::bucket_of(&record.ip, self.buckets);
-            edits.entry(index).or_default().push(Edit::Put(record));
-        }
-        for ip in removed {
-            let index = buckets::bucket_of(ip, self.buckets);
-            edits.entry(index).or_default().push(Edit::Remove(ip));
-        }
-        let changed = (upserts.len() + removed.len()) as u64;
-        for (index, edits) in edits {
-            let key = buckets::bucket_key(self.buckets, index);
-            let (value, _) = store.get(&key)?;
-            let value = value.unwrap_or_default();
-            // Member lists first: they need each IP's old record.
-            for edit in &edits {
-                let (ip, new) = match edit {
-                    Edit::Put(record) => (record.ip, Some(*record)),
-                    Edit::Remove(ip) => (**ip, None),
-                };
-                let old = match buckets::find(&value, &ip, load) {
-                    Entry::Present(holders) => Some(holders),
-                    Entry::Absent | Entry::Corrupt => None,
-                };
-                members::apply_change(store, load, ip, old.as_ref(), new)?;
-            }
-            // A bucket of an older load is empty for readers: start afresh.
-            let mut bucket = Bucket::read(&value, load);
-            let mut delta = 0i64;
-            for edit in edits {
-                delta += match edit {
-                    Edit::Put(record) => bucket.put(record),
-                    Edit::Remove(ip) => bucket.remove(ip),
-                };
-            }
-            store.set(&key, &bucket.encode(load), None)?;
-            if bucket.is_empty() {
-                self.known_buckets.remove(&index);
-            } else {
-                self.known_buckets.insert(index);
-            }
-            self.entries = self.entries.saturating_add_signed(delta);
-        }
-        let meta = Meta {
-            load,
-            epoch,
-            generation,
-            synced_ms: now_ms,
-            fresh: freshness.fresh,
-            entries: self.entries,
-            buckets: self.buckets,
-        };
-        store.set(META_KEY, &meta.encode(), None)?;
+        let changed = self
+            .writer
+            .write_delta(store, now_ms, cursor.load, &delta)?;
         self.cursor = Some(Cursor {
             generation,
             ..cursor
         });
-        if buckets::outgrown(self.entries, self.buckets) {
+        if self.writer.outgrown() {
             // More than two IPs per bucket on average: readers' lookups grow.
             // The next request is a snapshot, laid out with more buckets.
             self.cursor = None;
@@ -644,79 +472,6 @@ impl Poller {
         self.guard.applied(Answer::Delta(&delta));
         Ok(Applied::Delta { changed })
     }
-
-    /// While an answer is held: writes the records that only add (see
-    /// [`Guard::gains`]) into the current load and layout, leaving `meta`
-    /// as it is, so the previous data keeps serving and ages as before. The
-    /// held answer, once applied, rewrites them (`entries` is corrected then).
-    fn write_gains(
-        &mut self,
-        gains: &[&IpRecord],
-        store: &mut dyn SharedData,
-    ) -> Result<(), SyncError> {
-        if gains.is_empty() {
-            return Ok(());
-        }
-        let Some(meta) = View::new(&*store).meta() else {
-            return Ok(());
-        };
-        let mut edits: BTreeMap<u32, Vec<&IpRecord>> = BTreeMap::new();
-        for record in gains {
-            let index = buckets::bucket_of(&record.ip, meta.buckets);
-            edits.entry(index).or_default().push(record);
-        }
-        for (index, records) in edits {
-            let key = buckets::bucket_key(meta.buckets, index);
-            let (value, _) = store.get(&key)?;
-            let value = value.unwrap_or_default();
-            // The member lists follow, as for a delta: a later delta reads
-            // this record as the IP's old one.
-            for record in &records {
-                let old = match buckets::find(&value, &record.ip, meta.load) {
-                    Entry::Present(old) => Some(old),
-                    Entry::Absent | Entry::Corrupt => None,
-                };
-                members::apply_change(store, meta.load, record.ip, old.as_ref(), Some(record))?;
-            }
-            let mut bucket = Bucket::read(&value, meta.load);
-            for record in records {
-                bucket.put(record);
-            }
-            store.set(&key, &bucket.encode(meta.load), None)?;
-            if meta.buckets == self.buckets {
-                self.known_buckets.insert(index);
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes one bucket of a new load; returns its number of IPs.
-    fn write_bucket(
-        &self,
-        store: &mut dyn SharedData,
-        load: u64,
-        layout: u32,
-        index: u32,
-        bucket: &Bucket,
-        written: &mut HashSet<u32>,
-    ) -> Result<u64, StoreError> {
-        if bucket.is_empty() {
-            return Ok(0);
-        }
-        store.set(
-            &buckets::bucket_key(layout, index),
-            &bucket.encode(load),
-            None,
-        )?;
-        written.insert(index);
-        Ok(bucket.len() as u64)
-    }
-}
-
-/// One change to a bucket.
-enum Edit<'a> {
-    Put(&'a IpRecord),
-    Remove(&'a IpAddr),
 }
 
 #[cfg(test)]
@@ -725,7 +480,8 @@ mod tests {
     use crate::buckets;
     use crate::store::{Entry, MemoryStore, View};
     use staleguard_core::wire::{Membership, Via};
-    use staleguard_core::{Freshness, IpRecord, PodHolder};
+    use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey};
+    use std::net::IpAddr;
 
     const CFG: SyncConfig = SyncConfig {
         wait_s: 5,
@@ -994,7 +750,7 @@ mod tests {
                 sent.push(now);
                 // Answered at once (a burst of changes).
                 p.in_flight = None;
-                p.failures = 0;
+                p.backoff.reset();
                 p.next_at_ms = now;
             }
             let next_tick = (now / tick_ms + 1) * tick_ms;

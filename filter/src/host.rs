@@ -1,0 +1,371 @@
+//! What the filter asks of its host (Envoy), as one small trait.
+//!
+//! [`crate::root`] and [`crate::request`] make every decision against a
+//! [`Host`]; `glue` (wasm32 only) implements it over `proxy_wasm::hostcalls`
+//! and forwards callbacks, and the tests implement it with a double that
+//! records what the filter did. Logging stays on the `log` facade, which the
+//! SDK already routes to the host.
+
+use std::io::Read;
+use std::time::Duration;
+
+use crate::check::Lazy;
+use crate::store::SharedData;
+
+/// The two kinds of metric the filter defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MetricKind {
+    /// Only ever incremented.
+    Counter,
+    /// Set to a value.
+    Gauge,
+}
+
+/// A header list as the host gives it: names as text, values as bytes.
+pub type RawHeaders = Vec<(String, Vec<u8>)>;
+
+/// The host operations of the root and HTTP contexts. Errors of the host are
+/// folded into `None`/`false`/`Err(text)`: the filter never panics on them.
+pub trait Host: SharedData {
+    /// The wall clock, µs since the Unix epoch (0 if the host cannot say).
+    fn now_us(&self) -> u64;
+
+    /// The wall clock, ms since the Unix epoch.
+    fn now_ms(&self) -> u64 {
+        self.now_us() / 1000
+    }
+
+    /// A random number: owner ids and jitter seeds.
+    fn random_u64(&self) -> u64;
+
+    /// A property of the stream as text (`["upstream", "address"]`).
+    fn property(&self, path: &[&str]) -> Option<String>;
+
+    /// One request header.
+    fn request_header(&self, name: &str) -> Option<String>;
+
+    /// All request headers.
+    fn request_headers(&self) -> RawHeaders;
+
+    /// Removes a request header before it goes upstream.
+    fn remove_request_header(&mut self, name: &str);
+
+    /// Sends a call to `cluster`; the token names its answer.
+    fn dispatch_call(
+        &mut self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Result<u32, String>;
+
+    /// The `:status` of the answer being delivered (call only when the
+    /// answer has headers: a failed call has no header map).
+    fn call_status(&self) -> Option<u32>;
+
+    /// The headers of the answer being delivered (same condition).
+    fn call_headers(&self) -> RawHeaders;
+
+    /// `len` bytes of the answer's body from `offset`.
+    fn call_body(&self, offset: usize, len: usize) -> Result<Vec<u8>, String>;
+
+    /// The answer's body of `size` bytes as a reader that fetches it a piece
+    /// at a time (a copy of a large snapshot would stay in the VM's memory).
+    fn call_body_reader(&self, size: usize) -> Box<dyn Read>;
+
+    /// Answers the request from the filter instead of the upstream.
+    fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>);
+
+    /// Defines a metric; `None` if the host refuses.
+    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Option<u32>;
+
+    /// Adds to a counter.
+    fn increment_metric(&mut self, id: u32, by: u64);
+
+    /// Sets a gauge.
+    fn record_metric(&mut self, id: u32, value: u64);
+
+    /// Sets the root context's timer period; false if the host refused.
+    fn set_tick_period(&mut self, period: Duration) -> bool;
+
+    /// The linear memory of this VM, in bytes.
+    fn vm_memory_bytes(&self) -> u64;
+}
+
+/// The lazy reads of `check::judge`, from a host.
+#[derive(Debug)]
+pub struct LazyReads<'a, H: ?Sized>(pub &'a H);
+
+impl<H: Host + ?Sized> Lazy for LazyReads<'_, H> {
+    fn istio_service_host(&self) -> Option<String> {
+        // Istio lists the services a cluster serves in its metadata; the
+        // first one is the service (a cluster per service and port).
+        self.0.property(&[
+            "xds",
+            "cluster_metadata",
+            "filter_metadata",
+            "istio",
+            "services",
+            "0",
+            "host",
+        ])
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.0.now_ms()
+    }
+}
+
+/// A [`Host`] for tests: shared data in memory, a clock the test moves, and a
+/// record of what the filter did (replies, calls, metrics, timer periods).
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::collections::HashMap;
+    use std::io::Read;
+    use std::time::Duration;
+
+    use super::{Host, MetricKind, RawHeaders};
+    use crate::store::{MemoryStore, SharedData, StoreError};
+
+    /// A reply the filter sent instead of the upstream's.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub(crate) struct Reply {
+        pub(crate) status: u32,
+        pub(crate) headers: Vec<(String, String)>,
+        pub(crate) body: Vec<u8>,
+    }
+
+    impl Reply {
+        pub(crate) fn header(&self, name: &str) -> Option<&str> {
+            self.headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        }
+    }
+
+    /// A call the filter dispatched.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub(crate) struct Call {
+        pub(crate) token: u32,
+        pub(crate) cluster: String,
+        pub(crate) headers: Vec<(String, String)>,
+        pub(crate) timeout: Duration,
+    }
+
+    impl Call {
+        pub(crate) fn header(&self, name: &str) -> Option<&str> {
+            self.headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        }
+    }
+
+    /// The answer being delivered to `call_response`.
+    #[derive(Debug, Clone, Default)]
+    pub(crate) struct Answer {
+        pub(crate) headers: Vec<(String, String)>,
+        pub(crate) body: Vec<u8>,
+    }
+
+    #[derive(Debug, Default)]
+    pub(crate) struct FakeHost {
+        pub(crate) store: MemoryStore,
+        pub(crate) now_ms: u64,
+        /// Properties by their path joined with `.`.
+        pub(crate) properties: HashMap<String, String>,
+        pub(crate) request_headers: Vec<(String, String)>,
+        pub(crate) removed_headers: Vec<String>,
+        /// Set: `dispatch_call` fails.
+        pub(crate) refuse_calls: bool,
+        pub(crate) calls: Vec<Call>,
+        pub(crate) answer: Answer,
+        pub(crate) replies: Vec<Reply>,
+        pub(crate) metric_names: Vec<(MetricKind, String)>,
+        pub(crate) counters: HashMap<String, u64>,
+        pub(crate) gauges: HashMap<String, u64>,
+        pub(crate) tick_periods: Vec<u64>,
+    }
+
+    impl FakeHost {
+        /// The counter `name`, 0 when never incremented.
+        pub(crate) fn counter(&self, name: &str) -> u64 {
+            self.counters.get(name).copied().unwrap_or(0)
+        }
+
+        /// The timer period last set, in ms.
+        pub(crate) fn timer_ms(&self) -> Option<u64> {
+            self.tick_periods.last().copied()
+        }
+
+        /// Headers of the next answer, `:status` first.
+        pub(crate) fn answer_with(&mut self, status: u32, body: Vec<u8>) {
+            self.answer = Answer {
+                headers: vec![(":status".to_owned(), status.to_string())],
+                body,
+            };
+        }
+    }
+
+    impl SharedData for FakeHost {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
+            self.store.get(key)
+        }
+
+        fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            self.store.set(key, value, cas)
+        }
+    }
+
+    impl Host for FakeHost {
+        fn now_us(&self) -> u64 {
+            self.now_ms * 1000
+        }
+
+        fn random_u64(&self) -> u64 {
+            42
+        }
+
+        fn property(&self, path: &[&str]) -> Option<String> {
+            self.properties.get(&path.join(".")).cloned()
+        }
+
+        fn request_header(&self, name: &str) -> Option<String> {
+            self.request_headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        }
+
+        fn request_headers(&self) -> RawHeaders {
+            self.request_headers
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone().into_bytes()))
+                .collect()
+        }
+
+        fn remove_request_header(&mut self, name: &str) {
+            self.removed_headers.push(name.to_owned());
+        }
+
+        fn dispatch_call(
+            &mut self,
+            cluster: &str,
+            headers: &[(&str, &str)],
+            timeout: Duration,
+        ) -> Result<u32, String> {
+            if self.refuse_calls {
+                return Err("BadArgument".to_owned());
+            }
+            let token = u32::try_from(self.calls.len()).unwrap() + 1;
+            self.calls.push(Call {
+                token,
+                cluster: cluster.to_owned(),
+                headers: headers
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                timeout,
+            });
+            Ok(token)
+        }
+
+        fn call_status(&self) -> Option<u32> {
+            self.answer
+                .headers
+                .iter()
+                .find(|(k, _)| k == ":status")
+                .and_then(|(_, v)| v.parse().ok())
+        }
+
+        fn call_headers(&self) -> RawHeaders {
+            self.answer
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone().into_bytes()))
+                .collect()
+        }
+
+        fn call_body(&self, offset: usize, len: usize) -> Result<Vec<u8>, String> {
+            let end = offset.saturating_add(len).min(self.answer.body.len());
+            Ok(self
+                .answer
+                .body
+                .get(offset.min(end)..end)
+                .unwrap_or_default()
+                .to_vec())
+        }
+
+        fn call_body_reader(&self, size: usize) -> Box<dyn Read> {
+            let body = self.answer.body.get(..size).unwrap_or_default().to_vec();
+            Box::new(std::io::Cursor::new(body))
+        }
+
+        fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>) {
+            self.replies.push(Reply {
+                status,
+                headers: headers
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                body: body.unwrap_or_default().to_vec(),
+            });
+        }
+
+        fn define_metric(&mut self, kind: MetricKind, name: &str) -> Option<u32> {
+            self.metric_names.push((kind, name.to_owned()));
+            u32::try_from(self.metric_names.len() - 1).ok()
+        }
+
+        fn increment_metric(&mut self, id: u32, by: u64) {
+            if let Some((MetricKind::Counter, name)) = self.metric_names.get(id as usize) {
+                *self.counters.entry(name.clone()).or_insert(0) += by;
+            }
+        }
+
+        fn record_metric(&mut self, id: u32, value: u64) {
+            if let Some((MetricKind::Gauge, name)) = self.metric_names.get(id as usize) {
+                self.gauges.insert(name.clone(), value);
+            }
+        }
+
+        fn set_tick_period(&mut self, period: Duration) -> bool {
+            self.tick_periods
+                .push(u64::try_from(period.as_millis()).unwrap());
+            true
+        }
+
+        fn vm_memory_bytes(&self) -> u64 {
+            1 << 20
+        }
+    }
+
+    /// The plugin configuration `deploy/envoy/envoy.yaml` ships (its first
+    /// `value: |` JSON), with `extra` fields merged on top.
+    pub(crate) fn shipped_config(extra: &str) -> Vec<u8> {
+        let yaml = include_str!("../../deploy/envoy/envoy.yaml");
+        let from = yaml.find("value: |").unwrap();
+        let start = from + yaml[from..].find('{').unwrap();
+        let mut depth = 0;
+        let mut end = start;
+        for (i, c) in yaml[start..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = start + i + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut config: serde_json::Value = serde_json::from_str(&yaml[start..end]).unwrap();
+        let extra: serde_json::Value = serde_json::from_str(extra).unwrap();
+        for (k, v) in extra.as_object().unwrap() {
+            config[k] = v.clone();
+        }
+        serde_json::to_vec(&config).unwrap()
+    }
+}

@@ -1,0 +1,569 @@
+//! One request's path through the filter: the verdict ([`crate::check`]),
+//! counting it, the reply of a rejection, and a replay's start and steps
+//! ([`crate::replay`]). Every host operation goes through [`Host`]; `glue`
+//! only forwards Envoy's HTTP callbacks here.
+
+use std::cell::RefCell;
+use std::fmt;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::Duration;
+
+use proxy_wasm::types::Action;
+
+use crate::cache::Cache;
+use crate::check::{header_value, judge, Effect, Outcome, Upstream};
+use crate::config::{Config, RetryConfig};
+use crate::host::{Host, LazyReads};
+use crate::members;
+use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
+use crate::replay::{
+    self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
+};
+use crate::store::View;
+use crate::throttle::Throttle;
+
+/// The HTTP context of one request.
+pub struct Filter {
+    id: u32,
+    config: Option<Rc<Config>>,
+    metrics: Rc<RefCell<VmMetrics>>,
+    cache: Rc<RefCell<Cache>>,
+    log_budget: Rc<RefCell<Throttle>>,
+    /// Set in a twin cluster's VM: this instance only checks its pick.
+    twin: Option<Rc<TwinConfig>>,
+    /// A replay in flight (see `crate::replay`).
+    replay: Option<Pending>,
+}
+
+impl fmt::Debug for Filter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Filter")
+            .field("id", &self.id)
+            .field("replaying", &self.replay.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a paused request needs to go on replaying.
+struct Pending {
+    replay: Replay,
+    /// The service's metric label.
+    label: LabelId,
+    token: Option<u32>,
+    twin_cluster: String,
+    headers: Vec<(String, String)>,
+    reason: staleguard_core::Reason,
+    /// Body size of the last answer.
+    body_size: usize,
+    /// Headers of the last answer.
+    answer: Vec<(String, String)>,
+}
+
+impl Filter {
+    /// A request's context over its VM's shared state (see `Root::filter`).
+    pub(crate) fn new(
+        id: u32,
+        config: Option<Rc<Config>>,
+        metrics: Rc<RefCell<VmMetrics>>,
+        cache: Rc<RefCell<Cache>>,
+        log_budget: Rc<RefCell<Throttle>>,
+        twin: Option<Rc<TwinConfig>>,
+    ) -> Self {
+        Self {
+            id,
+            config,
+            metrics,
+            cache,
+            log_budget,
+            twin,
+            replay: None,
+        }
+    }
+
+    /// True while a replay waits for an answer.
+    pub fn replaying(&self) -> bool {
+        self.replay.is_some()
+    }
+
+    /// The request's headers arrived: judge the host Envoy chose, and let the
+    /// request through, reject it, or start replaying it.
+    pub fn request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
+        if let Some(twin) = self.twin.clone() {
+            return self.twin_request(host, &twin);
+        }
+        let Some(config) = self.config.clone() else {
+            return Action::Continue;
+        };
+        let upstream = Upstream {
+            cluster: host.property(&["xds", "cluster_name"]),
+            address: host.property(&["upstream", "address"]),
+        };
+        let outcome = judge(
+            &config,
+            &mut self.cache.borrow_mut(),
+            &*host,
+            &upstream,
+            &LazyReads(&*host),
+        );
+        let mut m = self.metrics.borrow_mut();
+        let (service, ip, verdict, effect) = match outcome {
+            Outcome::Unmapped => {
+                m.count(host, Count::Unmapped);
+                return Action::Continue;
+            }
+            Outcome::NoAddress => {
+                m.count(host, Count::NoAddress);
+                return Action::Continue;
+            }
+            Outcome::Judged {
+                service,
+                ip,
+                verdict,
+                effect,
+            } => (service, ip, verdict, effect),
+        };
+        let label = m.services.id(&service);
+        drop(m);
+        // A rejection becomes a replay where one is configured and the
+        // request is eligible; the decision is `crate::replay`'s.
+        let mut replay_step = None;
+        if let (Effect::Reject { .. }, Some(retry)) = (effect, config.replay()) {
+            let stale = upstream
+                .address
+                .as_deref()
+                .and_then(|a| a.parse::<SocketAddr>().ok());
+            let cluster = upstream.cluster.as_deref().unwrap_or_default();
+            match self.start_replay(
+                host,
+                retry,
+                &service,
+                cluster,
+                stale,
+                verdict.reason,
+                end_of_stream,
+            ) {
+                Ok(step) => replay_step = Some(step),
+                Err(cause) => self.metrics.borrow_mut().inc(
+                    host,
+                    &metrics::retries(ReplayOutcome::NotEligible(cause)),
+                    1,
+                ),
+            }
+        }
+        // A replay counts its verdict when it ends (`finish`).
+        if let Some(pending) = self.replay.as_mut() {
+            pending.label = label;
+        }
+        if replay_step.is_none() {
+            self.metrics.borrow_mut().count(
+                host,
+                Count::Request {
+                    label,
+                    reason: verdict.reason,
+                    action: Counted::Effect(effect),
+                },
+            );
+        }
+        if effect != Effect::Allow {
+            if let Some(skipped) = self.log_budget.borrow_mut().allow(host.now_ms()) {
+                let more = if skipped > 0 {
+                    format!(" ({skipped} similar lines suppressed)")
+                } else {
+                    String::new()
+                };
+                let action = if replay_step.is_some() {
+                    "retry"
+                } else {
+                    effect.as_str()
+                };
+                log::info!(
+                    "[ctx {}] staleguard: {action} host {ip} of {service}: {}{more}",
+                    self.id,
+                    verdict.reason.as_str()
+                );
+            }
+        }
+        if let Some(step) = replay_step {
+            self.drive(host, step);
+            return Action::Pause;
+        }
+        match effect {
+            Effect::Allow | Effect::Audit => Action::Continue,
+            Effect::Reject { status } => {
+                reject(host, &config, status, verdict.reason);
+                Action::Pause
+            }
+        }
+    }
+
+    /// The answer to a replay's call arrived (or the call failed).
+    pub fn call_response<H: Host>(
+        &mut self,
+        host: &mut H,
+        token: u32,
+        headers: usize,
+        body_size: usize,
+    ) {
+        let Some(pending) = self.replay.as_mut() else {
+            return;
+        };
+        if pending.token != Some(token) {
+            return;
+        }
+        pending.token = None;
+        pending.body_size = body_size;
+        // A failed call has no header map (asking for one is BadArgument).
+        let answer = (headers > 0).then(|| {
+            host.call_headers()
+                .into_iter()
+                .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+                .collect::<Vec<_>>()
+        });
+        let result = replay::classify(answer.as_deref());
+        pending.answer = answer.unwrap_or_default();
+        let step = pending.replay.on_result(host.now_ms(), result);
+        self.drive(host, step);
+    }
+
+    /// The twin's whole job: let through a pick the origin named (without the
+    /// endpoint header), fail any other at once.
+    fn twin_request<H: Host>(&mut self, host: &mut H, twin: &TwinConfig) -> Action {
+        let named = host.request_header(&twin.endpoint_header);
+        let address = host.property(&["upstream", "address"]);
+        let ok = replay::twin_pick_is_named(named.as_deref(), address.as_deref());
+        self.metrics
+            .borrow_mut()
+            .inc(host, &metrics::twin_picks(ok), 1);
+        if ok {
+            host.remove_request_header(&twin.endpoint_header);
+            return Action::Continue;
+        }
+        log::debug!(
+            "[ctx {}] staleguard twin: pick {address:?} not among {named:?}",
+            self.id
+        );
+        host.send_reply(503, &[(replay::TWIN_MISS_HEADER, "1")], None);
+        Action::Pause
+    }
+
+    /// Starts replaying a rejected request, or says why it cannot be.
+    #[allow(clippy::too_many_arguments)]
+    fn start_replay<H: Host>(
+        &mut self,
+        host: &mut H,
+        retry: &RetryConfig,
+        service: &staleguard_core::ServiceKey,
+        cluster: &str,
+        stale: Option<SocketAddr>,
+        reason: staleguard_core::Reason,
+        end_of_stream: bool,
+    ) -> Result<Step, Ineligible> {
+        replay::reason_allows_replay(reason)?;
+        let headers = replay::text_headers(host.request_headers())?;
+        replay::eligibility(retry, &headers, end_of_stream)?;
+        let batches = match (View::new(&*host).meta(), stale) {
+            (Some(meta), Some(stale)) => {
+                let live = members::read(&*host, service, meta.load);
+                replay::plan(retry, &live, stale, host.random_u64())
+            }
+            _ => Vec::new(),
+        };
+        let timeout = replay::timeout_ms(retry, &headers);
+        let (state, step) = Replay::start(batches, host.now_ms(), timeout);
+        self.replay = Some(Pending {
+            replay: state,
+            token: None,
+            twin_cluster: format!("{cluster}{}", retry.twin_suffix),
+            headers,
+            reason,
+            label: LabelId::default(),
+            body_size: 0,
+            answer: Vec::new(),
+        });
+        Ok(step)
+    }
+
+    /// Carries out `step`s until one waits for an answer (`Pause`) or ends the
+    /// request.
+    fn drive<H: Host>(&mut self, host: &mut H, mut step: Step) {
+        loop {
+            let Some(config) = self.config.clone() else {
+                return;
+            };
+            let Some(retry) = config.replay() else {
+                return;
+            };
+            let Some(pending) = self.replay.as_mut() else {
+                return;
+            };
+            match step {
+                Step::Send { hosts, timeout_ms } => {
+                    let headers =
+                        replay::request_headers(&pending.headers, &retry.endpoint_header, &hosts);
+                    let headers: Vec<(&str, &str)> = headers
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect();
+                    match host.dispatch_call(
+                        &pending.twin_cluster,
+                        &headers,
+                        Duration::from_millis(timeout_ms),
+                    ) {
+                        Ok(token) => {
+                            pending.token = Some(token);
+                            return;
+                        }
+                        Err(status) => {
+                            // No twin cluster (a deploy without one) or no
+                            // room for a call: this batch failed. Logged
+                            // within the verdict log budget: a missing twin
+                            // fails every replay.
+                            if self.log_budget.borrow_mut().allow(host.now_ms()).is_some() {
+                                log::warn!(
+                                    "[ctx {}] staleguard: cannot call the twin cluster {:?} ({status}): is it configured? (docs/filter.md, \"Retry\")",
+                                    self.id,
+                                    pending.twin_cluster
+                                );
+                            }
+                            step = pending.replay.on_result(host.now_ms(), CallResult::Failed);
+                        }
+                    }
+                }
+                Step::Deliver => {
+                    let body_size = pending.body_size;
+                    let status = host.call_status().unwrap_or(502);
+                    let headers = std::mem::take(&mut pending.answer);
+                    let filler = replay::head_filler(&pending.headers, &headers);
+                    self.finish(host, ReplayOutcome::Answered);
+                    let headers = replay::response_headers(&headers);
+                    let headers: Vec<(&str, &str)> = headers
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect();
+                    let body = match filler {
+                        Some(n) => vec![b' '; n],
+                        None => host.call_body(0, body_size).unwrap_or_default(),
+                    };
+                    host.send_reply(status, &headers, Some(&body));
+                    return;
+                }
+                Step::Fail(ReplayOutcome::Timeout) => {
+                    self.finish(host, ReplayOutcome::Timeout);
+                    // What the router itself answers when a route times out.
+                    host.send_reply(
+                        504,
+                        &[("content-type", "text/plain")],
+                        Some(b"upstream request timeout"),
+                    );
+                    return;
+                }
+                Step::Fail(outcome) => {
+                    let reason = pending.reason;
+                    self.finish(host, outcome);
+                    reject(host, &config, config.raw.reject_status, reason);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn finish<H: Host>(&mut self, host: &mut H, outcome: ReplayOutcome) {
+        if let Some(pending) = self.replay.take() {
+            // The verdict counter says what the client got: a replayed
+            // answer (`retry`) or the rejection.
+            let action = if replay::counts_as_retry(outcome) {
+                Counted::Replayed
+            } else {
+                Counted::Effect(Effect::Reject {
+                    status: self.config.as_deref().map_or(503, |c| c.raw.reject_status),
+                })
+            };
+            self.metrics.borrow_mut().count(
+                host,
+                Count::Request {
+                    label: pending.label,
+                    reason: pending.reason,
+                    action,
+                },
+            );
+            if outcome != ReplayOutcome::Answered {
+                log::debug!(
+                    "[ctx {}] staleguard: replay ended {} after {} calls",
+                    self.id,
+                    outcome.as_str(),
+                    pending.replay.attempts()
+                );
+            }
+        }
+        self.metrics
+            .borrow_mut()
+            .inc(host, &metrics::retries(outcome), 1);
+    }
+}
+
+/// The filter's own answer to a rejected request: `status`, the reason in
+/// the configured header and in the body.
+fn reject<H: Host>(host: &mut H, config: &Config, status: u32, reason: staleguard_core::Reason) {
+    let reason = header_value(reason);
+    let headers = [(config.raw.reject_header.as_str(), reason)];
+    let body = format!("staleguard: {reason}\n");
+    host.send_reply(status, &headers, Some(body.as_bytes()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeHost;
+    use crate::root::tests::loaded;
+    use crate::root::Root;
+    use staleguard_core::{Reason, ServiceKey};
+
+    const CART: &str = "shop/cart";
+
+    /// A bodiless GET through the shipped `shop-cart` cluster, to `ip`.
+    fn get_to(host: &mut FakeHost, ip: &str) {
+        host.properties
+            .insert("xds.cluster_name".into(), "shop-cart".into());
+        host.properties
+            .insert("upstream.address".into(), format!("{ip}:8080"));
+        host.request_headers = vec![
+            (":method".into(), "GET".into()),
+            (":path".into(), "/items".into()),
+            (":authority".into(), "shop".into()),
+            (":scheme".into(), "http".into()),
+        ];
+    }
+
+    fn reject_status(extra: &str) -> u32 {
+        Config::parse(&crate::host::fake::shipped_config(extra))
+            .unwrap()
+            .raw
+            .reject_status
+    }
+
+    // Counting rejections: on_reject is `reject` (the shipped config retries).
+    const ON_REJECT_REJECT: &str = r#"{"on_reject":"reject"}"#;
+
+    #[test]
+    fn an_unconfigured_vm_lets_everything_through() {
+        let (_, mut host) = loaded("{}", &["10.0.0.1"]);
+        get_to(&mut host, "10.0.0.9");
+        let root = Root::new(3);
+        assert_eq!(
+            root.filter(2).request_headers(&mut host, true),
+            Action::Continue
+        );
+        assert!(host.replies.is_empty());
+    }
+
+    #[test]
+    fn a_member_is_let_through_without_a_reply() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+        let calls = host.calls.len();
+        get_to(&mut host, "10.0.0.1");
+        let mut filter = root.filter(2);
+        assert_eq!(filter.request_headers(&mut host, true), Action::Continue);
+        assert!(host.replies.is_empty());
+        assert_eq!(host.calls.len(), calls);
+        assert!(!filter.replaying());
+    }
+
+    #[test]
+    fn on_reject_reject_a_rejection_replies_with_the_status_and_the_reason_header() {
+        let (root, mut host) = loaded(ON_REJECT_REJECT, &["10.0.0.1"]);
+        get_to(&mut host, "10.0.0.9");
+        let mut filter = root.filter(2);
+        assert_eq!(filter.request_headers(&mut host, true), Action::Pause);
+        assert_eq!(host.replies.len(), 1);
+        let reply = &host.replies[0];
+        assert_eq!(reply.status, reject_status(ON_REJECT_REJECT));
+        let header = Config::parse(&crate::host::fake::shipped_config(ON_REJECT_REJECT))
+            .unwrap()
+            .raw
+            .reject_header;
+        assert_eq!(reply.header(&header), Some("destroyed"));
+        assert_eq!(reply.body, b"staleguard: destroyed\n");
+        assert!(!filter.replaying());
+    }
+
+    #[test]
+    fn on_reject_reject_request_counters_reach_the_host_on_the_tick_with_exact_sums() {
+        let (mut root, mut host) = loaded(ON_REJECT_REJECT, &["10.0.0.1"]);
+        let status = reject_status(ON_REJECT_REJECT);
+        let allowed = metrics::requests(CART, Reason::Member, Effect::Allow);
+        let rejected = metrics::requests(CART, Reason::Destroyed, Effect::Reject { status });
+        for ip in ["10.0.0.1", "10.0.0.9", "10.0.0.1", "10.0.0.9", "10.0.0.1"] {
+            get_to(&mut host, ip);
+            root.filter(2).request_headers(&mut host, true);
+        }
+        // Counted in VM memory until the tick.
+        assert_eq!(host.counter(&allowed), 0);
+        assert_eq!(host.counter(&rejected), 0);
+        root.tick(&mut host);
+        assert_eq!(host.counter(&allowed), 3);
+        assert_eq!(host.counter(&rejected), 2);
+        // Flushed once: another tick adds nothing.
+        root.tick(&mut host);
+        assert_eq!(host.counter(&allowed), 3);
+        assert_eq!(host.counter(&rejected), 2);
+    }
+
+    #[test]
+    fn a_rejected_bodiless_get_is_replayed_to_a_live_member_through_the_twin() {
+        let (mut root, mut host) = loaded("{}", &["10.0.0.1"]);
+        let calls = host.calls.len();
+        get_to(&mut host, "10.0.0.9");
+        let mut filter = root.filter(2);
+        assert_eq!(filter.request_headers(&mut host, true), Action::Pause);
+        assert!(host.replies.is_empty(), "no reply while the replay is out");
+        assert!(filter.replaying());
+        assert_eq!(host.calls.len(), calls + 1);
+        let call = host.calls.last().unwrap().clone();
+        assert_eq!(call.cluster, "shop-cart|staleguard-twin");
+        assert_eq!(call.header(":path"), Some("/items"));
+        let retry = Config::parse(&crate::host::fake::shipped_config("{}")).unwrap();
+        let endpoint = &retry.replay().unwrap().endpoint_header;
+        assert_eq!(call.header(endpoint), Some("10.0.0.1:8080"));
+        // The member answers: the client gets its answer.
+        host.answer = crate::host::fake::Answer {
+            headers: vec![
+                (":status".into(), "200".into()),
+                (replay::UPSTREAM_TIME_HEADER.into(), "3".into()),
+            ],
+            body: b"hello".to_vec(),
+        };
+        filter.call_response(&mut host, call.token, 2, 5);
+        assert!(!filter.replaying());
+        assert_eq!(host.replies.len(), 1);
+        assert_eq!(host.replies[0].status, 200);
+        assert_eq!(host.replies[0].body, b"hello");
+        root.tick(&mut host);
+        let label = ServiceKey::new("shop", "cart").to_string();
+        assert_eq!(
+            host.counter(&metrics::requests_replayed(&label, Reason::Destroyed)),
+            1
+        );
+        assert_eq!(host.counter(&metrics::retries(ReplayOutcome::Answered)), 1);
+    }
+
+    #[test]
+    fn a_request_with_a_body_is_rejected_not_replayed() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+        let calls = host.calls.len();
+        get_to(&mut host, "10.0.0.9");
+        assert_eq!(
+            root.filter(2).request_headers(&mut host, false),
+            Action::Pause
+        );
+        assert_eq!(host.calls.len(), calls, "no replay");
+        assert_eq!(host.replies.len(), 1);
+        assert_eq!(host.replies[0].status, reject_status("{}"));
+        assert_eq!(
+            host.counter(&metrics::retries(ReplayOutcome::NotEligible(
+                Ineligible::Body
+            ))),
+            1
+        );
+    }
+}

@@ -1,0 +1,647 @@
+//! The root context of a VM: configuration, the lease, the poller's
+//! schedule (timer arming, the watchdog), applying the validator's answers,
+//! and the gauges. Every host operation goes through [`Host`], so all of it
+//! is unit-tested with a double; `glue` only forwards Envoy's callbacks here.
+
+use std::cell::RefCell;
+use std::fmt;
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::cache::Cache;
+use crate::config::Config;
+use crate::guard::{Guard, GuardEvent};
+use crate::host::Host;
+use crate::lease::{Lease, LeaseState};
+use crate::metrics::{self, VmMetrics};
+use crate::replay::TwinConfig;
+use crate::request::Filter;
+use crate::store::View;
+use crate::sync::{Applied, Poller, SyncConfig, SyncError};
+use crate::throttle::Throttle;
+
+/// Verdict log lines allowed per VM per second (the counters count all).
+const VERDICT_LOGS_PER_SECOND: u32 = 5;
+
+/// Least time between two validator requests (see `SyncConfig`): answers that
+/// come at once cannot become a busy loop (at most 20 requests a second), and
+/// a change that follows another within milliseconds (one cluster event often
+/// makes two or three index generations) waits at most this long.
+pub const MIN_POLL_INTERVAL_MS: u64 = 50;
+
+/// The root context: one per VM.
+pub struct Root {
+    id: u32,
+    config: Option<Rc<Config>>,
+    metrics: Rc<RefCell<VmMetrics>>,
+    cache: Rc<RefCell<Cache>>,
+    log_budget: Rc<RefCell<Throttle>>,
+    lease: Option<Lease>,
+    poller: Option<Poller>,
+    in_flight: Option<u32>,
+    /// When the lease is next renewed (every `tick_ms`).
+    lease_due_ms: u64,
+    /// The timer period last set: the timer is re-armed for whatever comes
+    /// first, the lease or the poller's next step.
+    timer_ms: u64,
+    twin: Option<Rc<TwinConfig>>,
+}
+
+impl fmt::Debug for Root {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Root")
+            .field("id", &self.id)
+            .field("in_flight", &self.in_flight)
+            .field("lease_due_ms", &self.lease_due_ms)
+            .field("timer_ms", &self.timer_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Root {
+    /// A root context without configuration.
+    pub fn new(id: u32) -> Self {
+        Self {
+            id,
+            config: None,
+            metrics: Rc::new(RefCell::new(VmMetrics::default())),
+            cache: Rc::new(RefCell::new(Cache::default())),
+            log_budget: Rc::new(RefCell::new(Throttle::new(1_000, VERDICT_LOGS_PER_SECOND))),
+            lease: None,
+            poller: None,
+            in_flight: None,
+            lease_due_ms: 0,
+            timer_ms: 0,
+            twin: None,
+        }
+    }
+
+    /// The HTTP context of a request, sharing this VM's state.
+    pub fn filter(&self, context_id: u32) -> Filter {
+        Filter::new(
+            context_id,
+            self.config.clone(),
+            self.metrics.clone(),
+            self.cache.clone(),
+            self.log_budget.clone(),
+            self.twin.clone(),
+        )
+    }
+
+    /// The timer period last set, in ms.
+    pub fn timer_ms(&self) -> u64 {
+        self.timer_ms
+    }
+
+    /// Reads the plugin configuration; false rejects it.
+    pub fn configure<H: Host>(&mut self, host: &mut H, bytes: &[u8]) -> bool {
+        // A twin cluster's filter (docs/filter.md, "Retry"): no index, no
+        // poller; it only checks its pick against the hosts the origin named.
+        match TwinConfig::parse(bytes) {
+            Ok(Some(twin)) => {
+                log::info!(
+                    "[ctx {}] staleguard: configured as a replay twin (endpoint header {:?})",
+                    self.id,
+                    twin.endpoint_header
+                );
+                self.twin = Some(Rc::new(twin));
+                return true;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                log::error!("[ctx {}] staleguard: {e}", self.id);
+                return false;
+            }
+        }
+        let config = match Config::parse(bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                log::error!("[ctx {}] staleguard: {e}", self.id);
+                return false;
+            }
+        };
+        let sync = SyncConfig {
+            wait_s: config.raw.poll_wait_s,
+            backoff_initial_ms: config.raw.backoff_initial_ms,
+            backoff_max_ms: config.raw.backoff_max_ms,
+            min_interval_ms: MIN_POLL_INTERVAL_MS,
+        };
+        let owner = self
+            .lease
+            .as_ref()
+            .map_or_else(|| host.random_u64(), Lease::owner);
+        let held = self.lease.as_ref().is_some_and(Lease::is_held);
+        let mut lease = Lease::new(owner, config.raw.lease_ttl_ms);
+        if held {
+            // Keep going: the next tick renews the lease we already have.
+            let now = host.now_ms();
+            let _ = lease.tick(host, now);
+        }
+        self.lease = Some(lease);
+        self.poller = Some(
+            Poller::new(sync, host.random_u64())
+                .with_guard(Guard::new(config.raw.guard, config.raw.policy)),
+        );
+        self.in_flight = None;
+        self.lease_due_ms = 0;
+        if host.set_tick_period(Duration::from_millis(config.raw.tick_ms)) {
+            self.timer_ms = config.raw.tick_ms;
+        }
+        log::info!(
+            "[ctx {}] staleguard: configured (mode {:?}, validator cluster {:?}, owner {owner})",
+            self.id,
+            config.raw.mode,
+            config.raw.validator_cluster
+        );
+        if let Some(warning) = config.retry_warning() {
+            log::warn!("[ctx {}] staleguard: {warning}", self.id);
+        } else if let Some(retry) = config.replay() {
+            log::info!(
+                "[ctx {}] staleguard: rejected requests without a body are replayed to live members through the twin clusters (`<cluster>{}`), up to {} attempts",
+                self.id,
+                retry.twin_suffix,
+                retry.attempts
+            );
+        }
+        self.config = Some(Rc::new(config));
+        // Cluster resolutions follow the configuration.
+        self.cache.borrow_mut().clear_clusters();
+        true
+    }
+
+    /// The timer fired: flush the request counters, and renew the lease or
+    /// take the poller's next step, whichever is due.
+    pub fn tick<H: Host>(&mut self, host: &mut H) {
+        self.metrics.borrow_mut().flush(host);
+        self.cache.borrow_mut().clear_clusters();
+        let now = host.now_ms();
+        if now < self.lease_due_ms {
+            // Woken for the poller, between two lease renewals.
+            if self.lease.as_ref().is_some_and(Lease::is_held) {
+                self.watchdog(host, now);
+                self.poll(host, now);
+            }
+            self.arm_timer(host, now);
+            return;
+        }
+        let tick_ms = self.config.as_ref().map_or(1_000, |c| c.raw.tick_ms);
+        self.lease_due_ms = now.saturating_add(tick_ms);
+        self.lease_tick(host, now);
+        self.arm_timer(host, now);
+    }
+
+    /// The VM is shutting down: flush, and let the lease go.
+    pub fn done<H: Host>(&mut self, host: &mut H) {
+        self.metrics.borrow_mut().flush(host);
+        if let Some(lease) = self.lease.as_mut() {
+            lease.release(host);
+        }
+    }
+
+    /// Arms the root context's timer for the next thing to do: the lease
+    /// renewal (every `tick_ms`) or, while this context polls, the poller's
+    /// next step (the next long poll, a backoff's end, the watchdog). Envoy
+    /// re-creates the timer from now when the period changes, and a period
+    /// that stays the same keeps the running timer, which can then only fire
+    /// early (a harmless extra tick), never late.
+    fn arm_timer<H: Host>(&mut self, host: &mut H, now: u64) {
+        let Some(config) = &self.config else { return };
+        let mut due = self.lease_due_ms;
+        if self.lease.as_ref().is_some_and(Lease::is_held) {
+            if let Some(poller) = &self.poller {
+                due = due.min(poller.wake_at_ms());
+            }
+        }
+        let period = due.saturating_sub(now).clamp(1, config.raw.tick_ms);
+        if period != self.timer_ms && host.set_tick_period(Duration::from_millis(period)) {
+            self.timer_ms = period;
+        }
+    }
+
+    /// Gives up on a call that has been out too long (its answer, if it ever
+    /// comes, is ignored) and counts it.
+    fn watchdog<H: Host>(&mut self, host: &mut H, now: u64) {
+        let Some(poller) = self.poller.as_mut() else {
+            return;
+        };
+        if let Some(error) = poller.watchdog(now) {
+            self.in_flight = None;
+            self.sync_error(host, &error);
+        }
+    }
+
+    fn poll<H: Host>(&mut self, host: &mut H, now: u64) {
+        let (Some(config), Some(poller)) = (self.config.clone(), self.poller.as_mut()) else {
+            return;
+        };
+        let Some(request) = poller.next_request(now, &*host) else {
+            return;
+        };
+        let path = request.path();
+        let bearer = config
+            .raw
+            .token
+            .as_ref()
+            .map(|t| format!("Bearer {}", t.expose()));
+        let mut headers = vec![
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", config.authority()),
+            ("accept", "application/json"),
+        ];
+        if let Some(b) = &bearer {
+            headers.push(("authorization", b.as_str()));
+        }
+        let timeout = Duration::from_millis(poller.config().request_timeout_ms(&request));
+        match host.dispatch_call(&config.raw.validator_cluster, &headers, timeout) {
+            Ok(token) => {
+                self.in_flight = Some(token);
+                self.metrics.borrow_mut().inc(host, metrics::SYNC_POLLS, 1);
+                log::debug!("[ctx {}] staleguard: sync request {path}", self.id);
+            }
+            Err(status) => {
+                let error = SyncError::Transport(format!("dispatch failed: {status}"));
+                poller.on_failure(now, &error);
+                self.sync_error(host, &error);
+            }
+        }
+    }
+
+    /// Renews (or takes, or observes) the lease; the holder polls.
+    fn lease_tick<H: Host>(&mut self, host: &mut H, now: u64) {
+        let Some(lease) = self.lease.as_mut() else {
+            return;
+        };
+        match lease.tick(host, now) {
+            LeaseState::NotHeld => {
+                if let Some(p) = self.poller.as_mut() {
+                    if p.in_flight() || p.generation().is_some() {
+                        log::info!("[ctx {}] staleguard: not the poller any more", self.id);
+                    }
+                    if p.guard_holding() {
+                        // A successor starts without a hold.
+                        self.metrics
+                            .borrow_mut()
+                            .gauge(host, metrics::GUARD_HOLDING, 0);
+                    }
+                    p.stand_down();
+                }
+                self.in_flight = None;
+            }
+            LeaseState::Acquired => {
+                self.metrics
+                    .borrow_mut()
+                    .inc(host, metrics::SYNC_LEASE_ACQUIRED, 1);
+                log::info!(
+                    "[ctx {}] staleguard: took the poller lease (owner {})",
+                    self.id,
+                    lease.owner()
+                );
+            }
+            LeaseState::Held => {
+                self.watchdog(host, now);
+                self.poll(host, now);
+            }
+        }
+        self.publish_gauges(host, now);
+    }
+
+    /// The answer to a call of this context arrived (or the call failed).
+    pub fn call_response<H: Host>(
+        &mut self,
+        host: &mut H,
+        token: u32,
+        headers: usize,
+        body_size: usize,
+    ) {
+        if self.in_flight != Some(token) {
+            return;
+        }
+        self.in_flight = None;
+        let now = host.now_ms();
+        let held = self.lease.as_ref().is_some_and(Lease::is_held);
+        let Some(poller) = self.poller.as_mut() else {
+            return;
+        };
+        if !held {
+            poller.stand_down();
+            return;
+        }
+        // A call that failed (no answer, a reset, or a body over Envoy's async
+        // client limit of 32 MiB) has no header map: asking for one makes the
+        // host answer BadArgument, on which the SDK's wrapper panics.
+        let status = if headers > 0 {
+            host.call_status()
+        } else {
+            None
+        };
+        let Some(status) = status else {
+            let error = SyncError::Transport("no answer (timeout or reset)".to_owned());
+            poller.on_failure(now, &error);
+            self.sync_error(host, &error);
+            self.arm_timer(host, now);
+            return;
+        };
+        self.metrics
+            .borrow_mut()
+            .inc(host, metrics::SYNC_BYTES, body_size as u64);
+        // The time this thread spends decoding the answer and writing shared
+        // data: what a large snapshot costs the thread that holds the lease.
+        // The body is read from the host in chunks as the decoder goes: a
+        // copy of a whole 150k-IP answer would be 21 MB of the VM's memory,
+        // which a Wasm VM never gives back.
+        let started_us = host.now_us();
+        let mut body = host.call_body_reader(body_size);
+        let applied = poller.on_response_from(now, status, &mut body, host);
+        let spent_us = host.now_us().saturating_sub(started_us);
+        if applied.is_ok() {
+            self.metrics
+                .borrow_mut()
+                .gauge(host, metrics::GAUGE_SYNC_APPLY_US, spent_us);
+        }
+        match applied {
+            Ok(Applied::Reset { entries }) => {
+                self.metrics.borrow_mut().inc(host, metrics::SYNC_RESETS, 1);
+                log::info!(
+                    "[ctx {}] staleguard: loaded a full snapshot: generation {:?}, {entries} IPs, {} bytes in {} ms",
+                    self.id,
+                    poller.generation(),
+                    body_size,
+                    spent_us / 1000
+                );
+            }
+            Ok(Applied::Delta { changed }) => {
+                self.metrics.borrow_mut().inc(host, metrics::SYNC_DELTAS, 1);
+                if changed > 0 {
+                    log::debug!(
+                        "[ctx {}] staleguard: applied a delta: generation {:?}, {changed} IPs changed",
+                        self.id,
+                        poller.generation()
+                    );
+                }
+            }
+            Ok(Applied::Held) => {}
+            Err(error) => {
+                self.sync_error(host, &error);
+                self.arm_timer(host, now);
+                return;
+            }
+        }
+        let event = poller.take_guard_event();
+        self.guard_event(host, event);
+        self.publish_gauges(host, now);
+        self.poll(host, now);
+        self.arm_timer(host, now);
+    }
+
+    fn sync_error<H: Host>(&self, host: &mut H, error: &SyncError) {
+        self.metrics
+            .borrow_mut()
+            .inc(host, &metrics::sync_errors(error.kind()), 1);
+        log::warn!("[ctx {}] staleguard: sync failed: {error}", self.id);
+    }
+
+    fn guard_event<H: Host>(&self, host: &mut H, event: Option<GuardEvent>) {
+        let mut m = self.metrics.borrow_mut();
+        match event {
+            None => {}
+            Some(GuardEvent::Held(blast)) => {
+                m.inc(host, metrics::GUARD_HELD_TOTAL, 1);
+                m.gauge(host, metrics::GUARD_HOLDING, 1);
+                m.gauge(host, metrics::GUARD_HELD_IPS, blast.lost_ips);
+                log::warn!(
+                    "[ctx {}] staleguard: guard held a validator answer ({}): it would reject {} of {} allowed IPs without tombstone or new holder; the previous data keeps serving",
+                    self.id,
+                    blast.tripped.as_ref().map_or_else(String::new, ToString::to_string),
+                    blast.lost_ips,
+                    blast.allowed_ips
+                );
+            }
+            Some(GuardEvent::Confirmed(blast)) => {
+                m.inc(host, metrics::GUARD_CONFIRMED_TOTAL, 1);
+                m.gauge(host, metrics::GUARD_HOLDING, 0);
+                log::warn!(
+                    "[ctx {}] staleguard: guard confirmed a held change that persisted: applying it ({} of {} allowed IPs now rejected)",
+                    self.id,
+                    blast.lost_ips,
+                    blast.allowed_ips
+                );
+            }
+            Some(GuardEvent::Released) => {
+                m.inc(host, metrics::GUARD_RELEASED_TOTAL, 1);
+                m.gauge(host, metrics::GUARD_HOLDING, 0);
+                log::info!(
+                    "[ctx {}] staleguard: guard released: the validator's answer no longer trips it",
+                    self.id
+                );
+            }
+        }
+    }
+
+    fn publish_gauges<H: Host>(&self, host: &mut H, now: u64) {
+        let Some(config) = &self.config else { return };
+        let mut m = self.metrics.borrow_mut();
+        if self.lease.as_ref().is_some_and(Lease::is_held) {
+            // Of this VM: the one that decodes the answers.
+            let bytes = host.vm_memory_bytes();
+            m.gauge(host, metrics::GAUGE_VM_MEMORY_BYTES, bytes);
+        }
+        match View::new(&*host).meta() {
+            Some(meta) => {
+                m.gauge(host, metrics::GAUGE_GENERATION, meta.generation);
+                m.gauge(host, metrics::GAUGE_ENTRIES, meta.entries);
+                m.gauge(
+                    host,
+                    metrics::GAUGE_DATA_AGE_S,
+                    now.saturating_sub(meta.synced_ms) / 1000,
+                );
+                let fresh = meta.is_fresh(now, config.raw.max_staleness_ms);
+                m.gauge(host, metrics::GAUGE_FRESH, u64::from(fresh));
+            }
+            None => m.gauge(host, metrics::GAUGE_FRESH, 0),
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::host::fake::{shipped_config, FakeHost};
+    use staleguard_core::wire::{Membership, Via};
+    use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
+
+    /// The validator's snapshot at generation 3: `ips` are ready members of
+    /// shop/cart (the service of the shipped `shop-cart` cluster).
+    pub(crate) fn snapshot_body(ips: &[&str]) -> Vec<u8> {
+        let cart = ServiceKey::new("shop", "cart");
+        let records = ips
+            .iter()
+            .map(|ip| IpRecord {
+                ip: ip.parse().unwrap(),
+                pods: vec![PodHolder {
+                    namespace: "shop".into(),
+                    name: format!("cart-{ip}"),
+                    uid: (*ip).into(),
+                    services: vec![Membership {
+                        service: cart.clone(),
+                        via: Via::Selector,
+                        ports: vec![],
+                        conditions: None,
+                    }],
+                    ready: true,
+                    terminating: false,
+                    host_network: false,
+                }],
+                bare_services: vec![],
+                tombstone: None,
+            })
+            .collect();
+        serde_json::to_vec(&Snapshot {
+            v: 1,
+            epoch: 9,
+            generation: 3,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(5),
+            },
+            services: vec![cart],
+            records,
+        })
+        .unwrap()
+    }
+
+    /// Fires the timer when it is due.
+    fn fire(root: &mut Root, host: &mut FakeHost) {
+        host.now_ms += root.timer_ms();
+        root.tick(host);
+    }
+
+    /// A root configured with the shipped configuration plus `extra`, that
+    /// holds the lease and has its first call (the snapshot) out.
+    pub(crate) fn polling(extra: &str) -> (Root, FakeHost) {
+        let mut host = FakeHost {
+            now_ms: 100_000,
+            ..FakeHost::default()
+        };
+        let mut root = Root::new(1);
+        assert!(root.configure(&mut host, &shipped_config(extra)));
+        root.tick(&mut host);
+        assert_eq!(host.counter(metrics::SYNC_LEASE_ACQUIRED), 1);
+        assert!(
+            host.calls.is_empty(),
+            "the tick that takes the lease polls next"
+        );
+        fire(&mut root, &mut host);
+        assert_eq!(host.calls.len(), 1);
+        (root, host)
+    }
+
+    /// [`polling`], with the snapshot of `ips` loaded.
+    pub(crate) fn loaded(extra: &str, ips: &[&str]) -> (Root, FakeHost) {
+        let (mut root, mut host) = polling(extra);
+        let body = snapshot_body(ips);
+        let size = body.len();
+        host.answer_with(200, body);
+        root.call_response(&mut host, 1, 1, size);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+        (root, host)
+    }
+
+    #[test]
+    fn the_timer_follows_the_pollers_next_step_no_sooner_than_the_least_interval() {
+        let (mut root, mut host) = polling("{}");
+        let snapshot = &host.calls[0];
+        assert_eq!(snapshot.cluster, "staleguard-validator");
+        assert_eq!(
+            snapshot.header(":path"),
+            Some("/v1/snapshot?v=1&view=verdict")
+        );
+        let body = snapshot_body(&["10.0.0.1"]);
+        let size = body.len();
+        host.answer_with(200, body);
+        root.call_response(&mut host, 1, 1, size);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+        assert_eq!(host.counter(metrics::SYNC_BYTES), size as u64);
+        assert_eq!(host.gauges.get(metrics::GAUGE_GENERATION), Some(&3));
+        // An answer at once does not make the next call at once: the timer
+        // is re-armed for the least interval.
+        assert_eq!(host.calls.len(), 1);
+        assert_eq!(root.timer_ms(), MIN_POLL_INTERVAL_MS);
+        assert_eq!(host.timer_ms(), Some(MIN_POLL_INTERVAL_MS));
+        fire(&mut root, &mut host);
+        assert_eq!(host.calls.len(), 2);
+        assert_eq!(
+            host.calls[1].header(":path"),
+            Some("/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=30")
+        );
+        // With the long poll out, the next thing due is the lease renewal.
+        let tick_ms = Config::parse(&shipped_config("{}")).unwrap().raw.tick_ms;
+        assert!(root.timer_ms() > MIN_POLL_INTERVAL_MS && root.timer_ms() <= tick_ms);
+        assert_eq!(host.counter(metrics::SYNC_POLLS), 2);
+    }
+
+    #[test]
+    fn the_watchdog_gives_up_on_a_call_never_answered_and_ignores_its_late_answer() {
+        let (mut root, mut host) = loaded("{}", &["10.0.0.1"]);
+        fire(&mut root, &mut host);
+        assert_eq!(host.calls.len(), 2);
+        let out_at = host.now_ms;
+        let timeout_ms = u64::try_from(host.calls[1].timeout.as_millis()).unwrap();
+        while host.now_ms < out_at + timeout_ms + crate::sync::WATCHDOG_SLACK_MS {
+            assert_eq!(host.counter(&metrics::sync_errors("timeout")), 0);
+            fire(&mut root, &mut host);
+        }
+        assert_eq!(host.counter(&metrics::sync_errors("timeout")), 1);
+        // Its answer, should it come now, is not applied.
+        let body = snapshot_body(&["10.0.0.2"]);
+        let size = body.len();
+        host.answer_with(200, body);
+        root.call_response(&mut host, 2, 1, size);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+        assert_eq!(host.counter(metrics::SYNC_DELTAS), 0);
+    }
+
+    #[test]
+    fn a_call_without_an_answer_counts_as_a_transport_error() {
+        let (mut root, mut host) = polling("{}");
+        // A failed call: no headers, no body.
+        root.call_response(&mut host, 1, 0, 0);
+        assert_eq!(host.counter(&metrics::sync_errors("transport")), 1);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 0);
+        assert_eq!(host.counter(metrics::SYNC_BYTES), 0);
+        // Backed off: no new call until the timer fires.
+        assert_eq!(host.calls.len(), 1);
+        assert!(root.timer_ms() > MIN_POLL_INTERVAL_MS);
+    }
+
+    #[test]
+    fn an_answer_with_an_error_status_counts_as_a_status_error() {
+        let (mut root, mut host) = polling("{}");
+        host.answer_with(500, Vec::new());
+        root.call_response(&mut host, 1, 1, 0);
+        assert_eq!(host.counter(&metrics::sync_errors("status")), 1);
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 0);
+    }
+
+    #[test]
+    fn a_refused_dispatch_counts_as_a_transport_error() {
+        let mut host = FakeHost {
+            refuse_calls: true,
+            now_ms: 100_000,
+            ..FakeHost::default()
+        };
+        let mut root = Root::new(1);
+        assert!(root.configure(&mut host, &shipped_config("{}")));
+        root.tick(&mut host);
+        fire(&mut root, &mut host);
+        assert_eq!(host.counter(&metrics::sync_errors("transport")), 1);
+        assert_eq!(host.counter(metrics::SYNC_POLLS), 0);
+    }
+
+    #[test]
+    fn a_call_of_another_context_is_not_this_roots() {
+        let (mut root, mut host) = polling("{}");
+        root.call_response(&mut host, 77, 0, 0);
+        assert_eq!(host.counter(&metrics::sync_errors("transport")), 0);
+    }
+}
