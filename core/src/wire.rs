@@ -393,7 +393,44 @@ impl IpRecord {
     }
 }
 
+impl IpRecord {
+    /// The record of `ip` held by `pods`, with no bare members or tombstone.
+    pub fn held_by(ip: IpAddr, pods: Vec<PodHolder>) -> Self {
+        Self {
+            ip,
+            pods,
+            bare_services: Vec::new(),
+            tombstone: None,
+        }
+    }
+}
+
 impl PodHolder {
+    /// A ready, running pod (off the host network) that is a member of
+    /// `service` by slice and selector, with no ports or conditions listed:
+    /// the common holder of benchmarks and tests.
+    pub fn ready_member(
+        namespace: impl Into<String>,
+        name: impl Into<String>,
+        uid: impl Into<String>,
+        service: ServiceKey,
+    ) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+            uid: uid.into(),
+            services: vec![Membership {
+                service,
+                via: Via::Both,
+                ports: Vec::new(),
+                conditions: None,
+            }],
+            ready: true,
+            terminating: false,
+            host_network: false,
+        }
+    }
+
     /// True when the pod is a member of `service` by any path.
     pub fn is_member_of(&self, service: &ServiceKey) -> bool {
         self.services.iter().any(|m| &m.service == service)

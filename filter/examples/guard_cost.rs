@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use staleguard_core::wire::{Delta, Membership, Tombstone, Via};
+use staleguard_core::wire::{Delta, Tombstone};
 use staleguard_core::{Freshness, IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
 use staleguard_filter::guard::{Answer, Guard, GuardConfig};
 
@@ -34,25 +34,15 @@ fn service(i: usize) -> ServiceKey {
 }
 
 fn record(i: usize, services: usize) -> IpRecord {
-    IpRecord {
-        ip: std::net::IpAddr::from([10, (i >> 16) as u8, (i >> 8) as u8, i as u8]),
-        pods: vec![PodHolder {
-            namespace: "shop".into(),
-            name: format!("svc-{}-{i}", i % services),
-            uid: String::new(),
-            services: vec![Membership {
-                service: service(i % services),
-                via: Via::Both,
-                ports: vec![],
-                conditions: None,
-            }],
-            ready: true,
-            terminating: false,
-            host_network: false,
-        }],
-        bare_services: vec![],
-        tombstone: None,
-    }
+    IpRecord::held_by(
+        std::net::IpAddr::from([10, (i >> 16) as u8, (i >> 8) as u8, i as u8]),
+        vec![PodHolder::ready_member(
+            "shop",
+            format!("svc-{}-{i}", i % services),
+            String::new(),
+            service(i % services),
+        )],
+    )
 }
 
 fn snapshot(services: usize, records: Vec<IpRecord>) -> Snapshot {

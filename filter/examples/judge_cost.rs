@@ -10,7 +10,6 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
-use staleguard_core::wire::{Membership, Via};
 use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
 use staleguard_filter::cache::Cache;
 use staleguard_filter::check::{judge, Lazy, Upstream};
@@ -25,24 +24,16 @@ fn ip(i: u32) -> IpAddr {
 fn index(entries: u32) -> MemoryStore {
     let cart = ServiceKey::new("shop", "cart");
     let records = (0..entries)
-        .map(|i| IpRecord {
-            ip: ip(i),
-            pods: vec![PodHolder {
-                namespace: "shop".into(),
-                name: format!("cart-{i}"),
-                uid: format!("uid-{i}"),
-                services: vec![Membership {
-                    service: cart.clone(),
-                    via: Via::Both,
-                    ports: vec![],
-                    conditions: None,
-                }],
-                ready: true,
-                terminating: false,
-                host_network: false,
-            }],
-            bare_services: vec![],
-            tombstone: None,
+        .map(|i| {
+            IpRecord::held_by(
+                ip(i),
+                vec![PodHolder::ready_member(
+                    "shop",
+                    format!("cart-{i}"),
+                    format!("uid-{i}"),
+                    cart.clone(),
+                )],
+            )
         })
         .collect();
     let snapshot = Snapshot {

@@ -179,7 +179,7 @@ mod tests {
     use crate::store::MemoryStore;
     use crate::sync::{Poller, SyncConfig};
     use staleguard_core::wire::Delta;
-    use staleguard_core::wire::{Membership, Via};
+
     use staleguard_core::{Changes, Freshness, PodHolder, Snapshot};
 
     /// Counts the reads that reach the store.
@@ -212,25 +212,15 @@ mod tests {
     /// shared data keeps no pod names, so the tests tell holders apart by
     /// their service.
     fn record(ip: &str, pod: &str) -> IpRecord {
-        IpRecord {
-            ip: ip.parse().unwrap(),
-            pods: vec![PodHolder {
-                namespace: "shop".into(),
-                name: pod.into(),
-                uid: format!("uid-{pod}"),
-                services: vec![Membership {
-                    service: ServiceKey::new("shop", pod),
-                    via: Via::Slice,
-                    ports: vec![],
-                    conditions: None,
-                }],
-                ready: true,
-                terminating: false,
-                host_network: false,
-            }],
-            bare_services: vec![],
-            tombstone: None,
-        }
+        IpRecord::held_by(
+            ip.parse().unwrap(),
+            vec![PodHolder::ready_member(
+                "shop",
+                pod,
+                format!("uid-{pod}"),
+                ServiceKey::new("shop", pod),
+            )],
+        )
     }
 
     fn fresh() -> Freshness {

@@ -536,7 +536,7 @@ fn has_evidence(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use staleguard_core::wire::{Membership, Tombstone, Via};
+    use staleguard_core::wire::Tombstone;
     use staleguard_core::{Freshness, PodHolder};
 
     fn svc(name: &str) -> ServiceKey {
@@ -548,25 +548,15 @@ mod tests {
     }
 
     fn held_by(n: u32, pod: &str, service: &str) -> IpRecord {
-        IpRecord {
-            ip: ip(n),
-            pods: vec![PodHolder {
-                namespace: "shop".into(),
-                name: pod.into(),
-                uid: String::new(),
-                services: vec![Membership {
-                    service: svc(service),
-                    via: Via::Both,
-                    ports: vec![],
-                    conditions: None,
-                }],
-                ready: true,
-                terminating: false,
-                host_network: false,
-            }],
-            bare_services: vec![],
-            tombstone: None,
-        }
+        IpRecord::held_by(
+            ip(n),
+            vec![PodHolder::ready_member(
+                "shop",
+                pod,
+                String::new(),
+                svc(service),
+            )],
+        )
     }
 
     fn member(n: u32, service: &str) -> IpRecord {

@@ -467,7 +467,7 @@ impl Root {
 pub(crate) mod tests {
     use super::*;
     use crate::host::fake::{shipped_config, FakeHost};
-    use staleguard_core::wire::{Membership, Via};
+
     use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
 
     /// The validator's snapshot at generation 3: `ips` are ready members of
@@ -476,24 +476,16 @@ pub(crate) mod tests {
         let cart = ServiceKey::new("shop", "cart");
         let records = ips
             .iter()
-            .map(|ip| IpRecord {
-                ip: ip.parse().unwrap(),
-                pods: vec![PodHolder {
-                    namespace: "shop".into(),
-                    name: format!("cart-{ip}"),
-                    uid: (*ip).into(),
-                    services: vec![Membership {
-                        service: cart.clone(),
-                        via: Via::Selector,
-                        ports: vec![],
-                        conditions: None,
-                    }],
-                    ready: true,
-                    terminating: false,
-                    host_network: false,
-                }],
-                bare_services: vec![],
-                tombstone: None,
+            .map(|ip| {
+                IpRecord::held_by(
+                    ip.parse().unwrap(),
+                    vec![PodHolder::ready_member(
+                        "shop",
+                        format!("cart-{ip}"),
+                        *ip,
+                        cart.clone(),
+                    )],
+                )
             })
             .collect();
         serde_json::to_vec(&Snapshot {

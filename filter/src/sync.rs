@@ -479,7 +479,7 @@ mod tests {
     use super::*;
     use crate::buckets;
     use crate::store::{Entry, MemoryStore, View};
-    use staleguard_core::wire::{Membership, Via};
+
     use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey};
     use std::net::IpAddr;
 
@@ -503,25 +503,15 @@ mod tests {
     }
 
     fn rec(ip: &str) -> IpRecord {
-        IpRecord {
-            ip: ip.parse().unwrap(),
-            pods: vec![PodHolder {
-                namespace: "shop".into(),
-                name: format!("cart-{ip}"),
-                uid: ip.into(),
-                services: vec![Membership {
-                    service: cart(),
-                    via: Via::Selector,
-                    ports: vec![],
-                    conditions: None,
-                }],
-                ready: true,
-                terminating: false,
-                host_network: false,
-            }],
-            bare_services: vec![],
-            tombstone: None,
-        }
+        IpRecord::held_by(
+            ip.parse().unwrap(),
+            vec![PodHolder::ready_member(
+                "shop",
+                format!("cart-{ip}"),
+                ip,
+                cart(),
+            )],
+        )
     }
 
     fn snapshot(epoch: u64, generation: u64, ips: &[&str]) -> Snapshot {
