@@ -3,7 +3,6 @@
 //! ([`crate::replay`]). Every host operation goes through [`Host`]; `glue`
 //! only forwards Envoy's HTTP callbacks here.
 
-use std::cell::RefCell;
 use std::fmt;
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -11,25 +10,21 @@ use std::time::Duration;
 
 use proxy_wasm::types::Action;
 
-use crate::cache::Cache;
 use crate::check::{header_value, judge, Effect, Outcome, Upstream};
 use crate::config::{Config, RetryConfig};
 use crate::host::{Host, LazyReads};
 use crate::members;
-use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
+use crate::metrics::{self, Count, Counted, LabelId};
 use crate::replay::{
     self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
 };
+use crate::root::VmState;
 use crate::store::View;
-use crate::throttle::Throttle;
 
 /// The HTTP context of one request.
 pub struct Filter {
     id: u32,
-    config: Option<Rc<Config>>,
-    metrics: Rc<RefCell<VmMetrics>>,
-    cache: Rc<RefCell<Cache>>,
-    log_budget: Rc<RefCell<Throttle>>,
+    vm: VmState,
     /// Set in a twin cluster's VM: this instance only checks its pick.
     twin: Option<Rc<TwinConfig>>,
     /// A replay in flight (see `crate::replay`).
@@ -62,20 +57,10 @@ struct Pending {
 
 impl Filter {
     /// A request's context over its VM's shared state (see `Root::filter`).
-    pub(crate) fn new(
-        id: u32,
-        config: Option<Rc<Config>>,
-        metrics: Rc<RefCell<VmMetrics>>,
-        cache: Rc<RefCell<Cache>>,
-        log_budget: Rc<RefCell<Throttle>>,
-        twin: Option<Rc<TwinConfig>>,
-    ) -> Self {
+    pub(crate) fn new(id: u32, vm: VmState, twin: Option<Rc<TwinConfig>>) -> Self {
         Self {
             id,
-            config,
-            metrics,
-            cache,
-            log_budget,
+            vm,
             twin,
             replay: None,
         }
@@ -92,7 +77,7 @@ impl Filter {
         if let Some(twin) = self.twin.clone() {
             return self.twin_request(host, &twin);
         }
-        let Some(config) = self.config.clone() else {
+        let Some(config) = self.vm.config.clone() else {
             return Action::Continue;
         };
         let upstream = Upstream {
@@ -101,12 +86,12 @@ impl Filter {
         };
         let outcome = judge(
             &config,
-            &mut self.cache.borrow_mut(),
+            &mut self.vm.cache.borrow_mut(),
             &*host,
             &upstream,
             &LazyReads(&*host),
         );
-        let mut m = self.metrics.borrow_mut();
+        let mut m = self.vm.metrics.borrow_mut();
         let (service, ip, verdict, effect) = match outcome {
             Outcome::Unmapped => {
                 m.count(host, Count::Unmapped);
@@ -144,7 +129,7 @@ impl Filter {
                 end_of_stream,
             ) {
                 Ok(step) => replay_step = Some(step),
-                Err(cause) => self.metrics.borrow_mut().inc(
+                Err(cause) => self.vm.metrics.borrow_mut().inc(
                     host,
                     &metrics::retries(ReplayOutcome::NotEligible(cause)),
                     1,
@@ -156,7 +141,7 @@ impl Filter {
             pending.label = label;
         }
         if replay_step.is_none() {
-            self.metrics.borrow_mut().count(
+            self.vm.metrics.borrow_mut().count(
                 host,
                 Count::Request {
                     label,
@@ -166,7 +151,7 @@ impl Filter {
             );
         }
         if effect != Effect::Allow {
-            if let Some(skipped) = self.log_budget.borrow_mut().allow(host.now_ms()) {
+            if let Some(skipped) = self.vm.log_budget.borrow_mut().allow(host.now_ms()) {
                 let more = if skipped > 0 {
                     format!(" ({skipped} similar lines suppressed)")
                 } else {
@@ -232,7 +217,8 @@ impl Filter {
         let named = host.request_header(&twin.endpoint_header);
         let address = host.property(&["upstream", "address"]);
         let ok = replay::twin_pick_is_named(named.as_deref(), address.as_deref());
-        self.metrics
+        self.vm
+            .metrics
             .borrow_mut()
             .inc(host, &metrics::twin_picks(ok), 1);
         if ok {
@@ -288,7 +274,7 @@ impl Filter {
     /// request.
     fn drive<H: Host>(&mut self, host: &mut H, mut step: Step) {
         loop {
-            let Some(config) = self.config.clone() else {
+            let Some(config) = self.vm.config.clone() else {
                 return;
             };
             let Some(retry) = config.replay() else {
@@ -319,7 +305,13 @@ impl Filter {
                             // room for a call: this batch failed. Logged
                             // within the verdict log budget: a missing twin
                             // fails every replay.
-                            if self.log_budget.borrow_mut().allow(host.now_ms()).is_some() {
+                            if self
+                                .vm
+                                .log_budget
+                                .borrow_mut()
+                                .allow(host.now_ms())
+                                .is_some()
+                            {
                                 log::warn!(
                                     "[ctx {}] staleguard: cannot call the twin cluster {:?} ({status}): is it configured? (docs/filter.md, \"Retry\")",
                                     self.id,
@@ -376,10 +368,14 @@ impl Filter {
                 Counted::Replayed
             } else {
                 Counted::Effect(Effect::Reject {
-                    status: self.config.as_deref().map_or(503, |c| c.raw.reject_status),
+                    status: self
+                        .vm
+                        .config
+                        .as_deref()
+                        .map_or(503, |c| c.raw.reject_status),
                 })
             };
-            self.metrics.borrow_mut().count(
+            self.vm.metrics.borrow_mut().count(
                 host,
                 Count::Request {
                     label: pending.label,
@@ -396,7 +392,8 @@ impl Filter {
                 );
             }
         }
-        self.metrics
+        self.vm
+            .metrics
             .borrow_mut()
             .inc(host, &metrics::retries(outcome), 1);
     }

@@ -29,13 +29,20 @@ const VERDICT_LOGS_PER_SECOND: u32 = 5;
 /// makes two or three index generations) waits at most this long.
 pub const MIN_POLL_INTERVAL_MS: u64 = 50;
 
+/// What the root context and every request of one VM share: the plugin
+/// configuration, the metric tally, the verdict cache and the log budget.
+#[derive(Clone)]
+pub(crate) struct VmState {
+    pub(crate) config: Option<Rc<Config>>,
+    pub(crate) metrics: Rc<RefCell<VmMetrics>>,
+    pub(crate) cache: Rc<RefCell<Cache>>,
+    pub(crate) log_budget: Rc<RefCell<Throttle>>,
+}
+
 /// The root context: one per VM.
 pub struct Root {
     id: u32,
-    config: Option<Rc<Config>>,
-    metrics: Rc<RefCell<VmMetrics>>,
-    cache: Rc<RefCell<Cache>>,
-    log_budget: Rc<RefCell<Throttle>>,
+    vm: VmState,
     lease: Option<Lease>,
     poller: Option<Poller>,
     in_flight: Option<u32>,
@@ -63,10 +70,12 @@ impl Root {
     pub fn new(id: u32) -> Self {
         Self {
             id,
-            config: None,
-            metrics: Rc::new(RefCell::new(VmMetrics::default())),
-            cache: Rc::new(RefCell::new(Cache::default())),
-            log_budget: Rc::new(RefCell::new(Throttle::new(1_000, VERDICT_LOGS_PER_SECOND))),
+            vm: VmState {
+                config: None,
+                metrics: Rc::new(RefCell::new(VmMetrics::default())),
+                cache: Rc::new(RefCell::new(Cache::default())),
+                log_budget: Rc::new(RefCell::new(Throttle::new(1_000, VERDICT_LOGS_PER_SECOND))),
+            },
             lease: None,
             poller: None,
             in_flight: None,
@@ -78,14 +87,7 @@ impl Root {
 
     /// The HTTP context of a request, sharing this VM's state.
     pub fn filter(&self, context_id: u32) -> Filter {
-        Filter::new(
-            context_id,
-            self.config.clone(),
-            self.metrics.clone(),
-            self.cache.clone(),
-            self.log_budget.clone(),
-            self.twin.clone(),
-        )
+        Filter::new(context_id, self.vm.clone(), self.twin.clone())
     }
 
     /// The timer period last set, in ms.
@@ -163,17 +165,17 @@ impl Root {
                 retry.attempts
             );
         }
-        self.config = Some(Rc::new(config));
+        self.vm.config = Some(Rc::new(config));
         // Cluster resolutions follow the configuration.
-        self.cache.borrow_mut().clear_clusters();
+        self.vm.cache.borrow_mut().clear_clusters();
         true
     }
 
     /// The timer fired: flush the request counters, and renew the lease or
     /// take the poller's next step, whichever is due.
     pub fn tick<H: Host>(&mut self, host: &mut H) {
-        self.metrics.borrow_mut().flush(host);
-        self.cache.borrow_mut().clear_clusters();
+        self.vm.metrics.borrow_mut().flush(host);
+        self.vm.cache.borrow_mut().clear_clusters();
         let now = host.now_ms();
         if now < self.lease_due_ms {
             // Woken for the poller, between two lease renewals.
@@ -184,7 +186,7 @@ impl Root {
             self.arm_timer(host, now);
             return;
         }
-        let tick_ms = self.config.as_ref().map_or(1_000, |c| c.raw.tick_ms);
+        let tick_ms = self.vm.config.as_ref().map_or(1_000, |c| c.raw.tick_ms);
         self.lease_due_ms = now.saturating_add(tick_ms);
         self.lease_tick(host, now);
         self.arm_timer(host, now);
@@ -192,7 +194,7 @@ impl Root {
 
     /// The VM is shutting down: flush, and let the lease go.
     pub fn done<H: Host>(&mut self, host: &mut H) {
-        self.metrics.borrow_mut().flush(host);
+        self.vm.metrics.borrow_mut().flush(host);
         if let Some(lease) = self.lease.as_mut() {
             lease.release(host);
         }
@@ -205,7 +207,9 @@ impl Root {
     /// that stays the same keeps the running timer, which can then only fire
     /// early (a harmless extra tick), never late.
     fn arm_timer<H: Host>(&mut self, host: &mut H, now: u64) {
-        let Some(config) = &self.config else { return };
+        let Some(config) = &self.vm.config else {
+            return;
+        };
         let mut due = self.lease_due_ms;
         if self.lease.as_ref().is_some_and(Lease::is_held) {
             if let Some(poller) = &self.poller {
@@ -231,7 +235,7 @@ impl Root {
     }
 
     fn poll<H: Host>(&mut self, host: &mut H, now: u64) {
-        let (Some(config), Some(poller)) = (self.config.clone(), self.poller.as_mut()) else {
+        let (Some(config), Some(poller)) = (self.vm.config.clone(), self.poller.as_mut()) else {
             return;
         };
         let Some(request) = poller.next_request(now, &*host) else {
@@ -256,7 +260,10 @@ impl Root {
         match host.dispatch_call(&config.raw.validator_cluster, &headers, timeout) {
             Ok(token) => {
                 self.in_flight = Some(token);
-                self.metrics.borrow_mut().inc(host, metrics::SYNC_POLLS, 1);
+                self.vm
+                    .metrics
+                    .borrow_mut()
+                    .inc(host, metrics::SYNC_POLLS, 1);
                 log::debug!("[ctx {}] staleguard: sync request {path}", self.id);
             }
             Err(status) => {
@@ -280,7 +287,8 @@ impl Root {
                     }
                     if p.guard_holding() {
                         // A successor starts without a hold.
-                        self.metrics
+                        self.vm
+                            .metrics
                             .borrow_mut()
                             .gauge(host, metrics::GUARD_HOLDING, 0);
                     }
@@ -289,7 +297,8 @@ impl Root {
                 self.in_flight = None;
             }
             LeaseState::Acquired => {
-                self.metrics
+                self.vm
+                    .metrics
                     .borrow_mut()
                     .inc(host, metrics::SYNC_LEASE_ACQUIRED, 1);
                 log::info!(
@@ -342,7 +351,8 @@ impl Root {
             self.arm_timer(host, now);
             return;
         };
-        self.metrics
+        self.vm
+            .metrics
             .borrow_mut()
             .inc(host, metrics::SYNC_BYTES, body_size as u64);
         // The time this thread spends decoding the answer and writing shared
@@ -355,13 +365,17 @@ impl Root {
         let applied = poller.on_response_from(now, status, &mut body, host);
         let spent_us = host.now_us().saturating_sub(started_us);
         if applied.is_ok() {
-            self.metrics
+            self.vm
+                .metrics
                 .borrow_mut()
                 .gauge(host, metrics::GAUGE_SYNC_APPLY_US, spent_us);
         }
         match applied {
             Ok(Applied::Reset { entries }) => {
-                self.metrics.borrow_mut().inc(host, metrics::SYNC_RESETS, 1);
+                self.vm
+                    .metrics
+                    .borrow_mut()
+                    .inc(host, metrics::SYNC_RESETS, 1);
                 log::info!(
                     "[ctx {}] staleguard: loaded a full snapshot: generation {:?}, {entries} IPs, {} bytes in {} ms",
                     self.id,
@@ -371,7 +385,10 @@ impl Root {
                 );
             }
             Ok(Applied::Delta { changed }) => {
-                self.metrics.borrow_mut().inc(host, metrics::SYNC_DELTAS, 1);
+                self.vm
+                    .metrics
+                    .borrow_mut()
+                    .inc(host, metrics::SYNC_DELTAS, 1);
                 if changed > 0 {
                     log::debug!(
                         "[ctx {}] staleguard: applied a delta: generation {:?}, {changed} IPs changed",
@@ -395,14 +412,15 @@ impl Root {
     }
 
     fn sync_error<H: Host>(&self, host: &mut H, error: &SyncError) {
-        self.metrics
+        self.vm
+            .metrics
             .borrow_mut()
             .inc(host, &metrics::sync_errors(error.kind()), 1);
         log::warn!("[ctx {}] staleguard: sync failed: {error}", self.id);
     }
 
     fn guard_event<H: Host>(&self, host: &mut H, event: Option<GuardEvent>) {
-        let mut m = self.metrics.borrow_mut();
+        let mut m = self.vm.metrics.borrow_mut();
         match event {
             None => {}
             Some(GuardEvent::Held(blast)) => {
@@ -439,8 +457,10 @@ impl Root {
     }
 
     fn publish_gauges<H: Host>(&self, host: &mut H, now: u64) {
-        let Some(config) = &self.config else { return };
-        let mut m = self.metrics.borrow_mut();
+        let Some(config) = &self.vm.config else {
+            return;
+        };
+        let mut m = self.vm.metrics.borrow_mut();
         if self.lease.as_ref().is_some_and(Lease::is_held) {
             // Of this VM: the one that decodes the answers.
             let bytes = host.vm_memory_bytes();
