@@ -74,6 +74,7 @@ fn a_burst_of_changes_reaches_the_gateway_within_the_least_poll_interval_not_a_t
     let mut latencies = vec![];
     for round in 0..8u8 {
         validator.upsert(pod(&format!("127.0.2.{round}"), "a", &[&cart], false));
+        // Pacing the burst (the test is about changes 20 ms apart).
         std::thread::sleep(Duration::from_millis(20));
         validator.upsert(pod(&format!("127.0.3.{round}"), "b", &[&cart], false));
         std::thread::sleep(Duration::from_millis(20));

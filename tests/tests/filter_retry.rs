@@ -34,6 +34,7 @@ fn host(ip: &str, port: u16, name: &str, delay: Duration) -> Result<Server> {
     let name = name.to_owned();
     let bind: SocketAddr = format!("{ip}:{port}").parse()?;
     Server::start(bind, move |req| {
+        // A deliberately slow pod (the retry tests are about timeouts).
         std::thread::sleep(delay);
         Answer::Respond {
             status: 203,
