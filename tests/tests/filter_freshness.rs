@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use serde_json::json;
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{shipped_plugin, shipped_plugin_config, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
 const WAIT: Duration = Duration::from_secs(20);

@@ -8,9 +8,9 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 const LIVE: &str = "outbound|8080|live|cart.shop.svc.cluster.local";
 const GONE: &str = "outbound|8080|gone|cart.shop.svc.cluster.local";
@@ -63,8 +63,10 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
     // deliver a's changes (a long poll to a holds until one comes).
     b.set_behaviour(Behaviour::Down);
     let sync_errors = |e: &mut Envoy| -> Result<u64> {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
-            + e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?)
+        Ok(
+            e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
+                + e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?,
+        )
     };
     let errors = sync_errors(&mut envoy)?;
     let polled_a = a.requests().len();

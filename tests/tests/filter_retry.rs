@@ -9,9 +9,9 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::{Answer, Response, Server};
 use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::tinyhttp::{Answer, Response, Server};
 
 const CART: &str = "cart.shop.svc.cluster.local";
 
