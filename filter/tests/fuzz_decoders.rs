@@ -5,7 +5,9 @@
 //! Inputs are valid documents mutated at random (bit flips, cuts, splices,
 //! JSON tokens such as huge numbers and wrong types) plus pure random bytes. A
 //! panic fails the test. CI runs `STALEGUARD_FUZZ_ITERS` (default 20 000)
-//! inputs; for the 1M-input run, see docs/filter.md:
+//! inputs from a new seed each run (printed; `STALEGUARD_FUZZ_SEED` picks one),
+//! after replaying the seeds in `tests/fuzz-regressions.txt`, where a failing
+//! seed is appended. For the 1M-input run, see docs/filter.md:
 //!
 //! ```text
 //! STALEGUARD_FUZZ_ITERS=1000000 cargo test --release -p staleguard-filter \
@@ -182,18 +184,50 @@ fn feed(input: &[u8], rng: &mut Rng) {
     }
 }
 
-#[test]
-fn decoders_never_panic() {
-    let iters: u64 = std::env::var("STALEGUARD_FUZZ_ITERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20_000);
-    let seed: u64 = std::env::var("STALEGUARD_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0x5eed_5eed_5eed_5eed);
+/// Seeds that once made an input panic, replayed first on every run.
+const REGRESSIONS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fuzz-regressions.txt");
+
+/// The seeds in the regressions file: `SEED INPUTS` a line (`INPUTS`, how many
+/// inputs to replay to reach the failing one); `#` starts a comment.
+fn regressions() -> Vec<(u64, u64)> {
+    let text = std::fs::read_to_string(REGRESSIONS).unwrap_or_default();
+    text.lines()
+        .map(|line| line.split('#').next().unwrap_or("").trim())
+        .filter(|line| !line.is_empty())
+        .map(|line| {
+            let mut words = line.split_whitespace().map(|w| w.parse::<u64>());
+            match (words.next(), words.next()) {
+                (Some(Ok(seed)), Some(Ok(inputs))) => (seed, inputs),
+                _ => panic!("{REGRESSIONS}: not `SEED INPUTS`: {line:?}"),
+            }
+        })
+        .collect()
+}
+
+/// A new seed each run, unless `STALEGUARD_FUZZ_SEED` names one.
+fn seed() -> u64 {
+    if let Ok(v) = std::env::var("STALEGUARD_FUZZ_SEED") {
+        return v
+            .parse()
+            .unwrap_or_else(|_| panic!("STALEGUARD_FUZZ_SEED={v:?} is not a u64"));
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default();
+    // Mixed so that runs started in the same instant by two processes differ.
+    (nanos ^ u64::from(std::process::id()).rotate_left(32)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// A failing input: which one, and what it was.
+struct Failure {
+    index: u64,
+    input: Vec<u8>,
+}
+
+/// Feeds `iters` inputs generated from `seed`; the first that panics.
+fn fuzz(seed: u64, iters: u64) -> Result<(), Failure> {
     let mut rng = Rng(seed | 1);
-    let started = Instant::now();
     let mut input = Vec::new();
     for i in 0..iters {
         if rng.below(16) == 0 {
@@ -203,11 +237,52 @@ fn decoders_never_panic() {
         }
         mutate(&mut rng, &mut input);
         let snapshot = input.clone();
-        let result = std::panic::catch_unwind(|| feed(&snapshot, &mut Rng(i | 1)));
-        assert!(
-            result.is_ok(),
-            "panic on input {i} (seed {seed}): {:?}",
-            String::from_utf8_lossy(&snapshot)
+        if std::panic::catch_unwind(|| feed(&snapshot, &mut Rng(i | 1))).is_err() {
+            return Err(Failure {
+                index: i,
+                input: snapshot,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn decoders_never_panic() {
+    for (seed, inputs) in regressions() {
+        if let Err(f) = fuzz(seed, inputs) {
+            panic!(
+                "regression seed {seed} ({REGRESSIONS}) still panics on input {}: {:?}",
+                f.index,
+                String::from_utf8_lossy(&f.input)
+            );
+        }
+        println!("fuzz_decoders: regression seed {seed} ({inputs} inputs) passes");
+    }
+    let iters: u64 = std::env::var("STALEGUARD_FUZZ_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let seed = seed();
+    println!("fuzz_decoders: seed {seed} (replay with STALEGUARD_FUZZ_SEED={seed})");
+    let started = Instant::now();
+    if let Err(f) = fuzz(seed, iters) {
+        let inputs = f.index + 1;
+        let kept = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(REGRESSIONS)
+            .and_then(|mut file| {
+                use std::io::Write;
+                writeln!(file, "{seed} {inputs}")
+            });
+        panic!(
+            "panic on input {} (seed {seed}): {:?}\n\
+             seed kept in {REGRESSIONS}: {kept:?}; replay with\n  \
+             STALEGUARD_FUZZ_SEED={seed} STALEGUARD_FUZZ_ITERS={inputs} \
+             cargo test -p staleguard-filter --test fuzz_decoders -- --nocapture",
+            f.index,
+            String::from_utf8_lossy(&f.input)
         );
     }
     println!(

@@ -37,9 +37,9 @@ use anyhow::{bail, Result};
 use serde_json::json;
 use staleguard_tests::apiserver::{ApiServer, Cluster};
 use staleguard_tests::bench::env_usize;
+use staleguard_tests::blocking::{self, Answer, Server};
 use staleguard_tests::envoy::{self, shipped_plugin, Gateway};
 use staleguard_tests::kube_source::{parse_ip, KubeSource};
-use staleguard_tests::tinyhttp::{self, Answer, Server};
 use staleguard_validator::api::{self, ApiConfig};
 
 const NS: &str = "fresh";
@@ -54,9 +54,9 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
-fn send(listener: std::net::SocketAddr, cluster: &str) -> Result<tinyhttp::Response> {
+fn send(listener: std::net::SocketAddr, cluster: &str) -> Result<blocking::Response> {
     let sent = epoch().elapsed().as_micros().to_string();
-    tinyhttp::get(listener, "/", &[("x-cluster", cluster), (SENT, &sent)])
+    blocking::get(listener, "/", &[("x-cluster", cluster), (SENT, &sent)])
 }
 
 fn pod_ip(i: usize) -> String {

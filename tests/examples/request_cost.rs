@@ -50,7 +50,7 @@ const REJECT: &str = "outbound|81||cart.shop.svc.cluster.local";
 const PATHS: [(&str, &str); 2] = [("allow", ALLOW), ("reject", REJECT)];
 
 /// A keep-alive HTTP/1.1 upstream that answers every request `200 ok`: the
-/// tests' `tinyhttp` closes each connection, which would add a connect per
+/// tests' `blocking` closes each connection, which would add a connect per
 /// request to Envoy's cost.
 fn upstream(ip: &str) -> Result<SocketAddr> {
     let listener = TcpListener::bind(format!("{ip}:0"))?;

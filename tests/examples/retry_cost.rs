@@ -17,9 +17,9 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 use staleguard_core::ServiceKey;
 use staleguard_tests::bench::{env_usize, median};
+use staleguard_tests::blocking;
 use staleguard_tests::envoy::{body_path, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::tinyhttp;
 
 const SVC: &str = "cart.shop.svc.cluster.local";
 
@@ -59,7 +59,7 @@ fn main() -> Result<()> {
     let live = LiveHost::start("127.0.7.2:0".parse()?)?;
     let port = live.addr().port();
     let gone: SocketAddr = format!("127.0.7.1:{port}").parse()?;
-    let _gone_server = tinyhttp::Server::start(gone, |_| tinyhttp::Answer::status(500, "stale"))?;
+    let _gone_server = blocking::Server::start(gone, |_| blocking::Answer::status(500, "stale"))?;
     let validator = FakeValidator::start(71)?;
     validator.set_index(
         vec![cart.clone()],

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use crate::blocking::{self, Response};
 use crate::process::{free_port, require, wait_for_port, Guard};
-use crate::tinyhttp::{self, Response};
 
 /// The Envoy binary and the filter module, or `None` (after a SKIP line)
 /// outside CI when they are missing.
@@ -472,7 +472,7 @@ impl Envoy {
     /// Sends `GET /` through the gateway to `cluster`.
     pub fn get(&mut self, cluster: &str) -> Result<Response> {
         self.guard.check_alive()?;
-        tinyhttp::get(self.listener, "/", &[("x-cluster", cluster)])
+        blocking::get(self.listener, "/", &[("x-cluster", cluster)])
     }
 
     /// Sends `method target` with `body` through the gateway to `cluster`.
@@ -484,7 +484,7 @@ impl Envoy {
         body: Option<&[u8]>,
     ) -> Result<Response> {
         self.guard.check_alive()?;
-        tinyhttp::request(
+        blocking::request(
             self.listener,
             method,
             target,
@@ -500,7 +500,7 @@ impl Envoy {
 
     /// An admin page.
     pub fn admin(&self, target: &str) -> Result<String> {
-        Ok(tinyhttp::get(self.admin, target, &[])?.body)
+        Ok(blocking::get(self.admin, target, &[])?.body)
     }
 
     /// A counter or gauge from `/stats` (full name, e.g.

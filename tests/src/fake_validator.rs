@@ -17,7 +17,7 @@ use anyhow::Result;
 use staleguard_core::wire::{Delta, WIRE_VERSION};
 use staleguard_core::{Changes, Freshness, IpRecord, ServiceKey, Snapshot};
 
-use crate::tinyhttp::{Answer, Request, Server};
+use crate::blocking::{Answer, Request, Server};
 
 /// How the fake answers.
 #[derive(Debug, Clone, PartialEq, Eq)]

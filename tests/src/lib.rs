@@ -21,6 +21,7 @@
 pub mod apiserver;
 pub mod audit;
 pub mod bench;
+pub mod blocking;
 pub mod demo;
 pub mod eds;
 pub mod envoy;
@@ -32,7 +33,6 @@ pub mod kube_source;
 pub mod pods;
 pub mod process;
 pub mod scene;
-pub mod tinyhttp;
 pub mod traffic;
 pub mod validator;
 pub mod world;

@@ -57,6 +57,8 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
             (g.name.clone(), load)
         })
         .collect();
+    // Pacing, not a wait: traffic runs a while before the scale-down so the
+    // counts cover both sides of it; nothing asserted depends on the length.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let gone = scene.world.scale_down("api", AFTER).unwrap();
     assert_eq!(gone.len(), BEFORE - AFTER);
@@ -83,6 +85,8 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
         );
     }
     // The destroyed pods' addresses now answer 200 as something else.
+    // Pacing, not a wait: the load keeps hitting them for a window after
+    // enforcement; the assertions below hold for any window length.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut during = std::collections::BTreeMap::new();
     for (name, load) in loads {

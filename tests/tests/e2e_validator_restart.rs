@@ -42,6 +42,8 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
     // Fields, not `scene.gateway()`: the validator is killed while we hold it.
     let guarded = &scene.gateways[0];
     let load = Load::start(scene.http.clone(), guarded.target("api"), 2, None, None);
+    // Pacing, not a wait: traffic before the kill, so the outage counts
+    // include requests from before it; no assertion depends on the length.
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     // Kill it (SIGKILL) and keep the traffic going until the filter's data
@@ -53,6 +55,8 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
         })
         .await
         .unwrap();
+    // Pacing, not a wait: traffic keeps running on stale data for a window;
+    // what is asserted (every request counted, verdicts) holds for any length.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let outage = load.stop().await;
     // Every request of the outage counted (on the filter's next tick).

@@ -6,9 +6,9 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 const DYN: &str = "outbound|8080|dyn|cart.shop.svc.cluster.local";
 

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use serde_json::json;
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{shipped_plugin, shipped_plugin_config, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
 const WAIT: Duration = Duration::from_secs(20);
@@ -74,6 +74,7 @@ fn a_burst_of_changes_reaches_the_gateway_within_the_least_poll_interval_not_a_t
     let mut latencies = vec![];
     for round in 0..8u8 {
         validator.upsert(pod(&format!("127.0.2.{round}"), "a", &[&cart], false));
+        // Pacing the burst (the test is about changes 20 ms apart).
         std::thread::sleep(Duration::from_millis(20));
         validator.upsert(pod(&format!("127.0.3.{round}"), "b", &[&cart], false));
         std::thread::sleep(Duration::from_millis(20));

@@ -11,9 +11,9 @@ use anyhow::{ensure, Result};
 use serde_json::json;
 use staleguard_core::wire::Tombstone;
 use staleguard_core::{IpRecord, ServiceKey};
+use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
 const WEB: &str = "outbound|8080||web.shop.svc.cluster.local";

@@ -12,9 +12,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 const CLUSTER: &str = "outbound|8080||cart.shop.svc.cluster.local";
 
@@ -222,8 +222,8 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
     Ok(())
 }
 
-fn named_host_on(ip: &str, port: u16, name: &str) -> Result<staleguard_tests::tinyhttp::Server> {
-    use staleguard_tests::tinyhttp::{Answer, Server};
+fn named_host_on(ip: &str, port: u16, name: &str) -> Result<staleguard_tests::blocking::Server> {
+    use staleguard_tests::blocking::{Answer, Server};
     let name = name.to_owned();
     let bind: SocketAddr = format!("{ip}:{port}").parse()?;
     Server::start(bind, move |_| Answer::Respond {

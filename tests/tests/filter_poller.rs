@@ -8,9 +8,9 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 #[test]
 fn one_poller_per_process_with_two_workers() -> Result<()> {
@@ -59,7 +59,16 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
             "the next long poll follows an answer"
         );
     }
-    std::thread::sleep(Duration::from_secs(1));
+    // Give every worker's timer the chance to start a second poller: not a
+    // sleep but a round of traffic on many connections (so on both workers)
+    // counted in full, and the filter counts on its tick, so every worker that
+    // served the round has ticked since the last long poll went out.
+    for _ in 0..20 {
+        assert_eq!(envoy.get(&names[0])?.status, 200);
+        assert_eq!(envoy.get(&names[1])?.status, 503);
+        assert_eq!(envoy.get(&names[2])?.status, 200);
+    }
+    envoy.wait_counted(120)?;
     let requests = validator.requests();
     let snapshots = requests
         .iter()

@@ -8,9 +8,9 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_tests::blocking::named_host;
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 const LIVE: &str = "outbound|8080|live|cart.shop.svc.cluster.local";
 const GONE: &str = "outbound|8080|gone|cart.shop.svc.cluster.local";
@@ -49,30 +49,38 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
     envoy.eventually("both replicas polled", Duration::from_secs(20), |_| {
         Ok(a.requests().len() >= 2 && b.requests().len() >= 2)
     })?;
-    assert!(envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 2);
-    for _ in 0..20 {
-        assert_eq!(envoy.get(LIVE)?.status, 200);
-        let r = envoy.get(GONE)?;
+    let resets = envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")?;
+    assert!(resets >= 2);
+    // Judged right at every check until two more switches (resets) happened.
+    envoy.eventually("two more replica switches", Duration::from_secs(30), |e| {
+        assert_eq!(e.get(LIVE)?.status, 200);
+        let r = e.get(GONE)?;
         assert_eq!((r.status, r.header("x-staleguard")), (503, "destroyed"));
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= resets + 2)
+    })?;
 
     // Replica b goes down: its polls fail, a's keep the data fresh and
     // deliver a's changes (a long poll to a holds until one comes).
     b.set_behaviour(Behaviour::Down);
-    for _ in 0..40 {
-        assert_eq!(envoy.get(LIVE)?.status, 200, "stale with a healthy replica");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let sync_errors = |e: &mut Envoy| -> Result<u64> {
+        Ok(
+            e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
+                + e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?,
+        )
+    };
+    let errors = sync_errors(&mut envoy)?;
+    let polled_a = a.requests().len();
+    // Fresh at every check until a poll to b has failed and a has had a
+    // poll since b went down.
+    envoy.eventually("b failing, a answering", Duration::from_secs(30), |e| {
+        assert_eq!(e.get(LIVE)?.status, 200, "stale with a healthy replica");
+        Ok(sync_errors(e)? > errors && a.requests().len() > polled_a)
+    })?;
     a.upsert(pod("127.0.1.62", "cart-2", &[&cart], false));
     envoy.eventually("a's change while b is down", Duration::from_secs(20), |e| {
         Ok(e.get(GONE)?.status == 200)
     })?;
     assert_eq!(envoy.get(LIVE)?.status, 200);
-    assert!(
-        envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
-            + envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?
-            >= 1
-    );
+    assert!(sync_errors(&mut envoy)? > errors);
     Ok(())
 }

@@ -9,9 +9,9 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::{Answer, Response, Server};
 use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::tinyhttp::{Answer, Response, Server};
 
 const CART: &str = "cart.shop.svc.cluster.local";
 
@@ -34,6 +34,7 @@ fn host(ip: &str, port: u16, name: &str, delay: Duration) -> Result<Server> {
     let name = name.to_owned();
     let bind: SocketAddr = format!("{ip}:{port}").parse()?;
     Server::start(bind, move |req| {
+        // A deliberately slow pod (the retry tests are about timeouts).
         std::thread::sleep(delay);
         Answer::Respond {
             status: 203,

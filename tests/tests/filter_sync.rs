@@ -11,9 +11,9 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
-use staleguard_tests::tinyhttp::named_host;
 
 const OPEN: &str = "outbound|8080|open|cart.shop.svc.cluster.local";
 const CLOSED: &str = "outbound|8080|closed|cart.shop.svc.cluster.local";

@@ -22,7 +22,7 @@ fn node_ip(ip: &str) -> staleguard_core::IpRecord {
     r.pods[0].host_network = true;
     r
 }
-use staleguard_tests::tinyhttp::named_host;
+use staleguard_tests::blocking::named_host;
 
 const CART: &str = "cart.shop.svc.cluster.local";
 

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
+use staleguard_tests::blocking::{self, named_host, Answer, Server};
 use staleguard_tests::envoy::{dependencies, tail};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::h2::{self, H2Backend, Kind};
@@ -22,7 +23,6 @@ use staleguard_tests::istio::{
     Protocol, Service,
 };
 use staleguard_tests::process::{free_port, wait_for_port, Guard};
-use staleguard_tests::tinyhttp::{self, named_host, Answer, Server};
 
 fn service(name: &str, ns: &str, port: u16, protocol: Protocol, eps: &[SocketAddr]) -> Service {
     Service {
@@ -268,7 +268,7 @@ impl Gateway {
     }
 
     fn stat(&self, name: &str) -> Result<u64> {
-        let text = tinyhttp::get(self.admin, &format!("/stats?filter=^{name}$"), &[])?.body;
+        let text = blocking::get(self.admin, &format!("/stats?filter=^{name}$"), &[])?.body;
         Ok(text
             .lines()
             .filter_map(|l| l.split_once(": "))
@@ -455,11 +455,11 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
     ];
     let ghost = r#"staleguard_filter_requests_total{staleguard_service="grpc/ghost",staleguard_reason="destroyed",staleguard_action="reject"}"#;
     gw.eventually("the requests counted", |g| {
-        let prom = tinyhttp::get(g.admin, "/stats/prometheus", &[])?.body;
+        let prom = blocking::get(g.admin, "/stats/prometheus", &[])?.body;
         Ok(lines.iter().all(|line| prom.lines().any(|l| l == *line))
             && prom.lines().any(|l| l.starts_with(ghost)))
     })?;
-    let prom = tinyhttp::get(gw.admin, "/stats/prometheus", &[])?.body;
+    let prom = blocking::get(gw.admin, "/stats/prometheus", &[])?.body;
     for line in lines {
         assert!(prom.lines().any(|l| l == line), "no {line}:\n{prom}");
     }

@@ -323,11 +323,55 @@ mod tests {
         ));
     }
 
+    /// What a test's subscriber logged.
+    #[derive(Clone, Default)]
+    struct Log(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Log {
+        fn text(&self) -> String {
+            let bytes = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+
+        fn contains(&self, what: &str) -> bool {
+            self.text().contains(what)
+        }
+    }
+
+    impl std::io::Write for Log {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let mut bytes = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            bytes.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Log {
+        type Writer = Log;
+
+        fn make_writer(&'a self) -> Log {
+            self.clone()
+        }
+    }
+
     #[tokio::test]
     async fn a_reload_that_drops_the_old_token_ends_the_rotation() {
         let path = temp_dir("reload").join("token");
         std::fs::write(&path, A).unwrap();
         let token = Token::from_file(&path).unwrap();
+        // The watcher runs on this (current-thread) runtime's thread, so the
+        // thread's default subscriber sees what it logs.
+        let log = Log::default();
+        let _logging = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_writer(log.clone())
+                .with_ansi(false)
+                .finish(),
+        );
         let watcher = tokio::spawn(token.clone().watch(Duration::from_millis(10)));
         // Make sure the modification time moves even on coarse clocks.
         let bump = |content: String| {
@@ -360,9 +404,14 @@ mod tests {
                 .unwrap()
         );
         assert!(token.verify(B.as_bytes()));
-        // An invalid file keeps what was valid.
+        // An invalid file keeps what was valid: wait for the watcher to say
+        // it rejected the file, not for a time it might need.
         bump("short\n".into());
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !log.contains("keeping the previous API token") {
+            assert!(std::time::Instant::now() < deadline, "{}", log.text());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         assert!(token.verify(B.as_bytes()));
         watcher.abort();
     }

@@ -79,6 +79,21 @@ fn fixture() -> Fixture {
     fixture_with(synced_index(1000), Limits::default(), None)
 }
 
+/// Waits until `n` long polls hold a permit and wait for a change, as the
+/// `long_polls_waiting` gauge says: the condition the tests used to sleep for.
+async fn until_long_polls_waiting(f: &Fixture, n: i64) {
+    let want = format!("{}_long_polls_waiting {n}", crate::metrics::PREFIX);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = f.metrics.encode(&f.index).unwrap();
+        if text.lines().any(|line| line == want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no {want:?} in:\n{text}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 async fn get(app: &Router, uri: &str) -> (StatusCode, Value) {
     get_with(app, Request::get(uri).body(Body::empty()).unwrap()).await
 }
@@ -234,7 +249,7 @@ async fn a_long_poll_wakes_on_a_change_before_its_wait_ends() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    until_long_polls_waiting(&f, 1).await;
     assert!(!poll.is_finished(), "answered before any change");
     delete_cart_2(&f.index);
     let (status, body) = poll.await.unwrap();
@@ -277,7 +292,7 @@ async fn shutdown_answers_waiting_long_polls_at_once() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    until_long_polls_waiting(&f, 1).await;
     f.shutdown.send(true).unwrap();
     let (status, body) = tokio::time::timeout(Duration::from_secs(5), poll)
         .await
@@ -299,7 +314,7 @@ async fn a_stopped_source_fails_healthz_and_answers_waiting_long_polls_as_not_fr
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    until_long_polls_waiting(&f, 1).await;
     assert!(!poll.is_finished(), "answered before anything happened");
     let (status, _) = get(&f.admin, "/healthz").await;
     assert_eq!(status, StatusCode::OK);
@@ -414,7 +429,7 @@ async fn long_polls_beyond_the_limit_get_429() {
     let app = f.app.clone();
     let first_uri = uri.clone();
     let first = tokio::spawn(async move { get(&app, &first_uri).await });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    until_long_polls_waiting(&f, 1).await;
     let (status, body) = get(&f.app, &uri).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(body["error"]["code"], "too_many_long_polls");
