@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_tests::bench::{env_usize, median};
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{add_twin_endpoints, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::process::Guard;
 
 const LIVE: &str = "outbound|80||live.bench.svc.cluster.local";
@@ -141,24 +141,7 @@ fn main() -> Result<()> {
     };
     // The retry path: every pick is the recycled IP; the twin also has the
     // live pods, which the replay names.
-    let twin_has_live = |b: &mut Value| {
-        let twin_name = format!("{LIVE}|staleguard-twin");
-        let clusters = b["static_resources"]["clusters"]
-            .as_array_mut()
-            .context("clusters")?;
-        let twin = clusters
-            .iter_mut()
-            .find(|c| c["name"] == twin_name.as_str())
-            .context("the twin")?;
-        let endpoints = twin["load_assignment"]["endpoints"][0]["lb_endpoints"]
-            .as_array_mut()
-            .context("endpoints")?;
-        for a in &live {
-            endpoints.push(json!({"endpoint": {"address": {"socket_address": {
-                "address": a.ip().to_string(), "port_value": a.port()}}}}));
-        }
-        Ok(())
-    };
+    let twin_has_live = |b: &mut Value| add_twin_endpoints(b, LIVE, &live);
     let mut variants = vec![
         Variant {
             name: "no filter",

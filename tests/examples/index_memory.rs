@@ -31,13 +31,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_core::{Freshness, IpRecord};
-use staleguard_tests::bench::{env_usize, median};
+use staleguard_tests::bench::{env_usize, median, synthetic_index};
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::FakeValidator;
-use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
-use staleguard_validator::synth;
 
 fn rss_bytes(pid: u32) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
@@ -85,22 +81,7 @@ fn main() -> Result<()> {
     let noop: Option<PathBuf> = std::env::var_os("NOOP_WASM").map(PathBuf::from);
     let ours = std::env::var("STALEGUARD_WASM").context("STALEGUARD_WASM is not set")?;
 
-    let shared = SharedIndex::new(
-        Index::new(1, IndexConfig::default()),
-        Duration::from_secs(3600),
-    );
-    synth::feed(&shared, synth::cluster(services, pods / services));
-    let snapshot = shared.read().snapshot(Freshness {
-        fresh: true,
-        age_ms: Some(0),
-    });
-    let keys = snapshot.services.clone();
-    let records: Vec<IpRecord> = snapshot
-        .records
-        .into_iter()
-        .map(IpRecord::verdict_view)
-        .collect();
-    drop(shared);
+    let (keys, records) = synthetic_index(services, pods);
     let ips = records.len() as u64;
     println!("{ips} IPs in {} services", keys.len());
 

@@ -26,34 +26,15 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use serde_json::json;
-use staleguard_core::{Freshness, IpRecord};
-use staleguard_tests::bench::{env_usize, median};
+use staleguard_tests::bench::{env_usize, median, synthetic_index};
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 use staleguard_tests::fake_validator::FakeValidator;
-use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
-use staleguard_validator::synth;
 
 fn main() -> Result<()> {
     let services = env_usize("SERVICES", 1000);
     let pods = env_usize("PODS", 150_000);
     let rounds = env_usize("ROUNDS", 5).max(1);
-    let shared = SharedIndex::new(
-        Index::new(1, IndexConfig::default()),
-        Duration::from_secs(3600),
-    );
-    synth::feed(&shared, synth::cluster(services, pods / services));
-    let snapshot = shared.read().snapshot(Freshness {
-        fresh: true,
-        age_ms: Some(0),
-    });
-    let keys = snapshot.services.clone();
-    let records: Vec<IpRecord> = snapshot
-        .records
-        .into_iter()
-        .map(IpRecord::verdict_view)
-        .collect();
-    drop(shared);
+    let (keys, records) = synthetic_index(services, pods);
     println!("{} IPs in {} services", records.len(), keys.len());
 
     let measure = |full_at_start: bool| -> Result<(u64, u64)> {

@@ -18,7 +18,9 @@ use serde_json::json;
 use staleguard_core::ServiceKey;
 use staleguard_tests::bench::{env_usize, median};
 use staleguard_tests::blocking;
-use staleguard_tests::envoy::{body_path, shipped_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{
+    add_twin_endpoints, body_path, shipped_plugin, Cluster, Envoy, Gateway,
+};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
 const SVC: &str = "cart.shop.svc.cluster.local";
@@ -82,19 +84,11 @@ fn main() -> Result<()> {
     let Some(mut envoy) = gateway.start_with(|bootstrap| {
         // Every pick of `replayed` is the stale host; its twin also has the
         // live one, which the replay names.
-        let twin_name = format!("{}|staleguard-twin", cluster("replayed"));
-        let clusters = bootstrap["static_resources"]["clusters"]
-            .as_array_mut()
-            .context("clusters")?;
-        let twin = clusters
-            .iter_mut()
-            .find(|c| c["name"] == twin_name.as_str())
-            .context("the twin")?;
-        let endpoints = twin["load_assignment"]["endpoints"][0]["lb_endpoints"]
-            .as_array_mut()
-            .context("endpoints")?;
-        endpoints.push(json!({"endpoint": {"address": {"socket_address": {
-            "address": "127.0.7.2", "port_value": port}}}}));
+        add_twin_endpoints(
+            bootstrap,
+            &cluster("replayed"),
+            &[SocketAddr::from(([127, 0, 7, 2], port))],
+        )?;
         let outer = body_path(
             bootstrap,
             "/body/",

@@ -2,6 +2,12 @@
 //! report their runs.
 
 use std::cmp::Ordering;
+use std::time::Duration;
+
+use staleguard_core::{Freshness, IpRecord, ServiceKey};
+use staleguard_validator::index::{Index, IndexConfig};
+use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::synth;
 
 /// The whole number in the environment variable `name`, or `default` when it
 /// is unset or not a number (the examples' knobs: `ROUNDS`, `PODS`, ...).
@@ -17,6 +23,28 @@ pub fn env_usize(name: &str, default: usize) -> usize {
 pub fn median<T: Copy + PartialOrd>(v: &mut [T]) -> T {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(Ordering::Equal));
     v[v.len() / 2]
+}
+
+/// A synthetic cluster of `pods` pods spread over `services` services, as
+/// the validator indexes it (`validator::synth`), in the verdict view the
+/// filter is sent: the services and one record per IP.
+pub fn synthetic_index(services: usize, pods: usize) -> (Vec<ServiceKey>, Vec<IpRecord>) {
+    let services = services.max(1);
+    let shared = SharedIndex::new(
+        Index::new(1, IndexConfig::default()),
+        Duration::from_secs(3600),
+    );
+    synth::feed(&shared, synth::cluster(services, pods / services));
+    let snapshot = shared.read().snapshot(Freshness {
+        fresh: true,
+        age_ms: Some(0),
+    });
+    let records = snapshot
+        .records
+        .into_iter()
+        .map(IpRecord::verdict_view)
+        .collect();
+    (snapshot.services, records)
 }
 
 #[cfg(test)]

@@ -113,6 +113,31 @@ pub fn shipped_plugin_config() -> Value {
     config
 }
 
+/// Adds `addresses` to the static endpoints of `cluster`'s retry twin
+/// (`<cluster>|staleguard-twin`) in a bootstrap: the live pods a replay may
+/// name, where the guarded cluster itself only has a stale one.
+pub fn add_twin_endpoints(
+    bootstrap: &mut Value,
+    cluster: &str,
+    addresses: &[SocketAddr],
+) -> Result<()> {
+    let twin_name = format!("{cluster}|staleguard-twin");
+    let twin = bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .context("no static clusters in the bootstrap")?
+        .iter_mut()
+        .find(|c| c["name"] == twin_name.as_str())
+        .with_context(|| format!("no twin cluster {twin_name}"))?;
+    let endpoints = twin["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        .as_array_mut()
+        .with_context(|| format!("no static endpoints in {twin_name}"))?;
+    for a in addresses {
+        endpoints.push(json!({"endpoint": {"address": {"socket_address": {
+            "address": a.ip().to_string(), "port_value": a.port()}}}}));
+    }
+    Ok(())
+}
+
 /// The `retry_policy` of the route `deploy/envoy/envoy.yaml` ships for
 /// requests without a body (the last route of the gateway's virtual host):
 /// what a gateway that stands for the shipped one sets on its routes.
