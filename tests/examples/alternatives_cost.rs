@@ -269,9 +269,22 @@ fn main() -> Result<()> {
     // === checks: every request judged once, statuses as the path says ===
     let mut problems = Vec::new();
     let mut checked = Vec::new();
-    for (v, s) in variants.iter().zip(&samples) {
+    for (v, s) in variants.iter_mut().zip(&samples) {
         let downstream = v.envoy.stat("http.gateway.downstream_rq_total")?;
         if let Some(counter) = v.counted {
+            // The filter adds its request counts to Envoy's on the root's
+            // tick (docs/metrics.md): give the last tick time to come before
+            // comparing. A counter that never gets there fails the check.
+            let runs = (rounds + 1) * connections;
+            let want = downstream.saturating_sub(runs as u64);
+            let _ = v
+                .envoy
+                .eventually("the last counts", Duration::from_secs(10), |e| {
+                    Ok(match counter {
+                        Counter::Requests(reason, action) => e.requests(reason, action)?,
+                        Counter::Stat(name) => e.stat(name)?,
+                    } >= want)
+                });
             let counted = match counter {
                 Counter::Requests(reason, action) => v.envoy.requests(reason, action)?,
                 Counter::Stat(name) => v.envoy.stat(name)?,
@@ -279,7 +292,6 @@ fn main() -> Result<()> {
             // wrk stops with up to one request in flight per connection; a
             // request its client abandoned mid-replay is not counted by the
             // filter (it counts a replay when it ends).
-            let runs = (rounds + 1) * connections;
             let abandoned = downstream.saturating_sub(counted);
             if counted > downstream || abandoned > runs as u64 {
                 problems.push(format!(
