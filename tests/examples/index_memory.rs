@@ -30,9 +30,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use serde_json::{json, Value};
-use staleguard_tests::bench::{env_usize, median, synthetic_index};
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+use serde_json::Value;
+use staleguard_tests::bench::{env_usize, index_gateway, median, synthetic_index};
+use staleguard_tests::envoy::Envoy;
 use staleguard_tests::fake_validator::FakeValidator;
 
 fn rss_bytes(pid: u32) -> Result<u64> {
@@ -55,20 +55,6 @@ fn swap_module(value: &mut Value, from: &str, to: &str) {
     }
 }
 
-fn gateway(validator: &FakeValidator) -> Result<Gateway> {
-    Ok(Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        clusters: vec![Cluster::new(
-            "outbound|80||svc-0.bench.svc.cluster.local",
-            "127.0.1.250:9".parse()?,
-            Some(shipped_plugin(json!({}))),
-        )],
-        dynamic: vec![],
-    })
-}
-
 fn started(envoy: Option<Envoy>) -> Result<Envoy> {
     envoy.context("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`")
 }
@@ -87,7 +73,7 @@ fn main() -> Result<()> {
 
     let noop_rss = |module: &Path| -> Result<u64> {
         let validator = FakeValidator::start(7)?;
-        let mut envoy = started(gateway(&validator)?.start_with(|config| {
+        let mut envoy = started(index_gateway(validator.addr()).start_with(|config| {
             swap_module(config, &ours, &module.display().to_string());
             Ok(())
         })?)?;
@@ -98,7 +84,7 @@ fn main() -> Result<()> {
     };
     let ours_rss = || -> Result<[u64; 6]> {
         let validator = FakeValidator::start(7)?;
-        let mut envoy = started(gateway(&validator)?.start()?)?;
+        let mut envoy = started(index_gateway(validator.addr()).start()?)?;
         envoy.eventually("the first answer", Duration::from_secs(120), |e| {
             Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
         })?;

@@ -25,9 +25,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use serde_json::json;
-use staleguard_tests::bench::{env_usize, median, synthetic_index};
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_tests::bench::{env_usize, index_gateway, median, synthetic_index};
 use staleguard_tests::fake_validator::FakeValidator;
 
 fn main() -> Result<()> {
@@ -42,17 +40,7 @@ fn main() -> Result<()> {
         if full_at_start {
             validator.set_index(keys.clone(), records.clone());
         }
-        let gateway = Gateway {
-            concurrency: 1,
-            validator: validator.addr(),
-            replicas: vec![],
-            clusters: vec![Cluster::new(
-                "outbound|80||svc-0.bench.svc.cluster.local",
-                "127.0.1.250:9".parse()?,
-                Some(shipped_plugin(json!({}))),
-            )],
-            dynamic: vec![],
-        };
+        let gateway = index_gateway(validator.addr());
         let Some(mut envoy) = gateway.start()? else {
             bail!(
                 "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`"

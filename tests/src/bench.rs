@@ -2,12 +2,17 @@
 //! report their runs.
 
 use std::cmp::Ordering;
+use std::net::SocketAddr;
 use std::time::Duration;
+
+use serde_json::json;
 
 use staleguard_core::{Freshness, IpRecord, ServiceKey};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::shared::SharedIndex;
 use staleguard_validator::synth;
+
+use crate::envoy::{shipped_plugin, Cluster, Gateway};
 
 /// The whole number in the environment variable `name`, or `default` when it
 /// is unset or not a number (the examples' knobs: `ROUNDS`, `PODS`, ...).
@@ -45,6 +50,24 @@ pub fn synthetic_index(services: usize, pods: usize) -> (Vec<ServiceKey>, Vec<Ip
         .map(IpRecord::verdict_view)
         .collect();
     (snapshot.services, records)
+}
+
+/// One gateway (one worker) with one guarded cluster of a synthetic service
+/// (`svc-0` of [`synthetic_index`]) and the shipped plugin, polling the
+/// validator at `validator`: what the memory and reset examples load an
+/// index into. Its one endpoint, 127.0.1.250:9, is never sent traffic.
+pub fn index_gateway(validator: SocketAddr) -> Gateway {
+    Gateway {
+        concurrency: 1,
+        validator,
+        replicas: vec![],
+        clusters: vec![Cluster::new(
+            "outbound|80||svc-0.bench.svc.cluster.local",
+            SocketAddr::from(([127, 0, 1, 250], 9)),
+            Some(shipped_plugin(json!({}))),
+        )],
+        dynamic: vec![],
+    }
 }
 
 #[cfg(test)]
