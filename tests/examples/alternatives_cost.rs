@@ -20,8 +20,8 @@
 //! section on stdout; progress on stderr.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::io::Write;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_tests::bench::{env_usize, median};
+use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{add_twin_endpoints, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::process::Guard;
 
@@ -87,7 +88,7 @@ fn main() -> Result<()> {
     eprintln!("request_cost: validator with {pods} synthetic IPs (child process)");
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.env(CHILD_ENV, "1").env("PODS", pods.to_string());
-    let mut validator = Guard::spawn("request-cost-validator", cmd)?;
+    let validator = Guard::spawn("request-cost-validator", cmd)?;
     let started = Instant::now();
     let validator_addr: SocketAddr = loop {
         validator.check_alive()?;
@@ -105,7 +106,7 @@ fn main() -> Result<()> {
     };
 
     // === the pods ===
-    let port = bind_pods()?;
+    let (port, _pods) = bind_pods()?;
     let live: Vec<SocketAddr> = LIVE_IPS
         .iter()
         .map(|ip| SocketAddr::new(ip.parse().unwrap(), port))
@@ -113,17 +114,11 @@ fn main() -> Result<()> {
     let recycled = SocketAddr::new(RECYCLED_IP.parse()?, port);
 
     // === the gateways ===
-    let gateway = |hosts: Vec<SocketAddr>, plugin: Option<Value>| Gateway {
-        concurrency: 1,
-        validator: validator_addr,
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![Cluster {
-            name: LIVE.into(),
-            hosts,
-            plugin,
-            metadata: None,
-        }],
+    let gateway = |hosts: Vec<SocketAddr>, plugin: Option<Value>| {
+        Gateway::new(
+            validator_addr,
+            vec![Cluster::with_hosts(LIVE, hosts, plugin)],
+        )
     };
     let start = |name: &str, g: Gateway, edit: &dyn Fn(&mut Value) -> Result<()>| {
         eprintln!("request_cost: starting gateway `{name}`");
@@ -504,57 +499,29 @@ fn serve_validator() -> Result<()> {
 
 // === the pods: answer at once, keep connections ===
 
-/// Binds the live pods and the recycled IP on one port; returns the port.
-fn bind_pods() -> Result<u16> {
+/// The live pods and the recycled IP, on one port (free on all five
+/// addresses), answering at once with their app's name.
+fn bind_pods() -> Result<(u16, Vec<Server>)> {
+    let pod = |ip: &str, port: u16, app: &str| {
+        let answer = Answer::Respond {
+            status: 200,
+            headers: vec![("x-app".into(), app.into())],
+            body: format!("{app}\n").into_bytes(),
+        };
+        Server::constant(SocketAddr::new(ip.parse()?, port), answer)
+    };
     for _ in 0..20 {
-        let first = TcpListener::bind((LIVE_IPS[0], 0))?;
-        let port = first.local_addr()?.port();
-        let mut listeners = vec![(first, "live")];
-        let rest: Result<Vec<_>, _> = LIVE_IPS[1..]
+        let first = pod(LIVE_IPS[0], 0, "live")?;
+        let port = first.addr().port();
+        let rest: Result<Vec<Server>> = LIVE_IPS[1..]
             .iter()
-            .map(|ip| TcpListener::bind((*ip, port)).map(|l| (l, "live")))
-            .chain(std::iter::once(
-                TcpListener::bind((RECYCLED_IP, port)).map(|l| (l, "other")),
-            ))
+            .map(|ip| pod(ip, port, "live"))
+            .chain(std::iter::once(pod(RECYCLED_IP, port, "other")))
             .collect();
         let Ok(rest) = rest else { continue };
-        listeners.extend(rest);
-        for (listener, app) in listeners {
-            std::thread::spawn(move || serve_pod(listener, app));
-        }
-        return Ok(port);
+        return Ok((port, std::iter::once(first).chain(rest).collect()));
     }
     bail!("no port free on all of 127.0.1.1-4 and .9")
-}
-
-fn serve_pod(listener: TcpListener, app: &'static str) {
-    for stream in listener.incoming().flatten() {
-        std::thread::spawn(move || {
-            let _ = stream.set_nodelay(true);
-            let Ok(clone) = stream.try_clone() else {
-                return;
-            };
-            let mut reader = BufReader::new(clone);
-            let mut stream = stream;
-            let answer = format!(
-                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nx-app: {app}\r\n\r\n{app}\n",
-                app.len() + 1
-            );
-            let mut line = String::new();
-            loop {
-                line.clear();
-                match reader.read_line(&mut line) {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) if line == "\r\n" => {
-                        if stream.write_all(answer.as_bytes()).is_err() {
-                            return;
-                        }
-                    }
-                    Ok(_) => {}
-                }
-            }
-        });
-    }
 }
 
 // === wrk ===

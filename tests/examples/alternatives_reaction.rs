@@ -38,19 +38,23 @@ use anyhow::{bail, Result};
 use serde_json::{json, Value};
 use staleguard_tests::bench::env_usize;
 use staleguard_tests::envoy::shipped_route_retry_policy;
-use staleguard_tests::gateway::{cluster_name, Gateway, GatewaySpec};
+use staleguard_tests::envoy::{Envoy, Gateway};
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{deps, Scene};
 use staleguard_tests::traffic::{Load, Outcomes};
-use staleguard_tests::world::World;
+use staleguard_tests::world::{cluster_name, World};
 
 const POLL: Duration = Duration::from_millis(20);
 
-fn spec(name: &str, cluster_extra: Value, route_extra: Value) -> GatewaySpec {
-    let mut s = GatewaySpec::unguarded(name);
-    s.cluster_extra = cluster_extra;
-    s.route_extra = route_extra;
-    s
+/// An unguarded gateway with Envoy's own defences: `cluster_extra` on every
+/// cluster, `route_extra` on every route.
+fn spec(world: &World, name: &str, cluster_extra: Value, route_extra: Value) -> Gateway {
+    let mut g = world.unguarded(name);
+    for c in &mut g.clusters {
+        c.extra = cluster_extra.clone();
+    }
+    g.route_extra = route_extra;
+    g
 }
 
 fn health_check(http: Value) -> Value {
@@ -110,36 +114,41 @@ async fn main() -> Result<()> {
     let specs = vec![
         // The shipped gateway: the plugin and the route's retry on a refused
         // connection, both from deploy/envoy/envoy.yaml.
-        GatewaySpec {
+        Gateway {
             route_extra: json!({"retry_policy": shipped_route_retry_policy()}),
-            ..GatewaySpec::guarded("staleguard", json!({}))
+            ..world.guarded("staleguard", json!({}))
         },
         spec(
+            &world,
             "health-check",
             health_check(json!({"path": "/"})),
             json!({}),
         ),
         spec(
+            &world,
             "health-check-service-name",
             health_check(json!({"path": "/", "service_name_matcher": {"exact": "shop/web"}})),
             json!({}),
         ),
         spec(
+            &world,
             "outlier-defaults",
             json!({"outlier_detection": {}}),
             json!({}),
         ),
         spec(
+            &world,
             "outlier-eject-all",
             json!({"outlier_detection": {"consecutive_5xx": 3, "max_ejection_percent": 100}}),
             json!({}),
         ),
         spec(
+            &world,
             "retries",
             json!({}),
             json!({"retry_policy": {"retry_on": "connect-failure,5xx", "num_retries": 2}}),
         ),
-        spec("none", json!({}), json!({})),
+        spec(&world, "none", json!({}), json!({})),
     ];
     eprintln!(
         "reaction: starting the validator and {} gateways",
@@ -169,45 +178,24 @@ async fn main() -> Result<()> {
 
     // === (a) a pod is deleted: its server stops ===
     eprintln!("reaction: (a) deleting {} ({})", dead_pod.name, dead_pod.ip);
-    let mut before = Vec::new();
-    for (g, l) in scene.gateways.iter().zip(&loads) {
-        before.push((l.outcomes(), dead_attempts(&scene, g, dead_pod.ip).await?));
-    }
-    let judged_before = judged_all(&scene).await?;
+    let dead_ip = dead_pod.ip;
+    let dead = |scene: &Scene, g: &Envoy| dead_attempts(scene, g, dead_ip);
+    let before = counts(&scene, &loads, dead)?;
+    let judged_before = judged_all(&scene)?;
     scene.world.destroy(&dead_pod.name)?;
     scene.world.publish_truth()?;
     scene.world.stop_address(dead_pod.ip)?;
-    let t0 = Instant::now();
-    let mut deleted: Vec<Watch> = before
-        .into_iter()
-        .map(|(o, n)| Watch {
-            series: vec![(Duration::ZERO, n)],
-            outcomes_before: o,
-            ..Watch::default()
-        })
-        .collect();
-    while t0.elapsed() < window {
-        tokio::time::sleep(POLL).await;
-        for (g, w) in scene.gateways.iter().zip(&mut deleted) {
-            let n = dead_attempts(&scene, g, dead_pod.ip).await?;
-            w.series.push((t0.elapsed(), n));
-        }
-    }
-    for ((l, w), g) in loads.iter().zip(&mut deleted).zip(&scene.gateways) {
-        w.outcomes_after = l.outcomes();
-        w.flags = health_flags(&scene, g, dead_pod.ip).await?;
-    }
+    let mut deleted = watch(&scene, &loads, before, dead_pod.ip, window, dead).await?;
 
     // === (b) an IP is recycled: another app answers there ===
     eprintln!(
         "reaction: (b) recycling {} ({}) to `other`",
         recycled_pod.name, recycled_pod.ip
     );
-    let mut before = Vec::new();
-    for (g, l) in scene.gateways.iter().zip(&loads) {
-        before.push((l.outcomes(), wrong_at(&scene, g, recycled_pod.ip)));
-    }
-    let judged_between = judged_all(&scene).await?;
+    let recycled_ip = recycled_pod.ip;
+    let wrong = |scene: &Scene, g: &Envoy| Ok(wrong_at(scene, g, recycled_ip));
+    let before = counts(&scene, &loads, wrong)?;
+    let judged_between = judged_all(&scene)?;
     for (w, (a, b)) in deleted
         .iter_mut()
         .zip(judged_between.iter().zip(&judged_before))
@@ -217,27 +205,8 @@ async fn main() -> Result<()> {
     scene.world.recycle(recycled_pod.ip, "other")?;
     scene.world.publish_truth()?;
     scene.world.settle();
-    let t0 = Instant::now();
-    let mut recycled: Vec<Watch> = before
-        .into_iter()
-        .map(|(o, n)| Watch {
-            series: vec![(Duration::ZERO, n)],
-            outcomes_before: o,
-            ..Watch::default()
-        })
-        .collect();
-    while t0.elapsed() < window {
-        tokio::time::sleep(POLL).await;
-        for (g, w) in scene.gateways.iter().zip(&mut recycled) {
-            w.series
-                .push((t0.elapsed(), wrong_at(&scene, g, recycled_pod.ip)));
-        }
-    }
-    for ((l, w), g) in loads.iter().zip(&mut recycled).zip(&scene.gateways) {
-        w.outcomes_after = l.outcomes();
-        w.flags = health_flags(&scene, g, recycled_pod.ip).await?;
-    }
-    let judged_after = judged_all(&scene).await?;
+    let mut recycled = watch(&scene, &loads, before, recycled_pod.ip, window, wrong).await?;
+    let judged_after = judged_all(&scene)?;
     for (w, (a, b)) in recycled
         .iter_mut()
         .zip(judged_after.iter().zip(&judged_between))
@@ -330,57 +299,98 @@ fn label(name: &str) -> &str {
     }
 }
 
+/// Every gateway's `count` and its clients' outcomes so far: where a
+/// [`watch`] starts.
+fn counts(
+    scene: &Scene,
+    loads: &[Load],
+    count: impl Fn(&Scene, &Envoy) -> Result<u64>,
+) -> Result<Vec<(Outcomes, u64)>> {
+    scene
+        .gateways
+        .iter()
+        .zip(loads)
+        .map(|(g, l)| Ok((l.outcomes(), count(scene, g)?)))
+        .collect()
+}
+
+/// Watches every gateway for `window` after an event at `ip`, from `before`
+/// ([`counts`] just before it): `count` (what reached the bad address so
+/// far) every [`POLL`], then the clients' outcomes and Envoy's view of the
+/// host.
+async fn watch(
+    scene: &Scene,
+    loads: &[Load],
+    before: Vec<(Outcomes, u64)>,
+    ip: IpAddr,
+    window: Duration,
+    count: impl Fn(&Scene, &Envoy) -> Result<u64>,
+) -> Result<Vec<Watch>> {
+    let t0 = Instant::now();
+    let mut watches: Vec<Watch> = before
+        .into_iter()
+        .map(|(o, n)| Watch {
+            series: vec![(Duration::ZERO, n)],
+            outcomes_before: o,
+            ..Watch::default()
+        })
+        .collect();
+    while t0.elapsed() < window {
+        tokio::time::sleep(POLL).await;
+        for (g, w) in scene.gateways.iter().zip(&mut watches) {
+            w.series.push((t0.elapsed(), count(scene, g)?));
+        }
+    }
+    for ((l, w), g) in loads.iter().zip(&mut watches).zip(&scene.gateways) {
+        w.outcomes_after = l.outcomes();
+        w.flags = health_flags(scene, g, ip)?;
+    }
+    Ok(watches)
+}
+
 /// Failed connection attempts at `ip` in the gateway's web cluster, minus
 /// (for the guarded gateway) the requests its filter judged not a member.
-async fn dead_attempts(scene: &Scene, g: &Gateway, ip: IpAddr) -> Result<u64> {
-    let url = format!("http://{}/clusters", g.admin);
-    let text = scene.http.get(&url).await?.text();
-    let prefix = format!(
-        "{}::{}::cx_connect_fail::",
-        cluster_name("web"),
-        scene.world.addr(ip)
-    );
-    let refused: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
+fn dead_attempts(scene: &Scene, g: &Envoy, ip: IpAddr) -> Result<u64> {
+    let refused: u64 = web_host_stat(scene, g, ip, "cx_connect_fail")?
+        .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     if !g.guarded {
         return Ok(refused);
     }
-    Ok(refused.saturating_sub(judged(scene, g).await?))
+    Ok(refused.saturating_sub(judged(g)?))
 }
 
 /// Envoy's `health_flags` for `ip` in the gateway's web cluster.
-async fn health_flags(scene: &Scene, g: &Gateway, ip: IpAddr) -> Result<String> {
-    let url = format!("http://{}/clusters", g.admin);
-    let text = scene.http.get(&url).await?.text();
+fn health_flags(scene: &Scene, g: &Envoy, ip: IpAddr) -> Result<String> {
+    Ok(web_host_stat(scene, g, ip, "health_flags")?.map_or("?".into(), |v| format!("`{v}`")))
+}
+
+/// One of the host lines `/clusters` prints for `ip` in the gateway's web
+/// cluster (`<cluster>::<address>::<field>::<value>`), if present.
+fn web_host_stat(scene: &Scene, g: &Envoy, ip: IpAddr, field: &str) -> Result<Option<String>> {
+    let text = g.admin("/clusters")?;
     let prefix = format!(
-        "{}::{}::health_flags::",
+        "{}::{}::{field}::",
         cluster_name("web"),
         scene.world.addr(ip)
     );
     Ok(text
         .lines()
         .find_map(|l| l.strip_prefix(&prefix))
-        .map_or("?".into(), |v| format!("`{}`", v.trim())))
+        .map(|v| v.trim().to_owned()))
 }
 
 /// Every gateway's filter verdicts other than `member` so far (0 unguarded).
-async fn judged_all(scene: &Scene) -> Result<Vec<u64>> {
-    let mut all = Vec::new();
-    for g in &scene.gateways {
-        all.push(if g.guarded {
-            judged(scene, g).await?
-        } else {
-            0
-        });
-    }
-    Ok(all)
+fn judged_all(scene: &Scene) -> Result<Vec<u64>> {
+    scene
+        .gateways
+        .iter()
+        .map(|g| if g.guarded { judged(g) } else { Ok(0) })
+        .collect()
 }
 
-async fn judged(scene: &Scene, g: &Gateway) -> Result<u64> {
-    let stats = g.stats(&scene.http).await?;
+fn judged(g: &Envoy) -> Result<u64> {
+    let stats = g.stats()?;
     Ok(stats
         .iter()
         .filter(|(k, _)| {
@@ -392,7 +402,7 @@ async fn judged(scene: &Scene, g: &Gateway) -> Result<u64> {
 }
 
 /// Requests from gateway `g` that reached another service at `ip`.
-fn wrong_at(scene: &Scene, g: &Gateway, ip: IpAddr) -> u64 {
+fn wrong_at(scene: &Scene, g: &Envoy, ip: IpAddr) -> u64 {
     let tallies: BTreeMap<_, _> = scene.world.tallies_at(&[ip]);
     via(&tallies, &g.name).wrong_service
 }

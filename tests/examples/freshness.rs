@@ -163,22 +163,20 @@ async fn main() -> Result<()> {
     // The gateway: one cluster per pod, the shipped plugin configuration.
     let plugin = shipped_plugin(json!({}));
     println!("plugin configuration (deploy/envoy/envoy.yaml): {plugin}");
+    let clusters = (0..events)
+        .map(|i| {
+            envoy::Cluster::new(
+                &cluster_name(i),
+                pods[i].server.addr(),
+                Some(plugin.clone()),
+            )
+        })
+        .collect();
     let gateway = Gateway {
         concurrency: 2,
-        validator,
-        replicas: vec![],
-        clusters: (0..events)
-            .map(|i| {
-                envoy::Cluster::new(
-                    &cluster_name(i),
-                    pods[i].server.addr(),
-                    Some(plugin.clone()),
-                )
-            })
-            .collect(),
-        dynamic: vec![],
+        ..Gateway::new(validator, clusters)
     };
-    let Some(mut envoy) = gateway.start()? else {
+    let Some(envoy) = gateway.start()? else {
         bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
     };
     envoy.eventually("the first sync", Duration::from_secs(60), |e| {
@@ -350,6 +348,6 @@ async fn main() -> Result<()> {
         envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")?,
         envoy.admin("/stats?filter=sync_errors")?.trim()
     );
-    envoy.stop();
+    drop(envoy);
     Ok(())
 }

@@ -73,18 +73,18 @@ fn main() -> Result<()> {
 
     let noop_rss = |module: &Path| -> Result<u64> {
         let validator = FakeValidator::start(7)?;
-        let mut envoy = started(index_gateway(validator.addr()).start_with(|config| {
+        let envoy = started(index_gateway(validator.addr()).start_with(|config| {
             swap_module(config, &ours, &module.display().to_string());
             Ok(())
         })?)?;
         std::thread::sleep(settle);
         let rss = rss_bytes(envoy.pid())?;
-        envoy.stop();
+        drop(envoy);
         Ok(rss)
     };
     let ours_rss = || -> Result<[u64; 6]> {
         let validator = FakeValidator::start(7)?;
-        let mut envoy = started(index_gateway(validator.addr()).start()?)?;
+        let envoy = started(index_gateway(validator.addr()).start()?)?;
         envoy.eventually("the first answer", Duration::from_secs(120), |e| {
             Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
         })?;
@@ -104,7 +104,7 @@ fn main() -> Result<()> {
         let full_vm = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
         let apply_us = envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?;
         let bytes = envoy.stat("wasmcustom.staleguard_filter_sync_received_bytes_total")?;
-        envoy.stop();
+        drop(envoy);
         Ok([empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes])
     };
 

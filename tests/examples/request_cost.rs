@@ -151,15 +151,14 @@ fn main() -> Result<()> {
     let live = upstream(live_ip)?;
     let gone = upstream(gone_ip)?;
     let plugin = shipped_plugin(json!({"on_reject": "reject"}));
-    let gateway = |plugin: Option<Value>| Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        clusters: vec![
-            Cluster::new(ALLOW, live, plugin.clone()),
-            Cluster::new(REJECT, gone, plugin),
-        ],
-        dynamic: vec![],
+    let gateway = |plugin: Option<Value>| {
+        Gateway::new(
+            validator.addr(),
+            vec![
+                Cluster::new(ALLOW, live, plugin.clone()),
+                Cluster::new(REJECT, gone, plugin),
+            ],
+        )
     };
     // Every variant's module in place of the one the harness names.
     let with_module = |module: PathBuf| {
@@ -274,8 +273,6 @@ fn main() -> Result<()> {
             r
         );
     }
-    for (_, envoy) in &mut variants {
-        envoy.stop();
-    }
+    drop(variants);
     Ok(())
 }

@@ -41,7 +41,7 @@ fn main() -> Result<()> {
             validator.set_index(keys.clone(), records.clone());
         }
         let gateway = index_gateway(validator.addr());
-        let Some(mut envoy) = gateway.start()? else {
+        let Some(envoy) = gateway.start()? else {
             bail!(
                 "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`"
             );
@@ -65,7 +65,7 @@ fn main() -> Result<()> {
         std::thread::sleep(Duration::from_millis(200));
         let us = envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?;
         let mem = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
-        envoy.stop();
+        drop(envoy);
         Ok((us, mem))
     };
     let (mut snap_us, mut snap_mem, mut reset_us, mut reset_mem) = (vec![], vec![], vec![], vec![]);

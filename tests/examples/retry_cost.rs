@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 use staleguard_core::ServiceKey;
 use staleguard_tests::bench::{env_usize, median};
-use staleguard_tests::blocking;
+use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{
     add_twin_endpoints, body_path, shipped_plugin, Cluster, Envoy, Gateway,
 };
@@ -58,10 +58,18 @@ fn main() -> Result<()> {
     let rounds = env_usize("ROUNDS", 7);
     let requests = env_usize("REQUESTS", 2000);
     let cart = ServiceKey::new("shop", "cart");
-    let live = LiveHost::start("127.0.7.2:0".parse()?)?;
+    // A pod that answers at once, on the async workers.
+    let live = Server::constant(
+        "127.0.7.2:0".parse()?,
+        Answer::Respond {
+            status: 200,
+            headers: vec![("x-host".into(), "live".into())],
+            body: b"host=live".to_vec(),
+        },
+    )?;
     let port = live.addr().port();
     let gone: SocketAddr = format!("127.0.7.1:{port}").parse()?;
-    let _gone_server = blocking::Server::start(gone, |_| blocking::Answer::status(500, "stale"))?;
+    let _gone_server = Server::start(gone, |_| Answer::status(500, "stale"))?;
     let validator = FakeValidator::start(71)?;
     validator.set_index(
         vec![cart.clone()],
@@ -69,19 +77,16 @@ fn main() -> Result<()> {
     );
     let off = shipped_plugin(json!({"on_reject": "reject"}));
     let on = shipped_plugin(json!({}));
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![
             Cluster::new(&cluster("plain"), live.addr(), None),
             Cluster::new(&cluster("off"), live.addr(), Some(off)),
             Cluster::new(&cluster("on"), live.addr(), Some(on.clone())),
             Cluster::new(&cluster("replayed"), gone, Some(on)),
         ],
-    };
-    let Some(mut envoy) = gateway.start_with(|bootstrap| {
+    );
+    let Some(envoy) = gateway.start_with(|bootstrap| {
         // Every pick of `replayed` is the stale host; its twin also has the
         // live one, which the replay names.
         add_twin_endpoints(
@@ -139,7 +144,7 @@ fn main() -> Result<()> {
     // Warm up every path.
     for m in &modes {
         for _ in 0..200 {
-            check(&mut envoy, m)?;
+            check(&envoy, m)?;
         }
     }
     let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
@@ -153,7 +158,7 @@ fn main() -> Result<()> {
             let before = cpu_ns(envoy.pid())?;
             for _ in 0..requests {
                 let t = Instant::now();
-                check(&mut envoy, m)?;
+                check(&envoy, m)?;
                 latency[i].push(t.elapsed().as_secs_f64() * 1e6);
             }
             let spent = cpu_ns(envoy.pid())? - before;
@@ -183,61 +188,10 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn check(envoy: &mut Envoy, m: &Mode) -> Result<()> {
+fn check(envoy: &Envoy, m: &Mode) -> Result<()> {
     let r = envoy.send(&m.cluster, "GET", m.path, None)?;
     if r.status != 200 || r.header("x-host") != "live" {
         bail!("{}: {r:?}", m.name);
     }
     Ok(())
-}
-
-/// A pod that answers at once: blocking accept, a thread per connection (the
-/// tests' server polls its accept every 5 ms, which would hide the replay's
-/// latency).
-struct LiveHost {
-    addr: SocketAddr,
-}
-
-impl LiveHost {
-    fn start(bind: SocketAddr) -> Result<Self> {
-        use std::io::{BufRead, BufReader, Write};
-        let listener = std::net::TcpListener::bind(bind)?;
-        let addr = listener.local_addr()?;
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                std::thread::spawn(move || {
-                    let _ = stream.set_nodelay(true);
-                    let Ok(clone) = stream.try_clone() else {
-                        return;
-                    };
-                    let mut reader = BufReader::new(clone);
-                    let mut stream = stream;
-                    loop {
-                        let mut line = String::new();
-                        match reader.read_line(&mut line) {
-                            Ok(0) | Err(_) => return,
-                            Ok(_) if line == "\r\n" => {
-                                let body = "host=live";
-                                let head = format!(
-                                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nx-host: live\r\n\r\n",
-                                    body.len()
-                                );
-                                if stream.write_all(head.as_bytes()).is_err()
-                                    || stream.write_all(body.as_bytes()).is_err()
-                                {
-                                    return;
-                                }
-                            }
-                            Ok(_) => {}
-                        }
-                    }
-                });
-            }
-        });
-        Ok(Self { addr })
-    }
-
-    fn addr(&self) -> SocketAddr {
-        self.addr
-    }
 }

@@ -19,12 +19,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use kube::runtime::watcher::Event;
-use serde_json::json;
 use staleguard_core::{Changes, Freshness, IpRecord};
 use staleguard_filter::store::MemoryStore;
 use staleguard_filter::sync::{Poller, Request, SyncConfig};
-use staleguard_tests::bench::{env_usize, median};
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_tests::bench::{env_usize, index_gateway, median};
 use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::shared::SharedIndex;
@@ -152,23 +150,11 @@ fn main() -> Result<()> {
         let (addr, _admin) = api::spawn(shared.clone(), &config).await?;
         Ok::<_, anyhow::Error>(addr)
     })?;
-    let host = "127.0.1.250:9".parse()?;
-    let plugin = shipped_plugin(json!({}));
-    let gateway = Gateway {
-        concurrency: 1,
-        validator,
-        replicas: vec![],
-        clusters: vec![Cluster::new(
-            "outbound|80||svc-0.bench.svc.cluster.local",
-            host,
-            Some(plugin),
-        )],
-        dynamic: vec![],
-    };
+    let gateway = index_gateway(validator);
     let mut v8_snapshot = Vec::new();
     let mut v8_delta = Vec::new();
     for round in 0..rounds {
-        let Some(mut envoy) = gateway.start()? else {
+        let Some(envoy) = gateway.start()? else {
             bail!(
                 "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`"
             );
@@ -199,7 +185,7 @@ fn main() -> Result<()> {
                 ));
             }
         }
-        envoy.stop();
+        drop(envoy);
     }
     let v8_snapshot = median(&mut v8_snapshot);
     let v8_delta = median(&mut v8_delta);

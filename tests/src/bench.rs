@@ -57,17 +57,14 @@ pub fn synthetic_index(services: usize, pods: usize) -> (Vec<ServiceKey>, Vec<Ip
 /// validator at `validator`: what the memory and reset examples load an
 /// index into. Its one endpoint, 127.0.1.250:9, is never sent traffic.
 pub fn index_gateway(validator: SocketAddr) -> Gateway {
-    Gateway {
-        concurrency: 1,
+    Gateway::new(
         validator,
-        replicas: vec![],
-        clusters: vec![Cluster::new(
+        vec![Cluster::new(
             "outbound|80||svc-0.bench.svc.cluster.local",
             SocketAddr::from(([127, 0, 1, 250], 9)),
             Some(shipped_plugin(json!({}))),
         )],
-        dynamic: vec![],
-    }
+    )
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
-//! Blocking HTTP/1.1 on hyper, for the synchronous filter tests: the fake
-//! validator, named upstream hosts on loopback addresses, and requests
-//! through Envoy. Each server runs its own tokio runtime on a thread of its
+//! Blocking HTTP/1.1 on hyper, for the synchronous filter tests and Envoy's
+//! admin: the fake validator, named upstream hosts on loopback addresses, and
+//! requests through Envoy. Each server runs its own tokio runtime on a thread of its
 //! own; handlers are blocking closures run off the async workers, so a long
 //! poll or a slow host simply holds a blocking thread. One request per
 //! connection (`connection: close`), as Envoy's upstream pool sees in the
@@ -86,7 +86,17 @@ impl Answer {
     }
 }
 
-type Handler = Arc<dyn Fn(&Request) -> Answer + Send + Sync>;
+/// How a server answers.
+#[derive(Clone)]
+enum Handler {
+    /// A blocking closure, run off the async workers; one request per
+    /// connection.
+    Blocking(Arc<dyn Fn(&Request) -> Answer + Send + Sync>),
+    /// The same answer to every request, on the async workers, connections
+    /// kept open: a benchmark's pod, whose own cost must stay small next to
+    /// the gateway's.
+    Constant(Arc<Answer>),
+}
 
 /// A server that stops (and frees its port) when dropped.
 pub struct Server {
@@ -108,6 +118,29 @@ impl Server {
         bind: SocketAddr,
         handler: impl Fn(&Request) -> Answer + Send + Sync + 'static,
     ) -> Result<Self> {
+        Self::serve(bind, Handler::Blocking(Arc::new(handler)))
+    }
+
+    /// Answers every request on `bind` with `answer` at once, keeping
+    /// connections open (see `Handler::Constant`).
+    pub fn constant(bind: SocketAddr, answer: Answer) -> Result<Self> {
+        Self::serve(bind, Handler::Constant(Arc::new(answer)))
+    }
+
+    fn serve(bind: SocketAddr, handler: Handler) -> Result<Self> {
+        Self::with_connections(bind, move |stream, hits| {
+            serve_connection(stream, handler.clone(), hits)
+        })
+    }
+
+    /// Serves every connection accepted on `bind` with `connection` (given
+    /// the stream and the hit counter to add to), on a runtime of its own:
+    /// for protocols other than HTTP/1.1 (h2c, see [`crate::h2`]).
+    pub fn with_connections<F, Fut>(bind: SocketAddr, connection: F) -> Result<Self>
+    where
+        F: Fn(tokio::net::TcpStream, Arc<AtomicU64>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         let listener = std::net::TcpListener::bind(bind).with_context(|| format!("bind {bind}"))?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
@@ -117,11 +150,10 @@ impl Server {
             .build()?;
         let (stop, stopped) = oneshot::channel();
         let hits = Arc::new(AtomicU64::new(0));
-        let handler: Handler = Arc::new(handler);
         let thread = {
             let hits = hits.clone();
             std::thread::spawn(move || {
-                runtime.block_on(accept(listener, handler, hits, stopped));
+                runtime.block_on(accept(listener, connection, hits, stopped));
                 // Requests still held (long polls) end with the test.
                 runtime.shutdown_background();
             })
@@ -156,12 +188,15 @@ impl Drop for Server {
     }
 }
 
-async fn accept(
+async fn accept<F, Fut>(
     listener: std::net::TcpListener,
-    handler: Handler,
+    connection: F,
     hits: Arc<AtomicU64>,
     mut stopped: oneshot::Receiver<()>,
-) {
+) where
+    F: Fn(tokio::net::TcpStream, Arc<AtomicU64>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
         return;
     };
@@ -173,7 +208,7 @@ async fn accept(
                 Err(_) => continue,
             },
         };
-        tokio::spawn(serve_connection(stream, handler.clone(), hits.clone()));
+        tokio::spawn(connection(stream, hits.clone()));
     }
 }
 
@@ -184,13 +219,17 @@ async fn serve_connection(stream: tokio::net::TcpStream, handler: Handler, hits:
     // the connection is dropped unanswered, rather than answered by hyper.
     let (hangup, hung_up) = tokio::sync::mpsc::unbounded_channel::<()>();
     let mut hung_up = hung_up;
+    let keep_alive = matches!(handler, Handler::Constant(_));
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
         let (handler, hits, hangup) = (handler.clone(), hits.clone(), hangup.clone());
         async move {
             let request = read_request(req).await;
-            let answer = tokio::task::spawn_blocking(move || handler(&request))
-                .await
-                .unwrap_or(Answer::Hangup);
+            let answer = match handler {
+                Handler::Blocking(f) => tokio::task::spawn_blocking(move || f(&request))
+                    .await
+                    .unwrap_or(Answer::Hangup),
+                Handler::Constant(answer) => (*answer).clone(),
+            };
             hits.fetch_add(1, Ordering::SeqCst);
             match answer {
                 Answer::Respond {
@@ -207,7 +246,7 @@ async fn serve_connection(stream: tokio::net::TcpStream, handler: Handler, hits:
         }
     });
     let connection = hyper::server::conn::http1::Builder::new()
-        .keep_alive(false)
+        .keep_alive(keep_alive)
         .serve_connection(TokioIo::new(stream), service);
     tokio::select! {
         _ = connection => {}
@@ -251,7 +290,8 @@ fn response(
         })
 }
 
-fn header_map(headers: &hyper::HeaderMap) -> BTreeMap<String, String> {
+/// Headers as text, by name (the last of repeated ones).
+pub fn header_map(headers: &hyper::HeaderMap) -> BTreeMap<String, String> {
     headers
         .iter()
         .map(|(k, v)| {
@@ -315,12 +355,32 @@ pub fn request(
         None => builder.body(Empty::new().boxed()),
     }
     .with_context(|| format!("{method} {target}"))?;
-    CLIENT.with(|runtime| {
-        let runtime = runtime
-            .as_ref()
-            .map_err(|e| anyhow!("client runtime: {e}"))?;
-        runtime.block_on(exchange(addr, request))
+    off_runtime(|| {
+        CLIENT.with(|runtime| {
+            let runtime = runtime
+                .as_ref()
+                .map_err(|e| anyhow!("client runtime: {e}"))?;
+            runtime.block_on(exchange(addr, request))
+        })
     })
+}
+
+/// Runs the blocking `f` wherever the caller is: on a worker of a
+/// multi-thread tokio runtime it first hands the worker's tasks to another
+/// thread (`block_in_place`), so async tests use the blocking harness while
+/// their servers and load keep running. A current-thread runtime has no
+/// thread to lend: that is an error, not a deadlock.
+pub fn off_runtime<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread => {
+            Err(anyhow!(
+                "a blocking harness call on a current-thread tokio runtime; \
+             use #[tokio::test(flavor = \"multi_thread\")]"
+            ))
+        }
+        Ok(_) => tokio::task::block_in_place(f),
+        Err(_) => f(),
+    }
 }
 
 async fn exchange(
@@ -364,8 +424,13 @@ async fn exchange(
 
 /// An upstream host standing for a pod: answers 200 `host=<name>` on `ip`.
 pub fn named_host(ip: &str, name: &str) -> Result<Server> {
+    named_host_on(ip, 0, name)
+}
+
+/// [`named_host`] on `port` (0: any free one).
+pub fn named_host_on(ip: &str, port: u16, name: &str) -> Result<Server> {
     let name = name.to_owned();
-    let bind: SocketAddr = format!("{ip}:0").parse()?;
+    let bind = SocketAddr::new(ip.parse()?, port);
     Server::start(bind, move |_| Answer::Respond {
         status: 200,
         headers: vec![("x-host".into(), name.clone())],

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use serde_json::json;
 
-use crate::envoy::shipped_plugin;
-use crate::gateway::{GatewaySpec, STAT_FRESH, STAT_REQUESTS_PREFIX};
+use crate::envoy::stats::{STAT_FRESH, STAT_REQUESTS_PREFIX};
+use crate::envoy::Gateway;
 use crate::pods::Tally;
 use crate::scene::{Deps, Expect, Scene};
 use crate::traffic::{Load, Outcomes};
@@ -107,30 +107,13 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
         }
         anyhow::Ok(world)
     };
-    // Retry on, as deploy/ ships it: a rejected request without a body is
-    // replayed to a live pod of its service (docs/filter.md, "Retry").
-    let plugin = shipped_plugin(json!({}));
-    let specs = [
-        GatewaySpec {
-            name: GUARDED.into(),
-            plugin: Some(plugin),
-            concurrency: 1,
-            cluster_extra: json!({}),
-            route_extra: json!({}),
-            detach: true,
-        },
-        GatewaySpec {
-            name: PLAIN.into(),
-            plugin: None,
-            concurrency: 1,
-            cluster_extra: json!({}),
-            route_extra: json!({}),
-            detach: true,
-        },
-    ];
     let start = async {
         let world = setup.await?;
-        Scene::start(deps, world, &["--file-poll", "100ms"], &specs).await
+        // Retry on, as deploy/ ships it: a rejected request without a body is
+        // replayed to a live pod of its service (docs/filter.md, "Retry").
+        let gateways = [world.guarded(GUARDED, json!({})), world.unguarded(PLAIN)]
+            .map(|g| Gateway { detach: true, ..g });
+        Scene::start(deps, world, &["--file-poll", "100ms"], &gateways).await
     };
     // A signal while starting drops the half-built scene, which stops what
     // it had started.
@@ -186,16 +169,16 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
             next_step = 0;
             cycle_start = Instant::now();
         }
-        for gateway in scene.gateways.iter_mut() {
+        for gateway in &scene.gateways {
             gateway.check_alive()?;
         }
         let summary = summarize(&scene, &loads);
-        let verdicts = verdicts(&scene).await;
+        let verdicts = verdicts(&scene);
         ui.draw(&summary, &verdicts, frozen_since);
     }
 
     let summary = summarize(&scene, &loads);
-    let verdicts = verdicts(&scene).await;
+    let verdicts = verdicts(&scene);
     for (_, load) in loads {
         load.stop().await;
     }
@@ -368,11 +351,11 @@ fn add(a: &Outcomes, b: &Outcomes) -> Outcomes {
 }
 
 /// `(reason, action, count)` from the guarded gateway's filter counters.
-async fn verdicts(scene: &Scene) -> Vec<(String, String, u64)> {
+fn verdicts(scene: &Scene) -> Vec<(String, String, u64)> {
     let Ok(gateway) = scene.gateway(GUARDED) else {
         return Vec::new();
     };
-    let Ok(stats) = gateway.stats(&scene.http).await else {
+    let Ok(stats) = gateway.stats() else {
         return Vec::new();
     };
     let mut out = Vec::new();
@@ -423,7 +406,7 @@ fn urls(scene: &Scene) -> Result<Vec<(String, String)>> {
 }
 
 /// SIGINT, SIGTERM and SIGHUP, caught from the start: the demo's children run
-/// in their own process group (see [`GatewaySpec::detach`]), so the demo must
+/// in their own process group (see [`Gateway::detach`]), so the demo must
 /// never die of a signal without stopping them, not even while it starts.
 #[derive(Debug)]
 struct Interrupt {

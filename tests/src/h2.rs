@@ -1,7 +1,7 @@
 //! HTTP/2 without TLS (h2c, prior knowledge) on loopback: backends that speak
 //! only HTTP/2, as Istio's h2 and gRPC ports expect, and a client for them.
 //!
-//! An [`H2Backend`] refuses HTTP/1.1 (a request over HTTP/1.1 gets no answer,
+//! A [`backend`] refuses HTTP/1.1 (a request over HTTP/1.1 gets no answer,
 //! as from a real h2-only server), counts what reached it and answers with its
 //! name in `x-host`; in gRPC mode it answers like a unary gRPC method: a
 //! length-prefixed message and `grpc-status: 0` in the trailers. [`request`]
@@ -22,6 +22,8 @@ use hyper::body::{Bytes, Frame, Incoming};
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+use crate::blocking::{header_map, Server};
+
 /// What a backend answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -31,66 +33,22 @@ pub enum Kind {
     Grpc,
 }
 
-/// An h2c-only server on `ip`, on a runtime of its own.
-#[derive(Debug)]
-pub struct H2Backend {
-    addr: SocketAddr,
-    hits: Arc<AtomicU64>,
-    runtime: Option<tokio::runtime::Runtime>,
-}
-
-impl H2Backend {
-    /// Starts a backend named `name` on `ip` (any free port).
-    pub fn start(ip: &str, name: &str, kind: Kind) -> Result<Self> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()?;
-        let listener = runtime.block_on(tokio::net::TcpListener::bind((ip, 0)))?;
-        let addr = listener.local_addr()?;
-        let hits = Arc::new(AtomicU64::new(0));
-        let name: Arc<str> = name.into();
-        let counter = hits.clone();
-        runtime.spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                let name = name.clone();
-                let counter = counter.clone();
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let name = name.clone();
-                        let counter = counter.clone();
-                        async move { Ok::<_, Infallible>(answer(req, &name, kind, &counter).await) }
-                    });
-                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
+/// Starts an h2c-only backend named `name` on `ip` (any free port): a
+/// [`Server`] that speaks only HTTP/2.
+pub fn backend(ip: &str, name: &str, kind: Kind) -> Result<Server> {
+    let name: Arc<str> = name.into();
+    Server::with_connections(SocketAddr::new(ip.parse()?, 0), move |stream, hits| {
+        let name = name.clone();
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let (name, hits) = (name.clone(), hits.clone());
+            async move { Ok::<_, Infallible>(answer(req, &name, kind, &hits).await) }
         });
-        Ok(Self {
-            addr,
-            hits,
-            runtime: Some(runtime),
-        })
-    }
-
-    /// Where it listens.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Requests that reached it.
-    pub fn hits(&self) -> u64 {
-        self.hits.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for H2Backend {
-    fn drop(&mut self) {
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_background();
+        async move {
+            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
         }
-    }
+    })
 }
 
 /// A body of fixed frames: data, then trailers.
@@ -202,18 +160,6 @@ impl H2Response {
     }
 }
 
-fn to_map(headers: &hyper::HeaderMap) -> BTreeMap<String, String> {
-    headers
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.as_str().to_owned(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            )
-        })
-        .collect()
-}
-
 /// Sends one request over h2c (prior knowledge) to `addr`: a GET, or with
 /// `kind` [`Kind::Grpc`] a unary gRPC call (POST, `application/grpc`, one
 /// message). `authority` becomes `:authority`, which the gateway routes by.
@@ -247,9 +193,9 @@ async fn send(addr: SocketAddr, authority: &str, path: &str, kind: Kind) -> Resu
     };
     let response = sender.send_request(req).await.context("h2 request")?;
     let status = response.status().as_u16();
-    let headers = to_map(response.headers());
+    let headers = header_map(response.headers());
     let collected = response.into_body().collect().await.context("h2 body")?;
-    let trailers = collected.trailers().map(to_map).unwrap_or_default();
+    let trailers = collected.trailers().map(header_map).unwrap_or_default();
     Ok(H2Response {
         status,
         headers,

@@ -5,6 +5,10 @@
 //! `CI=true`, a missing one fails instead of skipping) and how a child process
 //! is killed when the test ends, however it ends.
 //!
+//! [`envoy`] is the one Envoy harness: a gateway described once
+//! ([`envoy::Gateway`]), run ([`envoy::Envoy`]), its metrics read and waited
+//! for, by the filter tests, the scenes, the Istio tests and the benchmarks.
+//!
 //! The end-to-end scenarios play a stuck control plane with a simulated
 //! cluster: [`world`] keeps the truth and writes it for the validator and, late
 //! or never, for Envoy ([`eds`]); [`pods`] are servers on loopback addresses
@@ -26,7 +30,6 @@ pub mod demo;
 pub mod eds;
 pub mod envoy;
 pub mod fake_validator;
-pub mod gateway;
 pub mod h2;
 pub mod istio;
 pub mod kube_source;

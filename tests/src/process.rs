@@ -4,6 +4,7 @@ use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -37,7 +38,9 @@ pub fn require(var: &str, what: &str, hint: &str) -> Option<PathBuf> {
 #[derive(Debug)]
 pub struct Guard {
     name: String,
-    child: Option<Child>,
+    /// Behind a lock so that [`Guard::check_alive`] (which reaps an exited
+    /// child) works through a shared reference.
+    child: Mutex<Option<Child>>,
     log: PathBuf,
 }
 
@@ -60,14 +63,18 @@ impl Guard {
             .with_context(|| format!("spawn {name}: {cmd:?}"))?;
         Ok(Self {
             name: name.to_owned(),
-            child: Some(child),
+            child: Mutex::new(Some(child)),
             log,
         })
     }
 
     /// The process id.
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
+        self.child
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map_or(0, Child::id)
     }
 
     /// What the process has written so far.
@@ -80,8 +87,9 @@ impl Guard {
     }
 
     /// Fails with the process's output if it has exited.
-    pub fn check_alive(&mut self) -> Result<()> {
-        if let Some(child) = self.child.as_mut() {
+    pub fn check_alive(&self) -> Result<()> {
+        let mut child = self.child.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(child) = child.as_mut() {
             if let Some(status) = child.try_wait()? {
                 bail!("{} exited with {status}:\n{}", self.name, self.output());
             }
@@ -91,7 +99,8 @@ impl Guard {
 
     /// Kills the process and waits for it.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
+        let child = self.child.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Some(mut child) = child.take() {
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -106,7 +115,7 @@ impl Drop for Guard {
 
 /// Waits until something accepts TCP connections on `addr`, failing with the
 /// guard's output if the process dies first.
-pub fn wait_for_port(guard: &mut Guard, addr: SocketAddr, timeout: Duration) -> Result<()> {
+pub fn wait_for_port(guard: &Guard, addr: SocketAddr, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         guard.check_alive()?;

@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 
-use crate::envoy::dependencies;
-use crate::gateway::{cluster_name, Gateway, GatewaySpec, STAT_GENERATION, STAT_RESETS};
+use crate::envoy::stats::{STAT_FRESH, STAT_GENERATION, STAT_RESETS};
+use crate::envoy::{dependencies, Envoy, Gateway};
 use crate::traffic::Http;
 use crate::validator::{self, Source, Validator};
-use crate::world::World;
+use crate::world::{cluster_name, World};
 
 /// How long a sync may take before the test fails.
 pub const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
@@ -59,18 +59,20 @@ pub struct Scene {
     /// The validator.
     pub validator: Validator,
     /// The gateways, in the order given.
-    pub gateways: Vec<Gateway>,
+    pub gateways: Vec<Envoy>,
 }
 
 impl Scene {
     /// Publishes the world, starts the validator (with `validator_args`) and
-    /// the gateways, and waits until all have the initial state. The
+    /// the gateways (built with [`World::gateway`]; the scene points them at
+    /// its validator), and waits until all have the initial state: every
+    /// cluster its EDS endpoints and, when guarded, the filter synced. The
     /// validator is detached when any gateway is.
     pub async fn start(
         deps: &Deps,
         world: World,
         validator_args: &[&str],
-        specs: &[GatewaySpec],
+        specs: &[Gateway],
     ) -> Result<Self> {
         let truth = Source::File(world.truth_path().to_owned());
         Self::start_on(deps, world, truth, validator_args, specs).await
@@ -83,7 +85,7 @@ impl Scene {
         mut world: World,
         source: Source,
         validator_args: &[&str],
-        specs: &[GatewaySpec],
+        specs: &[Gateway],
     ) -> Result<Self> {
         let http = Http::new();
         world.publish()?;
@@ -92,21 +94,29 @@ impl Scene {
             Validator::start_on(&http, &deps.validator, source, validator_args, detach).await?;
         let mut gateways = Vec::new();
         for spec in specs {
-            gateways.push(
-                spec.start(&http, &world, &deps.envoy, &deps.wasm, validator.listen)
-                    .await?,
-            );
+            let spec = Gateway {
+                validators: vec![validator.listen],
+                ..spec.clone()
+            };
+            gateways.push(spec.run(&deps.envoy, &deps.wasm, |_| Ok(()))?);
         }
-        Ok(Self {
+        let scene = Self {
             http,
             world,
             validator,
             gateways,
-        })
+        };
+        scene.wait_gateways_have_eds()?;
+        for gateway in scene.gateways.iter().filter(|g| g.guarded) {
+            gateway.wait_stats("filter synced (index_fresh = 1)", SYNC_TIMEOUT, |s| {
+                s.get(STAT_FRESH).copied() == Some(1)
+            })?;
+        }
+        Ok(scene)
     }
 
     /// The gateway named `name`.
-    pub fn gateway(&self, name: &str) -> Result<&Gateway> {
+    pub fn gateway(&self, name: &str) -> Result<&Envoy> {
         match self.gateways.iter().find(|g| g.name == name) {
             Some(g) => Ok(g),
             None => bail!("no gateway {name}"),
@@ -135,7 +145,7 @@ impl Scene {
         // plane's push): a new pod is never routed to before the filter knows it.
         self.world.publish_eds()?;
         if !self.world.eds_frozen() {
-            self.wait_gateways_have_eds().await?;
+            self.wait_gateways_have_eds()?;
         }
         self.world.settle();
         Ok(())
@@ -143,16 +153,14 @@ impl Scene {
 
     /// Waits until every gateway's clusters have as many endpoints as the
     /// world's services have pods (after an EDS write).
-    pub async fn wait_gateways_have_eds(&self) -> Result<()> {
+    pub fn wait_gateways_have_eds(&self) -> Result<()> {
         for gateway in &self.gateways {
             for service in self.world.services() {
                 let want = self.world.pods_of(service).len() as u64;
                 let stat = format!("cluster.{}.membership_total", cluster_name(service));
-                gateway
-                    .wait_stat(&self.http, &format!("{stat} = {want}"), SYNC_TIMEOUT, |s| {
-                        s.get(&stat).copied() == Some(want)
-                    })
-                    .await?;
+                gateway.wait_stats(&format!("{stat} = {want}"), SYNC_TIMEOUT, |s| {
+                    s.get(&stat).copied() == Some(want)
+                })?;
             }
         }
         Ok(())
@@ -163,14 +171,11 @@ impl Scene {
     pub async fn wait_filters_caught_up(&self) -> Result<()> {
         let (_, generation) = self.validator.generation(&self.http).await?;
         for gateway in self.gateways.iter().filter(|g| g.guarded) {
-            gateway
-                .wait_stat(
-                    &self.http,
-                    &format!("{STAT_GENERATION} >= {generation}"),
-                    SYNC_TIMEOUT,
-                    |s| s.get(STAT_GENERATION).copied().unwrap_or(0) >= generation,
-                )
-                .await?;
+            gateway.wait_stats(
+                &format!("{STAT_GENERATION} >= {generation}"),
+                SYNC_TIMEOUT,
+                |s| s.get(STAT_GENERATION).copied().unwrap_or(0) >= generation,
+            )?;
         }
         Ok(())
     }
@@ -180,19 +185,13 @@ impl Scene {
     pub async fn restart_validator(&mut self) -> Result<()> {
         let mut resets = Vec::new();
         for gateway in self.gateways.iter().filter(|g| g.guarded) {
-            let stats = gateway.stats(&self.http).await?;
-            resets.push(stats.get(STAT_RESETS).copied().unwrap_or(0));
+            resets.push(gateway.stat(STAT_RESETS)?);
         }
         self.validator.restart(&self.http).await?;
         for (gateway, before) in self.gateways.iter().filter(|g| g.guarded).zip(resets) {
-            gateway
-                .wait_stat(
-                    &self.http,
-                    &format!("{STAT_RESETS} > {before}"),
-                    SYNC_TIMEOUT,
-                    |s| s.get(STAT_RESETS).copied().unwrap_or(0) > before,
-                )
-                .await?;
+            gateway.eventually(&format!("{STAT_RESETS} > {before}"), SYNC_TIMEOUT, |g| {
+                Ok(g.stat(STAT_RESETS)? > before)
+            })?;
         }
         self.wait_filters_caught_up().await
     }

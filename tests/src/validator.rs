@@ -50,7 +50,7 @@ pub struct Validator {
 impl Validator {
     /// Starts the validator on `file` (with `extra` flags) and waits until it
     /// is ready. `detach` runs it in its own process group (see
-    /// [`crate::gateway::GatewaySpec::detach`]).
+    /// [`crate::envoy::Gateway::detach`]).
     pub async fn start(
         http: &Http,
         binary: &Path,
@@ -101,7 +101,7 @@ impl Validator {
             .args(&self.extra)
             .env("RUST_LOG", "info");
         if self.detach {
-            crate::gateway::detach(&mut cmd);
+            crate::envoy::detach(&mut cmd);
         }
         self.guard = Some(Guard::spawn("validator", cmd)?);
         self.wait_ready(http, Duration::from_secs(30)).await

@@ -28,10 +28,17 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::eds::EdsFile;
-use crate::pods::{merge, Occupant, PodServer, Tallies};
+use crate::envoy::{Cluster, Gateway, VirtualHost};
+use crate::pods::{merge, Occupant, PodServer, Tallies, INTENDED_HEADER, VIA_HEADER};
 
 /// The namespace every simulated service lives in.
 pub const NAMESPACE: &str = "shop";
+
+/// The Envoy cluster name of a service (Istio's outbound form), so the filter
+/// maps clusters to services the way it does under Istio.
+pub fn cluster_name(service: &str) -> String {
+    format!("outbound|80||{service}.{NAMESPACE}.svc.cluster.local")
+}
 
 /// A simulated pod, as the truth knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,6 +126,47 @@ impl World {
     /// The EDS file of a service.
     pub fn eds(&self, service: &str) -> Result<&EdsFile> {
         Ok(&self.service(service)?.eds)
+    }
+
+    /// A gateway named `name` as the incident had it: one EDS cluster per
+    /// service on the world's EDS files (gateways built from one world see the
+    /// same, possibly stale, control plane), guarded by `plugin` if given. A
+    /// request picks its service with the `host` header; the route tags it
+    /// with the service it means (`x-sg-intended`) and the gateway's name
+    /// (`x-sg-via`), which lets the pods classify what reaches them (see
+    /// [`crate::pods`]). Its validator is set by the scene that starts it.
+    pub fn gateway(&self, name: &str, plugin: Option<Value>) -> Gateway {
+        let clusters = self
+            .services
+            .iter()
+            .map(|(service, s)| Cluster {
+                vhost: Some(VirtualHost {
+                    domains: vec![service.clone(), format!("{service}:*")],
+                    headers: vec![
+                        (INTENDED_HEADER.into(), Self::key(service)),
+                        (VIA_HEADER.into(), name.into()),
+                    ],
+                }),
+                ..Cluster::eds(&cluster_name(service), &s.eds, plugin.clone())
+            })
+            .collect();
+        Gateway {
+            name: name.into(),
+            clusters,
+            ..Gateway::default()
+        }
+    }
+
+    /// [`World::gateway`] running the filter with the shipped plugin
+    /// configuration plus `extra` fields (a test that turns a knob names it
+    /// in its title).
+    pub fn guarded(&self, name: &str, extra: Value) -> Gateway {
+        self.gateway(name, Some(crate::envoy::shipped_plugin(extra)))
+    }
+
+    /// [`World::gateway`] without the filter.
+    pub fn unguarded(&self, name: &str) -> Gateway {
+        self.gateway(name, None)
     }
 
     /// The services, by name.

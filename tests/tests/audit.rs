@@ -6,16 +6,14 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 use staleguard_tests::audit::{self, AuditRun, Broken};
 use staleguard_tests::eds::EdsFile;
-use staleguard_tests::envoy::{
-    gateway_listener, shipped_plugin, stats_tags, upstream_filter_options,
-};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway, WAIT};
 use staleguard_tests::process::{free_port, wait_for_port, Guard};
 use staleguard_tests::scene::{self, Deps};
 use staleguard_tests::traffic::Http;
@@ -72,26 +70,6 @@ fn truth(with_doomed: bool) -> Value {
     json!({"apiVersion": "v1", "kind": "List", "items": items})
 }
 
-fn eds_cluster(name: &str, eds: &EdsFile, wasm: Option<(&Path, &Value)>) -> Value {
-    let mut cluster = json!({
-        "name": name, "type": "EDS", "connect_timeout": "1s",
-        "eds_cluster_config": {"service_name": eds.resource(), "eds_config": {
-            "resource_api_version": "V3",
-            "path_config_source": {"path": eds.path().display().to_string()}}}
-    });
-    if let Some((wasm, plugin)) = wasm {
-        cluster["typed_extension_protocol_options"] = upstream_filter_options(wasm, plugin);
-    }
-    cluster
-}
-
-fn static_cluster(name: &str, addr: SocketAddr) -> Value {
-    json!({"name": name, "type": "STATIC", "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {
-                "address": addr.ip().to_string(), "port_value": addr.port()}}}}]}]}})
-}
-
 /// A validator on the truth, and an Envoy whose stuck EDS still lists the
 /// pods of before.
 struct Setup {
@@ -99,7 +77,7 @@ struct Setup {
     dir: PathBuf,
     deps: Deps,
     validator: Validator,
-    _envoy: Guard,
+    _envoy: Envoy,
     admin: SocketAddr,
 }
 
@@ -151,73 +129,38 @@ impl Setup {
         let port = 8080;
         let addr = |ip: &str| SocketAddr::new(ip.parse().unwrap(), port);
         let mut cart_eds = EdsFile::new(dir.join("eds-cart.json"), "cart");
-        cart_eds
-            .write(&[MEMBER, TERMINATING, RECYCLED, HOST_NETWORK, DESTROYED].map(addr))
-            .unwrap();
+        cart_eds.write(&CART_IPS.map(addr)).unwrap();
         let mut pay_eds = EdsFile::new(dir.join("eds-pay.json"), "pay");
         pay_eds.write(&[addr(RECYCLED)]).unwrap();
 
         let plugin = shipped_plugin(json!({
             "clusters": [{"name": CART_PLAIN, "service": "shop/cart"}]
         }));
-        let guarded = Some((deps.wasm.as_path(), &plugin));
-        let listener: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
-            .parse()
+        // The shipped plugin (retry on, so each guarded cluster has its twin,
+        // as deploy/ ships it), with a plain-Envoy name mapped to shop/cart.
+        let guarded = || Some(plugin.clone());
+        let gateway = Gateway {
+            name: "audit".into(),
+            ..Gateway::new(
+                validator.listen,
+                vec![
+                    Cluster::eds(CART, &cart_eds, guarded()),
+                    Cluster::eds(CART_PLAIN, &cart_eds, guarded()),
+                    Cluster::eds(PAY, &pay_eds, guarded()),
+                    Cluster::new(LEGACY, addr(UNMAPPED), None),
+                ],
+            )
+        };
+        let envoy = gateway.run(&deps.envoy, &deps.wasm, |_| Ok(())).unwrap();
+        let membership = |c: &str| format!("cluster.{c}.membership_total");
+        envoy
+            .wait_stats("every EDS cluster has its endpoints", WAIT, |s| {
+                [(CART, 5), (CART_PLAIN, 5), (PAY, 1)]
+                    .iter()
+                    .all(|(c, n)| s.get(&membership(c)) == Some(n))
+            })
             .unwrap();
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
-            .parse()
-            .unwrap();
-        let bootstrap = json!({
-            "node": {"id": "staleguard-audit", "cluster": "staleguard-gateway"},
-            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
-            "stats_config": {"stats_tags": stats_tags()},
-            "static_resources": {
-                "listeners": [gateway_listener(listener.port(), json!([{"name": "all", "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": CART}}]}]))],
-                "clusters": [
-                    eds_cluster(CART, &cart_eds, guarded),
-                    eds_cluster(CART_PLAIN, &cart_eds, guarded),
-                    eds_cluster(PAY, &pay_eds, guarded),
-                    static_cluster(LEGACY, addr(UNMAPPED)),
-                    static_cluster("staleguard-validator", validator.listen),
-                ]
-            }
-        });
-        let config = dir.join("envoy.json");
-        std::fs::write(&config, serde_json::to_vec_pretty(&bootstrap).unwrap()).unwrap();
-        let mut cmd = Command::new(&deps.envoy);
-        cmd.arg("-c")
-            .arg(&config)
-            .args([
-                "--concurrency",
-                "1",
-                "--disable-hot-restart",
-                "-l",
-                "warning",
-            ])
-            .args(["--base-id", &free_port().unwrap().to_string()]);
-        let mut envoy = Guard::spawn("envoy-audit", cmd).unwrap();
-        wait_for_port(&mut envoy, listener, Duration::from_secs(60)).unwrap();
-        // Until every EDS cluster has its endpoints.
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let stats = http
-                .get(&format!("http://{admin}/stats?filter=membership_total"))
-                .await
-                .map(|r| r.text())
-                .unwrap_or_default();
-            let has =
-                |c: &str, n: u32| stats.contains(&format!("cluster.{c}.membership_total: {n}"));
-            if has(CART, 5) && has(CART_PLAIN, 5) && has(PAY, 1) {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "EDS not loaded:\n{stats}\n{}",
-                envoy.output()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let admin = envoy.admin;
         Some(Self {
             _one_at_a_time: guard,
             dir,
@@ -253,6 +196,14 @@ fn rows(report: &Value) -> BTreeSet<(String, String, String)> {
     out
 }
 
+/// The endpoints cart's frozen EDS still lists.
+const CART_IPS: [&str; 5] = [MEMBER, TERMINATING, RECYCLED, HOST_NETWORK, DESTROYED];
+
+/// The retry twin of a guarded cluster, as the shipped plugin names it.
+fn twin(cluster: &str) -> String {
+    format!("{cluster}|staleguard-twin")
+}
+
 fn expected(validator: SocketAddr) -> BTreeSet<(String, String, String)> {
     let mut out = BTreeSet::new();
     for cluster in [CART, CART_PLAIN] {
@@ -267,6 +218,18 @@ fn expected(validator: SocketAddr) -> BTreeSet<(String, String, String)> {
         }
     }
     out.insert((PAY.into(), format!("{RECYCLED}:8080"), "member".into()));
+    // Each guarded cluster's retry twin holds its endpoints again; the filter
+    // in its twin role checks picks, not the index, so the audit does not
+    // judge them either.
+    for (cluster, ips) in [
+        (CART, &CART_IPS[..]),
+        (CART_PLAIN, &CART_IPS[..]),
+        (PAY, &[RECYCLED][..]),
+    ] {
+        for ip in ips {
+            out.insert((twin(cluster), format!("{ip}:8080"), "unmapped".into()));
+        }
+    }
     out.insert((LEGACY.into(), format!("{UNMAPPED}:8080"), "unmapped".into()));
     out.insert((
         "staleguard-validator".into(),
@@ -346,7 +309,7 @@ async fn the_audit_of_a_live_gateway_names_every_stale_endpoint_and_exits_1() {
         "RECYCLED",
         &format!("{CART} (shop/cart): 5 endpoints: 1 destroyed, 1 host_network, 1 member, 1 recycled, 1 terminating -> 2 STALE"),
         &format!("{LEGACY} (no service): 1 endpoints: 1 unmapped"),
-        "4 stale endpoint(s) in 2 of 5 cluster(s), 13 endpoint(s) checked",
+        "4 stale endpoint(s) in 2 of 8 cluster(s), 24 endpoint(s) checked",
     ] {
         assert!(run.stdout.contains(needle), "missing {needle:?}:\n{}", run.stdout);
     }
@@ -492,8 +455,8 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
         .args(["--validator", &setup.validator_url()])
         .args(["--gateway", "gw-b", "--every", "1s"])
         .args(["--metrics-listen", &listen.to_string()]);
-    let mut sidecar = Guard::spawn("audit-sidecar", cmd).unwrap();
-    wait_for_port(&mut sidecar, listen, Duration::from_secs(30)).unwrap();
+    let sidecar = Guard::spawn("audit-sidecar", cmd).unwrap();
+    wait_for_port(&sidecar, listen, Duration::from_secs(30)).unwrap();
     let http = Http::new();
     let metrics = |want: Vec<String>| {
         let http = http.clone();
@@ -526,7 +489,7 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
         stale(CART, "recycled"),
         stale(CART_PLAIN, "destroyed"),
         stale(CART_PLAIN, "recycled"),
-        "staleguard_validator_audit_endpoints{gateway=\"gw-b\",reason=\"unmapped\"} 2\n".into(),
+        "staleguard_validator_audit_endpoints{gateway=\"gw-b\",reason=\"unmapped\"} 13\n".into(),
         "staleguard_validator_audit_runs_total{gateway=\"gw-b\",outcome=\"stale\"}".into(),
         "staleguard_validator_audit_last_success_timestamp_seconds{gateway=\"gw-b\"}".into(),
     ])

@@ -5,17 +5,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
-use std::process::Command;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 use staleguard_tests::audit;
-use staleguard_tests::envoy::dependencies;
+use staleguard_tests::envoy::{dependencies, Envoy, Launch};
 use staleguard_tests::istio::{
     apply_envoyfilter, gateway_output, runnable, set_module, shipped_envoyfilter,
     shipped_stats_tags, Protocol, Service,
 };
-use staleguard_tests::process::{free_port, wait_for_port, Guard};
+use staleguard_tests::process::free_port;
 use staleguard_tests::traffic::Http;
 use staleguard_tests::validator::{self, Validator};
 
@@ -94,22 +92,13 @@ async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() 
         &shipped_stats_tags().unwrap(),
     )
     .unwrap();
-    let path = dir.join("envoy.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
-    let mut cmd = Command::new(envoy);
-    cmd.arg("-c")
-        .arg(&path)
-        .args([
-            "--concurrency",
-            "1",
-            "--disable-hot-restart",
-            "-l",
-            "warning",
-        ])
-        .args(["--base-id", &free_port().unwrap().to_string()])
-        .env("STALEGUARD_TOKEN", TOKEN);
-    let mut gateway = Guard::spawn("envoy-istio-audit", cmd).unwrap();
-    wait_for_port(&mut gateway, listener, Duration::from_secs(60)).unwrap();
+    let launch = Launch {
+        name: "istio-audit".into(),
+        concurrency: 1,
+        env: vec![("STALEGUARD_TOKEN".into(), TOKEN.into())],
+        detach: false,
+    };
+    let gateway = Envoy::spawn(&envoy, &config, &launch).unwrap();
 
     let args: Vec<String> = [
         "--admin",

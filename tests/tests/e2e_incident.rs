@@ -10,9 +10,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use serde_json::json;
-use staleguard_tests::gateway::{
-    prometheus_value, requests_total, Gateway, GatewaySpec, PROM_REQUESTS, STAT_GUARD_HELD,
-};
+use staleguard_tests::envoy::stats::{prometheus_value, PROM_REQUESTS, STAT_GUARD_HELD};
 use staleguard_tests::pods::{self, Tally};
 use staleguard_tests::scene::{self, Expect, Scene};
 use staleguard_tests::traffic::{burst, Load, Outcomes};
@@ -25,11 +23,6 @@ fn landed(scene: &Scene, ips: &[IpAddr], via: &str) -> Tally {
     pods::via(&scene.world.tallies_at(ips), via)
 }
 
-async fn counter(scene: &Scene, gateway: &Gateway, reason: &str, action: &str) -> u64 {
-    let stats = gateway.stats(&scene.http).await.unwrap();
-    requests_total(&stats, reason, action)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_guard_with_on_reject_reject(
 ) {
@@ -39,9 +32,9 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
     let specs = [
         // Rejections, not replays: this test counts 503s against verdicts
         // (retry, the shipped default, is tested in filter_retry and e2e_demo).
-        GatewaySpec::guarded("guarded", json!({"on_reject": "reject"})),
-        GatewaySpec::guarded("audit", json!({"mode": "audit"})),
-        GatewaySpec::unguarded("plain"),
+        world.guarded("guarded", json!({"on_reject": "reject"})),
+        world.guarded("audit", json!({"mode": "audit"})),
+        world.unguarded("plain"),
     ];
     let mut scene = Scene::start(&deps, world, &["--file-poll", "100ms"], &specs)
         .await
@@ -76,7 +69,7 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
     // 92% of the service gone at once, each deletion with its tombstone: the
     // blast-radius guard let it through without holding anything.
     for g in scene.gateways.iter().filter(|g| g.guarded) {
-        let stats = g.stats(&scene.http).await.unwrap();
+        let stats = g.stats().unwrap();
         assert_eq!(
             stats.get(STAT_GUARD_HELD).copied().unwrap_or(0),
             0,
@@ -98,9 +91,7 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
     // request of phase 1 is counted.
     let answered = |o: &Outcomes| o.total() - o.errors;
     for g in scene.gateways.iter().filter(|g| g.guarded) {
-        g.wait_counted(&scene.http, answered(&during[&g.name]))
-            .await
-            .unwrap();
+        g.wait_counted(answered(&during[&g.name])).unwrap();
     }
     let mut before = std::collections::BTreeMap::new();
     for g in &scene.gateways {
@@ -110,7 +101,7 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
             ("destroyed", "audit"),
             ("member", "allow"),
         ] {
-            counters.push(counter(&scene, g, reason, action).await);
+            counters.push(g.requests(reason, action).unwrap());
         }
         before.insert(g.name.clone(), (counters, landed(&scene, &gone, &g.name)));
     }
@@ -164,18 +155,18 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
     // Metrics match what landed, over the bounded burst.
     for g in scene.gateways.iter().filter(|g| g.guarded) {
         let sent = answered(&during[&g.name]) + answered(&burst_out[&g.name]);
-        g.wait_counted(&scene.http, sent).await.unwrap();
+        g.wait_counted(sent).unwrap();
     }
     let guarded_gw = scene.gateway("guarded").unwrap();
     let audit_gw = scene.gateway("audit").unwrap();
     let delta = |name: &str, i: usize, now: u64| now - before[name].0[i];
-    let rejected_now = counter(&scene, guarded_gw, "destroyed", "reject").await;
+    let rejected_now = guarded_gw.requests("destroyed", "reject").unwrap();
     assert_eq!(
         delta("guarded", 0, rejected_now),
         burst_out["guarded"].rejected_for("destroyed"),
         "guarded: destroyed/reject counter vs 503s the clients saw"
     );
-    let member_now = counter(&scene, guarded_gw, "member", "allow").await;
+    let member_now = guarded_gw.requests("member", "allow").unwrap();
     assert_eq!(
         delta("guarded", 2, member_now),
         burst_out["guarded"].right,
@@ -188,7 +179,7 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
         "guarded: member/allow counter vs requests counted at the pods"
     );
     assert_eq!(served.total(), served.right, "{served:?}");
-    let audited_now = counter(&scene, audit_gw, "destroyed", "audit").await;
+    let audited_now = audit_gw.requests("destroyed", "audit").unwrap();
     let audit_dead_in_burst = audit.dead - before["audit"].1.dead;
     assert_eq!(
         delta("audit", 1, audited_now),
@@ -196,10 +187,10 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
         "audit: destroyed/audit counter vs requests that reached a destroyed pod's address"
     );
     assert_eq!(audit_dead_in_burst, burst_out["audit"].dead);
-    assert_eq!(counter(&scene, audit_gw, "destroyed", "reject").await, 0);
+    assert_eq!(audit_gw.requests("destroyed", "reject").unwrap(), 0);
 
     // /stats/prometheus carries the same numbers, with labels.
-    let prom = guarded_gw.prometheus(&scene.http).await.unwrap();
+    let prom = guarded_gw.prometheus().unwrap();
     assert_eq!(
         prometheus_value(
             &prom,
@@ -212,7 +203,7 @@ async fn scale_down_behind_a_frozen_eds_reaches_no_destroyed_pod_through_the_gua
         Some(rejected_now),
         "{prom}"
     );
-    let prom = audit_gw.prometheus(&scene.http).await.unwrap();
+    let prom = audit_gw.prometheus().unwrap();
     assert_eq!(
         prometheus_value(
             &prom,

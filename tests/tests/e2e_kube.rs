@@ -9,7 +9,6 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams};
 use serde_json::json;
 use staleguard_tests::apiserver::{ApiServer, Cluster, SliceEndpoint};
-use staleguard_tests::gateway::GatewaySpec;
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{self, Expect, Scene};
 use staleguard_tests::traffic::burst;
@@ -77,8 +76,8 @@ async fn through_the_kube_source_destroyed_and_recycled_ips_are_never_reached_wi
     let specs = [
         // Rejections, not replays: this test counts 503s by reason (retry,
         // the shipped default, is tested in filter_retry and e2e_demo).
-        GatewaySpec::guarded("guarded", json!({"on_reject": "reject"})),
-        GatewaySpec::unguarded("plain"),
+        world.guarded("guarded", json!({"on_reject": "reject"})),
+        world.unguarded("plain"),
     ];
     let kube = Source::Kube(api.kubeconfig());
     let mut scene = Scene::start_on(&deps, world, kube, &[], &specs)

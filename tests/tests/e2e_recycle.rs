@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use serde_json::json;
-use staleguard_tests::gateway::{requests_total, GatewaySpec, STAT_GUARD_HELD};
+use staleguard_tests::envoy::stats::{requests_total, STAT_GUARD_HELD};
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{self, Expect, Scene, SYNC_TIMEOUT};
 use staleguard_tests::traffic::burst;
@@ -18,8 +18,8 @@ async fn an_ip_recycled_to_another_service_is_never_reached_through_the_stale_cl
     world.add_service("billing", 2).await.unwrap();
     let specs = [
         // Rejections, not replays (retry is tested in filter_retry).
-        GatewaySpec::guarded("guarded", json!({"on_reject": "reject"})),
-        GatewaySpec::unguarded("plain"),
+        world.guarded("guarded", json!({"on_reject": "reject"})),
+        world.unguarded("plain"),
     ];
     let mut scene = Scene::start(&deps, world, &["--file-poll", "100ms"], &specs)
         .await
@@ -69,12 +69,11 @@ async fn an_ip_recycled_to_another_service_is_never_reached_through_the_stale_cl
     assert!(lp.wrong_service > 0, "{lp:?}");
     assert_eq!(p.wrong_service, lp.wrong_service);
     guarded
-        .wait_stat(&scene.http, "the rejections counted", SYNC_TIMEOUT, |s| {
+        .wait_stats("the rejections counted", SYNC_TIMEOUT, |s| {
             requests_total(s, "recycled", "reject") >= g.rejected_for("recycled")
         })
-        .await
         .unwrap();
-    let stats = guarded.stats(&scene.http).await.unwrap();
+    let stats = guarded.stats().unwrap();
     assert_eq!(
         requests_total(&stats, "recycled", "reject"),
         g.rejected_for("recycled")
@@ -93,8 +92,8 @@ async fn terminating_pods_follow_the_configured_rule_with_on_reject_reject() {
     let mut world = World::new().unwrap();
     world.add_service("api", 6).await.unwrap();
     let specs = [
-        GatewaySpec::guarded("default", json!({})),
-        GatewaySpec::guarded(
+        world.guarded("default", json!({})),
+        world.guarded(
             "strict",
             json!({"policy": {"terminating": "reject"}, "on_reject": "reject"}),
         ),
@@ -133,12 +132,11 @@ async fn terminating_pods_follow_the_configured_rule_with_on_reject_reject() {
     assert!(via(&landed, "default").right > 0);
     let served = via(&landed, "default").right;
     default
-        .wait_stat(&scene.http, "the allowances counted", SYNC_TIMEOUT, |s| {
+        .wait_stats("the allowances counted", SYNC_TIMEOUT, |s| {
             requests_total(s, "terminating", "allow") >= served
         })
-        .await
         .unwrap();
-    let stats = default.stats(&scene.http).await.unwrap();
+    let stats = default.stats().unwrap();
     assert_eq!(
         requests_total(&stats, "terminating", "allow"),
         via(&landed, "default").right
@@ -149,12 +147,11 @@ async fn terminating_pods_follow_the_configured_rule_with_on_reject_reject() {
     assert_eq!(s.right + s.rejected_for("terminating"), 600, "{s:?}");
     let rejected = s.rejected_for("terminating");
     strict
-        .wait_stat(&scene.http, "the rejections counted", SYNC_TIMEOUT, |st| {
+        .wait_stats("the rejections counted", SYNC_TIMEOUT, |st| {
             requests_total(st, "terminating", "reject") >= rejected
         })
-        .await
         .unwrap();
-    let stats = strict.stats(&scene.http).await.unwrap();
+    let stats = strict.stats().unwrap();
     assert_eq!(
         requests_total(&stats, "terminating", "reject"),
         s.rejected_for("terminating")

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use staleguard_tests::gateway::{requests_total, GatewaySpec, STAT_FRESH, STAT_GUARD_HELD};
+use staleguard_tests::envoy::stats::{requests_total, STAT_FRESH, STAT_GUARD_HELD};
 use staleguard_tests::pods::via;
 use staleguard_tests::scene::{self, Scene, SYNC_TIMEOUT};
 use staleguard_tests::traffic::{burst, Load};
@@ -34,7 +34,7 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
         // Counts rejections after the resync: a replay would hide them.
         "on_reject": "reject"
     });
-    let specs = [GatewaySpec::guarded("guarded", knobs)];
+    let specs = [world.guarded("guarded", knobs)];
     let mut scene = Scene::start(&deps, world, &["--file-poll", "100ms"], &specs)
         .await
         .unwrap();
@@ -50,21 +50,17 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
     // is stale, and a while longer.
     scene.validator.kill();
     guarded
-        .wait_stat(&scene.http, "index_fresh = 0", SYNC_TIMEOUT, |s| {
+        .wait_stats("index_fresh = 0", SYNC_TIMEOUT, |s| {
             s.get(STAT_FRESH) == Some(&0)
         })
-        .await
         .unwrap();
     // Pacing, not a wait: traffic keeps running on stale data for a window;
     // what is asserted (every request counted, verdicts) holds for any length.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let outage = load.stop().await;
     // Every request of the outage counted (on the filter's next tick).
-    guarded
-        .wait_counted(&scene.http, outage.total())
-        .await
-        .unwrap();
-    let stats = guarded.stats(&scene.http).await.unwrap();
+    guarded.wait_counted(outage.total()).unwrap();
+    let stats = guarded.stats().unwrap();
     let stale_allowed = requests_total(&stats, "stale", "allow");
     println!(
         "validator down: {} requests, {} judged on stale data and allowed, {} rejected",
@@ -92,7 +88,7 @@ async fn a_validator_outage_rejects_nothing_and_enforcement_resumes_after_resync
     scene.sync(&expect).await.unwrap();
 
     let guarded = scene.gateway("guarded").unwrap();
-    let stats = guarded.stats(&scene.http).await.unwrap();
+    let stats = guarded.stats().unwrap();
     let count = |name: &str| stats.get(name).copied().unwrap_or(0);
     println!(
         "guard: {} answers held, {} confirmed",

@@ -20,13 +20,10 @@ fn bad_plugin_config_is_refused_and_envoy_keeps_serving() -> Result<()> {
     validator.set_index(vec![cart.clone()], vec![]);
     let good = Cluster::new(DYN, gone.addr(), Some(shipped_plugin(json!({}))));
     let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        clusters: vec![],
         dynamic: vec![good],
+        ..Gateway::new(validator.addr(), vec![])
     };
-    let Some(mut envoy) = gateway.start()? else {
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     envoy.eventually("guarded cluster rejects", Duration::from_secs(20), |e| {

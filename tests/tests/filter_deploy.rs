@@ -4,12 +4,10 @@
 //! ships parse under the filter's strict schema, and the guarding plugin
 //! fails open.
 
-use std::process::Command;
-
 use anyhow::{Context, Result};
 use staleguard_filter::config::Config;
 use staleguard_filter::replay::TwinConfig;
-use staleguard_tests::envoy::{dependencies, plugin_configs_in, stats_tags};
+use staleguard_tests::envoy::{dependencies, plugin_configs_in, stats_tags, validate};
 
 fn repo(path: &str) -> String {
     format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
@@ -62,13 +60,7 @@ fn plain_envoy_example_validates() -> Result<()> {
     );
     let path = std::env::temp_dir().join(format!("staleguard-example-{}.yaml", std::process::id()));
     std::fs::write(&path, yaml)?;
-    let out = Command::new(envoy)
-        .args(["--mode", "validate", "-c"])
-        .arg(&path)
-        .output()?;
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && text.contains("OK"), "{text}");
+    validate(&envoy, &path, &[])?;
     Ok(())
 }
 

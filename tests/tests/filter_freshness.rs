@@ -17,13 +17,13 @@ use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
 const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
 const WAIT: Duration = Duration::from_secs(20);
 
-fn reason(envoy: &mut Envoy, cluster: &str) -> Result<String> {
+fn reason(envoy: &Envoy, cluster: &str) -> Result<String> {
     Ok(envoy.get(cluster)?.header("x-staleguard").to_owned())
 }
 
 /// Sends requests until the gateway's verdict header is `want`; how long that
 /// took from `since`.
-fn until_reason(envoy: &mut Envoy, cluster: &str, want: &str, since: Instant) -> Result<Duration> {
+fn until_reason(envoy: &Envoy, cluster: &str, want: &str, since: Instant) -> Result<Duration> {
     while since.elapsed() < WAIT {
         if reason(envoy, cluster)? == want {
             return Ok(since.elapsed());
@@ -46,18 +46,15 @@ fn a_burst_of_changes_reaches_the_gateway_within_the_least_poll_interval_not_a_t
         vec![cart.clone(), pay.clone()],
         vec![pod("127.0.1.81", "cart-1", &[&cart], false)],
     );
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![Cluster::new(
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::new(
             CART,
             host.addr(),
             Some(shipped_plugin(json!({}))),
         )],
-    };
-    let Some(mut envoy) = gateway.start()? else {
+    );
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     envoy.eventually("first sync", WAIT, |e| {
@@ -86,7 +83,7 @@ fn a_burst_of_changes_reaches_the_gateway_within_the_least_poll_interval_not_a_t
         };
         let changed = Instant::now();
         validator.upsert(record);
-        latencies.push(until_reason(&mut envoy, CART, want, changed)?);
+        latencies.push(until_reason(&envoy, CART, want, changed)?);
         // Another phase against the tick next round.
         std::thread::sleep(Duration::from_millis(130 + 70 * u64::from(round)));
     }
@@ -111,14 +108,11 @@ fn an_ipv4_mapped_upstream_address_is_judged_as_its_ipv4_address() -> Result<()>
     // The cluster names its endpoint in IPv4-mapped form: Envoy reports the
     // host as [::ffff:127.0.1.82]:port, which is the live pod 127.0.1.82.
     let mapped = format!("[::ffff:127.0.1.82]:{}", host.addr().port()).parse()?;
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![Cluster::new(CART, mapped, Some(shipped_plugin(json!({}))))],
-    };
-    let Some(mut envoy) = gateway.start()? else {
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::new(CART, mapped, Some(shipped_plugin(json!({}))))],
+    );
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     envoy.eventually("first sync", WAIT, |e| {
@@ -154,18 +148,15 @@ fn a_validator_that_accepts_and_never_answers_does_not_stall_the_poller_with_pol
         vec![cart.clone()],
         vec![pod("127.0.1.83", "cart-1", &[&cart], false)],
     );
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![Cluster::new(
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::new(
             CART,
             host.addr(),
             Some(shipped_plugin(json!({"poll_wait_s": 1}))),
         )],
-    };
-    let Some(mut envoy) = gateway.start()? else {
+    );
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     envoy.eventually("first sync", WAIT, |e| {

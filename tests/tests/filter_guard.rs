@@ -59,7 +59,7 @@ fn truth(cart: &ServiceKey, web: &ServiceKey) -> Vec<IpRecord> {
 }
 
 /// Sends `n` requests to `cluster`; every one must reach the host.
-fn all_served(envoy: &mut Envoy, cluster: &str, n: usize) -> Result<()> {
+fn all_served(envoy: &Envoy, cluster: &str, n: usize) -> Result<()> {
     for _ in 0..n {
         let r = envoy.get(cluster)?;
         ensure!(
@@ -76,7 +76,7 @@ fn all_served(envoy: &mut Envoy, cluster: &str, n: usize) -> Result<()> {
 /// reset), then checks that the guard held it and no live member is
 /// rejected while it holds.
 fn bogus_reset(
-    envoy: &mut Envoy,
+    envoy: &Envoy,
     validator: &FakeValidator,
     epoch: u64,
     services: Vec<ServiceKey>,
@@ -108,7 +108,7 @@ fn bogus_reset(
 
 /// The validator comes back with the truth: the hold is released.
 fn restore(
-    envoy: &mut Envoy,
+    envoy: &Envoy,
     validator: &FakeValidator,
     epoch: u64,
     records: Vec<IpRecord>,
@@ -146,18 +146,15 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
     // The guard as shipped: on without configuration, and confirming a held
     // change after 60 s, longer than this test looks.
     let plugin = Some(shipped_plugin(json!({})));
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![
             Cluster::new(CART, cart_host.addr(), plugin.clone()),
             Cluster::new(WEB, web_host.addr(), plugin.clone()),
             Cluster::new(CART_NEW, new_host.addr(), plugin),
         ],
-    };
-    let Some(mut envoy) = gateway.start()? else {
+    );
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     envoy.eventually("first sync: cart's live member allowed", WAIT, |e| {
@@ -166,12 +163,12 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
             false
         })
     })?;
-    all_served(&mut envoy, CART, 5)?;
+    all_served(&envoy, CART, 5)?;
     assert_eq!(envoy.stat(HELD)?, 0);
 
     // 1. A fresh, well-formed, empty reset.
-    bogus_reset(&mut envoy, &validator, 2, both.clone(), vec![], 24)?;
-    restore(&mut envoy, &validator, 3, truth(&cart, &web))?;
+    bogus_reset(&envoy, &validator, 2, both.clone(), vec![], 24)?;
+    restore(&envoy, &validator, 3, truth(&cart, &web))?;
 
     // 2. A reset that drops 22 of the 24 IPs (92%), the live ones among them,
     //    and lists a pod that has just appeared: the held answer's one
@@ -181,9 +178,9 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
         .filter(|r| ["127.0.3.1", "127.0.3.2"].contains(&r.ip.to_string().as_str()))
         .collect();
     kept.push(pod(CART_NEW_LIVE, "cart-new", &[&cart], false));
-    bogus_reset(&mut envoy, &validator, 4, both.clone(), kept, 22)?;
-    all_served(&mut envoy, CART_NEW, 10)?;
-    restore(&mut envoy, &validator, 5, truth(&cart, &web))?;
+    bogus_reset(&envoy, &validator, 4, both.clone(), kept, 22)?;
+    all_served(&envoy, CART_NEW, 10)?;
+    restore(&envoy, &validator, 5, truth(&cart, &web))?;
 
     // 3. A reset that moves every IP of web to pods of another service (a
     //    4-pod service: 1 in 6 of the IPs, under the ratio, but all of web).
@@ -203,8 +200,8 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
             }
         })
         .collect();
-    bogus_reset(&mut envoy, &validator, 6, both.clone(), moved, 4)?;
-    restore(&mut envoy, &validator, 7, truth(&cart, &web))?;
+    bogus_reset(&envoy, &validator, 6, both.clone(), moved, 4)?;
+    restore(&envoy, &validator, 7, truth(&cart, &web))?;
 
     // The prometheus view of the guard's counter, for the alert rule.
     let prom = envoy.admin("/stats/prometheus")?;
@@ -236,6 +233,6 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
     })?;
     assert_eq!(envoy.stat(HELD)?, held, "tombstoned deletions are not held");
     assert_eq!(envoy.stat(HOLDING)?, 0);
-    all_served(&mut envoy, WEB, 5)?;
+    all_served(&envoy, WEB, 5)?;
     Ok(())
 }

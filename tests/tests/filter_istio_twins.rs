@@ -5,14 +5,13 @@
 //! pick from a live pod with nothing at the stale host.
 
 use std::io::Write;
-use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
-use staleguard_tests::blocking::named_host;
+use staleguard_tests::blocking::{named_host, named_host_on};
 use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
@@ -158,18 +157,14 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
             pod("127.0.5.3", "cart-b", &[&cart], false),
         ],
     );
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![Cluster {
-            name: CLUSTER.into(),
-            hosts: vec![gone.addr(), live_a.addr(), live_b.addr()],
-            plugin: Some(shipped_plugin(json!({"retry": {}}))),
-            metadata: None,
-        }],
-    };
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::with_hosts(
+            CLUSTER,
+            vec![gone.addr(), live_a.addr(), live_b.addr()],
+            Some(shipped_plugin(json!({"retry": {}}))),
+        )],
+    );
     let mut generated_twin = Value::Null;
     let started = gateway.start_with(|bootstrap| {
         let clusters = bootstrap["static_resources"]["clusters"]
@@ -199,7 +194,7 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
         clusters.push(generated_twin.clone());
         Ok(())
     })?;
-    let Some(mut envoy) = started else {
+    let Some(envoy) = started else {
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
@@ -222,17 +217,6 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
     Ok(())
 }
 
-fn named_host_on(ip: &str, port: u16, name: &str) -> Result<staleguard_tests::blocking::Server> {
-    use staleguard_tests::blocking::{Answer, Server};
-    let name = name.to_owned();
-    let bind: SocketAddr = format!("{ip}:{port}").parse()?;
-    Server::start(bind, move |_| Answer::Respond {
-        status: 200,
-        headers: vec![("x-host".into(), name.clone())],
-        body: format!("host={name}").into_bytes(),
-    })
-}
-
 /// The guard attached through the router's `upstream_http_filters` (as the
 /// Istio EnvoyFilter of deploy/istio attaches it: an HTTP_FILTER MERGE on the
 /// router) instead of per cluster: the twin, with its own upstream filter
@@ -248,18 +232,14 @@ fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<
         vec![cart.clone()],
         vec![pod("127.0.5.12", "cart-a", &[&cart], false)],
     );
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![Cluster {
-            name: CLUSTER.into(),
-            hosts: vec![gone.addr(), live.addr()],
-            plugin: Some(shipped_plugin(json!({}))),
-            metadata: None,
-        }],
-    };
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::with_hosts(
+            CLUSTER,
+            vec![gone.addr(), live.addr()],
+            Some(shipped_plugin(json!({}))),
+        )],
+    );
     let started = gateway.start_with(|bootstrap| {
         let clusters = bootstrap["static_resources"]["clusters"]
             .as_array_mut()
@@ -283,7 +263,7 @@ fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<
         router["upstream_http_filters"] = filters;
         Ok(())
     })?;
-    let Some(mut envoy) = started else {
+    let Some(envoy) = started else {
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {

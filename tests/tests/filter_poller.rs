@@ -28,17 +28,17 @@ fn one_poller_per_process_with_two_workers() -> Result<()> {
         .collect();
     let gateway = Gateway {
         concurrency: 2,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![
-            Cluster::new(&names[0], live.addr(), plugin.clone()),
-            Cluster::new(&names[1], gone.addr(), plugin.clone()),
-            // Same config as s0: a third root context per VM, same lease.
-            Cluster::new(&names[2], live.addr(), plugin.clone()),
-        ],
+        ..Gateway::new(
+            validator.addr(),
+            vec![
+                Cluster::new(&names[0], live.addr(), plugin.clone()),
+                Cluster::new(&names[1], gone.addr(), plugin.clone()),
+                // Same config as s0: a third root context per VM, same lease.
+                Cluster::new(&names[2], live.addr(), plugin.clone()),
+            ],
+        )
     };
-    let Some(mut envoy) = gateway.start()? else {
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     envoy.eventually("first sync", Duration::from_secs(20), |e| {

@@ -33,16 +33,16 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
         json!({"policy": {"failure_policy": "closed"}}),
     ));
     let gateway = Gateway {
-        concurrency: 1,
-        validator: a.addr(),
-        replicas: vec![b.addr()],
-        clusters: vec![
-            Cluster::new(LIVE, live.addr(), plugin.clone()),
-            Cluster::new(GONE, gone.addr(), plugin.clone()),
-        ],
-        dynamic: vec![],
+        validators: vec![a.addr(), b.addr()],
+        ..Gateway::new(
+            a.addr(),
+            vec![
+                Cluster::new(LIVE, live.addr(), plugin.clone()),
+                Cluster::new(GONE, gone.addr(), plugin.clone()),
+            ],
+        )
     };
-    let Some(mut envoy) = gateway.start()? else {
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     // Both replicas get polled; every switch is a reset.
@@ -62,13 +62,13 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
     // Replica b goes down: its polls fail, a's keep the data fresh and
     // deliver a's changes (a long poll to a holds until one comes).
     b.set_behaviour(Behaviour::Down);
-    let sync_errors = |e: &mut Envoy| -> Result<u64> {
+    let sync_errors = |e: &Envoy| -> Result<u64> {
         Ok(
             e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")?
                 + e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.transport")?,
         )
     };
-    let errors = sync_errors(&mut envoy)?;
+    let errors = sync_errors(&envoy)?;
     let polled_a = a.requests().len();
     // Fresh at every check until a poll to b has failed and a has had a
     // poll since b went down.
@@ -81,6 +81,6 @@ fn replicas_with_different_epochs_and_one_down() -> Result<()> {
         Ok(e.get(GONE)?.status == 200)
     })?;
     assert_eq!(envoy.get(LIVE)?.status, 200);
-    assert!(sync_errors(&mut envoy)? > errors);
+    assert!(sync_errors(&envoy)? > errors);
     Ok(())
 }

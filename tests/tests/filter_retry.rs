@@ -102,46 +102,42 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
             pod("127.0.3.5", "cart-slow", &[&cart()], false),
         ],
     );
-    let mixed = |name: &str, plugin: Value| Cluster {
-        name: istio(name),
-        hosts: vec![gone.addr(), live_a.addr(), live_b.addr(), recycled.addr()],
-        plugin: Some(plugin),
-        metadata: None,
+    let mixed = |name: &str, plugin: Value| {
+        Cluster::with_hosts(
+            &istio(name),
+            vec![gone.addr(), live_a.addr(), live_b.addr(), recycled.addr()],
+            Some(plugin),
+        )
     };
-    let stale_only = Cluster {
-        name: istio("all-stale"),
-        hosts: vec![gone.addr(), recycled.addr()],
-        plugin: Some(retry_plugin(json!({}))),
-        metadata: None,
-    };
+    let stale_only = Cluster::with_hosts(
+        &istio("all-stale"),
+        vec![gone.addr(), recycled.addr()],
+        Some(retry_plugin(json!({}))),
+    );
     let slow = host(
         "127.0.3.5",
         gone.addr().port(),
         "slow",
         Duration::from_secs(3),
     )?;
-    let slow_cluster = Cluster {
-        name: istio("slow"),
-        hosts: vec![gone.addr(), slow.addr()],
-        plugin: Some(retry_plugin(json!({"timeout_ms": 500}))),
-        metadata: None,
-    };
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![
+    let slow_cluster = Cluster::with_hosts(
+        &istio("slow"),
+        vec![gone.addr(), slow.addr()],
+        Some(retry_plugin(json!({"timeout_ms": 500}))),
+    );
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![
             mixed("retry", retry_plugin(json!({}))),
             mixed("one-by-one", retry_plugin(json!({"hosts_per_attempt": 1}))),
             stale_only,
             slow_cluster,
             mixed("no-twin", retry_plugin(json!({}))),
         ],
-    };
+    );
     // A replay path configured without its twin cluster: rejections stay
     // rejections, and the log says why.
-    let Some(mut envoy) = gateway.start_with(|bootstrap| {
+    let Some(envoy) = gateway.start_with(|bootstrap| {
         let no_twin = format!("{}|staleguard-twin", istio("no-twin"));
         if let Some(clusters) = bootstrap["static_resources"]["clusters"].as_array_mut() {
             clusters.retain(|c| c["name"] != no_twin.as_str());
@@ -341,19 +337,15 @@ fn ninety_percent_stale_endpoints_still_answer_from_live_pods() -> Result<()> {
     }
     let validator = FakeValidator::start(52)?;
     validator.set_index(vec![cart(), pay()], records);
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![Cluster {
-            name: istio("ninety"),
-            hosts: servers.iter().map(Server::addr).collect(),
-            plugin: Some(retry_plugin(json!({}))),
-            metadata: None,
-        }],
-    };
-    let Some(mut envoy) = gateway.start()? else {
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::with_hosts(
+            &istio("ninety"),
+            servers.iter().map(Server::addr).collect(),
+            Some(retry_plugin(json!({}))),
+        )],
+    );
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     envoy.eventually("the first sync", Duration::from_secs(20), |e| {
@@ -408,19 +400,15 @@ fn body_path_retries_posts_through_the_internal_listener() -> Result<()> {
             pod(ips[2], "cart-2", &[&cart()], false),
         ],
     );
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![Cluster {
-            name: istio("body"),
-            hosts: servers.iter().map(Server::addr).collect(),
-            plugin: Some(retry_plugin(json!({}))),
-            metadata: None,
-        }],
-    };
-    let Some(mut envoy) = gateway.start_with(|bootstrap| {
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::with_hosts(
+            &istio("body"),
+            servers.iter().map(Server::addr).collect(),
+            Some(retry_plugin(json!({}))),
+        )],
+    );
+    let Some(envoy) = gateway.start_with(|bootstrap| {
         let outer = staleguard_tests::envoy::body_path(
             bootstrap,
             "/body/",

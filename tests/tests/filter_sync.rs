@@ -19,12 +19,12 @@ const OPEN: &str = "outbound|8080|open|cart.shop.svc.cluster.local";
 const CLOSED: &str = "outbound|8080|closed|cart.shop.svc.cluster.local";
 const WAIT: Duration = Duration::from_secs(15);
 
-fn verdict(envoy: &mut Envoy, cluster: &str) -> Result<(u16, String)> {
+fn verdict(envoy: &Envoy, cluster: &str) -> Result<(u16, String)> {
     let r = envoy.get(cluster)?;
     Ok((r.status, r.header("x-staleguard").to_owned()))
 }
 
-fn expect(envoy: &mut Envoy, what: &str, cluster: &str, status: u16, reason: &str) -> Result<()> {
+fn expect(envoy: &Envoy, what: &str, cluster: &str, status: u16, reason: &str) -> Result<()> {
     envoy.eventually(what, WAIT, |e| {
         Ok(verdict(e, cluster)? == (status, reason.to_owned()))
     })
@@ -48,29 +48,26 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
             "policy": {"failure_policy": policy}
         })))
     };
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![
             Cluster::new(OPEN, host.addr(), plugin("open")),
             Cluster::new(CLOSED, host.addr(), plugin("closed")),
         ],
-    };
-    let Some(mut envoy) = gateway.start()? else {
+    );
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
 
     // Synced (so the token was sent): the host's IP is not in the index.
-    expect(&mut envoy, "first sync", CLOSED, 503, "destroyed")?;
-    assert_eq!(verdict(&mut envoy, OPEN)?, (503, "destroyed".into()));
+    expect(&envoy, "first sync", CLOSED, 503, "destroyed")?;
+    assert_eq!(verdict(&envoy, OPEN)?, (503, "destroyed".into()));
 
     // Validator down: once the data is older than max_staleness (3 s), the
     // failure policy decides: open lets through, closed rejects.
     validator.set_behaviour(Behaviour::Down);
-    expect(&mut envoy, "stale under closed", CLOSED, 503, "stale")?;
-    assert_eq!(verdict(&mut envoy, OPEN)?, (200, String::new()));
+    expect(&envoy, "stale under closed", CLOSED, 503, "stale")?;
+    assert_eq!(verdict(&envoy, OPEN)?, (200, String::new()));
     envoy.wait_requests("stale", "allow", 1)?;
     envoy.wait_requests("stale", "reject", 1)?;
     // Envoy answers a hung-up request itself with a 503.
@@ -91,7 +88,7 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
         vec![pod("127.0.1.21", "cart-1", &[&cart], false)],
     );
     validator.set_behaviour(Behaviour::Normal);
-    expect(&mut envoy, "resync after restart", CLOSED, 200, "")?;
+    expect(&envoy, "resync after restart", CLOSED, 200, "")?;
     assert!(envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")? > resets);
     assert!(validator.wait_for(WAIT, |log| log
         .iter()
@@ -105,7 +102,7 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
     envoy.eventually("decode errors", WAIT, |e| {
         Ok(e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.decode")? >= 1)
     })?;
-    assert_eq!(verdict(&mut envoy, CLOSED)?, (200, String::new()), "kept");
+    assert_eq!(verdict(&envoy, CLOSED)?, (200, String::new()), "kept");
     let prom = envoy.admin("/stats/prometheus")?;
     assert!(
         prom.lines().any(|l| l.starts_with(
@@ -113,17 +110,17 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
         )),
         "{prom}"
     );
-    expect(&mut envoy, "stale after garbage", CLOSED, 503, "stale")?;
+    expect(&envoy, "stale after garbage", CLOSED, 503, "stale")?;
 
     // The validator says its own data is not fresh: stale as well.
     validator.set_behaviour(Behaviour::Normal);
-    expect(&mut envoy, "recovery", CLOSED, 200, "")?;
+    expect(&envoy, "recovery", CLOSED, 200, "")?;
     validator.set_fresh(false);
     validator.upsert(pod("127.0.1.99", "nudge", &[&cart], false));
-    expect(&mut envoy, "fresh=false is stale", CLOSED, 503, "stale")?;
+    expect(&envoy, "fresh=false is stale", CLOSED, 503, "stale")?;
     validator.set_fresh(true);
     validator.upsert(pod("127.0.1.98", "nudge-2", &[&cart], false));
-    expect(&mut envoy, "fresh again", CLOSED, 200, "")?;
+    expect(&envoy, "fresh again", CLOSED, 200, "")?;
 
     // A wrong token: 401s are status errors, and the data goes stale.
     validator.set_token(Some("rotated"));
@@ -131,7 +128,7 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
     envoy.eventually("401 counted", WAIT, |e| {
         Ok(e.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.status")? > status_errors)
     })?;
-    expect(&mut envoy, "stale after 401", CLOSED, 503, "stale")?;
+    expect(&envoy, "stale after 401", CLOSED, 503, "stale")?;
     let log = envoy.log();
     assert!(
         log.contains("staleguard: sync failed: validator answered HTTP 401"),

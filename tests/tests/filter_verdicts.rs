@@ -56,12 +56,9 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
 
     let guarded = Some(shipped_plugin(json!({"on_reject": "reject"})));
     let node_cluster = istio("node");
-    let gateway = Gateway {
-        concurrency: 1,
-        validator: validator.addr(),
-        replicas: vec![],
-        dynamic: vec![],
-        clusters: vec![
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![
             Cluster::new(&istio("live"), live.addr(), guarded.clone()),
             Cluster::new(&istio("gone"), gone.addr(), guarded.clone()),
             Cluster::new(&istio("recycled"), recycled.addr(), guarded.clone()),
@@ -102,13 +99,13 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
                 )),
             ),
         ],
-    };
+    );
     let mut gateway = gateway;
     let mut meta = Cluster::new("meta-only", gone.addr(), guarded.clone());
     meta.metadata =
         Some(json!({"istio": {"services": [{"host": CART, "name": "cart", "namespace": "shop"}]}}));
     gateway.clusters.push(meta);
-    let Some(mut envoy) = gateway.start()? else {
+    let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
     // The first sync: the allowed host answers once the index is loaded.
@@ -116,7 +113,7 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
         Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
     })?;
 
-    let ok = |e: &mut staleguard_tests::envoy::Envoy, cluster: &str, host: &str| -> Result<()> {
+    let ok = |e: &staleguard_tests::envoy::Envoy, cluster: &str, host: &str| -> Result<()> {
         let r = e.get(cluster)?;
         assert_eq!(r.status, 200, "{cluster}: {r:?}\n{}", tail(&e.log(), 40));
         assert_eq!(r.header("x-host"), host, "{cluster}");
@@ -124,7 +121,7 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
         Ok(())
     };
     let rejected =
-        |e: &mut staleguard_tests::envoy::Envoy, cluster: &str, reason: &str| -> Result<()> {
+        |e: &staleguard_tests::envoy::Envoy, cluster: &str, reason: &str| -> Result<()> {
             let r = e.get(cluster)?;
             assert_eq!(r.status, 503, "{cluster}: {r:?}\n{}", tail(&e.log(), 40));
             assert_eq!(r.header("x-staleguard"), reason, "{cluster}");
@@ -140,22 +137,22 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
             Ok(())
         };
 
-    ok(&mut envoy, &istio("live"), "cart-live")?;
-    rejected(&mut envoy, &istio("gone"), "destroyed")?;
-    rejected(&mut envoy, &istio("recycled"), "recycled")?;
-    ok(&mut envoy, &istio("draining"), "cart-draining")?;
-    rejected(&mut envoy, &istio("draining-strict"), "terminating")?;
+    ok(&envoy, &istio("live"), "cart-live")?;
+    rejected(&envoy, &istio("gone"), "destroyed")?;
+    rejected(&envoy, &istio("recycled"), "recycled")?;
+    ok(&envoy, &istio("draining"), "cart-draining")?;
+    rejected(&envoy, &istio("draining-strict"), "terminating")?;
     ok(
-        &mut envoy,
+        &envoy,
         "outbound|80||ext.other.svc.cluster.local",
         "external",
     )?;
-    ok(&mut envoy, "plain-unmapped", "ghost")?;
+    ok(&envoy, "plain-unmapped", "ghost")?;
     // A node IP shared by hostNetwork pods of another service: never recycled.
-    ok(&mut envoy, &node_cluster, "node-agent")?;
-    rejected(&mut envoy, "legacy-cart", "destroyed")?;
-    rejected(&mut envoy, "meta-only", "destroyed")?;
-    ok(&mut envoy, &istio("audit"), "ghost")?;
+    ok(&envoy, &node_cluster, "node-agent")?;
+    rejected(&envoy, "legacy-cart", "destroyed")?;
+    rejected(&envoy, "meta-only", "destroyed")?;
+    ok(&envoy, &istio("audit"), "ghost")?;
     let r = envoy.get(&istio("custom"))?;
     assert_eq!(
         (r.status, r.header("x-sg-verdict")),
@@ -198,9 +195,9 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
         );
     }
     assert_eq!(
-        staleguard_tests::gateway::prometheus_value(
+        staleguard_tests::envoy::stats::prometheus_value(
             &prom,
-            staleguard_tests::gateway::PROM_REQUESTS,
+            staleguard_tests::envoy::stats::PROM_REQUESTS,
             &[
                 ("staleguard_reason", "destroyed"),
                 ("staleguard_action", "reject")
@@ -224,7 +221,7 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
     envoy.eventually("the delta to apply", Duration::from_secs(10), |e| {
         Ok(e.get(&istio("gone"))?.status == 200 && e.get(&istio("live"))?.status == 503)
     })?;
-    rejected(&mut envoy, &istio("live"), "destroyed")?;
+    rejected(&envoy, &istio("live"), "destroyed")?;
     assert!(envoy.stat("wasmcustom.staleguard_filter_sync_deltas_total")? >= 1);
     assert_eq!(
         envoy.stat("wasmcustom.staleguard_filter_sync_resets_total")?,

@@ -8,21 +8,20 @@
 
 use std::net::SocketAddr;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::{self, named_host, Answer, Server};
-use staleguard_tests::envoy::{dependencies, tail};
+use staleguard_tests::envoy::{dependencies, tail, validate, Envoy, Launch, WAIT};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::h2::{self, H2Backend, Kind};
+use staleguard_tests::h2::{self, Kind};
 use staleguard_tests::istio::{
     apply_envoyfilter, cluster_names, gateway_output, plugin_config, proto_merge, runnable,
     set_module, set_plugin_config, shipped_envoyfilter, shipped_stats_tags, validate_bootstrap,
     Protocol, Service,
 };
-use staleguard_tests::process::{free_port, wait_for_port, Guard};
+use staleguard_tests::process::free_port;
 
 fn service(name: &str, ns: &str, port: u16, protocol: Protocol, eps: &[SocketAddr]) -> Service {
     Service {
@@ -56,9 +55,9 @@ fn router(output: &Value) -> Value {
 }
 
 /// Runs `envoy --mode validate` (which also loads the module and configures
-/// the plugin) with `token` as STALEGUARD_TOKEN; `Some(output)` when Envoy
-/// accepted, `Err` with the output when not, `None` when Envoy is missing
-/// outside CI.
+/// the plugin) on `config`, with `token` as STALEGUARD_TOKEN; `Some(output)`
+/// when Envoy accepted, `Err` with the output when not, `None` when Envoy is
+/// missing outside CI.
 fn envoy_validate(config: &Value, what: &str, token: Option<&str>) -> Result<Option<String>> {
     let Some((envoy, _)) = dependencies() else {
         return Ok(None);
@@ -68,23 +67,10 @@ fn envoy_validate(config: &Value, what: &str, token: Option<&str>) -> Result<Opt
         std::process::id()
     ));
     std::fs::write(&path, serde_json::to_vec_pretty(config)?)?;
-    let mut cmd = Command::new(envoy);
-    cmd.args(["--mode", "validate", "-c"]).arg(&path);
-    cmd.env_remove("STALEGUARD_TOKEN");
-    if let Some(t) = token {
-        cmd.env("STALEGUARD_TOKEN", t);
-    }
-    let out = cmd.output()?;
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    if out.status.success() && text.contains("OK") {
-        Ok(Some(text))
-    } else {
-        bail!(
-            "{what}: envoy --mode validate refused {}:\n{text}",
-            path.display()
-        )
-    }
+    let env: Vec<(&str, &str)> = token.map(|t| ("STALEGUARD_TOKEN", t)).into_iter().collect();
+    validate(&envoy, &path, &env)
+        .with_context(|| what.to_owned())
+        .map(Some)
 }
 
 /// The deprecated options Envoy warns about in a validation's output.
@@ -235,61 +221,19 @@ fn a_cluster_merge_of_protocol_options_would_drop_http2() -> Result<()> {
 /// At least 32 bytes: the validator refuses shorter tokens.
 const TOKEN: &str = "gateway-token-from-a-kubernetes-secret-0123456789";
 
-/// Envoy running a rendered configuration, with the token in its environment.
-struct Gateway {
-    guard: Guard,
-    listener: SocketAddr,
-    admin: SocketAddr,
-}
-
-impl Gateway {
-    fn start(config: &Value, listener: SocketAddr, admin: SocketAddr) -> Result<Option<Self>> {
-        let Some((envoy, _)) = dependencies() else {
-            return Ok(None);
-        };
-        let path = std::env::temp_dir().join(format!(
-            "staleguard-istio-run-{}-{}.json",
-            std::process::id(),
-            listener.port()
-        ));
-        std::fs::write(&path, serde_json::to_vec_pretty(config)?)?;
-        let mut cmd = Command::new(envoy);
-        cmd.arg("-c")
-            .arg(&path)
-            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"])
-            .env("STALEGUARD_TOKEN", TOKEN);
-        let mut guard = Guard::spawn("envoy-istio", cmd)?;
-        wait_for_port(&mut guard, listener, Duration::from_secs(30))?;
-        Ok(Some(Self {
-            guard,
-            listener,
-            admin,
-        }))
-    }
-
-    fn stat(&self, name: &str) -> Result<u64> {
-        let text = blocking::get(self.admin, &format!("/stats?filter=^{name}$"), &[])?.body;
-        Ok(text
-            .lines()
-            .filter_map(|l| l.split_once(": "))
-            .find(|(k, _)| *k == name)
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .unwrap_or(0))
-    }
-
-    fn eventually(&mut self, what: &str, f: impl Fn(&Self) -> Result<bool>) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            self.guard.check_alive()?;
-            if f(self)? {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("{what}: not reached\n{}", tail(&self.guard.output(), 40));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
+/// Runs Envoy on a rendered configuration, with the token in its
+/// environment; `None` when Envoy is missing outside CI.
+fn start(config: &Value) -> Result<Option<Envoy>> {
+    let Some((envoy, _)) = dependencies() else {
+        return Ok(None);
+    };
+    let launch = Launch {
+        name: "istio".into(),
+        concurrency: 2,
+        env: vec![("STALEGUARD_TOKEN".into(), TOKEN.into())],
+        detach: false,
+    };
+    Envoy::spawn(&envoy, config, &launch).map(Some)
 }
 
 fn module_server(wasm: &[u8]) -> Result<Server> {
@@ -323,10 +267,10 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
     let Some((_, wasm)) = dependencies() else {
         return Ok(());
     };
-    let greeter = H2Backend::start("127.0.3.1", "greeter-1", Kind::Grpc)?;
-    let greeter_gone = H2Backend::start("127.0.3.2", "greeter-gone", Kind::Grpc)?;
-    let echo = H2Backend::start("127.0.3.3", "echo-1", Kind::Http)?;
-    let echo_gone = H2Backend::start("127.0.3.4", "echo-gone", Kind::Http)?;
+    let greeter = h2::backend("127.0.3.1", "greeter-1", Kind::Grpc)?;
+    let greeter_gone = h2::backend("127.0.3.2", "greeter-gone", Kind::Grpc)?;
+    let echo = h2::backend("127.0.3.3", "echo-1", Kind::Http)?;
+    let echo_gone = h2::backend("127.0.3.4", "echo-gone", Kind::Http)?;
     let cart = named_host("127.0.3.5", "cart-1")?;
 
     let validator = FakeValidator::start(5)?;
@@ -399,11 +343,12 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
         Some(module.addr()),
         &shipped_stats_tags()?,
     )?;
-    let Some(mut gw) = Gateway::start(&config, listener, admin)? else {
+    let Some(gw) = start(&config)? else {
         return Ok(());
     };
     gw.eventually(
         "the first sync (with the token from the environment)",
+        WAIT,
         |g| Ok(g.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1),
     )?;
 
@@ -419,7 +364,7 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
             (r.status, r.grpc_status()),
             (200, Some(0)),
             "{r:?}\n{}",
-            tail(&gw.guard.output(), 30)
+            tail(&gw.log(), 30)
         );
         assert_eq!(r.header("x-host"), "greeter-1");
         assert!(r.body.ends_with(b"greeter-1"), "{r:?}");
@@ -454,7 +399,7 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
         r#"staleguard_filter_requests_total{staleguard_service="h2/echo",staleguard_reason="member",staleguard_action="allow"} 4"#,
     ];
     let ghost = r#"staleguard_filter_requests_total{staleguard_service="grpc/ghost",staleguard_reason="destroyed",staleguard_action="reject"}"#;
-    gw.eventually("the requests counted", |g| {
+    gw.eventually("the requests counted", WAIT, |g| {
         let prom = blocking::get(g.admin, "/stats/prometheus", &[])?.body;
         Ok(lines.iter().all(|line| prom.lines().any(|l| l == *line))
             && prom.lines().any(|l| l.starts_with(ghost)))
@@ -475,7 +420,7 @@ fn a_module_with_the_wrong_sha256_is_refused_and_traffic_still_flows() -> Result
     let Some((_, wasm)) = dependencies() else {
         return Ok(());
     };
-    let echo = H2Backend::start("127.0.3.11", "echo-1", Kind::Http)?;
+    let echo = h2::backend("127.0.3.11", "echo-1", Kind::Http)?;
     let validator = FakeValidator::start(6)?;
     let services = vec![service("echo", "h2", 8080, Protocol::Http2, &[echo.addr()])];
     let mut output = gateway_output(&services, 8080);
@@ -493,7 +438,7 @@ fn a_module_with_the_wrong_sha256_is_refused_and_traffic_still_flows() -> Result
         Some(module.addr()),
         &shipped_stats_tags()?,
     )?;
-    let Some(gw) = Gateway::start(&config, listener, admin)? else {
+    let Some(gw) = start(&config)? else {
         return Ok(());
     };
     let r = h2::request(gw.listener, "echo.example.com", "/", Kind::Http)?;
@@ -503,7 +448,7 @@ fn a_module_with_the_wrong_sha256_is_refused_and_traffic_still_flows() -> Result
         (r.status, r.header("x-host")),
         (200, "echo-1"),
         "{r:?}\n{}",
-        tail(&gw.guard.output(), 30)
+        tail(&gw.log(), 30)
     );
     assert_eq!(gw.stat("wasmcustom.staleguard_filter_sync_polls_total")?, 0);
     Ok(())
@@ -540,7 +485,7 @@ fn the_gateway_polls_the_real_validator_over_kept_alive_connections() -> Result<
         false,
     ))?;
 
-    let echo = H2Backend::start("127.0.3.21", "echo-1", Kind::Http)?;
+    let echo = h2::backend("127.0.3.21", "echo-1", Kind::Http)?;
     let services = vec![service("echo", "h2", 8080, Protocol::Http2, &[echo.addr()])];
     let mut output = gateway_output(&services, 8080);
     apply_envoyfilter(&mut output, &shipped_envoyfilter()?)?;
@@ -567,10 +512,10 @@ fn the_gateway_polls_the_real_validator_over_kept_alive_connections() -> Result<
         None,
         &shipped_stats_tags()?,
     )?;
-    let Some(mut gw) = Gateway::start(&config, listener, admin)? else {
+    let Some(gw) = start(&config)? else {
         return Ok(());
     };
-    gw.eventually("five long polls answered", |g| {
+    gw.eventually("five long polls answered", WAIT, |g| {
         Ok(g.stat("wasmcustom.staleguard_filter_sync_deltas_total")? >= 5)
     })?;
     let requests = gw.stat("cluster.staleguard-validator.upstream_rq_total")?;

@@ -1,0 +1,82 @@
+//! What `deploy/envoy/envoy.yaml` ships, read from the file itself: the plugin
+//! configuration and the route's retry policy. Tests, the demo and benchmarks
+//! run these, so what they check is what users deploy.
+
+use serde_json::Value;
+
+/// `deploy/envoy/envoy.yaml`, or an empty text (the callers then say what
+/// they did not find in it).
+fn shipped_envoy_yaml() -> (String, &'static str) {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/envoy/envoy.yaml");
+    (std::fs::read_to_string(path).unwrap_or_default(), path)
+}
+
+/// The JSON blocks under `value: |` in a YAML file: the plugin
+/// configurations of a shipped manifest.
+pub fn plugin_configs_in(yaml: &str) -> Vec<String> {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let mut out = vec![];
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim_end().ends_with("value: |") {
+            let indent = line.len() - line.trim_start().len();
+            let block: Vec<&str> = lines[i + 1..]
+                .iter()
+                .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() > indent)
+                .copied()
+                .collect();
+            out.push(block.join("\n"));
+        }
+    }
+    out
+}
+
+/// Keys of the shipped plugin configuration that describe one gateway's
+/// topology (which cluster is which service, the validator's DNS name), not
+/// how the filter behaves: a test gateway brings its own.
+const TOPOLOGY_KEYS: [&str; 3] = ["clusters", "istio", "validator_authority"];
+
+/// The plugin configuration `deploy/envoy/envoy.yaml` ships, read from that
+/// file, without its topology keys. What tests, the demo and benchmarks run.
+pub fn shipped_plugin_config() -> Value {
+    let (yaml, path) = shipped_envoy_yaml();
+    let mut config = plugin_configs_in(&yaml)
+        .first()
+        .and_then(|c| serde_json::from_str::<Value>(c).ok())
+        .unwrap_or_else(|| panic!("no plugin configuration (`value: |` JSON) in {path}"));
+    if let Some(object) = config.as_object_mut() {
+        for key in TOPOLOGY_KEYS {
+            object.remove(key);
+        }
+    }
+    config
+}
+
+/// The `retry_policy` of the route `deploy/envoy/envoy.yaml` ships for
+/// requests without a body (the last route of the gateway's virtual host):
+/// what a gateway that stands for the shipped one sets on its routes.
+pub fn shipped_route_retry_policy() -> Value {
+    let (yaml, path) = shipped_envoy_yaml();
+    let doc: Value =
+        yaml_serde::from_str(&yaml).unwrap_or_else(|e| panic!("{path} is not YAML: {e}"));
+    let routes = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"];
+    routes
+        .as_array()
+        .and_then(|r| r.last())
+        .map(|r| r["route"]["retry_policy"].clone())
+        .filter(|p| p.is_object())
+        .unwrap_or_else(|| panic!("no retry_policy on the last route of {path}"))
+}
+
+/// The shipped plugin configuration ([`shipped_plugin_config`]) with `extra`
+/// fields on top: topology (`clusters`, `istio`), a `token`, or the knob a
+/// test is about. A test that turns a knob names it in its title.
+pub fn shipped_plugin(extra: Value) -> Value {
+    let mut base = shipped_plugin_config();
+    if let (Some(b), Some(e)) = (base.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    base
+}

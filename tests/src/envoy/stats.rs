@@ -1,0 +1,138 @@
+//! Reading Envoy's counters and gauges: the `/stats` text form (`name: value`)
+//! as a map, the names the filter's metrics take there, and series from
+//! `/stats/prometheus` (where `stats_tags` turned name parts into labels; see
+//! docs/metrics.md).
+
+use std::collections::BTreeMap;
+
+/// Counters and gauges by their full `/stats` name.
+pub type Stats = BTreeMap<String, u64>;
+
+/// The filter's generation gauge, as Envoy names it.
+pub const STAT_GENERATION: &str = "wasmcustom.staleguard_filter_index_generation";
+/// The filter's freshness gauge.
+pub const STAT_FRESH: &str = "wasmcustom.staleguard_filter_index_fresh";
+/// The filter's full-resync counter.
+pub const STAT_RESETS: &str = "wasmcustom.staleguard_filter_sync_resets_total";
+/// Validator answers the filter's blast-radius guard held back.
+pub const STAT_GUARD_HELD: &str = "wasmcustom.staleguard_filter_guard_held_total";
+/// The `/stats` prefix of the filter's per-request counters.
+pub const STAT_REQUESTS_PREFIX: &str = "wasmcustom.staleguard_filter_requests_total.service.";
+/// Requests to a cluster the filter maps to no service.
+pub const STAT_UNMAPPED: &str = "wasmcustom.staleguard_filter_requests_unmapped_total";
+/// Requests whose upstream address the filter could not read.
+pub const STAT_NO_ADDRESS: &str = "wasmcustom.staleguard_filter_requests_no_address_total";
+
+/// The filter's per-request counter in `/stats/prometheus` (labels
+/// `staleguard_service`, `staleguard_reason`, `staleguard_action`).
+pub const PROM_REQUESTS: &str = "staleguard_filter_requests_total";
+
+/// Parses `/stats` text; lines whose value is not a number (histograms) are
+/// left out.
+pub fn parse(text: &str) -> Stats {
+    text.lines()
+        .filter_map(|line| {
+            let (k, v) = line.split_once(": ")?;
+            Some((k.to_owned(), v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The filter's requests with `reason` and `action`, summed over services.
+pub fn requests_total(stats: &Stats, reason: &str, action: &str) -> u64 {
+    let suffix = format!(".reason.{reason}.action.{action}");
+    stats
+        .iter()
+        .filter(|(k, _)| k.starts_with(STAT_REQUESTS_PREFIX) && k.ends_with(&suffix))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// Every request the filter judged or passed untouched: all `requests_total`
+/// series, plus unmapped and no-address.
+pub fn requests_counted(stats: &Stats) -> u64 {
+    stats
+        .iter()
+        .filter(|(k, _)| {
+            k.starts_with(STAT_REQUESTS_PREFIX)
+                || k.as_str() == STAT_UNMAPPED
+                || k.as_str() == STAT_NO_ADDRESS
+        })
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// The sum of the series `name{labels}` in Prometheus text, if any is present.
+/// `labels` are `(key, value)` pairs that must all match; series with more
+/// labels (the filter's `staleguard_service`) are summed.
+pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<u64> {
+    let mut values = text.lines().filter_map(|line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let (metric, rest) = series.split_once('{').unwrap_or((series, "}"));
+        if metric != name {
+            return None;
+        }
+        let rest = rest.strip_suffix('}')?;
+        let ok = labels
+            .iter()
+            .all(|(k, v)| rest.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+        if !ok {
+            return None;
+        }
+        value.parse::<f64>().ok().map(|v| v as u64)
+    });
+    let first = values.next()?;
+    Some(first + values.sum::<u64>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_the_request_counters_by_reason_and_action() {
+        let stats = parse(
+            "wasmcustom.staleguard_filter_requests_total.service.shop/cart.reason.destroyed.action.reject: 7\n\
+             wasmcustom.staleguard_filter_requests_total.service.shop/pay.reason.destroyed.action.reject: 3\n\
+             wasmcustom.staleguard_filter_requests_total.service.shop/cart.reason.member.action.allow: 20\n\
+             wasmcustom.staleguard_filter_requests_unmapped_total: 2\n\
+             wasmcustom.staleguard_filter_index_fresh: 1\n\
+             cluster.x.upstream_rq_time: P0(nan,1.0) P25(nan,2.0)\n",
+        );
+        assert_eq!(requests_total(&stats, "destroyed", "reject"), 10);
+        assert_eq!(requests_total(&stats, "member", "allow"), 20);
+        assert_eq!(requests_total(&stats, "recycled", "reject"), 0);
+        assert_eq!(requests_counted(&stats), 32);
+        assert_eq!(stats.get(STAT_FRESH), Some(&1));
+        assert!(!stats.contains_key("cluster.x.upstream_rq_time"));
+    }
+
+    #[test]
+    fn reads_a_labelled_series_from_prometheus_text() {
+        let text = "# TYPE staleguard_filter_requests_total counter\n\
+            staleguard_filter_requests_total{staleguard_service=\"shop/cart\",staleguard_reason=\"destroyed\",staleguard_action=\"reject\"} 1800\n\
+            staleguard_filter_requests_total{staleguard_service=\"shop/pay\",staleguard_reason=\"destroyed\",staleguard_action=\"reject\"} 40\n\
+            staleguard_filter_requests_total{staleguard_service=\"shop/cart\",staleguard_reason=\"member\",staleguard_action=\"allow\"} 660\n\
+            staleguard_filter_index_fresh{} 1\n";
+        let get = |labels: &[(&str, &str)]| prometheus_value(text, PROM_REQUESTS, labels);
+        assert_eq!(
+            get(&[
+                ("staleguard_reason", "destroyed"),
+                ("staleguard_action", "reject")
+            ]),
+            Some(1840)
+        );
+        assert_eq!(
+            get(&[
+                ("staleguard_reason", "member"),
+                ("staleguard_action", "allow")
+            ]),
+            Some(660)
+        );
+        assert_eq!(get(&[("staleguard_reason", "recycled")]), None);
+        assert_eq!(
+            prometheus_value(text, "staleguard_filter_index_fresh", &[]),
+            Some(1)
+        );
+    }
+}
