@@ -69,7 +69,7 @@ fn envoy_validate(config: &Value, what: &str, token: Option<&str>) -> Result<Opt
     std::fs::write(&path, serde_json::to_vec_pretty(config)?)?;
     let env: Vec<(&str, &str)> = token.map(|t| ("STALEGUARD_TOKEN", t)).into_iter().collect();
     validate(&envoy, &path, &env)
-        .with_context(|| what.to_owned())
+        .map_err(|e| anyhow::anyhow!("{what}: {e:#}"))
         .map(Some)
 }
 
