@@ -11,7 +11,6 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use kube::runtime::watcher::Event;
 
 use crate::shared::SharedIndex;
 
@@ -213,22 +212,12 @@ pub fn cluster(services: usize, pods_per_service: usize) -> Cluster {
 
 /// Feeds `cluster` to `shared` as the initial list of every kind.
 pub fn feed(shared: &SharedIndex, cluster: Cluster) {
-    let now = SystemTime::now();
-    shared.apply_service(Event::Init, now);
-    for s in cluster.services {
-        shared.apply_service(Event::InitApply(s), now);
-    }
-    shared.apply_service(Event::InitDone, now);
-    shared.apply_pod(Event::Init, now);
-    for p in cluster.pods {
-        shared.apply_pod(Event::InitApply(p), now);
-    }
-    shared.apply_pod(Event::InitDone, now);
-    shared.apply_slice(Event::Init, now);
-    for s in cluster.slices {
-        shared.apply_slice(Event::InitApply(s), now);
-    }
-    shared.apply_slice(Event::InitDone, now);
+    let Cluster {
+        services,
+        pods,
+        slices,
+    } = cluster;
+    shared.relist_all(services, pods, slices, SystemTime::now());
 }
 
 #[cfg(test)]
