@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use k8s_openapi::api::core::v1::{
     ObjectReference, Pod, PodCondition, PodIP, PodSpec, PodStatus, Service, ServiceSpec,
@@ -12,6 +12,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
+use crate::index::{Index, IndexConfig};
 use crate::shared::SharedIndex;
 
 /// The label every synthetic pod carries, matched by its service's selector.
@@ -210,6 +211,17 @@ pub fn cluster(services: usize, pods_per_service: usize) -> Cluster {
     cluster
 }
 
+/// An index (epoch 1, default configuration) that listed `cluster`; its data
+/// counts as fresh for an hour without news, longer than any measurement.
+pub fn indexed(cluster: Cluster) -> SharedIndex {
+    let shared = SharedIndex::new(
+        Index::new(1, IndexConfig::default()),
+        Duration::from_secs(3600),
+    );
+    feed(&shared, cluster);
+    shared
+}
+
 /// Feeds `cluster` to `shared` as the initial list of every kind.
 pub fn feed(shared: &SharedIndex, cluster: Cluster) {
     let Cluster {
@@ -223,16 +235,10 @@ pub fn feed(shared: &SharedIndex, cluster: Cluster) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::{Index, IndexConfig};
-    use std::time::Duration;
 
     #[test]
     fn a_synthetic_cluster_indexes_every_pod_as_a_member() {
-        let shared = SharedIndex::new(
-            Index::new(1, IndexConfig::default()),
-            Duration::from_secs(60),
-        );
-        feed(&shared, cluster(3, 300));
+        let shared = indexed(cluster(3, 300));
         let index = shared.read();
         assert!(index.synced());
         assert_eq!(index.stats().pods, 900);
