@@ -242,39 +242,86 @@ mod tests {
         )
     }
 
-    fn snapshot(store: &mut Counting, p: &mut Poller, epoch: u64, records: Vec<IpRecord>) {
-        let s = Snapshot {
-            v: 1,
-            epoch,
-            generation: 1,
-            freshness: fresh(),
-            services: vec![cart()],
-            records,
-        };
-        // The first answer is a snapshot; a later one a reset (a new load).
-        let body = match p.next_request(0, &store.inner) {
-            Some(crate::sync::Request::Snapshot) => serde_json::to_vec(&s),
-            _ => serde_json::to_vec(&Changes::Reset(s)),
-        };
-        p.on_response(0, 200, &body.unwrap(), &mut store.inner)
-            .unwrap();
+    /// A store the poller writes and a cache reads, as in one VM.
+    struct Vm {
+        store: Counting,
+        poller: Poller,
+        cache: Cache,
     }
 
-    fn delta(store: &mut Counting, p: &mut Poller, since: u64, upserts: Vec<IpRecord>) {
-        let d = Changes::Delta(Delta {
-            v: 1,
-            epoch: 1,
-            since,
-            generation: since + 1,
-            freshness: fresh(),
-            services_added: vec![],
-            services_removed: vec![],
-            upserts,
-            removed: vec![],
-        });
-        p.next_request(1, &store.inner);
-        p.on_response(1, 200, &serde_json::to_vec(&d).unwrap(), &mut store.inner)
-            .unwrap();
+    impl Vm {
+        /// Nothing synced yet.
+        fn new(cache: Cache) -> Self {
+            Self {
+                store: Counting::default(),
+                poller: poller(),
+                cache,
+            }
+        }
+
+        /// Synced with a snapshot of `records` (epoch 1).
+        fn synced(cache: Cache, records: Vec<IpRecord>) -> Self {
+            let mut vm = Self::new(cache);
+            vm.snapshot(1, records);
+            vm
+        }
+
+        /// The poller applies a snapshot of `records` at generation 1.
+        fn snapshot(&mut self, epoch: u64, records: Vec<IpRecord>) {
+            let s = Snapshot {
+                v: 1,
+                epoch,
+                generation: 1,
+                freshness: fresh(),
+                services: vec![cart()],
+                records,
+            };
+            // The first answer is a snapshot; a later one a reset (a new load).
+            let body = match self.poller.next_request(0, &self.store.inner) {
+                Some(crate::sync::Request::Snapshot) => serde_json::to_vec(&s),
+                _ => serde_json::to_vec(&Changes::Reset(s)),
+            };
+            self.poller
+                .on_response(0, 200, &body.unwrap(), &mut self.store.inner)
+                .unwrap();
+        }
+
+        /// The poller applies a delta from `since` that rewrites `upserts`.
+        fn delta(&mut self, since: u64, upserts: Vec<IpRecord>) {
+            let d = Changes::Delta(Delta {
+                v: 1,
+                epoch: 1,
+                since,
+                generation: since + 1,
+                freshness: fresh(),
+                services_added: vec![],
+                services_removed: vec![],
+                upserts,
+                removed: vec![],
+            });
+            self.poller.next_request(1, &self.store.inner);
+            let body = serde_json::to_vec(&d).unwrap();
+            self.poller
+                .on_response(1, 200, &body, &mut self.store.inner)
+                .unwrap();
+        }
+
+        fn meta(&self) -> Meta {
+            View::new(&self.store).meta().unwrap()
+        }
+
+        /// One request's reads, as `check::judge` does them: meta, then
+        /// entries.
+        fn pod_of(&mut self, ip: &str) -> Option<ServiceKey> {
+            let meta = View::new(&self.store).meta_and_cas();
+            self.cache.align(meta);
+            let (meta, _) = meta?;
+            let ip = ip.parse().unwrap();
+            match self.cache.record(&self.store, &meta, &ip).0 {
+                Entry::Present(r) => held_for(r),
+                _ => None,
+            }
+        }
     }
 
     /// The service (by id, as shared data names it) of the first pod that
@@ -287,100 +334,77 @@ mod tests {
         Some(r.pods.first()?.services.first()?.service.clone())
     }
 
-    /// One request's reads, as `check::judge` does them: meta, then entries.
-    fn pod_of(cache: &mut Cache, store: &Counting, ip: &str) -> Option<ServiceKey> {
-        let meta = View::new(store).meta_and_cas();
-        cache.align(meta);
-        let (meta, _) = meta?;
-        let ip = ip.parse().unwrap();
-        match cache.record(store, &meta, &ip).0 {
-            Entry::Present(r) => held_for(r),
-            _ => None,
-        }
+    /// Synced with 10.0.0.1 held by pod `a`, which the cache has read.
+    fn serving_a() -> Vm {
+        let mut vm = Vm::synced(Cache::default(), vec![record("10.0.0.1", "a")]);
+        assert_eq!(vm.pod_of("10.0.0.1"), Some(by_id("a")));
+        vm
     }
 
     #[test]
     fn a_hit_costs_one_read_of_meta() {
-        let mut store = Counting::default();
-        let mut p = poller();
-        snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
-        let mut cache = Cache::default();
-        store.reads.set(0);
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
-        assert_eq!(store.reads.get(), 2, "meta and the bucket");
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
-        assert_eq!(store.reads.get(), 3, "meta only");
-        let meta = View::new(&store).meta().unwrap();
-        assert_eq!(cache.service(&store, &meta, &cart()), Entry::Present(()));
-        assert_eq!(cache.service(&store, &meta, &cart()), Entry::Present(()));
-        assert_eq!(store.reads.get(), 5, "meta above, then the service once");
+        let mut vm = Vm::synced(Cache::default(), vec![record("10.0.0.1", "a")]);
+        vm.store.reads.set(0);
+        assert_eq!(vm.pod_of("10.0.0.1"), Some(by_id("a")));
+        assert_eq!(vm.store.reads.get(), 2, "meta and the bucket");
+        assert_eq!(vm.pod_of("10.0.0.1"), Some(by_id("a")));
+        assert_eq!(vm.store.reads.get(), 3, "meta only");
+        let meta = vm.meta();
+        assert_eq!(
+            vm.cache.service(&vm.store, &meta, &cart()),
+            Entry::Present(())
+        );
+        assert_eq!(
+            vm.cache.service(&vm.store, &meta, &cart()),
+            Entry::Present(())
+        );
+        assert_eq!(vm.store.reads.get(), 5, "meta above, then the service once");
     }
 
     #[test]
     fn a_new_generation_or_a_rewrite_of_the_same_ip_invalidates() {
-        let mut store = Counting::default();
-        let mut p = poller();
-        snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
-        let mut cache = Cache::default();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.2"), None);
+        let mut vm = serving_a();
+        assert_eq!(vm.pod_of("10.0.0.2"), None);
         // The same IP rewritten (a recycled IP), and a new one.
-        delta(
-            &mut store,
-            &mut p,
-            1,
-            vec![record("10.0.0.1", "b"), record("10.0.0.2", "c")],
-        );
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("b")));
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.2"), Some(by_id("c")));
+        vm.delta(1, vec![record("10.0.0.1", "b"), record("10.0.0.2", "c")]);
+        assert_eq!(vm.pod_of("10.0.0.1"), Some(by_id("b")));
+        assert_eq!(vm.pod_of("10.0.0.2"), Some(by_id("c")));
     }
 
     #[test]
     fn a_new_load_invalidates() {
-        let mut store = Counting::default();
-        let mut p = poller();
-        snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
-        let mut cache = Cache::default();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
-        let before = View::new(&store).meta().unwrap();
+        let mut vm = serving_a();
+        let before = vm.meta();
         // A validator restart: another epoch, the same generation number.
-        snapshot(&mut store, &mut p, 2, vec![record("10.0.0.1", "z")]);
-        let after = View::new(&store).meta().unwrap();
+        vm.snapshot(2, vec![record("10.0.0.1", "z")]);
+        let after = vm.meta();
         assert_ne!(before.load, after.load);
         assert_eq!(before.generation, after.generation);
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("z")));
+        assert_eq!(vm.pod_of("10.0.0.1"), Some(by_id("z")));
     }
 
     #[test]
     fn any_write_of_meta_invalidates_even_with_the_same_contents() {
-        let mut store = Counting::default();
-        let mut p = poller();
-        snapshot(&mut store, &mut p, 1, vec![record("10.0.0.1", "a")]);
-        let mut cache = Cache::default();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("a")));
+        let mut vm = serving_a();
         // A bucket rewritten behind meta's back, then meta rewritten as it
         // was: the token moved, so the entries go.
-        let meta = View::new(&store).meta().unwrap();
+        let meta = vm.meta();
         let ip: IpAddr = "10.0.0.1".parse().unwrap();
         crate::buckets::put(
-            &mut store.inner,
+            &mut vm.store.inner,
             meta.load,
             meta.buckets,
             &record("10.0.0.1", "q"),
         )
         .unwrap();
-        assert_eq!(
-            pod_of(&mut cache, &store, "10.0.0.1"),
-            Some(by_id("a")),
-            "not committed yet"
-        );
-        store
+        assert_eq!(vm.pod_of("10.0.0.1"), Some(by_id("a")), "not committed yet");
+        vm.store
             .inner
             .set(crate::store::META_KEY, &meta.encode(), None)
             .unwrap();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), Some(by_id("q")));
+        assert_eq!(vm.pod_of("10.0.0.1"), Some(by_id("q")));
         assert!(matches!(
-            cache.reread(&store, &meta, &ip),
+            vm.cache.reread(&vm.store, &meta, &ip),
             Entry::Present(r) if held_for(r) == Some(by_id("q"))
         ));
     }
@@ -389,37 +413,30 @@ mod tests {
     fn never_serves_a_record_after_meta_moved() {
         // Interleave deltas with reads of changing IPs: every read answers
         // exactly what an uncached read of the same moment answers.
-        let mut store = Counting::default();
-        let mut p = poller();
-        snapshot(&mut store, &mut p, 1, vec![]);
-        let mut cache = Cache::with_limit(8);
+        let mut vm = Vm::synced(Cache::with_limit(8), vec![]);
         let ips: Vec<String> = (1..=20).map(|i| format!("10.0.1.{i}")).collect();
         for g in 1..60u64 {
             let ip = &ips[(g as usize * 7) % ips.len()];
-            delta(&mut store, &mut p, g, vec![record(ip, &format!("p{g}"))]);
+            vm.delta(g, vec![record(ip, &format!("p{g}"))]);
             for probe in &ips {
-                let view = View::new(&store.inner);
+                let view = View::new(&vm.store.inner);
                 let expected = match view.record(&view.meta().unwrap(), &probe.parse().unwrap()) {
                     Entry::Present(r) => held_for(&r),
                     _ => None,
                 };
-                assert_eq!(
-                    pod_of(&mut cache, &store, probe),
-                    expected,
-                    "{probe} at {g}"
-                );
+                assert_eq!(vm.pod_of(probe), expected, "{probe} at {g}");
             }
-            assert!(cache.sizes().2 <= 8);
+            assert!(vm.cache.sizes().2 <= 8);
         }
     }
 
     #[test]
     fn maps_are_bounded_and_clusters_resolve_once() {
-        let mut cache = Cache::with_limit(3);
+        let mut vm = Vm::new(Cache::with_limit(3));
         let mut calls = 0;
         for round in 0..2 {
             for c in ["a", "b", "c"] {
-                let got = cache.service_of(c, || {
+                let got = vm.cache.service_of(c, || {
                     calls += 1;
                     (c != "c").then(cart)
                 });
@@ -430,13 +447,12 @@ mod tests {
             calls, 3,
             "a miss resolves, unmapped clusters are cached too"
         );
-        cache.service_of("d", || None);
-        assert_eq!(cache.sizes().0, 1, "full: cleared before the insert");
-        cache.clear_clusters();
-        assert_eq!(cache.sizes().0, 0);
+        vm.cache.service_of("d", || None);
+        assert_eq!(vm.cache.sizes().0, 1, "full: cleared before the insert");
+        vm.cache.clear_clusters();
+        assert_eq!(vm.cache.sizes().0, 0);
         // Before any sync there is nothing to file entries under.
-        let store = Counting::default();
-        assert_eq!(pod_of(&mut cache, &store, "10.0.0.1"), None);
-        assert_eq!(cache.sizes().2, 0);
+        assert_eq!(vm.pod_of("10.0.0.1"), None);
+        assert_eq!(vm.cache.sizes().2, 0);
     }
 }

@@ -136,10 +136,7 @@ pub(crate) mod fake {
 
     impl Reply {
         pub(crate) fn header(&self, name: &str) -> Option<&str> {
-            self.headers
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.as_str())
+            find(&self.headers, name)
         }
     }
 
@@ -154,11 +151,32 @@ pub(crate) mod fake {
 
     impl Call {
         pub(crate) fn header(&self, name: &str) -> Option<&str> {
-            self.headers
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.as_str())
+            find(&self.headers, name)
         }
+    }
+
+    /// The value of header `name` in a list the double keeps.
+    fn find<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// A header list the filter passed, as the double keeps it.
+    fn owned(headers: &[(&str, &str)]) -> Vec<(String, String)> {
+        headers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    /// A header list the double keeps, as the host gives it.
+    fn raw(headers: &[(String, String)]) -> RawHeaders {
+        headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone().into_bytes()))
+            .collect()
     }
 
     /// The answer being delivered to `call_response`.
@@ -231,17 +249,11 @@ pub(crate) mod fake {
         }
 
         fn request_header(&self, name: &str) -> Option<String> {
-            self.request_headers
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
+            find(&self.request_headers, name).map(str::to_owned)
         }
 
         fn request_headers(&self) -> RawHeaders {
-            self.request_headers
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone().into_bytes()))
-                .collect()
+            raw(&self.request_headers)
         }
 
         fn remove_request_header(&mut self, name: &str) {
@@ -261,29 +273,18 @@ pub(crate) mod fake {
             self.calls.push(Call {
                 token,
                 cluster: cluster.to_owned(),
-                headers: headers
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                    .collect(),
+                headers: owned(headers),
                 timeout,
             });
             Ok(token)
         }
 
         fn call_status(&self) -> Option<u32> {
-            self.answer
-                .headers
-                .iter()
-                .find(|(k, _)| k == ":status")
-                .and_then(|(_, v)| v.parse().ok())
+            find(&self.answer.headers, ":status")?.parse().ok()
         }
 
         fn call_headers(&self) -> RawHeaders {
-            self.answer
-                .headers
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone().into_bytes()))
-                .collect()
+            raw(&self.answer.headers)
         }
 
         fn call_body(&self, offset: usize, len: usize) -> Result<Vec<u8>, String> {
@@ -304,10 +305,7 @@ pub(crate) mod fake {
         fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>) {
             self.replies.push(Reply {
                 status,
-                headers: headers
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                    .collect(),
+                headers: owned(headers),
                 body: body.unwrap_or_default().to_vec(),
             });
         }

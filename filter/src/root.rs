@@ -528,16 +528,37 @@ pub(crate) mod tests {
         root.tick(host);
     }
 
+    /// A host at a time well past the epoch.
+    fn started_host() -> FakeHost {
+        FakeHost {
+            now_ms: 100_000,
+            ..FakeHost::default()
+        }
+    }
+
+    /// A root configured with the shipped configuration plus `extra`, after
+    /// its first tick (the one that takes the lease).
+    fn configured(host: &mut FakeHost, extra: &str) -> Root {
+        let mut root = Root::new(1);
+        assert!(root.configure(host, &shipped_config(extra)));
+        root.tick(host);
+        root
+    }
+
+    /// Delivers `body` as the answer (status 200) to call `token`; returns
+    /// its size.
+    fn answer(root: &mut Root, host: &mut FakeHost, token: u32, body: Vec<u8>) -> usize {
+        let size = body.len();
+        host.answer_with(200, body);
+        root.call_response(host, token, 1, size);
+        size
+    }
+
     /// A root configured with the shipped configuration plus `extra`, that
     /// holds the lease and has its first call (the snapshot) out.
     pub(crate) fn polling(extra: &str) -> (Root, FakeHost) {
-        let mut host = FakeHost {
-            now_ms: 100_000,
-            ..FakeHost::default()
-        };
-        let mut root = Root::new(1);
-        assert!(root.configure(&mut host, &shipped_config(extra)));
-        root.tick(&mut host);
+        let mut host = started_host();
+        let mut root = configured(&mut host, extra);
         assert_eq!(host.counter(metrics::SYNC_LEASE_ACQUIRED), 1);
         assert!(
             host.calls.is_empty(),
@@ -551,10 +572,7 @@ pub(crate) mod tests {
     /// [`polling`], with the snapshot of `ips` loaded.
     pub(crate) fn loaded(extra: &str, ips: &[&str]) -> (Root, FakeHost) {
         let (mut root, mut host) = polling(extra);
-        let body = snapshot_body(ips);
-        let size = body.len();
-        host.answer_with(200, body);
-        root.call_response(&mut host, 1, 1, size);
+        answer(&mut root, &mut host, 1, snapshot_body(ips));
         assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
         (root, host)
     }
@@ -568,10 +586,7 @@ pub(crate) mod tests {
             snapshot.header(":path"),
             Some("/v1/snapshot?v=1&view=verdict")
         );
-        let body = snapshot_body(&["10.0.0.1"]);
-        let size = body.len();
-        host.answer_with(200, body);
-        root.call_response(&mut host, 1, 1, size);
+        let size = answer(&mut root, &mut host, 1, snapshot_body(&["10.0.0.1"]));
         assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
         assert_eq!(host.counter(metrics::SYNC_BYTES), size as u64);
         assert_eq!(host.gauges.get(metrics::GAUGE_GENERATION), Some(&3));
@@ -605,10 +620,7 @@ pub(crate) mod tests {
         }
         assert_eq!(host.counter(&metrics::sync_errors("timeout")), 1);
         // Its answer, should it come now, is not applied.
-        let body = snapshot_body(&["10.0.0.2"]);
-        let size = body.len();
-        host.answer_with(200, body);
-        root.call_response(&mut host, 2, 1, size);
+        answer(&mut root, &mut host, 2, snapshot_body(&["10.0.0.2"]));
         assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
         assert_eq!(host.counter(metrics::SYNC_DELTAS), 0);
     }
@@ -639,12 +651,9 @@ pub(crate) mod tests {
     fn a_refused_dispatch_counts_as_a_transport_error() {
         let mut host = FakeHost {
             refuse_calls: true,
-            now_ms: 100_000,
-            ..FakeHost::default()
+            ..started_host()
         };
-        let mut root = Root::new(1);
-        assert!(root.configure(&mut host, &shipped_config("{}")));
-        root.tick(&mut host);
+        let mut root = configured(&mut host, "{}");
         fire(&mut root, &mut host);
         assert_eq!(host.counter(&metrics::sync_errors("transport")), 1);
         assert_eq!(host.counter(metrics::SYNC_POLLS), 0);

@@ -558,6 +558,22 @@ mod tests {
         serde_json::to_vec(t).unwrap()
     }
 
+    /// A poller (id 7) that loaded a snapshot of `ips` (epoch 9, generation 3)
+    /// at time 0, and the store it wrote.
+    fn loaded(ips: &[&str]) -> (Poller, MemoryStore) {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        p.next_request(0, &store);
+        p.on_response(0, 200, &json(&snapshot(9, 3, ips)), &mut store)
+            .unwrap();
+        (p, store)
+    }
+
+    /// 10.0.0.1 to 10.0.0.20.
+    fn twenty_ips() -> Vec<String> {
+        (1..=20).map(|i| format!("10.0.0.{i}")).collect()
+    }
+
     #[test]
     fn starts_with_a_snapshot_then_long_polls() {
         let mut store = MemoryStore::default();
@@ -581,11 +597,7 @@ mod tests {
 
     #[test]
     fn deltas_upsert_and_remove() {
-        let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
-        p.next_request(0, &store);
-        p.on_response(0, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
-            .unwrap();
+        let (mut p, mut store) = loaded(&["10.0.0.1"]);
         p.next_request(0, &store);
         let mut d = delta(9, 3, 5);
         d.upserts = vec![rec("10.0.0.2")];
@@ -607,16 +619,7 @@ mod tests {
 
     #[test]
     fn a_reset_invalidates_what_the_new_snapshot_lacks() {
-        let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
-        p.next_request(0, &store);
-        p.on_response(
-            0,
-            200,
-            &json(&snapshot(9, 3, &["10.0.0.1", "10.0.0.2"])),
-            &mut store,
-        )
-        .unwrap();
+        let (mut p, mut store) = loaded(&["10.0.0.1", "10.0.0.2"]);
         p.next_request(0, &store);
         let reset = Changes::Reset(snapshot(11, 1, &["10.0.0.2", "10.0.0.3"]));
         assert_eq!(
@@ -657,11 +660,7 @@ mod tests {
 
     #[test]
     fn out_of_step_deltas_force_a_snapshot() {
-        let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
-        p.next_request(0, &store);
-        p.on_response(0, 200, &json(&snapshot(9, 3, &[])), &mut store)
-            .unwrap();
+        let (mut p, mut store) = loaded(&[]);
         for bad in [delta(9, 2, 4), delta(8, 3, 4), delta(9, 3, 2)] {
             p.next_request(u64::MAX / 2, &store);
             let err = p
@@ -679,11 +678,7 @@ mod tests {
 
     #[test]
     fn errors_back_off_exponentially_with_jitter_and_keep_the_data() {
-        let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
-        p.next_request(0, &store);
-        p.on_response(0, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
-            .unwrap();
+        let (mut p, mut store) = loaded(&["10.0.0.1"]);
         let mut now = 0;
         let mut delays = vec![];
         for status in [503, 500, 401, 503, 503, 503] {
@@ -806,11 +801,7 @@ mod tests {
 
     #[test]
     fn the_watchdog_gives_up_on_a_call_that_never_answers_and_backs_off() {
-        let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
-        p.next_request(0, &store);
-        p.on_response(0, 200, &json(&snapshot(9, 3, &["10.0.0.1"])), &mut store)
-            .unwrap();
+        let (mut p, store) = loaded(&["10.0.0.1"]);
         let poll = p.next_request(10, &store).unwrap();
         let limit = 10 + CFG.watchdog_ms(&poll);
         assert_eq!(limit, 10 + 5_000 + LONG_POLL_SLACK_MS + WATCHDOG_SLACK_MS);
@@ -921,13 +912,8 @@ mod tests {
 
     #[test]
     fn the_guard_holds_an_empty_reset_and_the_old_data_keeps_serving() {
-        let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
-        let ips: Vec<String> = (1..=20).map(|i| format!("10.0.0.{i}")).collect();
-        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
-        p.next_request(0, &store);
-        p.on_response(0, 200, &json(&snapshot(9, 3, &ips)), &mut store)
-            .unwrap();
+        let ips = twenty_ips();
+        let (mut p, mut store) = loaded(&ips.iter().map(String::as_str).collect::<Vec<_>>());
         let before = View::new(&store).meta().unwrap();
         let mut empty = snapshot(10, 1, &[]);
         empty.services = vec![cart()];
@@ -972,13 +958,8 @@ mod tests {
 
     #[test]
     fn a_pod_that_appears_during_a_hold_is_written_and_nothing_else() {
-        let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
-        let ips: Vec<String> = (1..=20).map(|i| format!("10.0.0.{i}")).collect();
-        let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
-        p.next_request(0, &store);
-        p.on_response(0, 200, &json(&snapshot(9, 3, &refs)), &mut store)
-            .unwrap();
+        let ips = twenty_ips();
+        let (mut p, mut store) = loaded(&ips.iter().map(String::as_str).collect::<Vec<_>>());
         let before = View::new(&store).meta().unwrap();
         // A wrong reset: 18 of 20 IPs gone, and one new pod (10.0.1.1).
         let held = Changes::Reset(snapshot(10, 1, &["10.0.0.1", "10.0.0.2", "10.0.1.1"]));
@@ -1005,15 +986,10 @@ mod tests {
 
     #[test]
     fn the_guard_lets_a_delta_of_tombstones_through_at_once() {
-        let mut store = MemoryStore::default();
-        let mut p = Poller::new(CFG, 7);
         let ips: Vec<String> = (1..=250)
             .map(|i| format!("10.0.{}.{}", i / 200, i % 200))
             .collect();
-        let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
-        p.next_request(0, &store);
-        p.on_response(0, 200, &json(&snapshot(9, 3, &refs)), &mut store)
-            .unwrap();
+        let (mut p, mut store) = loaded(&ips.iter().map(String::as_str).collect::<Vec<_>>());
         p.next_request(0, &store);
         let mut d = delta(9, 3, 233);
         d.upserts = ips[20..]

@@ -21,8 +21,6 @@ use serde_json::json;
 use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::audit::fetch::Client;
 use staleguard_validator::audit::{audit_once, Audit, AuditArgs};
-use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
 use staleguard_validator::synth;
 
 fn env(name: &str, default: usize) -> usize {
@@ -65,11 +63,7 @@ async fn run() -> Result<()> {
             .endpoints
             .retain(|e| !e.addresses.iter().any(|a| gone.contains(a)));
     }
-    let shared = SharedIndex::new(
-        Index::new(1, IndexConfig::default()),
-        Duration::from_secs(3600),
-    );
-    synth::feed(&shared, truth);
+    let shared = synth::indexed(truth);
     let config = ApiConfig {
         listen: "127.0.0.1:0".parse()?,
         admin_listen: "127.0.0.1:0".parse()?,

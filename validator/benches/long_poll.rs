@@ -164,6 +164,40 @@ struct Receipt {
     at: u128,
 }
 
+/// Has the validator side apply one change, then collects each client's delay
+/// from the change to its answer with the new generation, waiting at most
+/// `timeout` for each answer; returns the new generation and the delays.
+fn change_and_wait(
+    runtime: &tokio::runtime::Runtime,
+    to_server: &mut impl Write,
+    next_line: &mut impl FnMut() -> Result<Vec<String>>,
+    rx: &mut mpsc::UnboundedReceiver<Receipt>,
+    clients: usize,
+    timeout: Duration,
+) -> Result<(u64, Vec<Duration>)> {
+    writeln!(to_server, "change")?;
+    let applied = next_line()?;
+    let (generation, at): (u64, u128) = (applied[1].parse()?, applied[2].parse()?);
+    let mut latencies = Vec::with_capacity(clients);
+    runtime.block_on(async {
+        while latencies.len() < clients {
+            let Some(r) = tokio::time::timeout(timeout, rx.recv()).await? else {
+                bail!("clients went away");
+            };
+            if r.generation == generation {
+                latencies.push(Duration::from_nanos(r.at.saturating_sub(at) as u64));
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok((generation, latencies))
+}
+
+/// The `p` quantile of `sorted` (nearest rank).
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 * p).ceil() as usize).saturating_sub(1)]
+}
+
 fn driver() -> Result<()> {
     let clients = env("CLIENTS", 1000);
     let rounds = env("ROUNDS", 30);
@@ -216,31 +250,25 @@ fn driver() -> Result<()> {
         writeln!(to_server, "stats")?;
         let before = next_line()?;
         let started = Instant::now();
-        writeln!(to_server, "change")?;
-        let applied = next_line()?;
-        let (new_generation, at): (u64, u128) = (applied[1].parse()?, applied[2].parse()?);
-        let mut latencies = Vec::with_capacity(clients);
-        runtime.block_on(async {
-            while latencies.len() < clients {
-                let Some(r) = tokio::time::timeout(Duration::from_secs(30), rx.recv()).await?
-                else {
-                    bail!("clients went away");
-                };
-                if r.generation == new_generation {
-                    latencies.push(Duration::from_nanos(r.at.saturating_sub(at) as u64));
-                }
-            }
-            Ok::<_, anyhow::Error>(())
-        })?;
+        let (new_generation, mut latencies) = change_and_wait(
+            &runtime,
+            &mut to_server,
+            &mut next_line,
+            &mut rx,
+            clients,
+            Duration::from_secs(30),
+        )?;
         wall += started.elapsed();
         writeln!(to_server, "stats")?;
         let after = next_line()?;
         cpu_ticks += after[1].parse::<u64>()? - before[1].parse::<u64>()?;
         generation = new_generation;
         latencies.sort();
-        let pct =
-            |p: f64| latencies[((latencies.len() as f64 * p).ceil() as usize).saturating_sub(1)];
-        let (p50, p99, max) = (pct(0.50), pct(0.99), latencies[latencies.len() - 1]);
+        let (p50, p99, max) = (
+            percentile(&latencies, 0.50),
+            percentile(&latencies, 0.99),
+            latencies[latencies.len() - 1],
+        );
         eprintln!("round {round:>2}: generation {generation}: p50 {p50:?} p99 {p99:?} max {max:?}");
         p50s.push(p50);
         p99s.push(p99);
@@ -285,22 +313,14 @@ fn driver() -> Result<()> {
             })
             .collect();
         std::thread::sleep(Duration::from_millis(10));
-        writeln!(to_server, "change")?;
-        let applied = next_line()?;
-        let (new_generation, at): (u64, u128) = (applied[1].parse()?, applied[2].parse()?);
-        let mut latencies = Vec::with_capacity(clients);
-        runtime.block_on(async {
-            while latencies.len() < clients {
-                let Some(r) = tokio::time::timeout(Duration::from_secs(60), rx.recv()).await?
-                else {
-                    bail!("clients went away");
-                };
-                if r.generation == new_generation {
-                    latencies.push(Duration::from_nanos(r.at.saturating_sub(at) as u64));
-                }
-            }
-            Ok::<_, anyhow::Error>(())
-        })?;
+        let (_, mut latencies) = change_and_wait(
+            &runtime,
+            &mut to_server,
+            &mut next_line,
+            &mut rx,
+            clients,
+            Duration::from_secs(60),
+        )?;
         let mut reset_times = Vec::with_capacity(burst);
         let mut bytes = 0;
         for r in resets {
@@ -314,8 +334,6 @@ fn driver() -> Result<()> {
         let builds = runtime.block_on(snapshot_builds(admin))? - builds_before;
         latencies.sort();
         reset_times.sort();
-        let pct =
-            |v: &[Duration], p: f64| v[((v.len() as f64 * p).ceil() as usize).saturating_sub(1)];
         let ticks = after[1].parse::<u64>()? - before[1].parse::<u64>()?;
         let line = BurstRound {
             rss_before_kib: before[3].parse()?,
@@ -323,10 +341,10 @@ fn driver() -> Result<()> {
             cpu: Duration::from_millis(ticks * 10),
             wall,
             peak_kib: after[2].parse()?,
-            reset_p50: pct(&reset_times, 0.5),
+            reset_p50: percentile(&reset_times, 0.5),
             reset_max: reset_times[reset_times.len() - 1],
-            p50: pct(&latencies, 0.5),
-            p99: pct(&latencies, 0.99),
+            p50: percentile(&latencies, 0.5),
+            p99: percentile(&latencies, 0.99),
             max: latencies[latencies.len() - 1],
             bytes,
         };

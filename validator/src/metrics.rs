@@ -10,6 +10,8 @@
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -162,6 +164,27 @@ impl Metrics {
         let mut text = String::new();
         encode(&mut text, &registry)?;
         Ok(text)
+    }
+}
+
+/// The answer to a scrape: the `encode`d text as OpenMetrics, or a 500 when
+/// it could not be encoded.
+pub(crate) fn scrape_answer(encoded: Result<String, std::fmt::Error>) -> Response {
+    match encoded {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            )],
+            text,
+        )
+            .into_response(),
+        Err(error) => {
+            tracing::error!(%error, "cannot encode metrics");
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        }
     }
 }
 

@@ -233,6 +233,34 @@ impl SharedIndex {
         self.update(|index| index.apply_slice(event, now));
     }
 
+    /// Feeds complete lists of every kind, as the first lists of the watches
+    /// would: Services, then Pods, then EndpointSlices, each a relist
+    /// (`Init`, an `InitApply` per object, `InitDone`).
+    pub(crate) fn relist_all(
+        &self,
+        services: impl IntoIterator<Item = Service>,
+        pods: impl IntoIterator<Item = Pod>,
+        slices: impl IntoIterator<Item = EndpointSlice>,
+        now: SystemTime,
+    ) {
+        self.relist(services, now, Self::apply_service);
+        self.relist(pods, now, Self::apply_pod);
+        self.relist(slices, now, Self::apply_slice);
+    }
+
+    fn relist<K>(
+        &self,
+        objects: impl IntoIterator<Item = K>,
+        now: SystemTime,
+        apply: fn(&Self, Event<K>, SystemTime),
+    ) {
+        apply(self, Event::Init, now);
+        for object in objects {
+            apply(self, Event::InitApply(object), now);
+        }
+        apply(self, Event::InitDone, now);
+    }
+
     /// The whole index, copied without holding the lock for long: records are
     /// copied [`SNAPSHOT_CHUNK`] at a time, releasing the lock in between so
     /// watch events are applied meanwhile, and at the end everything that
@@ -390,13 +418,7 @@ mod tests {
     }
 
     fn sync_all(s: &SharedIndex) {
-        let now = SystemTime::now();
-        s.apply_pod(Event::Init, now);
-        s.apply_pod(Event::InitDone, now);
-        s.apply_service(Event::Init, now);
-        s.apply_service(Event::InitDone, now);
-        s.apply_slice(Event::Init, now);
-        s.apply_slice(Event::InitDone, now);
+        s.relist_all([], [], [], SystemTime::now());
     }
 
     #[test]

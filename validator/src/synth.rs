@@ -4,15 +4,15 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use k8s_openapi::api::core::v1::{
     ObjectReference, Pod, PodCondition, PodIP, PodSpec, PodStatus, Service, ServiceSpec,
 };
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use kube::runtime::watcher::Event;
 
+use crate::index::{Index, IndexConfig};
 use crate::shared::SharedIndex;
 
 /// The label every synthetic pod carries, matched by its service's selector.
@@ -211,39 +211,34 @@ pub fn cluster(services: usize, pods_per_service: usize) -> Cluster {
     cluster
 }
 
+/// An index (epoch 1, default configuration) that listed `cluster`; its data
+/// counts as fresh for an hour without news, longer than any measurement.
+pub fn indexed(cluster: Cluster) -> SharedIndex {
+    let shared = SharedIndex::new(
+        Index::new(1, IndexConfig::default()),
+        Duration::from_secs(3600),
+    );
+    feed(&shared, cluster);
+    shared
+}
+
 /// Feeds `cluster` to `shared` as the initial list of every kind.
 pub fn feed(shared: &SharedIndex, cluster: Cluster) {
-    let now = SystemTime::now();
-    shared.apply_service(Event::Init, now);
-    for s in cluster.services {
-        shared.apply_service(Event::InitApply(s), now);
-    }
-    shared.apply_service(Event::InitDone, now);
-    shared.apply_pod(Event::Init, now);
-    for p in cluster.pods {
-        shared.apply_pod(Event::InitApply(p), now);
-    }
-    shared.apply_pod(Event::InitDone, now);
-    shared.apply_slice(Event::Init, now);
-    for s in cluster.slices {
-        shared.apply_slice(Event::InitApply(s), now);
-    }
-    shared.apply_slice(Event::InitDone, now);
+    let Cluster {
+        services,
+        pods,
+        slices,
+    } = cluster;
+    shared.relist_all(services, pods, slices, SystemTime::now());
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::{Index, IndexConfig};
-    use std::time::Duration;
 
     #[test]
     fn a_synthetic_cluster_indexes_every_pod_as_a_member() {
-        let shared = SharedIndex::new(
-            Index::new(1, IndexConfig::default()),
-            Duration::from_secs(60),
-        );
-        feed(&shared, cluster(3, 300));
+        let shared = indexed(cluster(3, 300));
         let index = shared.read();
         assert!(index.synced());
         assert_eq!(index.stats().pods, 900);

@@ -119,18 +119,8 @@ impl Writer {
         self.buckets = layout;
         self.known_buckets = written;
         self.known_services = services;
-        let meta = Meta {
-            load,
-            epoch: *epoch,
-            generation: *generation,
-            synced_ms: now_ms,
-            fresh: freshness.fresh,
-            entries,
-            buckets: layout,
-        };
-        store.set(META_KEY, &meta.encode(), None)?;
         self.entries = entries;
-        Ok(meta)
+        self.write_meta(store, load, now_ms, *epoch, *generation, freshness.fresh)
     }
 
     /// Writes `delta` into `load` (the poller checked that it continues the
@@ -205,17 +195,33 @@ impl Writer {
             }
             self.entries = self.entries.saturating_add_signed(delta);
         }
+        self.write_meta(store, load, now_ms, *epoch, *generation, freshness.fresh)?;
+        Ok(changed)
+    }
+
+    /// Points readers at `load`, at the answer's epoch, generation and
+    /// freshness, with the writer's size and layout: the commit of a
+    /// snapshot or a delta, after all its entries.
+    fn write_meta(
+        &self,
+        store: &mut dyn SharedData,
+        load: u64,
+        now_ms: u64,
+        epoch: u64,
+        generation: u64,
+        fresh: bool,
+    ) -> Result<Meta, StoreError> {
         let meta = Meta {
             load,
-            epoch: *epoch,
-            generation: *generation,
+            epoch,
+            generation,
             synced_ms: now_ms,
-            fresh: freshness.fresh,
+            fresh,
             entries: self.entries,
             buckets: self.buckets,
         };
         store.set(META_KEY, &meta.encode(), None)?;
-        Ok(changed)
+        Ok(meta)
     }
 
     /// While an answer is held: writes the records that only add (see

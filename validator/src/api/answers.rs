@@ -310,16 +310,10 @@ fn reset_of(snapshot: &[u8]) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::{Index, IndexConfig};
 
     #[test]
     fn a_reset_is_the_snapshot_with_the_tag_in_front_byte_for_byte() {
-        let shared = SharedIndex::new(
-            Index::new(9, IndexConfig::default()),
-            Duration::from_secs(60),
-        );
-        let cluster = crate::synth::cluster(3, 4);
-        crate::synth::feed(&shared, cluster);
+        let shared = crate::synth::indexed(crate::synth::cluster(3, 4));
         let snapshot = shared.read().snapshot(shared.freshness());
         let ours = reset_of(&serde_json::to_vec(&snapshot).unwrap());
         let serde = serde_json::to_vec(&Changes::Reset(snapshot)).unwrap();

@@ -272,22 +272,7 @@ async fn readyz(State(state): State<ApiState>) -> Response {
 }
 
 async fn metrics(State(state): State<ApiState>) -> Response {
-    match state.metrics.encode(&state.index) {
-        Ok(text) => (
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
-            )],
-            text,
-        )
-            .into_response(),
-        Err(error) => {
-            tracing::error!(%error, "cannot encode metrics");
-            StatusCode::INTERNAL_SERVER_ERROR.into_response()
-        }
-    }
+    crate::metrics::scrape_answer(state.metrics.encode(&state.index))
 }
 
 async fn not_found() -> ApiError {

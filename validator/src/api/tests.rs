@@ -7,6 +7,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
+use k8s_openapi::api::core::v1::Service;
 use kube::runtime::watcher::Event;
 use serde_json::Value;
 use staleguard_core::Changes;
@@ -26,32 +27,24 @@ fn synced_index(change_log_capacity: usize) -> SharedIndex {
         ..IndexConfig::default()
     };
     let shared = SharedIndex::new(Index::new(EPOCH, config), Duration::from_secs(60));
-    let now = SystemTime::now();
-    shared.apply_service(Event::Init, now);
-    for (name, app) in [("cart", "cart"), ("pay", "pay")] {
-        let svc = service("shop", name).selector(&[("app", app)]).build();
-        shared.apply_service(Event::InitApply(svc), now);
-    }
-    shared.apply_service(Event::InitDone, now);
-    shared.apply_pod(Event::Init, now);
-    for (name, ip, app) in [
+    let pods = [
         ("cart-1", "10.0.0.1", "cart"),
         ("cart-2", "10.0.0.2", "cart"),
         ("pay-1", "10.0.0.9", "pay"),
-    ] {
-        let p = pod("shop", name).ip(ip).labels(&[("app", app)]).build();
-        shared.apply_pod(Event::InitApply(p), now);
-    }
-    shared.apply_pod(Event::InitDone, now);
-    shared.apply_slice(Event::Init, now);
-    let s = slice("shop", "cart-abc", "cart")
+    ]
+    .map(|(name, ip, app)| pod("shop", name).ip(ip).labels(&[("app", app)]).build());
+    let cart_abc = slice("shop", "cart-abc", "cart")
         .port("http", 8080)
         .endpoint("10.0.0.1", Some("uid-cart-1"))
         .endpoint("10.0.0.2", Some("uid-cart-2"))
         .build();
-    shared.apply_slice(Event::InitApply(s), now);
-    shared.apply_slice(Event::InitDone, now);
+    shared.relist_all(shop_services(), pods, [cart_abc], SystemTime::now());
     shared
+}
+
+/// `shop/cart` (app=cart) and `shop/pay` (app=pay).
+fn shop_services() -> [Service; 2] {
+    ["cart", "pay"].map(|name| service("shop", name).selector(&[("app", name)]).build())
 }
 
 struct Fixture {
@@ -92,6 +85,20 @@ async fn until_long_polls_waiting(f: &Fixture, n: i64) {
         assert!(Instant::now() < deadline, "no {want:?} in:\n{text}");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// `/v1/changes` from the current generation, waiting up to 30 s.
+fn long_poll_uri(f: &Fixture) -> String {
+    let g = f.index.read().generation();
+    format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30")
+}
+
+/// A long poll ([`long_poll_uri`]) on another task, once it waits for a change.
+async fn waiting_long_poll(f: &Fixture) -> tokio::task::JoinHandle<(StatusCode, Value)> {
+    let (app, uri) = (f.app.clone(), long_poll_uri(f));
+    let poll = tokio::spawn(async move { get(&app, &uri).await });
+    until_long_polls_waiting(f, 1).await;
+    poll
 }
 
 async fn get(app: &Router, uri: &str) -> (StatusCode, Value) {
@@ -239,17 +246,8 @@ async fn a_generation_compacted_away_answers_with_a_reset() {
 #[tokio::test]
 async fn a_long_poll_wakes_on_a_change_before_its_wait_ends() {
     let f = fixture();
-    let g = f.index.read().generation();
-    let app = f.app.clone();
     let started = Instant::now();
-    let poll = tokio::spawn(async move {
-        get(
-            &app,
-            &format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30"),
-        )
-        .await
-    });
-    until_long_polls_waiting(&f, 1).await;
+    let poll = waiting_long_poll(&f).await;
     assert!(!poll.is_finished(), "answered before any change");
     delete_cart_2(&f.index);
     let (status, body) = poll.await.unwrap();
@@ -283,16 +281,7 @@ async fn a_long_poll_without_changes_times_out_with_an_empty_delta() {
 #[tokio::test]
 async fn shutdown_answers_waiting_long_polls_at_once() {
     let f = fixture();
-    let g = f.index.read().generation();
-    let app = f.app.clone();
-    let poll = tokio::spawn(async move {
-        get(
-            &app,
-            &format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30"),
-        )
-        .await
-    });
-    until_long_polls_waiting(&f, 1).await;
+    let poll = waiting_long_poll(&f).await;
     f.shutdown.send(true).unwrap();
     let (status, body) = tokio::time::timeout(Duration::from_secs(5), poll)
         .await
@@ -305,16 +294,7 @@ async fn shutdown_answers_waiting_long_polls_at_once() {
 #[tokio::test]
 async fn a_stopped_source_fails_healthz_and_answers_waiting_long_polls_as_not_fresh() {
     let f = fixture();
-    let g = f.index.read().generation();
-    let app = f.app.clone();
-    let poll = tokio::spawn(async move {
-        get(
-            &app,
-            &format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30"),
-        )
-        .await
-    });
-    until_long_polls_waiting(&f, 1).await;
+    let poll = waiting_long_poll(&f).await;
     assert!(!poll.is_finished(), "answered before anything happened");
     let (status, _) = get(&f.admin, "/healthz").await;
     assert_eq!(status, StatusCode::OK);
@@ -424,13 +404,8 @@ async fn long_polls_beyond_the_limit_get_429() {
         ..Limits::default()
     };
     let f = fixture_with(synced_index(1000), limits, None);
-    let g = f.index.read().generation();
-    let uri = format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30");
-    let app = f.app.clone();
-    let first_uri = uri.clone();
-    let first = tokio::spawn(async move { get(&app, &first_uri).await });
-    until_long_polls_waiting(&f, 1).await;
-    let (status, body) = get(&f.app, &uri).await;
+    let first = waiting_long_poll(&f).await;
+    let (status, body) = get(&f.app, &long_poll_uri(&f)).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(body["error"]["code"], "too_many_long_polls");
     f.shutdown.send(true).unwrap();
@@ -619,27 +594,15 @@ async fn a_verdict_for_a_service_outside_the_pod_scope_says_why_it_is_unknown() 
         ..IndexConfig::default()
     };
     let shared = SharedIndex::new(Index::new(EPOCH, config), Duration::from_secs(60));
-    let now = SystemTime::now();
-    shared.apply_service(Event::Init, now);
-    for name in ["cart", "pay"] {
-        let svc = service("shop", name).selector(&[("app", name)]).build();
-        shared.apply_service(Event::InitApply(svc), now);
-    }
-    shared.apply_service(Event::InitDone, now);
-    shared.apply_pod(Event::Init, now);
-    let p = pod("shop", "pay-1")
+    let pay_1 = pod("shop", "pay-1")
         .ip("10.0.0.9")
         .labels(&[("app", "pay")])
         .build();
-    shared.apply_pod(Event::InitApply(p), now);
-    shared.apply_pod(Event::InitDone, now);
-    shared.apply_slice(Event::Init, now);
-    let s = slice("shop", "cart-abc", "cart")
+    let cart_abc = slice("shop", "cart-abc", "cart")
         .port("http", 8080)
         .endpoint("10.0.0.1", Some("uid-cart-1"))
         .build();
-    shared.apply_slice(Event::InitApply(s), now);
-    shared.apply_slice(Event::InitDone, now);
+    shared.relist_all(shop_services(), [pay_1], [cart_abc], SystemTime::now());
     let f = fixture_with(shared, Limits::default(), None);
 
     let (_, body) = get(&f.app, "/v1/verdict?service=shop/cart&ip=10.0.0.1").await;

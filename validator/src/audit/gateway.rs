@@ -338,54 +338,37 @@ pub fn parse_config_dump(bytes: &[u8], what: &str) -> Result<Gateway, GatewayErr
     for config in configs {
         let kind = config.get("@type").and_then(Value::as_str).unwrap_or("");
         if kind.ends_with(".ClustersConfigDump") {
-            for list in ["static_clusters", "dynamic_active_clusters"] {
-                for entry in config
-                    .get(list)
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
-                    let Some(cluster) = entry.get("cluster") else {
-                        continue;
-                    };
-                    let Some(name) = cluster.get("name").and_then(Value::as_str) else {
-                        continue;
-                    };
-                    let eds_name = cluster
-                        .pointer("/eds_cluster_config/service_name")
+            for entry in entries(config, ["static_clusters", "dynamic_active_clusters"]) {
+                let Some(cluster) = entry.get("cluster") else {
+                    continue;
+                };
+                let Some(name) = cluster.get("name").and_then(Value::as_str) else {
+                    continue;
+                };
+                let eds_name = cluster
+                    .pointer("/eds_cluster_config/service_name")
+                    .and_then(Value::as_str)
+                    .filter(|s| !s.is_empty())
+                    .unwrap_or(name);
+                eds_names
+                    .entry(eds_name.to_owned())
+                    .or_default()
+                    .push(gateway.clusters.len());
+                let mut found = Vec::new();
+                plugin_configs(cluster, &mut found);
+                gateway.clusters.push(Cluster {
+                    name: name.to_owned(),
+                    istio_service_host: cluster
+                        .pointer("/metadata/filter_metadata/istio/services/0/host")
                         .and_then(Value::as_str)
-                        .filter(|s| !s.is_empty())
-                        .unwrap_or(name);
-                    eds_names
-                        .entry(eds_name.to_owned())
-                        .or_default()
-                        .push(gateway.clusters.len());
-                    let mut found = Vec::new();
-                    plugin_configs(cluster, &mut found);
-                    gateway.clusters.push(Cluster {
-                        name: name.to_owned(),
-                        istio_service_host: cluster
-                            .pointer("/metadata/filter_metadata/istio/services/0/host")
-                            .and_then(Value::as_str)
-                            .map(str::to_owned),
-                        plugin: pick(found, &format!("cluster {name}"), &mut gateway.notes),
-                        endpoints: Vec::new(),
-                    });
-                }
+                        .map(str::to_owned),
+                    plugin: pick(found, &format!("cluster {name}"), &mut gateway.notes),
+                    endpoints: Vec::new(),
+                });
             }
         } else if kind.ends_with(".EndpointsConfigDump") {
-            for list in ["static_endpoint_configs", "dynamic_endpoint_configs"] {
-                for entry in config
-                    .get(list)
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
-                    if let Some(cla) = entry.get("endpoint_config") {
-                        assignments.push(cla);
-                    }
-                }
-            }
+            let lists = ["static_endpoint_configs", "dynamic_endpoint_configs"];
+            assignments.extend(entries(config, lists).filter_map(|e| e.get("endpoint_config")));
         } else if !kind.ends_with(".BootstrapConfigDump") {
             // Listeners (a router's upstream filters), ECDS, ...: the
             // bootstrap only repeats static clusters and listeners.
@@ -443,6 +426,21 @@ pub fn merge(mut config: Gateway, live: Vec<Cluster>) -> Gateway {
 }
 
 /// Every staleguard plugin configuration (text) under `value`.
+/// The entries of the arrays `lists` of one section of a config dump (a
+/// missing list has none).
+fn entries<'a, const N: usize>(
+    section: &'a Value,
+    lists: [&'static str; N],
+) -> impl Iterator<Item = &'a Value> {
+    lists.into_iter().flat_map(move |list| {
+        section
+            .get(list)
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+    })
+}
+
 fn plugin_configs(value: &Value, out: &mut Vec<Result<PluginView, String>>) {
     match value {
         Value::Object(map) => {

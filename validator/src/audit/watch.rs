@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+
+use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
 
@@ -45,22 +45,7 @@ pub fn router(metrics: Arc<AuditMetrics>) -> Router {
 }
 
 async fn serve_metrics(State(metrics): State<Arc<AuditMetrics>>) -> Response {
-    match metrics.encode() {
-        Ok(text) => (
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
-            )],
-            text,
-        )
-            .into_response(),
-        Err(error) => {
-            tracing::error!(%error, "cannot encode metrics");
-            StatusCode::INTERNAL_SERVER_ERROR.into_response()
-        }
-    }
+    crate::metrics::scrape_answer(metrics.encode())
 }
 
 /// Audits every `every` until SIGINT/SIGTERM, serving metrics on `listen`.

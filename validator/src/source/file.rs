@@ -14,7 +14,6 @@ use std::time::{Duration, SystemTime};
 
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::runtime::watcher::Event;
 use serde::Deserialize;
 use tokio::task::JoinHandle;
 
@@ -239,21 +238,7 @@ pub fn feed(shared: &SharedIndex, objects: Objects, now: SystemTime) {
         slices,
         ignored: _,
     } = objects;
-    shared.apply_service(Event::Init, now);
-    for s in services {
-        shared.apply_service(Event::InitApply(s), now);
-    }
-    shared.apply_service(Event::InitDone, now);
-    shared.apply_pod(Event::Init, now);
-    for p in pods {
-        shared.apply_pod(Event::InitApply(p), now);
-    }
-    shared.apply_pod(Event::InitDone, now);
-    shared.apply_slice(Event::Init, now);
-    for s in slices {
-        shared.apply_slice(Event::InitApply(s), now);
-    }
-    shared.apply_slice(Event::InitDone, now);
+    shared.relist_all(services, pods, slices, now);
 }
 
 fn heard_all(shared: &SharedIndex) {
