@@ -27,6 +27,11 @@ pub struct Writer {
     /// reset; and services likewise.
     known_buckets: HashSet<u32>,
     known_services: HashSet<ServiceKey>,
+    /// Keys the last snapshot left behind (buckets of a replaced layout or
+    /// that it left empty, services it lacks), cleared at the next write:
+    /// by then no reader is still between reading the `meta` of before and
+    /// reading them (see [`Writer::write_snapshot`]).
+    retired: Vec<String>,
 }
 
 impl Default for Writer {
@@ -36,6 +41,7 @@ impl Default for Writer {
             buckets: buckets::MIN_BUCKETS,
             known_buckets: HashSet::new(),
             known_services: HashSet::new(),
+            retired: Vec::new(),
         }
     }
 }
@@ -61,12 +67,22 @@ impl Writer {
 
     /// Writes `snapshot` as a new load and flips `meta` to it; returns
     /// `meta`. Sorts the snapshot's records by bucket.
+    ///
+    /// Until the flip, readers on other workers keep reading the index of
+    /// before through its `meta`: nothing of it is cleared before the flip
+    /// (a bucket of the old layout read empty would reject its live pods as
+    /// destroyed). What the new load leaves behind is cleared at the next
+    /// write, only to give its memory back: once `meta` names the new load,
+    /// every entry of an older load is invalid for readers anyway. When the
+    /// flip fails, the writer keeps describing the index of before, which
+    /// `meta` still names.
     pub fn write_snapshot(
         &mut self,
         store: &mut dyn SharedData,
         now_ms: u64,
         snapshot: &mut Snapshot,
     ) -> Result<Meta, StoreError> {
+        self.clear_retired(store);
         let load = next_id(store, LOADS_KEY)?;
         // Lay the IPs out bucket by bucket: sorted by bucket, each bucket is
         // built and written once, and only one is held at a time.
@@ -105,22 +121,46 @@ impl Writer {
         for service in &services {
             store.set(&service_key(service), &encode_service(load), None)?;
         }
-        // Buckets the new snapshot leaves empty, or of a layout it replaces,
-        // would be invalid anyway once meta names the new load; clearing them
-        // gives their memory back.
-        for index in &self.known_buckets {
-            if layout != self.buckets || !written.contains(index) {
-                store.set(&buckets::bucket_key(self.buckets, *index), b"", None)?;
+        let before = std::mem::replace(
+            self,
+            Writer {
+                entries,
+                buckets: layout,
+                known_buckets: written,
+                known_services: services,
+                retired: Vec::new(),
+            },
+        );
+        let meta = match self.write_meta(store, load, now_ms, *epoch, *generation, freshness.fresh)
+        {
+            Ok(meta) => meta,
+            Err(e) => {
+                *self = before;
+                return Err(e);
             }
+        };
+        self.retired = before
+            .known_buckets
+            .iter()
+            .filter(|i| layout != before.buckets || !self.known_buckets.contains(i))
+            .map(|i| buckets::bucket_key(before.buckets, *i))
+            .chain(
+                before
+                    .known_services
+                    .difference(&self.known_services)
+                    .map(service_key),
+            )
+            .collect();
+        Ok(meta)
+    }
+
+    /// Clears the keys the last snapshot left behind. Best effort: a key left
+    /// holds an older load, which readers ignore, so a failure costs memory,
+    /// not correctness, and must not fail the write that follows.
+    fn clear_retired(&mut self, store: &mut dyn SharedData) {
+        for key in std::mem::take(&mut self.retired) {
+            let _ = store.set(&key, b"", None);
         }
-        for service in self.known_services.difference(&services) {
-            store.set(&service_key(service), b"", None)?;
-        }
-        self.buckets = layout;
-        self.known_buckets = written;
-        self.known_services = services;
-        self.entries = entries;
-        self.write_meta(store, load, now_ms, *epoch, *generation, freshness.fresh)
     }
 
     /// Writes `delta` into `load` (the poller checked that it continues the
@@ -132,6 +172,7 @@ impl Writer {
         load: u64,
         delta: &Delta,
     ) -> Result<u64, StoreError> {
+        self.clear_retired(store);
         let Delta {
             v: _,
             epoch,
@@ -296,4 +337,154 @@ fn write_bucket(
 enum Edit<'a> {
     Put(&'a IpRecord),
     Remove(&'a IpAddr),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+    use staleguard_core::{Freshness, PodHolder};
+
+    fn cart() -> ServiceKey {
+        ServiceKey::new("shop", "cart")
+    }
+
+    /// `n` pods of shop/cart on 10.x.y.z.
+    fn snapshot(generation: u64, n: u32) -> Snapshot {
+        let records = (1..=n)
+            .map(|i| {
+                let ip: IpAddr = std::net::Ipv4Addr::from(0x0a00_0000 + i).into();
+                IpRecord::held_by(
+                    ip,
+                    vec![PodHolder::ready_member(
+                        "shop",
+                        format!("cart-{i}"),
+                        ip.to_string(),
+                        cart(),
+                    )],
+                )
+            })
+            .collect();
+        Snapshot {
+            v: 1,
+            epoch: 1,
+            generation,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(0),
+            },
+            services: vec![cart()],
+            records,
+        }
+    }
+
+    /// A store that, after every write, checks that a reader on another
+    /// worker finds each of `live` (pods in the index before and after)
+    /// present, and that can refuse the `meta` write.
+    struct Watched {
+        store: MemoryStore,
+        live: Vec<IpAddr>,
+        refuse_meta: bool,
+        writes: usize,
+    }
+
+    impl SharedData for Watched {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
+            self.store.get(key)
+        }
+
+        fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            if self.refuse_meta && key == META_KEY {
+                return Err(StoreError::Host("refused".into()));
+            }
+            self.store.set(key, value, cas)?;
+            self.writes += 1;
+            for ip in &self.live {
+                let record = View::new(&self.store).lookup(&cart(), ip).record;
+                assert!(
+                    matches!(record, Entry::Present(_)),
+                    "after write {} ({key}): {ip} reads {record:?}",
+                    self.writes
+                );
+            }
+            Ok(())
+        }
+    }
+
+    fn watched(live: u32) -> Watched {
+        Watched {
+            store: MemoryStore::default(),
+            live: snapshot(0, live)
+                .records
+                .iter()
+                .map(|r| r.ip)
+                .step_by(7)
+                .collect(),
+            refuse_meta: false,
+            writes: 0,
+        }
+    }
+
+    #[test]
+    fn a_reader_finds_every_live_pod_at_every_write_of_a_snapshot_with_a_new_layout() {
+        let mut store = watched(100);
+        store.live.clear();
+        let mut writer = Writer::default();
+        writer
+            .write_snapshot(&mut store, 1, &mut snapshot(1, 100))
+            .unwrap();
+        assert_eq!(writer.buckets, buckets::MIN_BUCKETS);
+        store.live = watched(100).live;
+        // 20,000 pods need more buckets: the old layout's keys must hold
+        // until meta names the new one.
+        let meta = writer
+            .write_snapshot(&mut store, 2, &mut snapshot(2, 20_000))
+            .unwrap();
+        assert!(meta.buckets > buckets::MIN_BUCKETS, "{meta:?}");
+        assert!(!writer.retired.is_empty(), "the old layout's keys wait");
+        // The next write clears them, and readers still find every pod.
+        let retired = writer.retired.clone();
+        writer
+            .write_delta(
+                &mut store,
+                3,
+                meta.load,
+                &Delta {
+                    v: 1,
+                    epoch: 1,
+                    since: 2,
+                    generation: 3,
+                    freshness: Freshness {
+                        fresh: true,
+                        age_ms: Some(0),
+                    },
+                    services_added: vec![],
+                    services_removed: vec![],
+                    upserts: vec![],
+                    removed: vec![],
+                },
+            )
+            .unwrap();
+        assert!(writer.retired.is_empty());
+        for key in retired {
+            assert_eq!(store.get(&key).unwrap().0.unwrap_or_default(), b"");
+        }
+    }
+
+    #[test]
+    fn a_refused_meta_write_leaves_the_writer_describing_the_index_meta_names() {
+        let mut store = watched(100);
+        let mut writer = Writer::default();
+        store.live.clear();
+        let first = writer
+            .write_snapshot(&mut store, 1, &mut snapshot(1, 100))
+            .unwrap();
+        store.live = watched(100).live;
+        store.refuse_meta = true;
+        let err = writer.write_snapshot(&mut store, 2, &mut snapshot(2, 20_000));
+        assert!(err.is_err());
+        assert_eq!(writer.buckets, first.buckets, "still the layout meta names");
+        assert_eq!(writer.entries, 100);
+        assert_eq!(View::new(&store.store).meta(), Some(first));
+    }
 }
