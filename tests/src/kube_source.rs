@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use staleguard_core::wire::Via;
 use staleguard_core::{decide, IpRecord, Policy, ServiceKey, Verdict};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::scope::{PodScope, Selector};
@@ -90,6 +91,30 @@ impl KubeSource {
         }
     }
 
+    /// Waits until the record of `ip` satisfies `check` (an IP with no
+    /// record never does); fails with `what` after 15 s.
+    pub async fn wait_record(
+        &self,
+        what: &str,
+        ip: &str,
+        check: impl Fn(&IpRecord) -> bool,
+    ) -> Result<Duration> {
+        let ip = parse_ip(ip);
+        self.wait_for(what, Duration::from_secs(15), |ix| {
+            ix.record(ip).is_some_and(|r| check(&r))
+        })
+        .await
+    }
+
+    /// Waits until no pod holds `ip` (a tombstone may remain).
+    pub async fn wait_unheld(&self, what: &str, ip: &str) -> Result<Duration> {
+        let ip = parse_ip(ip);
+        self.wait_for(what, Duration::from_secs(15), |ix| {
+            ix.record(ip).is_none_or(|r| r.pods.is_empty())
+        })
+        .await
+    }
+
     /// Waits for every watch's initial list.
     pub async fn synced(&self) -> Result<Duration> {
         self.wait_for("initial sync", Duration::from_secs(30), Index::synced)
@@ -123,6 +148,20 @@ impl Drop for KubeSource {
             task.abort();
         }
     }
+}
+
+/// The names of the pods holding an IP.
+pub fn holders(record: &IpRecord) -> Vec<&str> {
+    record.pods.iter().map(|p| p.name.as_str()).collect()
+}
+
+/// True when a pod holding the IP is a member of `service` by `via`.
+pub fn member_via(record: &IpRecord, service: &ServiceKey, via: Via) -> bool {
+    record
+        .pods
+        .iter()
+        .flat_map(|p| &p.services)
+        .any(|m| m.service == *service && m.via == via)
 }
 
 /// Parses an IP the tests wrote themselves.

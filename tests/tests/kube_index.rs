@@ -6,30 +6,31 @@
 use std::time::Duration;
 
 use staleguard_core::wire::Via;
-use staleguard_core::{Action, IpRecord, Reason, ServiceKey};
+use staleguard_core::{Action, Reason, ServiceKey};
 use staleguard_tests::apiserver::{ApiServer, Cluster, SliceEndpoint};
-use staleguard_tests::kube_source::KubeSource;
+use staleguard_tests::kube_source::{holders, member_via, KubeSource};
+use staleguard_validator::source::kube::Scope;
 
 const WAIT: Duration = Duration::from_secs(15);
 const NS: &str = "shop";
 
-async fn setup() -> Option<(ApiServer, Cluster, KubeSource)> {
+/// An API server with the services cart and pay, and the kube source
+/// watching it within `scope`, synced.
+async fn setup_with(scope: Scope) -> Option<(ApiServer, Cluster, KubeSource)> {
     let server = ApiServer::start().await.unwrap()?;
     let cluster = Cluster::new(server.client());
     cluster.namespace(NS).await.unwrap();
     cluster.service(NS, "cart", 8080).await.unwrap();
     cluster.service(NS, "pay", 8080).await.unwrap();
-    let source = KubeSource::start(&server, Duration::from_secs(120))
+    let source = KubeSource::start_with(&server, Duration::from_secs(120), scope)
         .await
         .unwrap();
     source.synced().await.unwrap();
     Some((server, cluster, source))
 }
 
-fn holders(record: Option<&IpRecord>) -> Vec<String> {
-    record
-        .map(|r| r.pods.iter().map(|p| p.name.clone()).collect())
-        .unwrap_or_default()
+async fn setup() -> Option<(ApiServer, Cluster, KubeSource)> {
+    setup_with(Scope::default()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -60,9 +61,8 @@ async fn a_pods_life_create_ip_terminate_force_delete_and_recycle() {
         "a status write must not touch the spec"
     );
     source
-        .wait_for("cart-1 holds the IP, ready", WAIT, |ix| {
-            ix.record(ip.parse().unwrap())
-                .is_some_and(|r| r.pods.len() == 1 && r.pods[0].ready)
+        .wait_record("cart-1 holds the IP, ready", ip, |r| {
+            r.pods.len() == 1 && r.pods[0].ready
         })
         .await
         .unwrap();
@@ -83,13 +83,8 @@ async fn a_pods_life_create_ip_terminate_force_delete_and_recycle() {
         .await
         .unwrap();
     source
-        .wait_for("cart-1 is a member by slice and selector", WAIT, |ix| {
-            ix.record(ip.parse().unwrap()).is_some_and(|r| {
-                r.pods
-                    .iter()
-                    .flat_map(|p| &p.services)
-                    .any(|m| m.service == cart && m.via == Via::Both)
-            })
+        .wait_record("cart-1 is a member by slice and selector", ip, |r| {
+            member_via(r, &cart, Via::Both)
         })
         .await
         .unwrap();
@@ -100,9 +95,8 @@ async fn a_pods_life_create_ip_terminate_force_delete_and_recycle() {
     let still = still.expect("a bound pod is deleted gracefully and stays");
     assert!(still.metadata.deletion_timestamp.is_some());
     source
-        .wait_for("cart-1 terminating", WAIT, |ix| {
-            ix.record(ip.parse().unwrap())
-                .is_some_and(|r| r.pods.len() == 1 && r.pods[0].terminating)
+        .wait_record("cart-1 terminating", ip, |r| {
+            r.pods.len() == 1 && r.pods[0].terminating
         })
         .await
         .unwrap();
@@ -118,13 +112,7 @@ async fn a_pods_life_create_ip_terminate_force_delete_and_recycle() {
     // Force delete: gone at once; the IP is destroyed, with a tombstone.
     cluster.force_delete_pod(NS, "cart-1").await.unwrap();
     assert!(cluster.get_pod(NS, "cart-1").await.unwrap().is_none());
-    source
-        .wait_for("no pod holds the IP", WAIT, |ix| {
-            ix.record(ip.parse().unwrap())
-                .is_none_or(|r| r.pods.is_empty())
-        })
-        .await
-        .unwrap();
+    source.wait_unheld("no pod holds the IP", ip).await.unwrap();
     let verdict = source.verdict(ip, &cart);
     assert_eq!(verdict.reason, Reason::Destroyed);
     assert_eq!(verdict.action, Action::Reject);
@@ -136,8 +124,8 @@ async fn a_pods_life_create_ip_terminate_force_delete_and_recycle() {
     cluster.pod(NS, "pay-1", "pay").await.unwrap();
     cluster.run_pod(NS, "pay-1", ip, true).await.unwrap();
     source
-        .wait_for("pay-1 holds the recycled IP", WAIT, |ix| {
-            holders(ix.record(ip.parse().unwrap()).as_ref()) == ["pay-1"]
+        .wait_record("pay-1 holds the recycled IP", ip, |r| {
+            holders(r) == ["pay-1"]
         })
         .await
         .unwrap();
@@ -165,9 +153,7 @@ async fn an_unscheduled_pod_and_a_finished_pod_go_at_once() {
     cluster.pod(NS, "job-1", "cart").await.unwrap();
     cluster.run_pod(NS, "job-1", ip, true).await.unwrap();
     source
-        .wait_for("job-1 holds its IP", WAIT, |ix| {
-            holders(ix.record(ip.parse().unwrap()).as_ref()) == ["job-1"]
-        })
+        .wait_record("job-1 holds its IP", ip, |r| holders(r) == ["job-1"])
         .await
         .unwrap();
     let patch = serde_json::json!({"status": {"phase": "Succeeded"}});
@@ -180,9 +166,7 @@ async fn an_unscheduled_pod_and_a_finished_pod_go_at_once() {
         .await
         .unwrap();
     source
-        .wait_for("a finished pod holds no IP", WAIT, |ix| {
-            holders(ix.record(ip.parse().unwrap()).as_ref()).is_empty()
-        })
+        .wait_unheld("a finished pod holds no IP", ip)
         .await
         .unwrap();
     assert_eq!(source.verdict(ip, &cart).reason, Reason::Destroyed);
@@ -209,12 +193,8 @@ async fn slice_and_pod_events_in_both_orders() {
     // The pod exists without an IP: the slice is trusted to say which IP it
     // got, so the pod holds it provisionally and is a member at once.
     source
-        .wait_for("cart-a a provisional member", WAIT, |ix| {
-            ix.record(ip_a.parse().unwrap()).is_some_and(|r| {
-                r.pods.len() == 1
-                    && r.pods[0].name == "cart-a"
-                    && r.pods[0].services.iter().any(|m| m.service == cart)
-            })
+        .wait_record("cart-a a provisional member", ip_a, |r| {
+            holders(r) == ["cart-a"] && r.pods[0].services.iter().any(|m| m.service == cart)
         })
         .await
         .unwrap();
@@ -230,13 +210,8 @@ async fn slice_and_pod_events_in_both_orders() {
     let b = cluster.pod(NS, "cart-b", "cart").await.unwrap();
     cluster.run_pod(NS, "cart-b", ip_b, true).await.unwrap();
     source
-        .wait_for("cart-b a member by selector", WAIT, |ix| {
-            ix.record(ip_b.parse().unwrap()).is_some_and(|r| {
-                r.pods
-                    .iter()
-                    .flat_map(|p| &p.services)
-                    .any(|m| m.service == cart && m.via == Via::Selector)
-            })
+        .wait_record("cart-b a member by selector", ip_b, |r| {
+            member_via(r, &cart, Via::Selector)
         })
         .await
         .unwrap();
@@ -248,20 +223,9 @@ async fn slice_and_pod_events_in_both_orders() {
 
     for (ip, pod) in [(ip_a, "cart-a"), (ip_b, "cart-b")] {
         source
-            .wait_for(
-                &format!("{pod} a member by slice and selector"),
-                WAIT,
-                |ix| {
-                    ix.record(ip.parse().unwrap()).is_some_and(|r| {
-                        r.pods.len() == 1
-                            && r.pods[0].name == pod
-                            && r.pods[0]
-                                .services
-                                .iter()
-                                .any(|m| m.service == cart && m.via == Via::Both)
-                    })
-                },
-            )
+            .wait_record(&format!("{pod} a member by slice and selector"), ip, |r| {
+                holders(r) == [pod] && member_via(r, &cart, Via::Both)
+            })
             .await
             .unwrap();
         assert_eq!(source.verdict(ip, &cart).reason, Reason::Member);
@@ -270,23 +234,15 @@ async fn slice_and_pod_events_in_both_orders() {
     // And the reverse on the way out: the slice entry goes first, then the pod.
     cluster.delete_slice(NS, "cart-a").await.unwrap();
     source
-        .wait_for("cart-a a member by selector only", WAIT, |ix| {
-            ix.record(ip_a.parse().unwrap()).is_some_and(|r| {
-                r.pods
-                    .iter()
-                    .flat_map(|p| &p.services)
-                    .any(|m| m.service == cart && m.via == Via::Selector)
-            })
+        .wait_record("cart-a a member by selector only", ip_a, |r| {
+            member_via(r, &cart, Via::Selector)
         })
         .await
         .unwrap();
     assert_eq!(source.verdict(ip_a, &cart).reason, Reason::Member);
     cluster.force_delete_pod(NS, "cart-a").await.unwrap();
     source
-        .wait_for("cart-a's IP destroyed", WAIT, |ix| {
-            ix.record(ip_a.parse().unwrap())
-                .is_none_or(|r| r.pods.is_empty())
-        })
+        .wait_unheld("cart-a's IP destroyed", ip_a)
         .await
         .unwrap();
     assert_eq!(source.verdict(ip_a, &cart).reason, Reason::Destroyed);
@@ -298,21 +254,13 @@ async fn slice_and_pod_events_in_both_orders() {
 /// cart is out of scope, treated as unknown (allowed), and the index says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_narrowed_pod_watch_never_judges_the_pods_it_does_not_see() {
-    let Some(server) = ApiServer::start().await.unwrap() else {
+    let scope = Scope {
+        pod_selector: Some("app=pay".into()),
+        ..Scope::default()
+    };
+    let Some((server, cluster, source)) = setup_with(scope).await else {
         return;
     };
-    let cluster = Cluster::new(server.client());
-    cluster.namespace(NS).await.unwrap();
-    cluster.service(NS, "cart", 8080).await.unwrap();
-    cluster.service(NS, "pay", 8080).await.unwrap();
-    let scope = staleguard_validator::source::kube::Scope {
-        pod_selector: Some("app=pay".into()),
-        ..Default::default()
-    };
-    let source = KubeSource::start_with(&server, Duration::from_secs(120), scope)
-        .await
-        .unwrap();
-    source.synced().await.unwrap();
     let (cart, pay) = (ServiceKey::new(NS, "cart"), ServiceKey::new(NS, "pay"));
     let (cart_ip, pay_ip) = ("10.1.3.1", "10.1.3.2");
 
@@ -329,13 +277,8 @@ async fn a_narrowed_pod_watch_never_judges_the_pods_it_does_not_see() {
         .await
         .unwrap();
     source
-        .wait_for("pay-1 is a member of pay by its slice", WAIT, |ix| {
-            ix.record(pay_ip.parse().unwrap()).is_some_and(|r| {
-                r.pods
-                    .iter()
-                    .flat_map(|p| &p.services)
-                    .any(|m| m.service == pay && m.via == Via::Both)
-            })
+        .wait_record("pay-1 is a member of pay by its slice", pay_ip, |r| {
+            member_via(r, &pay, Via::Both)
         })
         .await
         .unwrap();
