@@ -35,6 +35,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
+use crate::process::free_port;
+
 /// The port protocols that shape a cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
@@ -571,8 +573,9 @@ pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
     })
 }
 
-/// A configuration of `output` that runs on loopback: the listener on
-/// `listen`, each service's EDS cluster replaced by its static endpoints, the
+/// A configuration of `output` that runs on loopback: the listener and the
+/// admin on free ports of 127.0.0.1 ([`crate::envoy::Envoy::spawn`] reads
+/// them back), each service's EDS cluster replaced by its static endpoints, the
 /// transport socket matches dropped (their SDS secrets come from istio-agent,
 /// which is not here; the backends are plaintext, as the `tlsMode-disabled`
 /// match would pick for them), and the validator and module clusters pointed
@@ -580,12 +583,12 @@ pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
 pub fn runnable(
     output: &Value,
     services: &[Service],
-    listen: SocketAddr,
-    admin: SocketAddr,
     validator: SocketAddr,
     module: Option<SocketAddr>,
     stats_tags: &Value,
 ) -> Result<Value> {
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
     let mut out = output.clone();
     for l in out["listeners"].as_array_mut().into_iter().flatten() {
         l["address"] = json!({"socket_address": {"address": listen.ip().to_string(), "port_value": listen.port()}});

@@ -13,7 +13,6 @@ use staleguard_tests::istio::{
     apply_envoyfilter, gateway_output, runnable, set_module, shipped_envoyfilter,
     shipped_stats_tags, Protocol, Service,
 };
-use staleguard_tests::process::free_port;
 use staleguard_tests::traffic::Http;
 use staleguard_tests::validator::{self, Validator};
 
@@ -76,17 +75,9 @@ async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() 
     let mut output = gateway_output(&services, 8080);
     apply_envoyfilter(&mut output, &shipped_envoyfilter().unwrap()).unwrap();
     set_module(&mut output, Some(&wasm), None);
-    let listener: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
-        .parse()
-        .unwrap();
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
-        .parse()
-        .unwrap();
     let config = runnable(
         &output,
         &services,
-        listener,
-        admin,
         validator.listen,
         None,
         &shipped_stats_tags().unwrap(),
@@ -102,7 +93,7 @@ async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() 
 
     let args: Vec<String> = [
         "--admin",
-        &admin.to_string(),
+        &gateway.admin.to_string(),
         "--validator",
         &format!("http://{}", validator.listen),
         "--token-file",

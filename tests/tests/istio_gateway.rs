@@ -21,7 +21,6 @@ use staleguard_tests::istio::{
     set_module, set_plugin_config, shipped_envoyfilter, shipped_stats_tags, validate_bootstrap,
     Protocol, Service,
 };
-use staleguard_tests::process::free_port;
 
 fn service(name: &str, ns: &str, port: u16, protocol: Protocol, eps: &[SocketAddr]) -> Service {
     Service {
@@ -332,13 +331,9 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
     let module = module_server(&std::fs::read(&wasm)?)?;
     set_module(&mut output, None, Some(&sha256_hex(&wasm)?));
 
-    let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
     let config = runnable(
         &output,
         &services,
-        listener,
-        admin,
         validator.addr(),
         Some(module.addr()),
         &shipped_stats_tags()?,
@@ -427,13 +422,9 @@ fn a_module_with_the_wrong_sha256_is_refused_and_traffic_still_flows() -> Result
     apply_envoyfilter(&mut output, &shipped_envoyfilter()?)?;
     let module = module_server(&std::fs::read(&wasm)?)?;
     set_module(&mut output, None, Some(&"0".repeat(64)));
-    let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
     let config = runnable(
         &output,
         &services,
-        listener,
-        admin,
         validator.addr(),
         Some(module.addr()),
         &shipped_stats_tags()?,
@@ -501,13 +492,9 @@ fn the_gateway_polls_the_real_validator_over_kept_alive_connections() -> Result<
     }
     set_plugin_config(&mut output, &plugin);
     set_module(&mut output, Some(&wasm), None);
-    let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
     let config = runnable(
         &output,
         &services,
-        listener,
-        admin,
         validator.listen,
         None,
         &shipped_stats_tags()?,
