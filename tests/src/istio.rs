@@ -35,6 +35,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
+use crate::envoy::{dependencies, Envoy, Launch};
 use crate::process::free_port;
 
 /// The port protocols that shape a cluster.
@@ -571,6 +572,30 @@ pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
         },
         "static_resources": {"listeners": output["listeners"], "clusters": clusters}
     })
+}
+
+/// Runs Envoy on `output` made [`runnable`] (the shipped stats tags; two
+/// workers, as a gateway has several), with `token` as the plugin's
+/// `STALEGUARD_TOKEN`; `None` when Envoy is missing outside CI.
+pub fn run(
+    name: &str,
+    output: &Value,
+    services: &[Service],
+    validator: SocketAddr,
+    module: Option<SocketAddr>,
+    token: &str,
+) -> Result<Option<Envoy>> {
+    let Some((envoy, _)) = dependencies() else {
+        return Ok(None);
+    };
+    let config = runnable(output, services, validator, module, &shipped_stats_tags()?)?;
+    let launch = Launch {
+        name: name.into(),
+        concurrency: 2,
+        env: vec![("STALEGUARD_TOKEN".into(), token.into())],
+        detach: false,
+    };
+    Envoy::spawn(&envoy, &config, &launch).map(Some)
 }
 
 /// A configuration of `output` that runs on loopback: the listener and the

@@ -8,10 +8,9 @@ use std::net::SocketAddr;
 
 use serde_json::{json, Value};
 use staleguard_tests::audit;
-use staleguard_tests::envoy::{dependencies, Envoy, Launch};
+use staleguard_tests::envoy::dependencies;
 use staleguard_tests::istio::{
-    apply_envoyfilter, gateway_output, runnable, set_module, shipped_envoyfilter,
-    shipped_stats_tags, Protocol, Service,
+    self, apply_envoyfilter, gateway_output, set_module, shipped_envoyfilter, Protocol, Service,
 };
 use staleguard_tests::traffic::Http;
 use staleguard_tests::validator::{self, Validator};
@@ -33,7 +32,7 @@ fn service(name: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() {
-    let (Some((envoy, wasm)), Some(binary)) = (dependencies(), validator::binary()) else {
+    let (Some((_, wasm)), Some(binary)) = (dependencies(), validator::binary()) else {
         return;
     };
     let dir = std::env::temp_dir().join(format!("staleguard-audit-istio-{}", std::process::id()));
@@ -75,21 +74,16 @@ async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() 
     let mut output = gateway_output(&services, 8080);
     apply_envoyfilter(&mut output, &shipped_envoyfilter().unwrap()).unwrap();
     set_module(&mut output, Some(&wasm), None);
-    let config = runnable(
+    let gateway = istio::run(
+        "istio-audit",
         &output,
         &services,
         validator.listen,
         None,
-        &shipped_stats_tags().unwrap(),
+        TOKEN,
     )
-    .unwrap();
-    let launch = Launch {
-        name: "istio-audit".into(),
-        concurrency: 1,
-        env: vec![("STALEGUARD_TOKEN".into(), TOKEN.into())],
-        detach: false,
-    };
-    let gateway = Envoy::spawn(&envoy, &config, &launch).unwrap();
+    .unwrap()
+    .expect("Envoy, checked above");
 
     let args: Vec<String> = [
         "--admin",

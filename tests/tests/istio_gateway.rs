@@ -13,13 +13,13 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::{self, named_host, Answer, Server};
-use staleguard_tests::envoy::{dependencies, tail, validate, Envoy, Launch, WAIT};
+use staleguard_tests::envoy::{dependencies, tail, validate, WAIT};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::h2::{self, Kind};
 use staleguard_tests::istio::{
-    apply_envoyfilter, cluster_names, gateway_output, plugin_config, proto_merge, runnable,
-    set_module, set_plugin_config, shipped_envoyfilter, shipped_stats_tags, validate_bootstrap,
-    Protocol, Service,
+    self, apply_envoyfilter, cluster_names, gateway_output, plugin_config, proto_merge, set_module,
+    set_plugin_config, shipped_envoyfilter, shipped_stats_tags, validate_bootstrap, Protocol,
+    Service,
 };
 
 fn service(name: &str, ns: &str, port: u16, protocol: Protocol, eps: &[SocketAddr]) -> Service {
@@ -220,21 +220,6 @@ fn a_cluster_merge_of_protocol_options_would_drop_http2() -> Result<()> {
 /// At least 32 bytes: the validator refuses shorter tokens.
 const TOKEN: &str = "gateway-token-from-a-kubernetes-secret-0123456789";
 
-/// Runs Envoy on a rendered configuration, with the token in its
-/// environment; `None` when Envoy is missing outside CI.
-fn start(config: &Value) -> Result<Option<Envoy>> {
-    let Some((envoy, _)) = dependencies() else {
-        return Ok(None);
-    };
-    let launch = Launch {
-        name: "istio".into(),
-        concurrency: 2,
-        env: vec![("STALEGUARD_TOKEN".into(), TOKEN.into())],
-        detach: false,
-    };
-    Envoy::spawn(&envoy, config, &launch).map(Some)
-}
-
 fn module_server(wasm: &[u8]) -> Result<Server> {
     let wasm = wasm.to_vec();
     Server::start("127.0.0.1:0".parse()?, move |req| {
@@ -331,14 +316,15 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
     let module = module_server(&std::fs::read(&wasm)?)?;
     set_module(&mut output, None, Some(&sha256_hex(&wasm)?));
 
-    let config = runnable(
+    let Some(gw) = istio::run(
+        "istio",
         &output,
         &services,
         validator.addr(),
         Some(module.addr()),
-        &shipped_stats_tags()?,
-    )?;
-    let Some(gw) = start(&config)? else {
+        TOKEN,
+    )?
+    else {
         return Ok(());
     };
     gw.eventually(
@@ -422,14 +408,15 @@ fn a_module_with_the_wrong_sha256_is_refused_and_traffic_still_flows() -> Result
     apply_envoyfilter(&mut output, &shipped_envoyfilter()?)?;
     let module = module_server(&std::fs::read(&wasm)?)?;
     set_module(&mut output, None, Some(&"0".repeat(64)));
-    let config = runnable(
+    let Some(gw) = istio::run(
+        "istio",
         &output,
         &services,
         validator.addr(),
         Some(module.addr()),
-        &shipped_stats_tags()?,
-    )?;
-    let Some(gw) = start(&config)? else {
+        TOKEN,
+    )?
+    else {
         return Ok(());
     };
     let r = h2::request(gw.listener, "echo.example.com", "/", Kind::Http)?;
@@ -492,14 +479,7 @@ fn the_gateway_polls_the_real_validator_over_kept_alive_connections() -> Result<
     }
     set_plugin_config(&mut output, &plugin);
     set_module(&mut output, Some(&wasm), None);
-    let config = runnable(
-        &output,
-        &services,
-        validator.listen,
-        None,
-        &shipped_stats_tags()?,
-    )?;
-    let Some(gw) = start(&config)? else {
+    let Some(gw) = istio::run("istio", &output, &services, validator.listen, None, TOKEN)? else {
         return Ok(());
     };
     gw.eventually("five long polls answered", WAIT, |g| {
