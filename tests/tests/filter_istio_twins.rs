@@ -6,13 +6,12 @@
 
 use std::io::Write;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::{named_host, named_host_on};
-use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Gateway};
+use staleguard_tests::envoy::{cluster_mut, clusters_mut, shipped_plugin, tail, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
 const CLUSTER: &str = "outbound|8080||cart.shop.svc.cluster.local";
@@ -167,13 +166,7 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
     );
     let mut generated_twin = Value::Null;
     let started = gateway.start_with(|bootstrap| {
-        let clusters = bootstrap["static_resources"]["clusters"]
-            .as_array_mut()
-            .context("clusters")?;
-        let guarded = clusters
-            .iter_mut()
-            .find(|c| c["name"] == CLUSTER)
-            .context("the guarded cluster")?;
+        let guarded = cluster_mut(bootstrap, CLUSTER)?;
         istio_shape(guarded);
         let wasm = guarded["typed_extension_protocol_options"]
             ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["http_filters"][0]
@@ -190,6 +183,7 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
         assert_eq!(generated_twin["metadata"], guarded["metadata"]);
         assert!(generated_twin.get("lb_policy").is_none());
         // The generated twin replaces the harness's own.
+        let clusters = clusters_mut(bootstrap)?;
         clusters.retain(|c| c["name"] != generated_twin["name"]);
         clusters.push(generated_twin.clone());
         Ok(())
@@ -197,9 +191,7 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
     let Some(envoy) = started else {
         return Ok(());
     };
-    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    envoy.wait_first_sync()?;
     // Istio's LEAST_REQUEST picks at random among idle hosts: 60 requests
     // make at least 3 stale picks all but certain (p < 1e-8).
     for _ in 0..60 {
@@ -241,13 +233,7 @@ fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<
         )],
     );
     let started = gateway.start_with(|bootstrap| {
-        let clusters = bootstrap["static_resources"]["clusters"]
-            .as_array_mut()
-            .context("clusters")?;
-        let guarded = clusters
-            .iter_mut()
-            .find(|c| c["name"] == CLUSTER)
-            .context("the guarded cluster")?;
+        let guarded = cluster_mut(bootstrap, CLUSTER)?;
         // Take the guard off the cluster...
         let options = guarded
             .as_object_mut()
@@ -266,9 +252,7 @@ fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<
     let Some(envoy) = started else {
         return Ok(());
     };
-    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    envoy.wait_first_sync()?;
     for _ in 0..20 {
         let r = envoy.get(CLUSTER)?;
         assert_eq!(r.status, 200, "{r:?}\n{}", tail(&envoy.log(), 40));

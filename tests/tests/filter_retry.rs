@@ -10,7 +10,7 @@ use anyhow::Result;
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::{Answer, Response, Server};
-use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{clusters_mut, shipped_plugin, tail, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
 const CART: &str = "cart.shop.svc.cluster.local";
@@ -139,17 +139,13 @@ fn rejected_requests_are_replayed_to_live_members() -> Result<()> {
     // rejections, and the log says why.
     let Some(envoy) = gateway.start_with(|bootstrap| {
         let no_twin = format!("{}|staleguard-twin", istio("no-twin"));
-        if let Some(clusters) = bootstrap["static_resources"]["clusters"].as_array_mut() {
-            clusters.retain(|c| c["name"] != no_twin.as_str());
-        }
+        clusters_mut(bootstrap)?.retain(|c| c["name"] != no_twin.as_str());
         Ok(())
     })?
     else {
         return Ok(());
     };
-    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    envoy.wait_first_sync()?;
     let live = ["h-1", "h-2"];
     for i in 0..40 {
         let target = format!("/x/{i}?q=1");
@@ -348,9 +344,7 @@ fn ninety_percent_stale_endpoints_still_answer_from_live_pods() -> Result<()> {
     let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
-    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    envoy.wait_first_sync()?;
     let total = 2_000u64;
     let mut answered = 0u64;
     let mut failures = Vec::new();
@@ -426,9 +420,7 @@ fn body_path_retries_posts_through_the_internal_listener() -> Result<()> {
     else {
         return Ok(());
     };
-    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    envoy.wait_first_sync()?;
     for i in 0..30 {
         let body = format!("payload {i} {}", "x".repeat(i * 100));
         let r = envoy.send(

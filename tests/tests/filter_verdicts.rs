@@ -109,9 +109,7 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
         return Ok(());
     };
     // The first sync: the allowed host answers once the index is loaded.
-    envoy.eventually("the first sync", Duration::from_secs(20), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    envoy.wait_first_sync()?;
 
     let ok = |e: &staleguard_tests::envoy::Envoy, cluster: &str, host: &str| -> Result<()> {
         let r = e.get(cluster)?;

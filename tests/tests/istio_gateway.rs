@@ -327,11 +327,8 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
     else {
         return Ok(());
     };
-    gw.eventually(
-        "the first sync (with the token from the environment)",
-        WAIT,
-        |g| Ok(g.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1),
-    )?;
+    // The first sync needs the token from the environment.
+    gw.wait_first_sync()?;
 
     // Allowed: gRPC over h2, h2c, HTTP/1.1, each reaches its pod.
     for _ in 0..4 {

@@ -379,6 +379,21 @@ pub fn stats_tags() -> Value {
     ])
 }
 
+/// The static clusters of a bootstrap.
+pub fn clusters_mut(bootstrap: &mut Value) -> Result<&mut Vec<Value>> {
+    bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .context("no static clusters in the bootstrap")
+}
+
+/// The static cluster `name` of a bootstrap.
+pub fn cluster_mut<'a>(bootstrap: &'a mut Value, name: &str) -> Result<&'a mut Value> {
+    clusters_mut(bootstrap)?
+        .iter_mut()
+        .find(|c| c["name"] == name)
+        .with_context(|| format!("no cluster {name} in the bootstrap"))
+}
+
 /// Adds `addresses` to the static endpoints of `cluster`'s retry twin
 /// (`<cluster>|staleguard-twin`) in a bootstrap: the live pods a replay may
 /// name, where the guarded cluster itself only has a stale one.
@@ -388,12 +403,7 @@ pub fn add_twin_endpoints(
     addresses: &[SocketAddr],
 ) -> Result<()> {
     let twin_name = format!("{cluster}|staleguard-twin");
-    let twin = bootstrap["static_resources"]["clusters"]
-        .as_array_mut()
-        .context("no static clusters in the bootstrap")?
-        .iter_mut()
-        .find(|c| c["name"] == twin_name.as_str())
-        .with_context(|| format!("no twin cluster {twin_name}"))?;
+    let twin = cluster_mut(bootstrap, &twin_name)?;
     let endpoints = twin["load_assignment"]["endpoints"][0]["lb_endpoints"]
         .as_array_mut()
         .with_context(|| format!("no static endpoints in {twin_name}"))?;

@@ -25,8 +25,9 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 pub use bootstrap::{
-    add_twin_endpoints, body_path, gateway_listener, static_cluster, stats_tags, twin_cluster,
-    upstream_filter_options, wasm_filter, Cluster, Endpoints, Gateway, VirtualHost, CLUSTER_HEADER,
+    add_twin_endpoints, body_path, cluster_mut, clusters_mut, gateway_listener, static_cluster,
+    stats_tags, twin_cluster, upstream_filter_options, wasm_filter, Cluster, Endpoints, Gateway,
+    VirtualHost, CLUSTER_HEADER,
 };
 pub use shipped::{
     plugin_configs_in, shipped_plugin, shipped_plugin_config, shipped_route_retry_policy,
@@ -254,6 +255,14 @@ impl Envoy {
         ok: impl Fn(&Stats) -> bool,
     ) -> Result<()> {
         self.eventually(what, timeout, |e| Ok(ok(&e.stats()?)))
+    }
+
+    /// Waits until the filter has loaded the validator's index once (its
+    /// first full resync).
+    pub fn wait_first_sync(&self) -> Result<()> {
+        self.eventually("the filter's first sync", WAIT, |e| {
+            Ok(e.stat(stats::STAT_RESETS)? >= 1)
+        })
     }
 
     /// Waits until the filter has counted at least `requests` requests: it
