@@ -218,16 +218,15 @@ fn expected(validator: SocketAddr) -> BTreeSet<(String, String, String)> {
         }
     }
     out.insert((PAY.into(), format!("{RECYCLED}:8080"), "member".into()));
-    // Each guarded cluster's retry twin holds its endpoints again; the filter
-    // in its twin role checks picks, not the index, so the audit does not
-    // judge them either.
+    // Each guarded cluster's retry twin (the shipped plugin replays) holds its
+    // endpoints again: named as a twin, judged in its cluster's rows.
     for (cluster, ips) in [
         (CART, &CART_IPS[..]),
         (CART_PLAIN, &CART_IPS[..]),
         (PAY, &[RECYCLED][..]),
     ] {
         for ip in ips {
-            out.insert((twin(cluster), format!("{ip}:8080"), "unmapped".into()));
+            out.insert((twin(cluster), format!("{ip}:8080"), "twin".into()));
         }
     }
     out.insert((LEGACY.into(), format!("{UNMAPPED}:8080"), "unmapped".into()));
@@ -309,6 +308,7 @@ async fn the_audit_of_a_live_gateway_names_every_stale_endpoint_and_exits_1() {
         "RECYCLED",
         &format!("{CART} (shop/cart): 5 endpoints: 1 destroyed, 1 host_network, 1 member, 1 recycled, 1 terminating -> 2 STALE"),
         &format!("{LEGACY} (no service): 1 endpoints: 1 unmapped"),
+        &format!("{} (retry twin of {CART}): 5 endpoints: 5 twin", twin(CART)),
         "4 stale endpoint(s) in 2 of 8 cluster(s), 24 endpoint(s) checked",
     ] {
         assert!(run.stdout.contains(needle), "missing {needle:?}:\n{}", run.stdout);
@@ -489,7 +489,8 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
         stale(CART, "recycled"),
         stale(CART_PLAIN, "destroyed"),
         stale(CART_PLAIN, "recycled"),
-        "staleguard_validator_audit_endpoints{gateway=\"gw-b\",reason=\"unmapped\"} 13\n".into(),
+        "staleguard_validator_audit_endpoints{gateway=\"gw-b\",reason=\"unmapped\"} 2\n".into(),
+        "staleguard_validator_audit_endpoints{gateway=\"gw-b\",reason=\"twin\"} 11\n".into(),
         "staleguard_validator_audit_runs_total{gateway=\"gw-b\",outcome=\"stale\"}".into(),
         "staleguard_validator_audit_last_success_timestamp_seconds{gateway=\"gw-b\"}".into(),
     ])

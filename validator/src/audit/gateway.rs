@@ -61,6 +61,22 @@ pub struct PluginView {
     /// The verdict policy.
     #[serde(default)]
     pub policy: Policy,
+    /// The replay path, if configured: its twin clusters are named
+    /// `<cluster><twin_suffix>`.
+    #[serde(default)]
+    pub retry: Option<RetryView>,
+}
+
+/// The part of the plugin's `retry` block the audit needs.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct RetryView {
+    /// The suffix that names a guarded cluster's twin.
+    #[serde(default = "default_twin_suffix")]
+    pub twin_suffix: String,
+}
+
+fn default_twin_suffix() -> String {
+    "|staleguard-twin".into()
 }
 
 impl Default for PluginView {
@@ -72,6 +88,7 @@ impl Default for PluginView {
             istio: default_istio(),
             clusters: Vec::new(),
             policy: Policy::default(),
+            retry: None,
         }
     }
 }
@@ -155,6 +172,30 @@ impl Gateway {
         } else {
             "default"
         }
+    }
+
+    /// The retry twins among the clusters: twin name -> the guarded
+    /// cluster's name. A twin is `<cluster><twin_suffix>` of a cluster whose
+    /// plugin configuration has a `retry` block. It holds its cluster's
+    /// endpoints again and the filter there checks picks against the members
+    /// the guarded cluster's filter named, not against the index.
+    pub fn twins(
+        &self,
+        forced: Option<&PluginView>,
+        defaults: &PluginView,
+    ) -> std::collections::HashMap<String, String> {
+        let names: std::collections::HashSet<&str> =
+            self.clusters.iter().map(|c| c.name.as_str()).collect();
+        self.clusters
+            .iter()
+            .filter_map(|c| {
+                let retry = self.plugin_for(c, forced, defaults).retry.as_ref()?;
+                let twin = format!("{}{}", c.name, retry.twin_suffix);
+                names
+                    .contains(twin.as_str())
+                    .then(|| (twin, c.name.clone()))
+            })
+            .collect()
     }
 
     /// The service `cluster` routes to, resolved as the filter resolves it.
@@ -542,6 +583,47 @@ mod tests {
             {"@type": "type.googleapis.com/envoy.admin.v3.ListenersConfigDump"}
         ]})
         .to_string()
+    }
+
+    #[test]
+    fn a_twin_is_the_suffixed_name_of_a_cluster_whose_plugin_replays() {
+        let plugin = |retry: &str| {
+            PluginView::parse(&format!(r#"{{"validator_cluster":"sg"{retry}}}"#)).unwrap()
+        };
+        let cluster = |name: &str, plugin: Option<PluginView>| Cluster {
+            name: name.into(),
+            plugin,
+            ..Cluster::default()
+        };
+        let gateway = Gateway {
+            clusters: vec![
+                cluster("cart", Some(plugin(r#","retry":{}"#))),
+                cluster("cart|staleguard-twin", None),
+                cluster("pay", Some(plugin(r#","retry":{"twin_suffix":"-twin"}"#))),
+                cluster("pay-twin", None),
+                cluster("pay|staleguard-twin", None),
+                cluster("web", Some(plugin(""))),
+                cluster("web|staleguard-twin", None),
+                cluster("ads", Some(plugin(r#","retry":{}"#))),
+            ],
+            ..Gateway::default()
+        };
+        let defaults = PluginView::default();
+        let twins = gateway.twins(None, &defaults);
+        let mut found: Vec<(&str, &str)> = twins
+            .iter()
+            .map(|(t, c)| (t.as_str(), c.as_str()))
+            .collect();
+        found.sort_unstable();
+        // pay's twin has pay's own suffix; web does not replay; ads has no
+        // twin cluster.
+        assert_eq!(
+            found,
+            [("cart|staleguard-twin", "cart"), ("pay-twin", "pay")]
+        );
+        // --plugin-config applies to every cluster, the guarded ones too.
+        let forced = plugin(r#","retry":{}"#);
+        assert_eq!(gateway.twins(Some(&forced), &defaults).len(), 3);
     }
 
     #[test]

@@ -373,14 +373,21 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     // Resolve every cluster, and list what to ask about.
     let mut clusters = Vec::new();
     let mut queries = Vec::new();
+    let twins = gateway.twins(forced, &defaults);
     for cluster in &gateway.clusters {
         let plugin = gateway.plugin_for(cluster, forced, &defaults);
-        let service = gateway.service_of(cluster, forced, &defaults);
+        let twin_of = twins.get(&cluster.name).cloned();
+        // A twin's endpoints are its cluster's, judged there.
+        let service = match twin_of {
+            Some(_) => None,
+            None => gateway.service_of(cluster, forced, &defaults),
+        };
         let mapped_by = gateway.plugin_source(cluster, forced);
         let policy = (plugin.policy != Policy::default()).then_some(plugin.policy);
         let mut pending = Vec::new();
         for endpoint in &cluster.endpoints {
             let slot = match (&service, endpoint.ip) {
+                (None, _) if twin_of.is_some() => Err(Judgement::Twin),
                 (None, _) => Err(Judgement::Unmapped),
                 (Some(_), None) => Err(Judgement::NoAddress),
                 (Some(service), Some(ip)) => {
@@ -394,7 +401,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
             };
             pending.push((endpoint, slot));
         }
-        clusters.push((cluster, service, mapped_by, pending));
+        clusters.push((cluster, service, mapped_by, twin_of, pending));
     }
     let request = VerdictsRequest {
         policy: Policy::default(),
@@ -413,7 +420,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     }
     let clusters = clusters
         .into_iter()
-        .map(|(cluster, service, mapped_by, pending)| {
+        .map(|(cluster, service, mapped_by, twin_of, pending)| {
             let mut findings: Vec<Finding> = pending
                 .into_iter()
                 .map(|(endpoint, slot)| match slot {
@@ -441,6 +448,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
                 name: cluster.name.clone(),
                 service,
                 mapped_by,
+                twin_of,
                 findings,
             }
         })

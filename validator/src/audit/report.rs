@@ -57,16 +57,21 @@ pub enum Judgement {
     Judged(Verdict),
     /// The cluster maps to no service: the filter does not judge it either.
     Unmapped,
+    /// The cluster is a guarded cluster's retry twin: it holds that
+    /// cluster's endpoints again, judged there.
+    Twin,
     /// The endpoint has no IP (a pipe, an unresolved name).
     NoAddress,
 }
 
 impl Judgement {
-    /// The reason code: a verdict reason, `unmapped` or `no_address`.
+    /// The reason code: a verdict reason, `unmapped`, `twin` or
+    /// `no_address`.
     pub const fn reason(self) -> &'static str {
         match self {
             Judgement::Judged(v) => v.reason.as_str(),
             Judgement::Unmapped => "unmapped",
+            Judgement::Twin => "twin",
             Judgement::NoAddress => "no_address",
         }
     }
@@ -75,7 +80,7 @@ impl Judgement {
     pub const fn action(self) -> &'static str {
         match self {
             Judgement::Judged(v) => v.action.as_str(),
-            Judgement::Unmapped | Judgement::NoAddress => "-",
+            Judgement::Unmapped | Judgement::Twin | Judgement::NoAddress => "-",
         }
     }
 
@@ -151,6 +156,8 @@ pub struct ClusterReport {
     /// cluster), `gateway` (attached gateway-wide), `flag`
     /// (`--plugin-config`) or `default` (none found: Istio names).
     pub mapped_by: &'static str,
+    /// The guarded cluster, when this one is its retry twin.
+    pub twin_of: Option<String>,
     /// Its endpoints.
     pub findings: Vec<Finding>,
 }
@@ -289,10 +296,11 @@ impl Report {
                 .iter()
                 .map(|(reason, n)| format!("{n} {reason}"))
                 .collect();
-            let service = c
-                .service
-                .as_ref()
-                .map_or_else(|| "no service".to_owned(), ToString::to_string);
+            let service = match (&c.service, &c.twin_of) {
+                (Some(service), _) => service.to_string(),
+                (None, Some(guarded)) => format!("retry twin of {guarded}"),
+                (None, None) => "no service".to_owned(),
+            };
             let stale = c.stale();
             let _ = writeln!(
                 out,
@@ -348,6 +356,7 @@ impl Report {
                     "name": c.name,
                     "service": c.service,
                     "mapped_by": c.mapped_by,
+                    "twin_of": c.twin_of,
                     "endpoints": endpoints,
                     "summary": {"endpoints": c.findings.len(), "stale": c.stale(), "by_reason": c.by_reason()},
                 })
@@ -433,6 +442,7 @@ mod tests {
                 name: "c".into(),
                 service: Some(ServiceKey::new("shop", "cart")),
                 mapped_by: "default",
+                twin_of: None,
                 findings,
             }],
             notes: vec![],
@@ -447,6 +457,7 @@ mod tests {
                 finding(verdict(Reason::Terminating, Action::Allow)),
                 finding(verdict(Reason::HostNetwork, Action::Allow)),
                 finding(Judgement::Unmapped),
+                finding(Judgement::Twin),
                 finding(Judgement::NoAddress),
             ],
             true,
@@ -494,6 +505,35 @@ mod tests {
         assert_eq!(json["exit_status"], 1);
         assert_eq!(json["clusters"][0]["endpoints"][1]["reason"], "destroyed");
         assert_eq!(json["clusters"][0]["summary"]["by_reason"]["member"], 1);
+    }
+
+    #[test]
+    fn a_twin_says_whose_it_is_and_is_never_stale() {
+        let mut r = report(
+            vec![finding(verdict(Reason::Destroyed, Action::Reject))],
+            true,
+        );
+        r.clusters.push(ClusterReport {
+            name: "c|staleguard-twin".into(),
+            service: None,
+            mapped_by: "default",
+            twin_of: Some("c".into()),
+            findings: vec![finding(Judgement::Twin)],
+        });
+        assert_eq!(
+            r.stale(),
+            1,
+            "the twin's copy of the endpoint is not counted"
+        );
+        let table = r.table(0, false);
+        assert!(
+            table.contains("c|staleguard-twin (retry twin of c): 1 endpoints: 1 twin"),
+            "{table}"
+        );
+        let json = r.to_json();
+        assert_eq!(json["clusters"][1]["twin_of"], "c");
+        assert_eq!(json["clusters"][1]["endpoints"][0]["reason"], "twin");
+        assert_eq!(json["clusters"][0]["twin_of"], serde_json::Value::Null);
     }
 
     #[test]

@@ -152,6 +152,7 @@ mod tests {
                 name: "outbound|80||cart.shop.svc.cluster.local".into(),
                 service: Some(ServiceKey::new("shop", "cart")),
                 mapped_by: "default",
+                twin_of: None,
                 findings: vec![
                     finding(Reason::Destroyed, Action::Reject),
                     finding(Reason::Destroyed, Action::Reject),
