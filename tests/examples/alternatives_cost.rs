@@ -22,13 +22,15 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_tests::bench::{env_usize, median};
+use staleguard_tests::bench::{
+    cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us, wrk,
+};
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{add_twin_endpoints, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::process::Guard;
@@ -223,7 +225,7 @@ fn main() -> Result<()> {
 
     // === warm-up, then interleaved rounds ===
     for v in &variants {
-        let r = wrk(&v.envoy, connections, 1)?;
+        let r = wrk(v.envoy.listener, LIVE, connections, 1)?;
         if v.ok != (r.bad_status == 0) || r.requests == 0 {
             bail!(
                 "{}: warm-up answered {} of {} requests with a non-2xx status",
@@ -241,7 +243,7 @@ fn main() -> Result<()> {
             let v = &variants[i];
             let cpu0 = cpu_ticks(v.envoy.pid())?;
             let val0 = cpu_ticks(validator.pid())?;
-            let r = wrk(&v.envoy, connections, seconds)?;
+            let r = wrk(v.envoy.listener, LIVE, connections, seconds)?;
             let cpu = cpu_ticks(v.envoy.pid())? - cpu0;
             let val = cpu_ticks(validator.pid())? - val0;
             let s = &mut samples[i];
@@ -425,25 +427,6 @@ fn verdict(met: bool) -> &'static str {
     }
 }
 
-/// Replaces the module of every Wasm filter in the bootstrap with `wasm`.
-fn swap_module(v: &mut Value, wasm: &Path) {
-    match v {
-        Value::Object(map) => {
-            if let Some(code) = map.get_mut("code") {
-                if code.get("local").is_some() {
-                    *code = json!({"local": {"filename": wasm.display().to_string()}});
-                    return;
-                }
-            }
-            for child in map.values_mut() {
-                swap_module(child, wasm);
-            }
-        }
-        Value::Array(items) => items.iter_mut().for_each(|c| swap_module(c, wasm)),
-        _ => {}
-    }
-}
-
 // === the validator child ===
 
 fn serve_validator() -> Result<()> {
@@ -522,112 +505,4 @@ fn bind_pods() -> Result<(u16, Vec<Server>)> {
         return Ok((port, std::iter::once(first).chain(rest).collect()));
     }
     bail!("no port free on all of 127.0.1.1-4 and .9")
-}
-
-// === wrk ===
-
-struct WrkRun {
-    requests: u64,
-    bad_status: u64,
-    socket_errors: u64,
-    p50_us: f64,
-    p99_us: f64,
-}
-
-fn wrk(envoy: &Envoy, connections: usize, seconds: usize) -> Result<WrkRun> {
-    let out = Command::new("wrk")
-        .args(["-t1", "--latency"])
-        .arg(format!("-c{connections}"))
-        .arg(format!("-d{seconds}s"))
-        .args(["-H", &format!("x-cluster: {LIVE}")])
-        .arg(format!("http://{}/", envoy.listener))
-        .output()
-        .context("run wrk (bench/run installs it: apt-get install wrk)")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!("wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr));
-    }
-    parse_wrk(&text).with_context(|| format!("wrk's output:\n{text}"))
-}
-
-fn parse_wrk(text: &str) -> Result<WrkRun> {
-    let mut run = WrkRun {
-        requests: 0,
-        bad_status: 0,
-        socket_errors: 0,
-        p50_us: f64::NAN,
-        p99_us: f64::NAN,
-    };
-    for line in text.lines().map(str::trim) {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            [n, "requests", "in", ..] => run.requests = n.parse()?,
-            ["Non-2xx", "or", "3xx", "responses:", n] => run.bad_status = n.parse()?,
-            ["Socket", "errors:", rest @ ..] => {
-                run.socket_errors = rest
-                    .iter()
-                    .filter_map(|w| w.trim_end_matches(',').parse::<u64>().ok())
-                    .sum();
-            }
-            ["50%", v] => run.p50_us = duration_us(v)?,
-            ["99%", v] => run.p99_us = duration_us(v)?,
-            _ => {}
-        }
-    }
-    if run.p50_us.is_nan() {
-        bail!("no latency distribution");
-    }
-    Ok(run)
-}
-
-fn duration_us(v: &str) -> Result<f64> {
-    let split = v
-        .find(|c: char| c.is_ascii_alphabetic())
-        .context("a unit")?;
-    let (n, unit) = v.split_at(split);
-    let n: f64 = n.parse()?;
-    Ok(match unit {
-        "us" => n,
-        "ms" => n * 1e3,
-        "s" => n * 1e6,
-        "m" => n * 60e6,
-        other => bail!("unit {other}"),
-    })
-}
-
-// === /proc ===
-
-/// utime + stime of every thread of `pid`, in clock ticks.
-fn cpu_ticks(pid: u32) -> Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The command name may hold spaces: fields count from after its `)`.
-    let rest = stat.rsplit_once(')').context("stat")?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = fields.get(11).context("utime")?.parse()?;
-    let stime: u64 = fields.get(12).context("stime")?.parse()?;
-    Ok(utime + stime)
-}
-
-fn ticks_us(ticks: u64) -> f64 {
-    // USER_HZ is 100 on Linux for every architecture this runs on.
-    ticks as f64 * 10_000.0
-}
-
-fn rss_kib(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .context("VmRSS")?
-        .parse()
-        .context("VmRSS")
-}
-
-/// The 1-minute load average.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
 }

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
-use staleguard_tests::bench::env_usize;
+use staleguard_tests::bench::{env_usize, loadavg};
 use staleguard_tests::envoy::shipped_route_retry_policy;
 use staleguard_tests::envoy::{Envoy, Gateway};
 use staleguard_tests::pods::via;
@@ -405,11 +405,4 @@ fn judged(g: &Envoy) -> Result<u64> {
 fn wrong_at(scene: &Scene, g: &Envoy, ip: IpAddr) -> u64 {
     let tallies: BTreeMap<_, _> = scene.world.tallies_at(&[ip]);
     via(&tallies, &g.name).wrong_service
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
 }

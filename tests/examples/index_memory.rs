@@ -30,30 +30,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use serde_json::Value;
-use staleguard_tests::bench::{env_usize, index_gateway, median, synthetic_index};
+use staleguard_tests::bench::{
+    env_usize, index_gateway, median, rss_kib, swap_module, synthetic_index,
+};
 use staleguard_tests::envoy::Envoy;
 use staleguard_tests::fake_validator::FakeValidator;
-
-fn rss_bytes(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .context("no VmRSS")?;
-    Ok(kb * 1024)
-}
-
-/// Replaces every string naming `from` in the bootstrap by `to`.
-fn swap_module(value: &mut Value, from: &str, to: &str) {
-    match value {
-        Value::String(s) if s == from => *s = to.to_owned(),
-        Value::Array(items) => items.iter_mut().for_each(|v| swap_module(v, from, to)),
-        Value::Object(map) => map.values_mut().for_each(|v| swap_module(v, from, to)),
-        _ => {}
-    }
-}
 
 fn started(envoy: Option<Envoy>) -> Result<Envoy> {
     envoy.context("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`")
@@ -65,7 +46,6 @@ fn main() -> Result<()> {
     let rounds = env_usize("ROUNDS", 3).max(1);
     let settle = Duration::from_millis(env_usize("SETTLE_MS", 2000) as u64);
     let noop: Option<PathBuf> = std::env::var_os("NOOP_WASM").map(PathBuf::from);
-    let ours = std::env::var("STALEGUARD_WASM").context("STALEGUARD_WASM is not set")?;
 
     let (keys, records) = synthetic_index(services, pods);
     let ips = records.len() as u64;
@@ -74,11 +54,11 @@ fn main() -> Result<()> {
     let noop_rss = |module: &Path| -> Result<u64> {
         let validator = FakeValidator::start(7)?;
         let envoy = started(index_gateway(validator.addr()).start_with(|config| {
-            swap_module(config, &ours, &module.display().to_string());
+            swap_module(config, module);
             Ok(())
         })?)?;
         std::thread::sleep(settle);
-        let rss = rss_bytes(envoy.pid())?;
+        let rss = rss_kib(envoy.pid())? * 1024;
         drop(envoy);
         Ok(rss)
     };
@@ -89,7 +69,7 @@ fn main() -> Result<()> {
             Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
         })?;
         std::thread::sleep(settle);
-        let empty_rss = rss_bytes(envoy.pid())?;
+        let empty_rss = rss_kib(envoy.pid())? * 1024;
         let empty_vm = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
         validator.set_index(keys.clone(), records.clone());
         envoy.eventually("the reset", Duration::from_secs(180), |e| {
@@ -100,7 +80,7 @@ fn main() -> Result<()> {
             bail!("{entries} entries loaded, not {ips}");
         }
         std::thread::sleep(settle);
-        let full_rss = rss_bytes(envoy.pid())?;
+        let full_rss = rss_kib(envoy.pid())? * 1024;
         let full_vm = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
         let apply_us = envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?;
         let bytes = envoy.stat("wasmcustom.staleguard_filter_sync_received_bytes_total")?;

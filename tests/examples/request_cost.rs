@@ -32,91 +32,21 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
-use staleguard_tests::bench::{env_usize, median};
+use staleguard_tests::bench::{cpu_ticks, env_usize, loadavg, median, swap_module, ticks_us, wrk};
+use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{dependencies, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
 const ALLOW: &str = "outbound|80||cart.shop.svc.cluster.local";
 const REJECT: &str = "outbound|81||cart.shop.svc.cluster.local";
 const PATHS: [(&str, &str); 2] = [("allow", ALLOW), ("reject", REJECT)];
-
-/// A keep-alive HTTP/1.1 upstream that answers every request `200 ok`: the
-/// tests' `blocking` closes each connection, which would add a connect per
-/// request to Envoy's cost.
-fn upstream(ip: &str) -> Result<SocketAddr> {
-    let listener = TcpListener::bind(format!("{ip}:0"))?;
-    let addr = listener.local_addr()?;
-    std::thread::spawn(move || {
-        for stream in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut stream = stream;
-                let mut buf = vec![0u8; 16 * 1024];
-                let mut have = 0;
-                loop {
-                    let Ok(n) = stream.read(&mut buf[have..]) else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    have += n;
-                    // Requests without bodies: one answer per header block.
-                    while let Some(end) = buf[..have].windows(4).position(|w| w == b"\r\n\r\n") {
-                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                        if stream.write_all(answer).is_err() {
-                            return;
-                        }
-                        buf.copy_within(end + 4..have, 0);
-                        have -= end + 4;
-                    }
-                    if have == buf.len() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    Ok(addr)
-}
-
-/// utime + stime of `pid`, in clock ticks.
-fn cpu_ticks(pid: u32) -> Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name (which may hold spaces), from field 3.
-    let rest = stat.rsplit_once(") ").context("stat format")?.1;
-    let fields: Vec<&str> = rest.split(' ').collect();
-    let utime: u64 = fields[11].parse()?;
-    let stime: u64 = fields[12].parse()?;
-    Ok(utime + stime)
-}
-
-/// Runs wrk against `cluster` through `envoy`; the requests it completed.
-fn wrk(envoy: &Envoy, cluster: &str, seconds: usize) -> Result<u64> {
-    let out = Command::new("wrk")
-        .args(["-t1", "-c16", &format!("-d{seconds}s")])
-        .args(["-H", &format!("x-cluster: {cluster}")])
-        .arg(format!("http://{}/", envoy.listener))
-        .output()
-        .context("wrk (apt-get install -y wrk)")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .find(|l| l.contains("requests in"))
-        .with_context(|| format!("wrk output: {text}"))?;
-    if text.contains("Non-2xx") && cluster == ALLOW {
-        bail!("the allow path answered non-2xx: {text}");
-    }
-    Ok(line.split_whitespace().next().context("count")?.parse()?)
-}
 
 fn main() -> Result<()> {
     let pods = env_usize("PODS", 150_000);
@@ -128,7 +58,6 @@ fn main() -> Result<()> {
     let noop = PathBuf::from(std::env::var("NOOP_WASM").context("NOOP_WASM: the no-op module")?);
     let before = std::env::var("BEFORE_WASM").ok().map(PathBuf::from);
     let floor = std::env::var("FLOOR_WASM").ok().map(PathBuf::from);
-    let ticks_per_s = 100.0; // CLK_TCK on Linux
 
     // The index: `pods` IPs in 1000 services, and the live host.
     let cart = ServiceKey::new("shop", "cart");
@@ -148,8 +77,18 @@ fn main() -> Result<()> {
     let validator = FakeValidator::start(1)?;
     validator.set_index(services, records);
 
-    let live = upstream(live_ip)?;
-    let gone = upstream(gone_ip)?;
+    // Keep-alive upstreams answering `200 ok` at once: a connection per
+    // request would add a connect to Envoy's cost.
+    let upstream = |ip: &str| {
+        let ok = Answer::Respond {
+            status: 200,
+            headers: vec![],
+            body: b"ok".to_vec(),
+        };
+        Server::constant(SocketAddr::new(ip.parse()?, 0), ok)
+    };
+    let (live_server, gone_server) = (upstream(live_ip)?, upstream(gone_ip)?);
+    let (live, gone) = (live_server.addr(), gone_server.addr());
     let plugin = shipped_plugin(json!({"on_reject": "reject"}));
     let gateway = |plugin: Option<Value>| {
         Gateway::new(
@@ -163,22 +102,7 @@ fn main() -> Result<()> {
     // Every variant's module in place of the one the harness names.
     let with_module = |module: PathBuf| {
         move |config: &mut Value| {
-            fn swap(v: &mut Value, module: &str) {
-                match v {
-                    Value::Object(map) => {
-                        for (k, v) in map.iter_mut() {
-                            if k == "filename" {
-                                *v = Value::String(module.to_owned());
-                            } else {
-                                swap(v, module);
-                            }
-                        }
-                    }
-                    Value::Array(items) => items.iter_mut().for_each(|v| swap(v, module)),
-                    _ => {}
-                }
-            }
-            swap(config, &module.display().to_string());
+            swap_module(config, &module);
             Ok(())
         }
     };
@@ -238,9 +162,12 @@ fn main() -> Result<()> {
         for &(v, path, cluster) in &runs {
             let (name, envoy) = &variants[v];
             let t0 = cpu_ticks(envoy.pid())?;
-            let requests = wrk(envoy, cluster, seconds)?;
+            let run = wrk(envoy.listener, cluster, 16, seconds)?;
             let t1 = cpu_ticks(envoy.pid())?;
-            let us = (t1 - t0) as f64 / ticks_per_s * 1e6 / requests.max(1) as f64;
+            if path == "allow" && run.bad_status > 0 {
+                bail!("{name}: the allow path answered non-2xx: {run:?}");
+            }
+            let us = ticks_us(t1 - t0) / run.requests.max(1) as f64;
             this.insert((name.to_string(), path), us);
             cost.entry((name.to_string(), path)).or_default().push(us);
         }
@@ -254,10 +181,9 @@ fn main() -> Result<()> {
         }
         eprintln!("round {}/{rounds} done", round + 1);
     }
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "CPU per request, medians of {rounds} rounds of {seconds} s (wrk -c16, Envoy --concurrency 1, {pods} IPs; load average {})",
-        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+        loadavg()
     );
     println!(
         "{:<8} {:<7} {:>9} {:>9}",

@@ -1,11 +1,14 @@
-//! What the examples under `tests/examples` share to read their knobs and
-//! report their runs.
+//! What the examples under `tests/examples` share to read their knobs,
+//! drive load, measure Envoy and report their runs.
 
 use std::cmp::Ordering;
 use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
-use serde_json::json;
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
 
 use staleguard_core::{Freshness, IpRecord, ServiceKey};
 use staleguard_validator::index::{Index, IndexConfig};
@@ -28,6 +31,150 @@ pub fn env_usize(name: &str, default: usize) -> usize {
 pub fn median<T: Copy + PartialOrd>(v: &mut [T]) -> T {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(Ordering::Equal));
     v[v.len() / 2]
+}
+
+/// utime + stime of every thread of `pid`, in clock ticks.
+pub fn cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name may hold spaces: fields count from after its `)`.
+    let rest = stat.rsplit_once(')').context("stat")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11).context("utime")?.parse()?;
+    let stime: u64 = fields.get(12).context("stime")?.parse()?;
+    Ok(utime + stime)
+}
+
+/// Clock ticks ([`cpu_ticks`]) in microseconds.
+pub fn ticks_us(ticks: u64) -> f64 {
+    // USER_HZ is 100 on Linux for every architecture this runs on.
+    ticks as f64 * 10_000.0
+}
+
+/// The resident memory of `pid`, in KiB.
+pub fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .context("VmRSS")?
+        .parse()
+        .context("VmRSS")
+}
+
+/// The 1-minute load average, to state with every number.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
+/// Replaces the module of every Wasm filter in a bootstrap (each `code`
+/// with a `local` file) with `wasm`: a gateway that differs from another in
+/// its module only.
+pub fn swap_module(bootstrap: &mut Value, wasm: &Path) {
+    match bootstrap {
+        Value::Object(map) => {
+            if let Some(code) = map.get_mut("code") {
+                if code.get("local").is_some() {
+                    *code = json!({"local": {"filename": wasm.display().to_string()}});
+                    return;
+                }
+            }
+            for child in map.values_mut() {
+                swap_module(child, wasm);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|c| swap_module(c, wasm)),
+        _ => {}
+    }
+}
+
+/// What one `wrk` run reported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WrkRun {
+    /// Requests completed.
+    pub requests: u64,
+    /// Answers other than 2xx/3xx.
+    pub bad_status: u64,
+    /// Connect, read, write and timeout errors.
+    pub socket_errors: u64,
+    /// Latency percentiles, microseconds.
+    pub p50_us: f64,
+    /// The 99th percentile.
+    pub p99_us: f64,
+}
+
+/// Runs `wrk` (one thread, `connections` kept-alive connections, `seconds`)
+/// against the gateway on `listener`, to `cluster` by the `x-cluster`
+/// header.
+pub fn wrk(
+    listener: SocketAddr,
+    cluster: &str,
+    connections: usize,
+    seconds: usize,
+) -> Result<WrkRun> {
+    let out = Command::new("wrk")
+        .args(["-t1", "--latency"])
+        .arg(format!("-c{connections}"))
+        .arg(format!("-d{seconds}s"))
+        .args(["-H", &format!("x-cluster: {cluster}")])
+        .arg(format!("http://{listener}/"))
+        .output()
+        .context("run wrk (bench/run installs it: apt-get install wrk)")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    }
+    parse_wrk(&text).with_context(|| format!("wrk's output:\n{text}"))
+}
+
+/// Reads `wrk --latency`'s report.
+pub fn parse_wrk(text: &str) -> Result<WrkRun> {
+    let mut run = WrkRun {
+        requests: 0,
+        bad_status: 0,
+        socket_errors: 0,
+        p50_us: f64::NAN,
+        p99_us: f64::NAN,
+    };
+    for line in text.lines().map(str::trim) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            [n, "requests", "in", ..] => run.requests = n.parse()?,
+            ["Non-2xx", "or", "3xx", "responses:", n] => run.bad_status = n.parse()?,
+            ["Socket", "errors:", rest @ ..] => {
+                run.socket_errors = rest
+                    .iter()
+                    .filter_map(|w| w.trim_end_matches(',').parse::<u64>().ok())
+                    .sum();
+            }
+            ["50%", v] => run.p50_us = duration_us(v)?,
+            ["99%", v] => run.p99_us = duration_us(v)?,
+            _ => {}
+        }
+    }
+    if run.p50_us.is_nan() {
+        bail!("no latency distribution");
+    }
+    Ok(run)
+}
+
+/// `wrk`'s durations (`812.00us`, `1.68ms`, `2.10s`) in microseconds.
+fn duration_us(v: &str) -> Result<f64> {
+    let split = v
+        .find(|c: char| c.is_ascii_alphabetic())
+        .context("a unit")?;
+    let (n, unit) = v.split_at(split);
+    let n: f64 = n.parse()?;
+    Ok(match unit {
+        "us" => n,
+        "ms" => n * 1e3,
+        "s" => n * 1e6,
+        "m" => n * 60e6,
+        other => bail!("unit {other}"),
+    })
 }
 
 /// A synthetic cluster of `pods` pods spread over `services` services, as
@@ -70,6 +217,35 @@ pub fn index_gateway(validator: SocketAddr) -> Gateway {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_wrks_report() {
+        let text = "Running 5s test @ http://127.0.0.1:1/\n\
+              1 threads and 16 connections\n\
+              Latency Distribution\n\
+                 50%  812.00us\n\
+                 75%    1.01ms\n\
+                 99%    1.68ms\n\
+              61234 requests in 5.00s, 7.36MB read\n\
+              Socket errors: connect 0, read 2, write 0, timeout 1\n\
+              Non-2xx or 3xx responses: 12\n";
+        let run = parse_wrk(text).unwrap();
+        assert_eq!(
+            run,
+            WrkRun {
+                requests: 61234,
+                bad_status: 12,
+                socket_errors: 3,
+                p50_us: 812.0,
+                p99_us: 1680.0,
+            }
+        );
+        assert!(
+            parse_wrk("61234 requests in 5.00s").is_err(),
+            "no latencies"
+        );
+        assert!(duration_us("3fortnights").is_err());
+    }
 
     #[test]
     fn median_is_the_middle_or_the_upper_middle() {
