@@ -53,6 +53,18 @@ fn retry_plugin(retry: Value) -> Value {
     shipped_plugin(json!({ "retry": retry }))
 }
 
+/// A gateway with one guarded cluster (replay on) over `servers`.
+fn one_cluster(validator: &FakeValidator, name: &str, servers: &[Server]) -> Gateway {
+    Gateway::new(
+        validator.addr(),
+        vec![Cluster::with_hosts(
+            &istio(name),
+            servers.iter().map(Server::addr).collect(),
+            Some(retry_plugin(json!({}))),
+        )],
+    )
+}
+
 /// Hosts on `ips`, all on one port (the replay names members on the stale
 /// pick's port, as an EDS cluster of pods has them), named `<name>-<i>`.
 fn same_port(ips: &[&str], name: &str) -> Result<Vec<Server>> {
@@ -333,14 +345,7 @@ fn ninety_percent_stale_endpoints_still_answer_from_live_pods() -> Result<()> {
     }
     let validator = FakeValidator::start(52)?;
     validator.set_index(vec![cart(), pay()], records);
-    let gateway = Gateway::new(
-        validator.addr(),
-        vec![Cluster::with_hosts(
-            &istio("ninety"),
-            servers.iter().map(Server::addr).collect(),
-            Some(retry_plugin(json!({}))),
-        )],
-    );
+    let gateway = one_cluster(&validator, "ninety", &servers);
     let Some(envoy) = gateway.start()? else {
         return Ok(());
     };
@@ -394,14 +399,7 @@ fn body_path_retries_posts_through_the_internal_listener() -> Result<()> {
             pod(ips[2], "cart-2", &[&cart()], false),
         ],
     );
-    let gateway = Gateway::new(
-        validator.addr(),
-        vec![Cluster::with_hosts(
-            &istio("body"),
-            servers.iter().map(Server::addr).collect(),
-            Some(retry_plugin(json!({}))),
-        )],
-    );
+    let gateway = one_cluster(&validator, "body", &servers);
     let Some(envoy) = gateway.start_with(|bootstrap| {
         let outer = staleguard_tests::envoy::body_path(
             bootstrap,
