@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
+use super::shipped::{shipped_twin_lb_policy, shipped_upstream_options};
 use super::{dependencies, Envoy, Launch};
 use crate::eds::EdsFile;
 use crate::process::free_port;
@@ -414,50 +415,37 @@ pub fn add_twin_endpoints(
     Ok(())
 }
 
-/// The Wasm HTTP filter entry running the staleguard module with `plugin`.
-pub fn wasm_filter(wasm: &Path, plugin: &Value) -> Value {
-    json!({
-        "name": "envoy.filters.http.wasm",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": "staleguard",
-                "root_id": "staleguard",
-                "vm_config": {
-                    "vm_id": "staleguard",
-                    "runtime": "envoy.wasm.runtime.v8",
-                    "code": {"local": {"filename": wasm.display().to_string()}}
-                },
-                "configuration": {
-                    "@type": "type.googleapis.com/google.protobuf.StringValue",
-                    "value": plugin.to_string()
-                }
-            }
-        }
-    })
+/// A cluster's `typed_extension_protocol_options` that run the filter as an
+/// upstream HTTP filter (before the codec, where the chosen host is known):
+/// the shipped guarded cluster's (see [`shipped_upstream_options`]) with the
+/// module `wasm` and the configuration `plugin`.
+pub fn upstream_filter_options(wasm: &Path, plugin: &Value) -> Value {
+    configured(shipped_upstream_options(false), wasm, plugin)
 }
 
-/// A cluster's `typed_extension_protocol_options` that run the filter as an
-/// upstream HTTP filter (before the codec, where the chosen host is known).
-pub fn upstream_filter_options(wasm: &Path, plugin: &Value) -> Value {
-    json!({
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http_protocol_options": {}},
-            "http_filters": [
-                wasm_filter(wasm, plugin),
-                {"name": "envoy.filters.http.upstream_codec",
-                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
-            ]
-        }
-    })
+/// `options` with every Wasm filter running `wasm` with `plugin`.
+fn configured(mut options: Value, wasm: &Path, plugin: &Value) -> Value {
+    let filters = options
+        .as_object_mut()
+        .into_iter()
+        .flat_map(|o| o.values_mut())
+        .filter_map(|hpo| hpo["http_filters"].as_array_mut())
+        .flatten()
+        .filter(|f| f["name"] == "envoy.filters.http.wasm");
+    for filter in filters {
+        let config = &mut filter["typed_config"]["config"];
+        config["vm_config"]["code"] = json!({"local": {"filename": wasm.display().to_string()}});
+        config["configuration"]["value"] = json!(plugin.to_string());
+    }
+    options
 }
 
 /// The twin of a guarded cluster, for the replay of rejected requests
 /// (`on_reject: retry`), as `deploy/envoy/envoy.yaml` has it: `cluster` (the
 /// guarded cluster's JSON: same endpoints or EDS source, same transport
 /// socket) renamed `<name><twin_suffix>`, with the override-host load balancer
-/// reading `endpoint_header` (round robin as the fallback), and the filter in
+/// reading `endpoint_header` (round robin as the fallback: the shipped
+/// twin's `load_balancing_policy`, read from the file), and the filter in
 /// its twin role in a VM of its own (`vm_id` `staleguard-twin`: a callout into
 /// the VM that made it would re-enter it). `None` when `plugin` asks for no
 /// replay.
@@ -480,30 +468,16 @@ pub fn twin_cluster(cluster: &Value, wasm: &Path, plugin: &Value) -> Option<Valu
     if twin.get("load_assignment").is_some() {
         twin["load_assignment"]["cluster_name"] = json!(name);
     }
-    twin["load_balancing_policy"] = json!({"policies": [{"typed_extension_config": {
-        "name": "envoy.load_balancing_policies.override_host",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-            "override_host_sources": [{"header": header}],
-            "fallback_policy": {"policies": [{"typed_extension_config": {
-                "name": "envoy.load_balancing_policies.round_robin",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}
-            }}]}
-        }
-    }}]});
-    let mut filter = wasm_filter(wasm, &json!({"replay_twin": {"endpoint_header": header}}));
-    filter["typed_config"]["config"]["vm_config"]["vm_id"] = json!("staleguard-twin");
-    twin["typed_extension_protocol_options"] = json!({
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http_protocol_options": {}},
-            "http_filters": [
-                filter,
-                {"name": "envoy.filters.http.upstream_codec",
-                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}
-            ]
-        }
-    });
+    // The override-host balancer of the shipped twin, reading `header`.
+    let mut policy = shipped_twin_lb_policy();
+    policy["policies"][0]["typed_extension_config"]["typed_config"]["override_host_sources"] =
+        json!([{"header": header}]);
+    twin["load_balancing_policy"] = policy;
+    twin["typed_extension_protocol_options"] = configured(
+        shipped_upstream_options(true),
+        wasm,
+        &json!({"replay_twin": {"endpoint_header": header}}),
+    );
     Some(twin)
 }
 

@@ -26,8 +26,8 @@ use serde_json::Value;
 
 pub use bootstrap::{
     add_twin_endpoints, body_path, cluster_mut, clusters_mut, gateway_listener, static_cluster,
-    stats_tags, twin_cluster, upstream_filter_options, wasm_filter, Cluster, Endpoints, Gateway,
-    VirtualHost, CLUSTER_HEADER,
+    stats_tags, twin_cluster, upstream_filter_options, Cluster, Endpoints, Gateway, VirtualHost,
+    CLUSTER_HEADER,
 };
 pub use shipped::{
     plugin_configs_in, shipped_plugin, shipped_plugin_config, shipped_route_retry_policy,
@@ -38,6 +38,12 @@ use crate::blocking::{self, off_runtime, Response};
 use crate::process::{free_port, require, wait_for_port, Guard};
 use crate::traffic::Target;
 use crate::world::World;
+
+/// What Envoy logs when the filter's VM fails: the filter's panic hook, or
+/// a trap. The shipped configuration fails open, so such a VM lets traffic
+/// through unguarded and a test might still pass: [`Envoy::check_alive`] and
+/// dropping an [`Envoy`] fail on either line instead.
+const VM_FAILURES: [&str; 2] = ["staleguard: panic:", "failed: Uncaught"];
 
 /// How long a wait for Envoy's metrics may take before the test fails.
 pub const WAIT: Duration = Duration::from_secs(30);
@@ -149,7 +155,7 @@ impl Envoy {
         target: &str,
         body: Option<&[u8]>,
     ) -> Result<Response> {
-        self.guard.check_alive()?;
+        self.check_alive()?;
         blocking::request(
             self.listener,
             method,
@@ -231,7 +237,7 @@ impl Envoy {
         off_runtime(|| {
             let deadline = Instant::now() + timeout;
             loop {
-                self.guard.check_alive()?;
+                self.check_alive()?;
                 if f(self)? {
                     return Ok(());
                 }
@@ -289,9 +295,22 @@ impl Envoy {
         self.guard.output()
     }
 
-    /// Fails with the log if Envoy exited.
+    /// Fails with the log if Envoy exited, or with the line that says so if
+    /// the filter's VM failed.
     pub fn check_alive(&self) -> Result<()> {
-        self.guard.check_alive()
+        self.guard.check_alive()?;
+        match self.vm_failure() {
+            Some(line) => bail!("{}: the filter's VM failed: {line}", self.name),
+            None => Ok(()),
+        }
+    }
+
+    /// The first log line that says the filter's VM failed.
+    fn vm_failure(&self) -> Option<String> {
+        self.log()
+            .lines()
+            .find(|l| VM_FAILURES.iter().any(|f| l.contains(f)))
+            .map(str::to_owned)
     }
 
     /// Replaces the CDS clusters.
@@ -305,6 +324,18 @@ impl Envoy {
     /// Kills Envoy.
     pub fn stop(&mut self) {
         self.guard.kill();
+    }
+}
+
+impl Drop for Envoy {
+    /// A VM that failed fails the test that ran it, even one whose requests
+    /// all passed (see [`VM_FAILURES`]).
+    fn drop(&mut self) {
+        if let Some(line) = self.vm_failure() {
+            if !std::thread::panicking() {
+                panic!("{}: the filter's VM failed: {line}", self.name);
+            }
+        }
     }
 }
 

@@ -11,6 +11,13 @@ fn shipped_envoy_yaml() -> (String, &'static str) {
     (std::fs::read_to_string(path).unwrap_or_default(), path)
 }
 
+/// `deploy/envoy/envoy.yaml` parsed.
+fn shipped_envoy_doc() -> (Value, &'static str) {
+    let (yaml, path) = shipped_envoy_yaml();
+    let doc = yaml_serde::from_str(&yaml).unwrap_or_else(|e| panic!("{path} is not YAML: {e}"));
+    (doc, path)
+}
+
 /// The JSON blocks under `value: |` in a YAML file: the plugin
 /// configurations of a shipped manifest.
 pub fn plugin_configs_in(yaml: &str) -> Vec<String> {
@@ -55,9 +62,7 @@ pub fn shipped_plugin_config() -> Value {
 /// requests without a body (the last route of the gateway's virtual host):
 /// what a gateway that stands for the shipped one sets on its routes.
 pub fn shipped_route_retry_policy() -> Value {
-    let (yaml, path) = shipped_envoy_yaml();
-    let doc: Value =
-        yaml_serde::from_str(&yaml).unwrap_or_else(|e| panic!("{path} is not YAML: {e}"));
+    let (doc, path) = shipped_envoy_doc();
     let routes = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"];
     routes
@@ -79,4 +84,46 @@ pub fn shipped_plugin(extra: Value) -> Value {
         }
     }
     base
+}
+
+/// The guarded cluster `deploy/envoy/envoy.yaml` ships (`shop-cart`), or
+/// with `twin` its retry twin (`shop-cart|staleguard-twin`).
+fn shipped_cluster(twin: bool) -> Value {
+    let (doc, path) = shipped_envoy_doc();
+    let name = if twin {
+        "shop-cart|staleguard-twin"
+    } else {
+        "shop-cart"
+    };
+    doc["static_resources"]["clusters"]
+        .as_array()
+        .and_then(|clusters| clusters.iter().find(|c| c["name"] == name))
+        .cloned()
+        .unwrap_or_else(|| panic!("no cluster {name} in {path}"))
+}
+
+/// The `typed_extension_protocol_options` of the guarded cluster, or with
+/// `twin` of its twin, as `deploy/envoy/envoy.yaml` ships them: the
+/// upstream filter chain (the Wasm filter with its failure policy and VM,
+/// then the codec) that every test gateway runs, with its own module and
+/// plugin configuration set in.
+pub fn shipped_upstream_options(twin: bool) -> Value {
+    let options = shipped_cluster(twin)["typed_extension_protocol_options"].clone();
+    assert!(
+        options.is_object(),
+        "the shipped cluster has no upstream filters"
+    );
+    options
+}
+
+/// The `load_balancing_policy` of the shipped retry twin: the override-host
+/// balancer reading the members the filter names, round robin as its
+/// fallback.
+pub fn shipped_twin_lb_policy() -> Value {
+    let policy = shipped_cluster(true)["load_balancing_policy"].clone();
+    assert!(
+        policy.is_object(),
+        "the shipped twin has no load_balancing_policy"
+    );
+    policy
 }
