@@ -1,11 +1,10 @@
 //! Blocking HTTP/1.1 on hyper, for the synchronous filter tests and Envoy's
 //! admin: the fake validator, named upstream hosts on loopback addresses, and
-//! requests through Envoy. Each server runs its own tokio runtime on a thread of its
-//! own; handlers are blocking closures run off the async workers, so a long
-//! poll or a slow host simply holds a blocking thread. One request per
+//! requests through Envoy. Each server runs its own tokio runtime on a thread
+//! of its own; handlers are blocking closures run off the async workers, so a
+//! long poll or a slow host simply holds a blocking thread. One request per
 //! connection (`connection: close`), as Envoy's upstream pool sees in the
-//! tests.
-
+//! tests; a [`Server::constant`] (a benchmark's pod) keeps connections open.
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -35,8 +35,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
-use crate::envoy::{dependencies, Envoy, Launch};
-use crate::process::free_port;
+use crate::envoy::{dependencies, lb_endpoint, Envoy, Launch};
+use crate::process::free_addr;
 
 /// The port protocols that shape a cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -612,17 +612,13 @@ pub fn runnable(
     module: Option<SocketAddr>,
     stats_tags: &Value,
 ) -> Result<Value> {
-    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let (listen, admin) = (free_addr()?, free_addr()?);
     let mut out = output.clone();
     for l in out["listeners"].as_array_mut().into_iter().flatten() {
         l["address"] = json!({"socket_address": {"address": listen.ip().to_string(), "port_value": listen.port()}});
     }
     let endpoints = |hosts: &[SocketAddr]| -> Value {
-        let eps: Vec<Value> = hosts
-            .iter()
-            .map(|h| json!({"endpoint": {"address": {"socket_address": {"address": h.ip().to_string(), "port_value": h.port()}}}}))
-            .collect();
+        let eps: Vec<Value> = hosts.iter().map(lb_endpoint).collect();
         json!([{"lb_endpoints": eps}])
     };
     for c in out["clusters"].as_array_mut().context("no clusters")? {

@@ -137,6 +137,12 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// 127.0.0.1 on a [`free_port`]: a listener or admin address to hand a
+/// process.
+pub fn free_addr() -> Result<SocketAddr> {
+    Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?)))
+}
+
 fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use crate::process::{free_port, require, Guard};
+use crate::process::{free_addr, require, Guard};
 use crate::traffic::Http;
 
 /// The validator binary (`STALEGUARD_VALIDATOR`, exported by
@@ -76,8 +76,8 @@ impl Validator {
             extra: extra.iter().map(|s| s.to_string()).collect(),
             guard: None,
             detach,
-            listen: format!("127.0.0.1:{}", free_port()?).parse()?,
-            admin: format!("127.0.0.1:{}", free_port()?).parse()?,
+            listen: free_addr()?,
+            admin: free_addr()?,
         };
         validator.restart(http).await?;
         Ok(validator)

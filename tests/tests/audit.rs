@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use staleguard_tests::audit::{self, AuditRun, Broken};
 use staleguard_tests::eds::EdsFile;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway, WAIT};
-use staleguard_tests::process::{free_port, wait_for_port, Guard};
+use staleguard_tests::process::{free_addr, wait_for_port, Guard};
 use staleguard_tests::scene::{self, Deps};
 use staleguard_tests::traffic::Http;
 use staleguard_tests::validator::Validator;
@@ -403,7 +403,7 @@ async fn broken_admin_output_an_unreachable_admin_and_an_unreachable_validator_e
         assert!(run.stderr.contains(what), "{what}: {}", run.stderr);
     }
 
-    let nobody = format!("127.0.0.1:{}", free_port().unwrap());
+    let nobody = free_addr().unwrap().to_string();
     let run = setup
         .audit(&["--admin", &nobody, "--validator", &url])
         .await;
@@ -446,9 +446,7 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
     let Some(mut setup) = Setup::start().await else {
         return;
     };
-    let listen: SocketAddr = format!("127.0.0.1:{}", free_port().unwrap())
-        .parse()
-        .unwrap();
+    let listen = free_addr().unwrap();
     let mut cmd = Command::new(&setup.deps.validator);
     cmd.arg("audit")
         .args(["--admin", &setup.admin.to_string()])

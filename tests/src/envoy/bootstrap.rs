@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use super::shipped::{shipped_twin_lb_policy, shipped_upstream_options};
 use super::{dependencies, Envoy, Launch};
 use crate::eds::EdsFile;
-use crate::process::free_port;
+use crate::process::free_addr;
 
 /// Where a cluster's endpoints come from.
 #[derive(Debug, Clone)]
@@ -222,8 +222,7 @@ impl Gateway {
         wasm: &Path,
         edit: impl FnOnce(&mut Value) -> Result<()>,
     ) -> Result<Envoy> {
-        let listener: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let (listener, admin) = (free_addr()?, free_addr()?);
         let cds = (!self.dynamic.is_empty()).then(|| {
             std::env::temp_dir().join(format!(
                 "staleguard-cds-{}-{}.json",
@@ -336,7 +335,7 @@ pub(super) fn write_cds(path: &Path, wasm: &Path, clusters: &[Cluster]) -> Resul
 }
 
 /// Sets every field of the object `extra` on the object `into`.
-fn merge_into(into: &mut Value, extra: &Value) {
+pub(super) fn merge_into(into: &mut Value, extra: &Value) {
     if let (Some(into), Some(extra)) = (into.as_object_mut(), extra.as_object()) {
         for (k, v) in extra {
             into.insert(k.clone(), v.clone());
@@ -346,13 +345,7 @@ fn merge_into(into: &mut Value, extra: &Value) {
 
 /// A `STATIC` cluster to `hosts`.
 pub fn static_cluster(name: &str, hosts: &[SocketAddr]) -> Value {
-    let endpoints: Vec<Value> = hosts
-        .iter()
-        .map(|h| {
-            json!({"endpoint": {"address": {"socket_address": {
-                "address": h.ip().to_string(), "port_value": h.port()}}}})
-        })
-        .collect();
+    let endpoints: Vec<Value> = hosts.iter().map(lb_endpoint).collect();
     json!({
         "name": name,
         "type": "STATIC",
@@ -362,6 +355,12 @@ pub fn static_cluster(name: &str, hosts: &[SocketAddr]) -> Value {
             "endpoints": [{"lb_endpoints": endpoints}]
         }
     })
+}
+
+/// One entry of a `load_assignment`'s `lb_endpoints`: `addr`.
+pub fn lb_endpoint(addr: &SocketAddr) -> Value {
+    json!({"endpoint": {"address": {"socket_address": {
+        "address": addr.ip().to_string(), "port_value": addr.port()}}}})
 }
 
 /// The `stats_tags` that turn staleguard metric names into labels.
@@ -408,10 +407,7 @@ pub fn add_twin_endpoints(
     let endpoints = twin["load_assignment"]["endpoints"][0]["lb_endpoints"]
         .as_array_mut()
         .with_context(|| format!("no static endpoints in {twin_name}"))?;
-    for a in addresses {
-        endpoints.push(json!({"endpoint": {"address": {"socket_address": {
-            "address": a.ip().to_string(), "port_value": a.port()}}}}));
-    }
+    endpoints.extend(addresses.iter().map(lb_endpoint));
     Ok(())
 }
 

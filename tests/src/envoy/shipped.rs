@@ -2,20 +2,29 @@
 //! configuration and the route's retry policy. Tests, the demo and benchmarks
 //! run these, so what they check is what users deploy.
 
+use std::sync::OnceLock;
+
 use serde_json::Value;
 
+use super::bootstrap::merge_into;
+
+const PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/envoy/envoy.yaml");
+
 /// `deploy/envoy/envoy.yaml`, or an empty text (the callers then say what
-/// they did not find in it).
-fn shipped_envoy_yaml() -> (String, &'static str) {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/envoy/envoy.yaml");
-    (std::fs::read_to_string(path).unwrap_or_default(), path)
+/// they did not find in it). Read once per process: every guarded cluster
+/// of every gateway takes its filter entries from it.
+fn shipped_envoy_yaml() -> &'static str {
+    static YAML: OnceLock<String> = OnceLock::new();
+    YAML.get_or_init(|| std::fs::read_to_string(PATH).unwrap_or_default())
 }
 
-/// `deploy/envoy/envoy.yaml` parsed.
-fn shipped_envoy_doc() -> (Value, &'static str) {
-    let (yaml, path) = shipped_envoy_yaml();
-    let doc = yaml_serde::from_str(&yaml).unwrap_or_else(|e| panic!("{path} is not YAML: {e}"));
-    (doc, path)
+/// `deploy/envoy/envoy.yaml` parsed, once per process.
+fn shipped_envoy_doc() -> &'static Value {
+    static DOC: OnceLock<Value> = OnceLock::new();
+    DOC.get_or_init(|| {
+        yaml_serde::from_str(shipped_envoy_yaml())
+            .unwrap_or_else(|e| panic!("{PATH} is not YAML: {e}"))
+    })
 }
 
 /// The JSON blocks under `value: |` in a YAML file: the plugin
@@ -45,11 +54,10 @@ const TOPOLOGY_KEYS: [&str; 3] = ["clusters", "istio", "validator_authority"];
 /// The plugin configuration `deploy/envoy/envoy.yaml` ships, read from that
 /// file, without its topology keys. What tests, the demo and benchmarks run.
 pub fn shipped_plugin_config() -> Value {
-    let (yaml, path) = shipped_envoy_yaml();
-    let mut config = plugin_configs_in(&yaml)
+    let mut config = plugin_configs_in(shipped_envoy_yaml())
         .first()
         .and_then(|c| serde_json::from_str::<Value>(c).ok())
-        .unwrap_or_else(|| panic!("no plugin configuration (`value: |` JSON) in {path}"));
+        .unwrap_or_else(|| panic!("no plugin configuration (`value: |` JSON) in {PATH}"));
     if let Some(object) = config.as_object_mut() {
         for key in TOPOLOGY_KEYS {
             object.remove(key);
@@ -62,15 +70,14 @@ pub fn shipped_plugin_config() -> Value {
 /// requests without a body (the last route of the gateway's virtual host):
 /// what a gateway that stands for the shipped one sets on its routes.
 pub fn shipped_route_retry_policy() -> Value {
-    let (doc, path) = shipped_envoy_doc();
-    let routes = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"];
+    let routes = &shipped_envoy_doc()["static_resources"]["listeners"][0]["filter_chains"][0]
+        ["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"];
     routes
         .as_array()
         .and_then(|r| r.last())
         .map(|r| r["route"]["retry_policy"].clone())
         .filter(|p| p.is_object())
-        .unwrap_or_else(|| panic!("no retry_policy on the last route of {path}"))
+        .unwrap_or_else(|| panic!("no retry_policy on the last route of {PATH}"))
 }
 
 /// The shipped plugin configuration ([`shipped_plugin_config`]) with `extra`
@@ -78,28 +85,23 @@ pub fn shipped_route_retry_policy() -> Value {
 /// test is about. A test that turns a knob names it in its title.
 pub fn shipped_plugin(extra: Value) -> Value {
     let mut base = shipped_plugin_config();
-    if let (Some(b), Some(e)) = (base.as_object_mut(), extra.as_object()) {
-        for (k, v) in e {
-            b.insert(k.clone(), v.clone());
-        }
-    }
+    merge_into(&mut base, &extra);
     base
 }
 
 /// The guarded cluster `deploy/envoy/envoy.yaml` ships (`shop-cart`), or
 /// with `twin` its retry twin (`shop-cart|staleguard-twin`).
 fn shipped_cluster(twin: bool) -> Value {
-    let (doc, path) = shipped_envoy_doc();
     let name = if twin {
         "shop-cart|staleguard-twin"
     } else {
         "shop-cart"
     };
-    doc["static_resources"]["clusters"]
+    shipped_envoy_doc()["static_resources"]["clusters"]
         .as_array()
         .and_then(|clusters| clusters.iter().find(|c| c["name"] == name))
         .cloned()
-        .unwrap_or_else(|| panic!("no cluster {name} in {path}"))
+        .unwrap_or_else(|| panic!("no cluster {name} in {PATH}"))
 }
 
 /// The `typed_extension_protocol_options` of the guarded cluster, or with
