@@ -121,12 +121,12 @@ fn main() {
     // allocates and frees around it.
     let before = rss_bytes();
     let mut first = Guard::new(GuardConfig::default(), Policy::default());
-    first.applied(Answer::Reset(&full));
+    first.applied(0, Answer::Reset(&full));
     let baseline_bytes = before.zip(rss_bytes()).map(|(b, a)| a.saturating_sub(b));
     drop(first);
     let decode = time(rounds, || Snapshot::from_json(&json).unwrap());
     let mut guard = Guard::new(GuardConfig::default(), Policy::default());
-    let baseline = time(rounds, || guard.applied(Answer::Reset(&full)));
+    let baseline = time(rounds, || guard.applied(0, Answer::Reset(&full)));
     let same = time(rounds, || guard.assess(Answer::Reset(&full)));
     let all_gone = time(rounds, || guard.assess(Answer::Reset(&empty)));
     assert!(guard.assess(Answer::Reset(&empty)).tripped.is_some());

@@ -24,15 +24,31 @@
 //! - **service**: every allowed IP of a service with at least
 //!   `min_service_ips` of them.
 //!
-//! A held answer is not written: the previous data keeps serving (and ages
-//! like any data, so it turns stale after `max_staleness_ms` and the failure
-//! policy decides). The poller asks again with backoff; an answer that no
-//! longer trips is applied normally (the hold is *released*), and one that
-//! still trips `confirm_ms` after the hold began is applied (*confirmed*): a
-//! change that persists that long is taken as real.
+//! A held answer is not written: the previous data keeps serving, enforced as
+//! before. A validator that answers, and calls its answer fresh, keeps that
+//! data fresh while it holds (the poller refreshes `meta`; see
+//! [`crate::sync`]): holding a wrong answer must not turn into failing closed
+//! on live members, nor into failing open. The poller watches the held answer
+//! and asks again at least every second; an answer that no longer trips is
+//! applied normally (the hold is *released*), and one that still trips
+//! `confirm_ms` after the hold began is applied (*confirmed*): a change that
+//! persists that long is taken as real.
+//!
+//! The reference the losses are counted against must itself be sane, so it
+//! is made only of IPs that have been allowed for `confirm_ms`: an IP an
+//! answer newly allows is *unconfirmed* until then, and losing it again is no
+//! loss. The guard protects established members. Without that rule, one
+//! answer of a wrong validator that passes (a validator pointed at the wrong
+//! cluster, a restore from an old backup, adding 150,000 IPs and dropping a
+//! service's one live pod, under every threshold) would become the
+//! reference, and the correct validator's next answer, which drops all of it,
+//! would be held for a minute as a loss of everything. The first snapshot a
+//! poller applies is its reference as it stands (there is nothing older to
+//! judge it by). A wrong validator that serves for longer than `confirm_ms`
+//! is taken for the truth, like any change that persists that long.
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 
@@ -55,7 +71,8 @@ pub struct GuardConfig {
     /// be rejected without evidence (at least 1; default 2).
     pub min_service_ips: u64,
     /// A held change that still trips this long after the hold began is
-    /// applied (default 60000).
+    /// applied; an IP newly allowed counts as allowed this long after
+    /// (default 60000).
     pub confirm_ms: u64,
 }
 
@@ -116,7 +133,8 @@ impl std::fmt::Display for Rule {
 /// What an answer would do to the IPs the index allows.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Blast {
-    /// IPs allowed for at least one service before the answer.
+    /// IPs allowed for at least one service before the answer, for at least
+    /// `confirm_ms` (see [`crate::guard`]).
     pub allowed_ips: u64,
     /// Of those, IPs the answer would reject for a service it still knows,
     /// without evidence.
@@ -145,6 +163,15 @@ struct IpFacts {
     allowed: Allowed,
     /// A fingerprint of the pods holding it.
     holders: u64,
+    /// When an allowed IP that was newly allowed counts as allowed; 0 once
+    /// it does. Until then losing it is no loss.
+    confirm_at_ms: u64,
+}
+
+impl IpFacts {
+    fn unconfirmed(&self) -> bool {
+        self.confirm_at_ms != 0
+    }
 }
 
 /// Service ids, inline when there is at most one (almost every IP): the
@@ -187,11 +214,16 @@ pub struct Baseline {
     ids: HashMap<ServiceKey, u32>,
     /// Services by id.
     names: Vec<ServiceKey>,
-    /// Allowed IPs per service id.
+    /// Confirmed allowed IPs per service id.
     members: Vec<u64>,
     ips: HashMap<IpAddr, IpFacts>,
-    /// IPs allowed for at least one service.
+    /// Confirmed IPs allowed for at least one service.
     allowed_ips: u64,
+    /// Allowed IPs not confirmed yet.
+    unconfirmed_ips: u64,
+    /// When each unconfirmed IP counts, in order (an entry whose IP has
+    /// been removed or re-added since is skipped).
+    pending: VecDeque<(u64, IpAddr)>,
     known: HashSet<ServiceKey>,
     /// False until the poller applied a full snapshot itself (a poller that
     /// took over from a dead one has nothing to compare with).
@@ -236,6 +268,24 @@ impl Guard {
         self.held_since_ms.is_some()
     }
 
+    /// How long the hold in progress has lasted at `now_ms`, if one is.
+    pub fn held_for_ms(&self, now_ms: u64) -> Option<u64> {
+        self.held_since_ms.map(|since| now_ms.saturating_sub(since))
+    }
+
+    /// True when a hold that began at the latest `confirm_ms` ago would be
+    /// confirmed by an answer that still trips at `now_ms`.
+    pub fn confirm_due(&self, now_ms: u64) -> bool {
+        self.held_for_ms(now_ms)
+            .is_some_and(|held| held >= self.config.confirm_ms)
+    }
+
+    /// Allowed IPs not confirmed yet (newly allowed less than `confirm_ms`
+    /// ago), as of the last answer.
+    pub fn unconfirmed_ips(&self) -> u64 {
+        self.baseline.unconfirmed_ips
+    }
+
     /// What happened with the last answer, once.
     pub fn take_event(&mut self) -> Option<GuardEvent> {
         self.event.take()
@@ -248,6 +298,7 @@ impl Guard {
         if !self.config.enabled || !self.baseline.armed {
             return true;
         }
+        self.baseline.confirm_due(now_ms);
         let blast = self.assess(answer);
         match (blast.tripped.is_some(), self.held_since_ms) {
             (false, None) => true,
@@ -269,23 +320,37 @@ impl Guard {
         }
     }
 
-    /// The poller applied `answer`: it is the new baseline.
-    pub fn applied(&mut self, answer: Answer<'_>) {
+    /// The poller applied `answer` at `now_ms`: it is the new baseline. An
+    /// IP that stays allowed keeps its standing; one newly allowed is
+    /// unconfirmed for `confirm_ms`, except in the first snapshot.
+    pub fn applied(&mut self, now_ms: u64, answer: Answer<'_>) {
+        let confirm_at = now_ms.saturating_add(self.config.confirm_ms).max(1);
         match answer {
             Answer::Reset(snapshot) => {
+                let old = std::mem::take(&mut self.baseline);
+                let first = !old.armed;
                 let mut baseline = Baseline {
-                    ids: std::mem::take(&mut self.baseline.ids),
-                    names: std::mem::take(&mut self.baseline.names),
-                    members: Vec::new(),
+                    members: vec![0; old.names.len()],
+                    ids: old.ids,
+                    names: old.names,
                     ips: HashMap::with_capacity(snapshot.records.len()),
-                    allowed_ips: 0,
                     known: snapshot.services.iter().cloned().collect(),
                     armed: true,
+                    ..Baseline::default()
                 };
-                baseline.members = vec![0; baseline.names.len()];
+                let mut pending = Vec::new();
                 for record in &snapshot.records {
-                    baseline.insert(&self.policy, record);
+                    let at = match old.ips.get(&record.ip) {
+                        _ if first => 0,
+                        Some(before) if !before.allowed.is_empty() => before.confirm_at_ms,
+                        _ => confirm_at,
+                    };
+                    if baseline.insert(&self.policy, record, at) {
+                        pending.push((at, record.ip));
+                    }
                 }
+                pending.sort_unstable();
+                baseline.pending = pending.into();
                 self.baseline = baseline;
             }
             Answer::Delta(delta) => {
@@ -295,8 +360,14 @@ impl Guard {
                 }
                 b.known.extend(delta.services_added.iter().cloned());
                 for record in &delta.upserts {
-                    b.remove(&record.ip);
-                    b.insert(&self.policy, record);
+                    let at = match b.remove(&record.ip) {
+                        Some(before) if !before.allowed.is_empty() => before.confirm_at_ms,
+                        _ => confirm_at,
+                    };
+                    // A standing carried over keeps its place in the queue.
+                    if b.insert(&self.policy, record, at) && at == confirm_at {
+                        b.pending.push_back((at, record.ip));
+                    }
                 }
                 for ip in &delta.removed {
                     b.remove(ip);
@@ -344,6 +415,10 @@ impl Guard {
         let in_delta = matches!(answer, Answer::Delta(_));
         let mut judge =
             |old: &IpFacts, new: Option<&IpRecord>, known: &dyn Fn(&ServiceKey) -> bool| {
+                if old.unconfirmed() {
+                    // Not trusted as allowed yet: nothing to lose.
+                    return;
+                }
                 let mut lost = false;
                 let mut evidenced = false;
                 for &id in old.allowed.iter() {
@@ -445,45 +520,79 @@ impl Baseline {
         id
     }
 
-    fn insert(&mut self, policy: &Policy, record: &IpRecord) {
+    /// Remembers `record`, unconfirmed until `confirm_at_ms` if that is not
+    /// 0. True when it is allowed and unconfirmed.
+    fn insert(&mut self, policy: &Policy, record: &IpRecord, confirm_at_ms: u64) -> bool {
         let mut allowed: Vec<u32> = Vec::new();
         for service in candidates(record) {
             if allows(policy, service, Some(record)) {
                 let id = self.id(service);
                 if !allowed.contains(&id) {
                     allowed.push(id);
-                    if let Some(n) = self.members.get_mut(id as usize) {
-                        *n += 1;
-                    }
                 }
             }
         }
         if allowed.is_empty() && record.pods.is_empty() {
             // Destroyed or vacant: nothing to lose, nothing to remember.
-            return;
+            return false;
         }
-        if !allowed.is_empty() {
-            self.allowed_ips += 1;
-        }
-        self.ips.insert(
-            record.ip,
-            IpFacts {
-                allowed: Allowed::new(allowed),
-                holders: holders(record),
-            },
-        );
+        let facts = IpFacts {
+            confirm_at_ms: if allowed.is_empty() { 0 } else { confirm_at_ms },
+            allowed: Allowed::new(allowed),
+            holders: holders(record),
+        };
+        self.count(&facts, 1);
+        let unconfirmed = facts.unconfirmed();
+        self.ips.insert(record.ip, facts);
+        unconfirmed
     }
 
-    fn remove(&mut self, ip: &IpAddr) {
-        if let Some(old) = self.ips.remove(ip) {
-            if !old.allowed.is_empty() {
-                self.allowed_ips = self.allowed_ips.saturating_sub(1);
+    /// Forgets `ip`; returns what was known of it.
+    fn remove(&mut self, ip: &IpAddr) -> Option<IpFacts> {
+        let old = self.ips.remove(ip)?;
+        self.count(&old, -1);
+        Some(old)
+    }
+
+    /// Adds (`sign` 1) or takes away (-1) an IP's share of the counts.
+    fn count(&mut self, facts: &IpFacts, sign: i64) {
+        if facts.allowed.is_empty() {
+            return;
+        }
+        if facts.unconfirmed() {
+            self.unconfirmed_ips = self.unconfirmed_ips.saturating_add_signed(sign);
+            return;
+        }
+        self.allowed_ips = self.allowed_ips.saturating_add_signed(sign);
+        for id in facts.allowed.iter() {
+            if let Some(n) = self.members.get_mut(*id as usize) {
+                *n = n.saturating_add_signed(sign);
             }
-            for id in old.allowed.iter() {
-                if let Some(n) = self.members.get_mut(*id as usize) {
-                    *n = n.saturating_sub(1);
-                }
+        }
+    }
+
+    /// Confirms the IPs whose time has come at `now_ms`.
+    fn confirm_due(&mut self, now_ms: u64) {
+        while let Some(&(at, ip)) = self.pending.front() {
+            if at > now_ms {
+                break;
             }
+            self.pending.pop_front();
+            let Some(facts) = self.ips.get(&ip) else {
+                continue;
+            };
+            if facts.confirm_at_ms != at {
+                // Removed and allowed again since: a later entry counts.
+                continue;
+            }
+            let unconfirmed = facts.clone();
+            let confirmed = IpFacts {
+                confirm_at_ms: 0,
+                ..unconfirmed.clone()
+            };
+            self.count(&unconfirmed, -1);
+            self.count(&confirmed, 1);
+            self.ips.insert(ip, confirmed);
         }
     }
 }
@@ -544,7 +653,8 @@ mod tests {
     }
 
     fn ip(n: u32) -> IpAddr {
-        IpAddr::from([10, 0, (n / 256) as u8, (n % 256) as u8])
+        let [_, b, c, d] = n.to_be_bytes();
+        IpAddr::from([10, b, c, d])
     }
 
     fn held_by(n: u32, pod: &str, service: &str) -> IpRecord {
@@ -613,7 +723,7 @@ mod tests {
         let mut g = Guard::new(GuardConfig::default(), Policy::default());
         let mut records: Vec<IpRecord> = (0..n).map(|i| member(i, "api")).collect();
         records.extend((1000..1004).map(|i| member(i, "web")));
-        g.applied(Answer::Reset(&snapshot(&["api", "web"], records)));
+        g.applied(0, Answer::Reset(&snapshot(&["api", "web"], records)));
         g
     }
 
@@ -725,7 +835,10 @@ mod tests {
         assert_eq!((blast.lost_ips, blast.tripped), (15, Some(Rule::Ratio)));
         // One lost IP of a 1-IP service is under min_service_ips.
         let mut g = Guard::new(GuardConfig::default(), Policy::default());
-        g.applied(Answer::Reset(&snapshot(&["solo"], vec![member(1, "solo")])));
+        g.applied(
+            0,
+            Answer::Reset(&snapshot(&["solo"], vec![member(1, "solo")])),
+        );
         assert_eq!(
             g.assess(Answer::Delta(&delta(vec![], vec![ip(1)]))).tripped,
             None
@@ -745,13 +858,13 @@ mod tests {
         assert!(g.admit(31_000, Answer::Reset(&sane)));
         assert_eq!(g.take_event(), Some(GuardEvent::Released));
         assert!(!g.holding());
-        g.applied(Answer::Reset(&sane));
+        g.applied(0, Answer::Reset(&sane));
 
         assert!(!g.admit(40_000, Answer::Reset(&empty)));
         assert!(!g.admit(99_999, Answer::Reset(&empty)));
         assert!(g.admit(100_000, Answer::Reset(&empty)), "confirmed");
         assert!(matches!(g.take_event(), Some(GuardEvent::Confirmed(_))));
-        g.applied(Answer::Reset(&empty));
+        g.applied(0, Answer::Reset(&empty));
         // Nothing is allowed now: nothing left to lose.
         assert!(g.admit(100_001, Answer::Reset(&empty)));
     }
@@ -763,7 +876,7 @@ mod tests {
         for i in 0..12 {
             let d = delta(vec![held_by(i, "batch", "batch")], vec![]);
             assert!(g.admit(1, Answer::Delta(&d)));
-            g.applied(Answer::Delta(&d));
+            g.applied(0, Answer::Delta(&d));
         }
         assert_eq!(g.baseline.members[0], 8);
         // Now the remaining eight vanish without evidence: every IP of api.
@@ -798,7 +911,7 @@ mod tests {
                 ..Policy::default()
             },
         );
-        strict.applied(Answer::Reset(&snapshot(&["api"], vec![r.clone()])));
+        strict.applied(0, Answer::Reset(&snapshot(&["api"], vec![r.clone()])));
         assert_eq!(
             strict
                 .assess(Answer::Reset(&snapshot(&["api"], vec![])))
@@ -806,7 +919,7 @@ mod tests {
             0
         );
         let mut open = Guard::new(GuardConfig::default(), Policy::default());
-        open.applied(Answer::Reset(&snapshot(&["api"], vec![r])));
+        open.applied(0, Answer::Reset(&snapshot(&["api"], vec![r])));
         assert_eq!(
             open.assess(Answer::Reset(&snapshot(&["api"], vec![])))
                 .allowed_ips,
@@ -835,5 +948,112 @@ mod tests {
             ..GuardConfig::default()
         };
         assert_eq!(bad.problems().len(), 3);
+    }
+
+    /// A baseline of one live `api` pod (IP 1): the situation of issue 23.
+    fn one_live_pod() -> Guard {
+        let mut g = Guard::new(GuardConfig::default(), Policy::default());
+        g.applied(
+            0,
+            Answer::Reset(&snapshot(&["api"], vec![member(1, "api")])),
+        );
+        g
+    }
+
+    /// `n` members of api from IP 10,000 on, without IP 1.
+    fn huge(n: u32) -> Snapshot {
+        snapshot(
+            &["api"],
+            (10_000..10_000 + n).map(|i| member(i, "api")).collect(),
+        )
+    }
+
+    #[test]
+    fn newly_allowed_ips_are_no_loss_until_confirm_ms_has_passed() {
+        let mut g = one_live_pod();
+        let big = huge(150_000);
+        let blast = g.assess(Answer::Reset(&big));
+        assert_eq!((blast.allowed_ips, blast.lost_ips), (1, 1));
+        assert_eq!(blast.tripped, None, "one pod is under every loss threshold");
+        assert!(g.admit(1_000, Answer::Reset(&big)));
+        g.applied(1_000, Answer::Reset(&big));
+        assert_eq!((g.baseline.allowed_ips, g.unconfirmed_ips()), (0, 150_000));
+        // Losing all of them again is no loss: the live pod comes back.
+        let truth = snapshot(&["api"], vec![member(1, "api")]);
+        let blast = g.assess(Answer::Reset(&truth));
+        assert_eq!(
+            (blast.allowed_ips, blast.lost_ips, blast.tripped),
+            (0, 0, None)
+        );
+        // Once they have persisted confirm_ms (60 s) they are the reference,
+        // and losing them is held like any loss.
+        assert!(!g.admit(61_000, Answer::Reset(&truth)));
+        assert_eq!((g.baseline.allowed_ips, g.unconfirmed_ips()), (150_000, 0));
+        assert!(matches!(g.take_event(), Some(GuardEvent::Held(b)) if b.lost_ips == 150_000));
+    }
+
+    #[test]
+    fn an_ip_keeps_its_standing_while_it_stays_allowed() {
+        let mut g = armed(20);
+        // A new pod, then its IP changes hands within the same service.
+        let d = delta(vec![member(500, "api")], vec![]);
+        g.applied(1_000, Answer::Delta(&d));
+        assert_eq!(g.unconfirmed_ips(), 1);
+        let d = delta(vec![held_by(500, "api-other", "api")], vec![]);
+        g.applied(30_000, Answer::Delta(&d));
+        g.baseline.confirm_due(60_999);
+        assert_eq!(
+            g.unconfirmed_ips(),
+            1,
+            "not yet: still the first pod's clock"
+        );
+        g.baseline.confirm_due(61_000);
+        assert_eq!((g.unconfirmed_ips(), g.baseline.allowed_ips), (0, 25));
+        // Removed and allowed again: a new clock, the old entry skipped.
+        let gone = delta(vec![], vec![ip(500)]);
+        g.applied(70_000, Answer::Delta(&gone));
+        let back = delta(vec![member(500, "api")], vec![]);
+        g.applied(80_000, Answer::Delta(&back));
+        g.baseline.confirm_due(130_000);
+        assert_eq!(g.unconfirmed_ips(), 1);
+        g.baseline.confirm_due(140_000);
+        assert_eq!(g.unconfirmed_ips(), 0);
+        // A reset carries the standing over: the baseline's IPs stay
+        // confirmed, a new one starts its clock.
+        let mut records: Vec<IpRecord> = (0..20).map(|i| member(i, "api")).collect();
+        records.push(member(600, "api"));
+        g.applied(150_000, Answer::Reset(&snapshot(&["api", "web"], records)));
+        assert_eq!((g.baseline.allowed_ips, g.unconfirmed_ips()), (20, 1));
+    }
+
+    #[test]
+    fn the_sequence_of_a_wrong_validator_then_the_correct_one_is_applied_at_once() {
+        // Issue 23: a valid 150,000-IP reset without the live pod, resets
+        // naming one or two other IPs, then the truth.
+        let mut g = one_live_pod();
+        let mut now = 0;
+        let mut feed = |g: &mut Guard, s: &Snapshot| {
+            now += 500;
+            let admitted = g.admit(now, Answer::Reset(s));
+            if admitted {
+                g.applied(now, Answer::Reset(s));
+            }
+            admitted
+        };
+        assert!(feed(&mut g, &huge(150_000)));
+        for _ in 0..10 {
+            assert!(feed(
+                &mut g,
+                &snapshot(&["api"], vec![member(10_000, "api")])
+            ));
+            assert!(feed(
+                &mut g,
+                &snapshot(&["api"], vec![member(10_001, "api"), member(10_002, "api")])
+            ));
+        }
+        let truth = snapshot(&["api"], vec![member(1, "api"), tombstone(2, "api")]);
+        assert!(feed(&mut g, &truth), "the truth is not held");
+        assert!(!g.holding());
+        assert_eq!(g.baseline.allowed_ips + g.unconfirmed_ips(), 1);
     }
 }

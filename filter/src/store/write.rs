@@ -266,18 +266,17 @@ impl Writer {
     }
 
     /// While an answer is held: writes the records that only add (see
-    /// [`crate::guard::Guard::gains`]) into the current load and layout,
-    /// leaving `meta` as it is, so the previous data keeps serving and ages
-    /// as before. The held answer, once applied, rewrites them (`entries` is
-    /// corrected then).
-    pub fn write_gains(
+    /// [`crate::guard::Guard::gains`]) into the current load and layout, and
+    /// marks the previous data synced at `now_ms` with the answer's
+    /// freshness ([`Writer::refresh`]). The next snapshot rewrites the gains
+    /// (`entries` is corrected then).
+    pub fn write_hold(
         &mut self,
         store: &mut dyn SharedData,
+        now_ms: u64,
+        fresh: bool,
         gains: &[&IpRecord],
     ) -> Result<(), StoreError> {
-        if gains.is_empty() {
-            return Ok(());
-        }
         let Some(meta) = View::new(&*store).meta() else {
             return Ok(());
         };
@@ -308,7 +307,29 @@ impl Writer {
                 self.known_buckets.insert(index);
             }
         }
-        Ok(())
+        self.refresh(store, now_ms, fresh)
+    }
+
+    /// The validator answered, but nothing of the answer is applied (the
+    /// guard holds it): the data `meta` names is as recent as this answer,
+    /// and as fresh as the validator calls it. A hold must not age the data
+    /// it keeps serving into the failure policy while the validator is
+    /// reachable and fresh.
+    pub fn refresh(
+        &mut self,
+        store: &mut dyn SharedData,
+        now_ms: u64,
+        fresh: bool,
+    ) -> Result<(), StoreError> {
+        let Some(meta) = View::new(&*store).meta() else {
+            return Ok(());
+        };
+        let meta = Meta {
+            synced_ms: now_ms,
+            fresh,
+            ..meta
+        };
+        store.set(META_KEY, &meta.encode(), None)
     }
 }
 
