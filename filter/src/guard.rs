@@ -47,14 +47,14 @@
 //! judge it by). A wrong validator that serves for longer than `confirm_ms`
 //! is taken for the truth, like any change that persists that long.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 
 use serde::Deserialize;
 use staleguard_core::wire::Delta;
 use staleguard_core::{decide, Action, IpRecord, Policy, ServiceKey, Snapshot};
+
+use crate::buckets::{placeholder, service_id, CompactRecord};
 
 /// The guard's knobs (`guard` in the plugin configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -159,10 +159,10 @@ pub enum GuardEvent {
 /// One IP as the guard remembers it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct IpFacts {
-    /// Ids of the services the IP is allowed for.
+    /// The services the IP is allowed for, by [`service_id`].
     allowed: Allowed,
-    /// A fingerprint of the pods holding it.
-    holders: u64,
+    /// [`CompactRecord::fingerprint`]: who holds it.
+    fingerprint: u64,
     /// When an allowed IP that was newly allowed counts as allowed; 0 once
     /// it does. Until then losing it is no loss.
     confirm_at_ms: u64,
@@ -180,12 +180,12 @@ impl IpFacts {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Allowed {
     None,
-    One(u32),
-    Many(Box<[u32]>),
+    One(u64),
+    Many(Box<[u64]>),
 }
 
 impl Allowed {
-    fn new(ids: Vec<u32>) -> Self {
+    fn new(ids: Vec<u64>) -> Self {
         match ids.as_slice() {
             [] => Allowed::None,
             [id] => Allowed::One(*id),
@@ -197,7 +197,7 @@ impl Allowed {
         matches!(self, Allowed::None)
     }
 
-    fn iter(&self) -> std::slice::Iter<'_, u32> {
+    fn iter(&self) -> std::slice::Iter<'_, u64> {
         match self {
             Allowed::None => [].iter(),
             Allowed::One(id) => std::slice::from_ref(id).iter(),
@@ -209,13 +209,8 @@ impl Allowed {
 /// What the poller last applied, reduced to what the guard compares.
 #[derive(Debug, Default, Clone)]
 pub struct Baseline {
-    /// Service ids, handed out on first sight (bounded by the services ever
-    /// seen, like the shared-data keys).
-    ids: HashMap<ServiceKey, u32>,
-    /// Services by id.
-    names: Vec<ServiceKey>,
     /// Confirmed allowed IPs per service id.
-    members: Vec<u64>,
+    members: HashMap<u64, u64>,
     ips: HashMap<IpAddr, IpFacts>,
     /// Confirmed IPs allowed for at least one service.
     allowed_ips: u64,
@@ -224,7 +219,8 @@ pub struct Baseline {
     /// When each unconfirmed IP counts, in order (an entry whose IP has
     /// been removed or re-added since is skipped).
     pending: VecDeque<(u64, IpAddr)>,
-    known: HashSet<ServiceKey>,
+    /// The services the validator knows, by id.
+    known: HashSet<u64>,
     /// False until the poller applied a full snapshot itself (a poller that
     /// took over from a dead one has nothing to compare with).
     armed: bool,
@@ -236,6 +232,9 @@ pub struct Guard {
     config: GuardConfig,
     policy: Policy,
     baseline: Baseline,
+    /// Service names by id, for what the guard reports (records name
+    /// services by id only).
+    names: HashMap<u64, ServiceKey>,
     held_since_ms: Option<u64>,
     event: Option<GuardEvent>,
 }
@@ -244,9 +243,51 @@ pub struct Guard {
 #[derive(Debug, Clone, Copy)]
 pub enum Answer<'a> {
     /// A snapshot or reset: the whole index.
-    Reset(&'a Snapshot),
+    Reset(&'a Snapshot<CompactRecord>),
     /// A delta that continues the applied generation.
-    Delta(&'a Delta),
+    Delta(&'a Delta<CompactRecord>),
+}
+
+/// What an answer's record says, for the guard: the services it allows the
+/// IP for, and whether a pod holds it.
+struct Judged {
+    record: Option<IpRecord>,
+    has_pods: bool,
+}
+
+impl Judged {
+    fn of(record: Option<&CompactRecord>) -> Self {
+        let holders = record.and_then(|r| r.holders().map(|h| (r.ip, h)));
+        Self {
+            has_pods: holders.as_ref().is_some_and(|(_, h)| !h.pods.is_empty()),
+            record: holders.map(|(ip, h)| h.record_by_ids(ip)),
+        }
+    }
+
+    /// True when the verdict for service `id` on fresh data allows. The
+    /// verdict rules themselves, so "allowed" cannot drift from what requests
+    /// get.
+    fn allows(&self, policy: &Policy, id: u64) -> bool {
+        decide(policy, true, &placeholder(id), true, self.record.as_ref()).action == Action::Allow
+    }
+
+    /// Every service the record allows the IP for.
+    fn allowed(&self, policy: &Policy) -> Vec<u64> {
+        let Some(record) = &self.record else {
+            return Vec::new();
+        };
+        let mut ids: Vec<u64> = record
+            .pods
+            .iter()
+            .flat_map(|p| p.services.iter().map(|m| &m.service))
+            .chain(record.bare_services.iter())
+            .filter_map(placeholder_id)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.retain(|id| self.allows(policy, *id));
+        ids
+    }
 }
 
 // === impl Guard ===
@@ -258,6 +299,7 @@ impl Guard {
             config,
             policy,
             baseline: Baseline::default(),
+            names: HashMap::new(),
             held_since_ms: None,
             event: None,
         }
@@ -295,6 +337,7 @@ impl Guard {
     /// After `true` the caller applies it and reports with
     /// [`Guard::applied`].
     pub fn admit(&mut self, now_ms: u64, answer: Answer<'_>) -> bool {
+        self.learn_names(answer);
         if !self.config.enabled || !self.baseline.armed {
             return true;
         }
@@ -324,17 +367,15 @@ impl Guard {
     /// IP that stays allowed keeps its standing; one newly allowed is
     /// unconfirmed for `confirm_ms`, except in the first snapshot.
     pub fn applied(&mut self, now_ms: u64, answer: Answer<'_>) {
+        self.learn_names(answer);
         let confirm_at = now_ms.saturating_add(self.config.confirm_ms).max(1);
         match answer {
             Answer::Reset(snapshot) => {
                 let old = std::mem::take(&mut self.baseline);
                 let first = !old.armed;
                 let mut baseline = Baseline {
-                    members: vec![0; old.names.len()],
-                    ids: old.ids,
-                    names: old.names,
                     ips: HashMap::with_capacity(snapshot.records.len()),
-                    known: snapshot.services.iter().cloned().collect(),
+                    known: snapshot.services.iter().map(service_id).collect(),
                     armed: true,
                     ..Baseline::default()
                 };
@@ -356,9 +397,9 @@ impl Guard {
             Answer::Delta(delta) => {
                 let b = &mut self.baseline;
                 for s in &delta.services_removed {
-                    b.known.remove(s);
+                    b.known.remove(&service_id(s));
                 }
-                b.known.extend(delta.services_added.iter().cloned());
+                b.known.extend(delta.services_added.iter().map(service_id));
                 for record in &delta.upserts {
                     let at = match b.remove(&record.ip) {
                         Some(before) if !before.allowed.is_empty() => before.confirm_at_ms,
@@ -387,8 +428,8 @@ impl Guard {
     /// answer is held can turn a rejection into an allowance, never the
     /// reverse, so a pod that appeared during a hold is not read as
     /// destroyed.
-    pub fn gains<'a>(&self, answer: Answer<'a>) -> Vec<&'a IpRecord> {
-        let records: &'a [IpRecord] = match answer {
+    pub fn gains<'a>(&self, answer: Answer<'a>) -> Vec<&'a CompactRecord> {
+        let records: &'a [CompactRecord] = match answer {
             Answer::Reset(snapshot) => &snapshot.records,
             Answer::Delta(delta) => &delta.upserts,
         };
@@ -400,37 +441,35 @@ impl Guard {
                     .get(&r.ip)
                     .is_none_or(|old| old.allowed.is_empty())
             })
-            .filter(|r| candidates(r).any(|s| allows(&self.policy, s, Some(r))))
+            .filter(|r| !Judged::of(Some(r)).allowed(&self.policy).is_empty())
             .collect()
     }
 
     /// What `answer` would do to the IPs allowed now.
     pub fn assess(&self, answer: Answer<'_>) -> Blast {
         let b = &self.baseline;
-        let mut lost_by_service: HashMap<u32, u64> = HashMap::new();
+        let mut lost_by_service: HashMap<u64, u64> = HashMap::new();
         let mut blast = Blast {
             allowed_ips: b.allowed_ips,
             ..Blast::default()
         };
         let in_delta = matches!(answer, Answer::Delta(_));
         let mut judge =
-            |old: &IpFacts, new: Option<&IpRecord>, known: &dyn Fn(&ServiceKey) -> bool| {
-                if old.unconfirmed() {
-                    // Not trusted as allowed yet: nothing to lose.
+            |old: &IpFacts, new: Option<&CompactRecord>, known: &dyn Fn(u64) -> bool| {
+                if old.unconfirmed() || old.allowed.is_empty() {
+                    // Not trusted as allowed (yet): nothing to lose.
                     return;
                 }
+                let judged = Judged::of(new);
                 let mut lost = false;
                 let mut evidenced = false;
                 for &id in old.allowed.iter() {
-                    let Some(service) = b.service(id) else {
-                        continue;
-                    };
                     // The verdict first: it is cheaper than the set lookup, and
                     // almost always still allows.
-                    if allows(&self.policy, service, new) || !known(service) {
+                    if judged.allows(&self.policy, id) || !known(id) {
                         continue;
                     }
-                    if has_evidence(service, old, new, in_delta) {
+                    if has_evidence(id, old, new, &judged, in_delta) {
                         evidenced = true;
                     } else {
                         lost = true;
@@ -445,8 +484,8 @@ impl Guard {
             };
         match answer {
             Answer::Reset(snapshot) => {
-                let known: HashSet<&ServiceKey> = snapshot.services.iter().collect();
-                let known = |s: &ServiceKey| known.contains(s);
+                let known: HashSet<u64> = snapshot.services.iter().map(service_id).collect();
+                let known = |id: u64| known.contains(&id);
                 let mut seen = 0usize;
                 for record in &snapshot.records {
                     if let Some(old) = b.ips.get(&record.ip) {
@@ -465,9 +504,10 @@ impl Guard {
                 }
             }
             Answer::Delta(delta) => {
-                let known = |s: &ServiceKey| {
-                    delta.services_added.contains(s)
-                        || (b.known.contains(s) && !delta.services_removed.contains(s))
+                let added: HashSet<u64> = delta.services_added.iter().map(service_id).collect();
+                let removed: HashSet<u64> = delta.services_removed.iter().map(service_id).collect();
+                let known = |id: u64| {
+                    added.contains(&id) || (b.known.contains(&id) && !removed.contains(&id))
                 };
                 for record in &delta.upserts {
                     if let Some(old) = b.ips.get(&record.ip) {
@@ -482,13 +522,13 @@ impl Guard {
             }
         }
         let c = &self.config;
-        let mut wiped: Vec<&ServiceKey> = lost_by_service
+        let mut wiped: Vec<ServiceKey> = lost_by_service
             .iter()
             .filter(|(id, lost)| {
-                let members = b.members.get(**id as usize).copied().unwrap_or(0);
+                let members = b.members.get(id).copied().unwrap_or(0);
                 members >= c.min_service_ips && **lost >= members
             })
-            .filter_map(|(id, _)| b.service(*id))
+            .map(|(id, _)| self.name(*id))
             .collect();
         wiped.sort();
         blast.tripped = if blast.allowed_ips >= c.min_ips
@@ -496,50 +536,49 @@ impl Guard {
         {
             Some(Rule::Ratio)
         } else {
-            wiped.first().map(|s| Rule::Service((*s).clone()))
+            wiped.into_iter().next().map(Rule::Service)
         };
         blast
+    }
+
+    /// Remembers the names of the services `answer` lists.
+    fn learn_names(&mut self, answer: Answer<'_>) {
+        let services = match answer {
+            Answer::Reset(snapshot) => &snapshot.services,
+            Answer::Delta(delta) => &delta.services_added,
+        };
+        for service in services {
+            self.names
+                .entry(service_id(service))
+                .or_insert_with(|| service.clone());
+        }
+    }
+
+    /// The name of the service with id `id`, as far as the guard knows it.
+    fn name(&self, id: u64) -> ServiceKey {
+        self.names
+            .get(&id)
+            .cloned()
+            .unwrap_or_else(|| placeholder(id))
     }
 }
 
 // === impl Baseline ===
 
 impl Baseline {
-    fn service(&self, id: u32) -> Option<&ServiceKey> {
-        self.names.get(id as usize)
-    }
-
-    fn id(&mut self, service: &ServiceKey) -> u32 {
-        if let Some(id) = self.ids.get(service) {
-            return *id;
-        }
-        let id = u32::try_from(self.names.len()).unwrap_or(u32::MAX);
-        self.ids.insert(service.clone(), id);
-        self.names.push(service.clone());
-        self.members.push(0);
-        id
-    }
-
     /// Remembers `record`, unconfirmed until `confirm_at_ms` if that is not
     /// 0. True when it is allowed and unconfirmed.
-    fn insert(&mut self, policy: &Policy, record: &IpRecord, confirm_at_ms: u64) -> bool {
-        let mut allowed: Vec<u32> = Vec::new();
-        for service in candidates(record) {
-            if allows(policy, service, Some(record)) {
-                let id = self.id(service);
-                if !allowed.contains(&id) {
-                    allowed.push(id);
-                }
-            }
-        }
-        if allowed.is_empty() && record.pods.is_empty() {
+    fn insert(&mut self, policy: &Policy, record: &CompactRecord, confirm_at_ms: u64) -> bool {
+        let judged = Judged::of(Some(record));
+        let allowed = judged.allowed(policy);
+        if allowed.is_empty() && !judged.has_pods {
             // Destroyed or vacant: nothing to lose, nothing to remember.
             return false;
         }
         let facts = IpFacts {
             confirm_at_ms: if allowed.is_empty() { 0 } else { confirm_at_ms },
             allowed: Allowed::new(allowed),
-            holders: holders(record),
+            fingerprint: record.fingerprint,
         };
         self.count(&facts, 1);
         let unconfirmed = facts.unconfirmed();
@@ -565,9 +604,8 @@ impl Baseline {
         }
         self.allowed_ips = self.allowed_ips.saturating_add_signed(sign);
         for id in facts.allowed.iter() {
-            if let Some(n) = self.members.get_mut(*id as usize) {
-                *n = n.saturating_add_signed(sign);
-            }
+            let n = self.members.entry(*id).or_default();
+            *n = n.saturating_add_signed(sign);
         }
     }
 
@@ -597,49 +635,25 @@ impl Baseline {
     }
 }
 
-/// Every service a record could allow the IP for.
-fn candidates(record: &IpRecord) -> impl Iterator<Item = &ServiceKey> {
-    record
-        .pods
-        .iter()
-        .flat_map(|p| p.services.iter().map(|m| &m.service))
-        .chain(record.bare_services.iter())
-}
-
-/// True when the verdict for `service` on fresh data with `record` allows.
-/// The verdict rules themselves, so "allowed" cannot drift from what requests
-/// get.
-fn allows(policy: &Policy, service: &ServiceKey, record: Option<&IpRecord>) -> bool {
-    decide(policy, true, service, true, record).action == Action::Allow
-}
-
-fn holders(record: &IpRecord) -> u64 {
-    // A fixed-key hasher: the fingerprint is compared across answers.
-    let mut h = DefaultHasher::new();
-    for pod in &record.pods {
-        pod.namespace.hash(&mut h);
-        pod.name.hash(&mut h);
-    }
-    h.finish()
+/// The id a [`placeholder`] key stands for.
+fn placeholder_id(key: &ServiceKey) -> Option<u64> {
+    u64::from_str_radix(&key.name, 16).ok()
 }
 
 fn has_evidence(
-    service: &ServiceKey,
+    id: u64,
     old: &IpFacts,
-    new: Option<&IpRecord>,
+    new: Option<&CompactRecord>,
+    judged: &Judged,
     in_delta: bool,
 ) -> bool {
     let Some(new) = new else {
         return false;
     };
-    if new
-        .tombstone
-        .as_ref()
-        .is_some_and(|t| t.services.contains(service))
-    {
+    if new.tombstone.contains(&id) {
         return true;
     }
-    in_delta && !new.pods.is_empty() && holders(new) != old.holders
+    in_delta && judged.has_pods && new.fingerprint != old.fingerprint
 }
 
 #[cfg(test)]
@@ -687,7 +701,8 @@ mod tests {
         }
     }
 
-    fn snapshot(services: &[&str], records: Vec<IpRecord>) -> Snapshot {
+    fn snapshot(services: &[&str], records: Vec<IpRecord>) -> Snapshot<CompactRecord> {
+        let records = records.iter().map(CompactRecord::of).collect();
         Snapshot {
             v: 1,
             epoch: 1,
@@ -701,7 +716,8 @@ mod tests {
         }
     }
 
-    fn delta(upserts: Vec<IpRecord>, removed: Vec<IpAddr>) -> Delta {
+    fn delta(upserts: Vec<IpRecord>, removed: Vec<IpAddr>) -> Delta<CompactRecord> {
+        let upserts = upserts.iter().map(CompactRecord::of).collect();
         Delta {
             v: 1,
             epoch: 1,
@@ -878,7 +894,7 @@ mod tests {
             assert!(g.admit(1, Answer::Delta(&d)));
             g.applied(0, Answer::Delta(&d));
         }
-        assert_eq!(g.baseline.members[0], 8);
+        assert_eq!(g.baseline.members[&service_id(&svc("api"))], 8);
         // Now the remaining eight vanish without evidence: every IP of api.
         let d = delta(vec![], (12..20).map(ip).collect());
         assert_eq!(
@@ -961,7 +977,7 @@ mod tests {
     }
 
     /// `n` members of api from IP 10,000 on, without IP 1.
-    fn huge(n: u32) -> Snapshot {
+    fn huge(n: u32) -> Snapshot<CompactRecord> {
         snapshot(
             &["api"],
             (10_000..10_000 + n).map(|i| member(i, "api")).collect(),
@@ -1032,7 +1048,7 @@ mod tests {
         // naming one or two other IPs, then the truth.
         let mut g = one_live_pod();
         let mut now = 0;
-        let mut feed = |g: &mut Guard, s: &Snapshot| {
+        let mut feed = |g: &mut Guard, s: &Snapshot<CompactRecord>| {
             now += 500;
             let admitted = g.admit(now, Answer::Reset(s));
             if admitted {

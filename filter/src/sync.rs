@@ -22,6 +22,7 @@ use staleguard_core::wire::{Delta, WireError};
 use staleguard_core::{Changes, Policy, Snapshot};
 
 use crate::backoff::Backoff;
+use crate::buckets::CompactRecord;
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
 use crate::store::write::Writer;
 use crate::store::{Meta, SharedData, StoreError, META_KEY};
@@ -449,11 +450,11 @@ impl Poller {
         let body = std::io::BufReader::with_capacity(BODY_CHUNK, body);
         match request {
             Some(Request::Snapshot) | None => {
-                let snapshot = Snapshot::from_reader(body).map_err(SyncError::Decode)?;
+                let snapshot = Snapshot::decode_from(body).map_err(SyncError::Decode)?;
                 self.load_snapshot(now_ms, snapshot, store)
             }
             Some(Request::Changes { .. }) => {
-                match Changes::from_reader(body).map_err(SyncError::Decode)? {
+                match Changes::decode_from(body).map_err(SyncError::Decode)? {
                     Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
                     Changes::Delta(delta) if self.watching => {
                         self.watch_delta(now_ms, &delta, store)
@@ -472,7 +473,7 @@ impl Poller {
     fn watch_delta(
         &mut self,
         now_ms: u64,
-        delta: &Delta,
+        delta: &Delta<CompactRecord>,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
         let continues = self
@@ -497,7 +498,7 @@ impl Poller {
     fn load_snapshot(
         &mut self,
         now_ms: u64,
-        mut snapshot: Snapshot,
+        mut snapshot: Snapshot<CompactRecord>,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
         // The decoder grew the records by doubling: give the spare capacity
@@ -532,7 +533,7 @@ impl Poller {
     fn apply_delta(
         &mut self,
         now_ms: u64,
-        delta: Delta,
+        delta: Delta<CompactRecord>,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
         let (epoch, since, generation) = (delta.epoch, delta.since, delta.generation);

@@ -7,13 +7,13 @@ use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 
 use staleguard_core::wire::Delta;
-use staleguard_core::{IpRecord, ServiceKey, Snapshot};
+use staleguard_core::{ServiceKey, Snapshot};
 
 use super::{
     encode_service, next_id, service_key, Entry, Meta, SharedData, StoreError, View, LOADS_KEY,
     META_KEY,
 };
-use crate::buckets::{self, Bucket};
+use crate::buckets::{self, Bucket, CompactRecord};
 use crate::members;
 
 /// What the writer knows of the index it wrote: the layout in use, and
@@ -80,7 +80,7 @@ impl Writer {
         &mut self,
         store: &mut dyn SharedData,
         now_ms: u64,
-        snapshot: &mut Snapshot,
+        snapshot: &mut Snapshot<CompactRecord>,
     ) -> Result<Meta, StoreError> {
         self.clear_retired(store);
         let load = next_id(store, LOADS_KEY)?;
@@ -170,7 +170,7 @@ impl Writer {
         store: &mut dyn SharedData,
         now_ms: u64,
         load: u64,
-        delta: &Delta,
+        delta: &Delta<CompactRecord>,
     ) -> Result<u64, StoreError> {
         self.clear_retired(store);
         let Delta {
@@ -275,12 +275,12 @@ impl Writer {
         store: &mut dyn SharedData,
         now_ms: u64,
         fresh: bool,
-        gains: &[&IpRecord],
+        gains: &[&CompactRecord],
     ) -> Result<(), StoreError> {
         let Some(meta) = View::new(&*store).meta() else {
             return Ok(());
         };
-        let mut edits: BTreeMap<u32, Vec<&IpRecord>> = BTreeMap::new();
+        let mut edits: BTreeMap<u32, Vec<&CompactRecord>> = BTreeMap::new();
         for record in gains {
             let index = buckets::bucket_of(&record.ip, meta.buckets);
             edits.entry(index).or_default().push(record);
@@ -356,7 +356,7 @@ fn write_bucket(
 
 /// One change to a bucket.
 enum Edit<'a> {
-    Put(&'a IpRecord),
+    Put(&'a CompactRecord),
     Remove(&'a IpAddr),
 }
 
@@ -364,18 +364,18 @@ enum Edit<'a> {
 mod tests {
     use super::*;
     use crate::store::MemoryStore;
-    use staleguard_core::{Freshness, PodHolder};
+    use staleguard_core::{Freshness, IpRecord, PodHolder};
 
     fn cart() -> ServiceKey {
         ServiceKey::new("shop", "cart")
     }
 
     /// `n` pods of shop/cart on 10.x.y.z.
-    fn snapshot(generation: u64, n: u32) -> Snapshot {
+    fn snapshot(generation: u64, n: u32) -> Snapshot<CompactRecord> {
         let records = (1..=n)
             .map(|i| {
                 let ip: IpAddr = std::net::Ipv4Addr::from(0x0a00_0000 + i).into();
-                IpRecord::held_by(
+                CompactRecord::of(&IpRecord::held_by(
                     ip,
                     vec![PodHolder::ready_member(
                         "shop",
@@ -383,7 +383,7 @@ mod tests {
                         ip.to_string(),
                         cart(),
                     )],
-                )
+                ))
             })
             .collect();
         Snapshot {
