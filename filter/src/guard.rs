@@ -156,16 +156,19 @@ pub enum GuardEvent {
     Released,
 }
 
-/// One IP as the guard remembers it.
+/// One IP as the guard remembers it (32 bytes: the baseline has one per IP
+/// of the index).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct IpFacts {
     /// The services the IP is allowed for, by [`service_id`].
     allowed: Allowed,
-    /// [`CompactRecord::fingerprint`]: who holds it.
-    fingerprint: u64,
     /// When an allowed IP that was newly allowed counts as allowed; 0 once
     /// it does. Until then losing it is no loss.
     confirm_at_ms: u64,
+    /// [`CompactRecord::fingerprint`]: who holds it.
+    fingerprint: u32,
+    /// The reset that last listed the IP ([`Baseline::mark`]).
+    mark: u32,
 }
 
 impl IpFacts {
@@ -209,21 +212,31 @@ impl Allowed {
 /// What the poller last applied, reduced to what the guard compares.
 #[derive(Debug, Default, Clone)]
 pub struct Baseline {
-    /// Confirmed allowed IPs per service id.
-    members: HashMap<u64, u64>,
     ips: HashMap<IpAddr, IpFacts>,
-    /// Confirmed IPs allowed for at least one service.
-    allowed_ips: u64,
-    /// Allowed IPs not confirmed yet.
-    unconfirmed_ips: u64,
+    counts: Counts,
     /// When each unconfirmed IP counts, in order (an entry whose IP has
     /// been removed or re-added since is skipped).
     pending: VecDeque<(u64, IpAddr)>,
+    /// Counts the resets applied: a reset updates the baseline in place
+    /// (never two baselines in the VM at once) and then drops every IP it
+    /// did not mark.
+    mark: u32,
     /// The services the validator knows, by id.
     known: HashSet<u64>,
     /// False until the poller applied a full snapshot itself (a poller that
     /// took over from a dead one has nothing to compare with).
     armed: bool,
+}
+
+/// The baseline's tallies of allowed IPs.
+#[derive(Debug, Default, Clone)]
+struct Counts {
+    /// Confirmed allowed IPs per service id.
+    members: HashMap<u64, u64>,
+    /// Confirmed IPs allowed for at least one service.
+    allowed_ips: u64,
+    /// Allowed IPs not confirmed yet.
+    unconfirmed_ips: u64,
 }
 
 /// The guard: its knobs, the baseline, and the hold in progress.
@@ -325,7 +338,7 @@ impl Guard {
     /// Allowed IPs not confirmed yet (newly allowed less than `confirm_ms`
     /// ago), as of the last answer.
     pub fn unconfirmed_ips(&self) -> u64 {
-        self.baseline.unconfirmed_ips
+        self.baseline.counts.unconfirmed_ips
     }
 
     /// What happened with the last answer, once.
@@ -371,28 +384,39 @@ impl Guard {
         let confirm_at = now_ms.saturating_add(self.config.confirm_ms).max(1);
         match answer {
             Answer::Reset(snapshot) => {
-                let old = std::mem::take(&mut self.baseline);
-                let first = !old.armed;
-                let mut baseline = Baseline {
-                    ips: HashMap::with_capacity(snapshot.records.len()),
-                    known: snapshot.services.iter().map(service_id).collect(),
-                    armed: true,
-                    ..Baseline::default()
-                };
-                let mut pending = Vec::new();
+                let b = &mut self.baseline;
+                let first = !b.armed;
+                b.armed = true;
+                b.known = snapshot.services.iter().map(service_id).collect();
+                b.mark = b.mark.wrapping_add(1);
+                if first {
+                    b.pending.clear();
+                }
+                // At once, not by doubling as it fills: the table is the
+                // largest thing the guard keeps.
+                b.ips
+                    .reserve(snapshot.records.len().saturating_sub(b.ips.len()));
                 for record in &snapshot.records {
-                    let at = match old.ips.get(&record.ip) {
+                    let at = match b.remove(&record.ip) {
                         _ if first => 0,
                         Some(before) if !before.allowed.is_empty() => before.confirm_at_ms,
                         _ => confirm_at,
                     };
-                    if baseline.insert(&self.policy, record, at) {
-                        pending.push((at, record.ip));
+                    // A standing carried over keeps its place in the queue.
+                    if b.insert(&self.policy, record, at) && at == confirm_at {
+                        b.pending.push_back((at, record.ip));
                     }
                 }
-                pending.sort_unstable();
-                baseline.pending = pending.into();
-                self.baseline = baseline;
+                let Baseline {
+                    ips, counts, mark, ..
+                } = b;
+                ips.retain(|_, facts| {
+                    let listed = facts.mark == *mark;
+                    if !listed {
+                        counts.add(facts, -1);
+                    }
+                    listed
+                });
             }
             Answer::Delta(delta) => {
                 let b = &mut self.baseline;
@@ -450,7 +474,7 @@ impl Guard {
         let b = &self.baseline;
         let mut lost_by_service: HashMap<u64, u64> = HashMap::new();
         let mut blast = Blast {
-            allowed_ips: b.allowed_ips,
+            allowed_ips: b.counts.allowed_ips,
             ..Blast::default()
         };
         let in_delta = matches!(answer, Answer::Delta(_));
@@ -525,7 +549,7 @@ impl Guard {
         let mut wiped: Vec<ServiceKey> = lost_by_service
             .iter()
             .filter(|(id, lost)| {
-                let members = b.members.get(id).copied().unwrap_or(0);
+                let members = b.counts.members.get(id).copied().unwrap_or(0);
                 members >= c.min_service_ips && **lost >= members
             })
             .map(|(id, _)| self.name(*id))
@@ -579,8 +603,9 @@ impl Baseline {
             confirm_at_ms: if allowed.is_empty() { 0 } else { confirm_at_ms },
             allowed: Allowed::new(allowed),
             fingerprint: record.fingerprint,
+            mark: self.mark,
         };
-        self.count(&facts, 1);
+        self.counts.add(&facts, 1);
         let unconfirmed = facts.unconfirmed();
         self.ips.insert(record.ip, facts);
         unconfirmed
@@ -589,12 +614,36 @@ impl Baseline {
     /// Forgets `ip`; returns what was known of it.
     fn remove(&mut self, ip: &IpAddr) -> Option<IpFacts> {
         let old = self.ips.remove(ip)?;
-        self.count(&old, -1);
+        self.counts.add(&old, -1);
         Some(old)
     }
 
-    /// Adds (`sign` 1) or takes away (-1) an IP's share of the counts.
-    fn count(&mut self, facts: &IpFacts, sign: i64) {
+    /// Confirms the IPs whose time has come at `now_ms`.
+    fn confirm_due(&mut self, now_ms: u64) {
+        while let Some(&(at, ip)) = self.pending.front() {
+            if at > now_ms {
+                break;
+            }
+            self.pending.pop_front();
+            let Some(facts) = self.ips.get_mut(&ip) else {
+                continue;
+            };
+            if facts.confirm_at_ms != at {
+                // Removed and allowed again since: a later entry counts.
+                continue;
+            }
+            self.counts.add(facts, -1);
+            facts.confirm_at_ms = 0;
+            self.counts.add(facts, 1);
+        }
+    }
+}
+
+// === impl Counts ===
+
+impl Counts {
+    /// Adds (`sign` 1) or takes away (-1) an IP's share.
+    fn add(&mut self, facts: &IpFacts, sign: i64) {
         if facts.allowed.is_empty() {
             return;
         }
@@ -606,31 +655,6 @@ impl Baseline {
         for id in facts.allowed.iter() {
             let n = self.members.entry(*id).or_default();
             *n = n.saturating_add_signed(sign);
-        }
-    }
-
-    /// Confirms the IPs whose time has come at `now_ms`.
-    fn confirm_due(&mut self, now_ms: u64) {
-        while let Some(&(at, ip)) = self.pending.front() {
-            if at > now_ms {
-                break;
-            }
-            self.pending.pop_front();
-            let Some(facts) = self.ips.get(&ip) else {
-                continue;
-            };
-            if facts.confirm_at_ms != at {
-                // Removed and allowed again since: a later entry counts.
-                continue;
-            }
-            let unconfirmed = facts.clone();
-            let confirmed = IpFacts {
-                confirm_at_ms: 0,
-                ..unconfirmed.clone()
-            };
-            self.count(&unconfirmed, -1);
-            self.count(&confirmed, 1);
-            self.ips.insert(ip, confirmed);
         }
     }
 }
@@ -894,7 +918,7 @@ mod tests {
             assert!(g.admit(1, Answer::Delta(&d)));
             g.applied(0, Answer::Delta(&d));
         }
-        assert_eq!(g.baseline.members[&service_id(&svc("api"))], 8);
+        assert_eq!(g.baseline.counts.members[&service_id(&svc("api"))], 8);
         // Now the remaining eight vanish without evidence: every IP of api.
         let d = delta(vec![], (12..20).map(ip).collect());
         assert_eq!(
@@ -993,7 +1017,10 @@ mod tests {
         assert_eq!(blast.tripped, None, "one pod is under every loss threshold");
         assert!(g.admit(1_000, Answer::Reset(&big)));
         g.applied(1_000, Answer::Reset(&big));
-        assert_eq!((g.baseline.allowed_ips, g.unconfirmed_ips()), (0, 150_000));
+        assert_eq!(
+            (g.baseline.counts.allowed_ips, g.unconfirmed_ips()),
+            (0, 150_000)
+        );
         // Losing all of them again is no loss: the live pod comes back.
         let truth = snapshot(&["api"], vec![member(1, "api")]);
         let blast = g.assess(Answer::Reset(&truth));
@@ -1004,7 +1031,10 @@ mod tests {
         // Once they have persisted confirm_ms (60 s) they are the reference,
         // and losing them is held like any loss.
         assert!(!g.admit(61_000, Answer::Reset(&truth)));
-        assert_eq!((g.baseline.allowed_ips, g.unconfirmed_ips()), (150_000, 0));
+        assert_eq!(
+            (g.baseline.counts.allowed_ips, g.unconfirmed_ips()),
+            (150_000, 0)
+        );
         assert!(matches!(g.take_event(), Some(GuardEvent::Held(b)) if b.lost_ips == 150_000));
     }
 
@@ -1024,7 +1054,10 @@ mod tests {
             "not yet: still the first pod's clock"
         );
         g.baseline.confirm_due(61_000);
-        assert_eq!((g.unconfirmed_ips(), g.baseline.allowed_ips), (0, 25));
+        assert_eq!(
+            (g.unconfirmed_ips(), g.baseline.counts.allowed_ips),
+            (0, 25)
+        );
         // Removed and allowed again: a new clock, the old entry skipped.
         let gone = delta(vec![], vec![ip(500)]);
         g.applied(70_000, Answer::Delta(&gone));
@@ -1039,7 +1072,10 @@ mod tests {
         let mut records: Vec<IpRecord> = (0..20).map(|i| member(i, "api")).collect();
         records.push(member(600, "api"));
         g.applied(150_000, Answer::Reset(&snapshot(&["api", "web"], records)));
-        assert_eq!((g.baseline.allowed_ips, g.unconfirmed_ips()), (20, 1));
+        assert_eq!(
+            (g.baseline.counts.allowed_ips, g.unconfirmed_ips()),
+            (20, 1)
+        );
     }
 
     #[test]
@@ -1070,6 +1106,6 @@ mod tests {
         let truth = snapshot(&["api"], vec![member(1, "api"), tombstone(2, "api")]);
         assert!(feed(&mut g, &truth), "the truth is not held");
         assert!(!g.holding());
-        assert_eq!(g.baseline.allowed_ips + g.unconfirmed_ips(), 1);
+        assert_eq!(g.baseline.counts.allowed_ips + g.unconfirmed_ips(), 1);
     }
 }
