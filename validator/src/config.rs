@@ -11,7 +11,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use staleguard_core::service::is_dns_label;
 
-use crate::api::ApiConfig;
+use crate::api::{ApiConfig, ConnectionLimits};
 use crate::index::IndexConfig;
 use crate::scope::{PodScope, Selector};
 
@@ -144,10 +144,39 @@ pub struct Args {
     #[arg(long, env = "STALEGUARD_REQUEST_TIMEOUT", default_value = "10s")]
     pub request_timeout: String,
 
+    /// How many answers (snapshots, deltas) may be built at once; more wait
+    /// their turn. Every reset, whatever its `since`, shares one snapshot build.
+    #[arg(long, env = "STALEGUARD_MAX_BUILDS", default_value_t = 2)]
+    pub max_builds: usize,
+
     /// After SIGTERM, how long open connections may take before the process
     /// exits anyway.
     #[arg(long, env = "STALEGUARD_SHUTDOWN_GRACE", default_value = "10s")]
     pub shutdown_grace: String,
+
+    /// Connections the public listener holds at once; more are closed as soon
+    /// as accepted. Lowered at start, with a warning, when the open file limit
+    /// has no room for it beside the admin listener's 128.
+    #[arg(long, env = "STALEGUARD_MAX_CONNECTIONS", default_value_t = 8192)]
+    pub max_connections: usize,
+
+    /// Connections the public listener holds at once from one source address.
+    #[arg(
+        long,
+        env = "STALEGUARD_MAX_CONNECTIONS_PER_SOURCE",
+        default_value_t = 256
+    )]
+    pub max_connections_per_source: usize,
+
+    /// Time a client has to send a complete request head, on a new connection
+    /// or between two requests of a kept-alive one (both listeners).
+    #[arg(long, env = "STALEGUARD_HEADER_READ_TIMEOUT", default_value = "10s")]
+    pub header_read_timeout: String,
+
+    /// A connection on which no byte moved for this long while no request of
+    /// it is being handled is closed (both listeners).
+    #[arg(long, env = "STALEGUARD_IDLE_TIMEOUT", default_value = "30s")]
+    pub idle_timeout: String,
 }
 
 /// Where objects come from, checked.
@@ -228,6 +257,16 @@ impl Config {
             Duration::from_millis(100),
         );
         let shutdown_grace = duration("shutdown-grace", &args.shutdown_grace, Duration::ZERO);
+        let header_read_timeout = duration(
+            "header-read-timeout",
+            &args.header_read_timeout,
+            Duration::from_millis(100),
+        );
+        let idle_timeout = duration(
+            "idle-timeout",
+            &args.idle_timeout,
+            Duration::from_millis(100),
+        );
         let mut address = |flag: &str, text: &str| match text.parse::<SocketAddr>() {
             Ok(addr) => Some(addr),
             Err(_) => {
@@ -242,6 +281,15 @@ impl Config {
         }
         if args.change_log_capacity == 0 {
             problems.push("--change-log-capacity: must be at least 1".into());
+        }
+        if args.max_builds == 0 {
+            problems.push("--max-builds: must be at least 1".into());
+        }
+        if args.max_connections == 0 {
+            problems.push("--max-connections: must be at least 1".into());
+        }
+        if args.max_connections_per_source == 0 {
+            problems.push("--max-connections-per-source: must be at least 1".into());
         }
         let mut scope = PodScope::default();
         let source = match args.source {
@@ -341,7 +389,19 @@ impl Config {
                 max_wait,
                 max_long_polls: args.max_long_polls,
                 request_timeout,
+                max_builds: args.max_builds,
                 shutdown_grace,
+                connections: ConnectionLimits {
+                    header_read_timeout,
+                    idle_timeout,
+                    max_connections: args.max_connections,
+                    max_per_source: args.max_connections_per_source,
+                },
+                admin_connections: ConnectionLimits {
+                    header_read_timeout,
+                    idle_timeout,
+                    ..ConnectionLimits::ADMIN
+                },
             },
         })
     }

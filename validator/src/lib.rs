@@ -61,6 +61,10 @@ pub fn shared_index(config: &Config) -> SharedIndex {
 /// logs a summary whenever it changes, until SIGINT/SIGTERM or until a source
 /// task stops.
 pub async fn run(config: Config) -> Result<(), RunError> {
+    if !config.once {
+        let file_limit = api::raise_file_limit();
+        tracing::info!(?file_limit, "open file limit");
+    }
     let shared = shared_index(&config);
     let source_name = source::describe(&config.source);
     tracing::info!(source = %source_name, epoch = shared.epoch(), "starting");

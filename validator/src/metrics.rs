@@ -34,6 +34,11 @@ struct DocumentLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabels {
     resource: &'static str,
 }
@@ -50,6 +55,95 @@ struct SkipLabels {
     reason: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerReasonLabels {
+    listener: &'static str,
+    reason: &'static str,
+}
+
+/// The connections of every listener (`api`, `admin`, `audit`): how many are
+/// open, and how many the bounds closed (`crate::api::ConnectionLimits`).
+#[derive(Debug, Default)]
+pub struct ConnectionMetrics {
+    open: Family<ListenerLabels, Gauge>,
+    refused: Family<ListenerReasonLabels, Counter>,
+    timed_out: Family<ListenerReasonLabels, Counter>,
+}
+
+/// One open connection; the gauge goes down when it drops.
+#[derive(Debug)]
+pub struct OpenConnection(Gauge);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl ConnectionMetrics {
+    /// Counts a connection open on `listener` until the guard drops.
+    pub fn open(&self, listener: &'static str) -> OpenConnection {
+        let gauge = self
+            .open
+            .get_or_create(&ListenerLabels { listener })
+            .clone();
+        gauge.inc();
+        OpenConnection(gauge)
+    }
+
+    /// Counts a connection closed at accept (`max_connections`,
+    /// `max_per_source`).
+    pub fn refused(&self, listener: &'static str, reason: &'static str) {
+        self.refused
+            .get_or_create(&ListenerReasonLabels { listener, reason })
+            .inc();
+    }
+
+    /// Counts a connection a timeout closed (`header_read`, `idle`).
+    pub fn timed_out(&self, listener: &'static str, reason: &'static str) {
+        self.timed_out
+            .get_or_create(&ListenerReasonLabels { listener, reason })
+            .inc();
+    }
+
+    /// Connections refused so far on `listener` for `reason`.
+    pub fn refused_count(&self, listener: &'static str, reason: &'static str) -> u64 {
+        self.refused
+            .get_or_create(&ListenerReasonLabels { listener, reason })
+            .get()
+    }
+
+    /// Connections closed so far by `reason`'s timeout on `listener`.
+    pub fn timed_out_count(&self, listener: &'static str, reason: &'static str) -> u64 {
+        self.timed_out
+            .get_or_create(&ListenerReasonLabels { listener, reason })
+            .get()
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "connections_open",
+            "Connections open, by listener",
+            self.open.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Connections closed as soon as accepted, by listener and the cap they exceeded (max_connections, max_per_source)",
+            self.refused.clone(),
+        );
+        registry.register(
+            "connections_timed_out",
+            "Connections closed by a timeout, by listener and timeout (header_read, idle)",
+            self.timed_out.clone(),
+        );
+    }
+}
+
 /// The prefix of every validator series (the API's and the audit's).
 pub const PREFIX: &str = "staleguard_validator";
 
@@ -61,9 +155,12 @@ pub struct Metrics {
     fan_out: Histogram,
     answer_builds: Family<DocumentLabels, Counter>,
     answer_build_time: Histogram,
+    answer_build_reasons: Family<BuildReasonLabels, Counter>,
+    answer_builds_running: Gauge<i64, std::sync::atomic::AtomicI64>,
+    connections: std::sync::Arc<ConnectionMetrics>,
 }
 
-/// Decrements the waiting long-poll gauge when dropped.
+/// Decrements its gauge (long polls waiting, builds running) when dropped.
 #[derive(Debug)]
 pub struct Waiting<'a>(&'a Gauge<i64, std::sync::atomic::AtomicI64>);
 
@@ -93,6 +190,9 @@ impl Metrics {
             answer_build_time: Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 15),
             ),
+            answer_build_reasons: Family::default(),
+            answer_builds_running: Gauge::default(),
+            connections: std::sync::Arc::default(),
         }
     }
 
@@ -123,11 +223,38 @@ impl Metrics {
         self.answer_build_time.observe(took.as_secs_f64());
     }
 
+    /// Counts a build starting for `reason` (`snapshot`, `epoch`, `compacted`,
+    /// `ahead`, `delta`) and marks it running until the guard drops.
+    pub fn answer_build_running(&self, reason: &'static str) -> Waiting<'_> {
+        self.answer_build_reasons
+            .get_or_create(&BuildReasonLabels { reason })
+            .inc();
+        self.answer_builds_running.inc();
+        Waiting(&self.answer_builds_running)
+    }
+
+    /// Builds started so far for `reason`.
+    pub fn answer_build_reasons(&self, reason: &'static str) -> u64 {
+        self.answer_build_reasons
+            .get_or_create(&BuildReasonLabels { reason })
+            .get()
+    }
+
+    /// Builds running now.
+    pub fn answer_builds_running(&self) -> i64 {
+        self.answer_builds_running.get()
+    }
+
     /// Answers built so far, by document (`snapshot`, `delta`, `reset`).
     pub fn answer_builds(&self, document: &'static str) -> u64 {
         self.answer_builds
             .get_or_create(&DocumentLabels { document })
             .get()
+    }
+
+    /// The connections of the API and admin listeners.
+    pub fn connections(&self) -> std::sync::Arc<ConnectionMetrics> {
+        self.connections.clone()
     }
 
     /// Encodes every metric, reading the index's state now.
@@ -160,6 +287,18 @@ impl Metrics {
             Unit::Seconds,
             self.answer_build_time.clone(),
         );
+        registry.register(
+            "answer_builds_started",
+            "Answer builds started, by the reason of the request that started it \
+             (snapshot, epoch, compacted, ahead: a snapshot; delta)",
+            self.answer_build_reasons.clone(),
+        );
+        registry.register(
+            "answer_builds_running",
+            "Answer builds running now (at most --max-builds)",
+            self.answer_builds_running.clone(),
+        );
+        self.connections.register(&mut registry);
         register_index(&mut registry, index);
         let mut text = String::new();
         encode(&mut text, &registry)?;
@@ -331,6 +470,7 @@ pub struct AuditMetrics {
     runs: Family<AuditRunLabels, Counter>,
     duration: Family<GatewayLabels, Gauge<f64, AtomicU64>>,
     last_success: Family<GatewayLabels, Gauge<f64, AtomicU64>>,
+    connections: std::sync::Arc<ConnectionMetrics>,
 }
 
 impl AuditMetrics {
@@ -385,6 +525,11 @@ impl AuditMetrics {
             .set(since_epoch.as_secs_f64());
     }
 
+    /// The connections of the audit's metrics listener.
+    pub fn connections(&self) -> std::sync::Arc<ConnectionMetrics> {
+        self.connections.clone()
+    }
+
     /// Encodes the audit's metrics.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
         let mut registry = Registry::with_prefix(PREFIX);
@@ -415,6 +560,7 @@ impl AuditMetrics {
             Unit::Seconds,
             self.last_success.clone(),
         );
+        self.connections.register(&mut registry);
         let mut text = String::new();
         encode(&mut text, &registry)?;
         Ok(text)

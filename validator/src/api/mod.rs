@@ -11,11 +11,12 @@
 //!
 //! The admin listener ([`admin_router`]) serves `/healthz`, `/readyz` and
 //! `/metrics` on a separate port, so probes and scrapes never share limits or
-//! auth with gateways.
+//! auth with gateways. Every listener bounds its connections ([`ConnectionLimits`]).
 
 mod answers;
 mod auth;
 mod changes;
+mod connections;
 mod error;
 mod serve;
 mod verdicts;
@@ -39,6 +40,8 @@ use tokio::sync::Semaphore;
 
 pub use auth::{Token, TokenError, MIN_TOKEN_BYTES, PLACEHOLDER};
 pub use changes::FanOut;
+pub(crate) use connections::serve_bounded;
+pub use connections::{fit_api_cap, raise_file_limit, ConnectionLimits, RESERVED_FILES};
 pub use error::ApiError;
 pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};
 pub use verdicts::judge_all;
@@ -57,6 +60,8 @@ pub struct Limits {
     pub request_timeout: Duration,
     /// The longest query string accepted.
     pub max_query_bytes: usize,
+    /// How many answers (snapshots, deltas) may be built at once; more wait.
+    pub max_builds: usize,
 }
 
 impl Default for Limits {
@@ -66,6 +71,7 @@ impl Default for Limits {
             max_long_polls: 4096,
             request_timeout: Duration::from_secs(10),
             max_query_bytes: 1024,
+            max_builds: 2,
         }
     }
 }
@@ -98,7 +104,7 @@ impl ApiState {
             metrics,
             limits,
             fan_out,
-            answers: Arc::default(),
+            answers: Arc::new(answers::Answers::new(limits.max_builds)),
             shutdown,
         }
     }

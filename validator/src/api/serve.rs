@@ -7,12 +7,15 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use super::connections::{self, ConnectionLimits};
 use super::{admin_router, router, ApiState, Limits, Token, TokenError};
 use crate::metrics::Metrics;
 use crate::shared::SharedIndex;
 
 /// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
-/// `--max-wait`, `--max-long-polls`, `--request-timeout`, `--shutdown-grace`).
+/// `--max-wait`, `--max-long-polls`, `--request-timeout`, `--max-builds`, `--shutdown-grace`,
+/// `--max-connections`, `--max-connections-per-source`, `--header-read-timeout`,
+/// `--idle-timeout`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiConfig {
     /// Address of the public listener (`/v1`).
@@ -27,8 +30,15 @@ pub struct ApiConfig {
     pub max_long_polls: usize,
     /// Time any request may take on top of its `wait`.
     pub request_timeout: Duration,
+    /// Answers (snapshots, deltas) built at once; more wait their turn.
+    pub max_builds: usize,
     /// After SIGTERM, how long open connections may take to finish.
     pub shutdown_grace: Duration,
+    /// The public listener's connection bounds.
+    pub connections: ConnectionLimits,
+    /// The admin listener's connection bounds, apart from the public one's so
+    /// that gateways cannot starve the probes.
+    pub admin_connections: ConnectionLimits,
 }
 
 impl Default for ApiConfig {
@@ -41,7 +51,10 @@ impl Default for ApiConfig {
             max_wait: limits.max_wait,
             max_long_polls: limits.max_long_polls,
             request_timeout: limits.request_timeout,
+            max_builds: limits.max_builds,
             shutdown_grace: Duration::from_secs(10),
+            connections: ConnectionLimits::API,
+            admin_connections: ConnectionLimits::ADMIN,
         }
     }
 }
@@ -73,6 +86,7 @@ impl ApiConfig {
             max_wait: self.max_wait,
             max_long_polls: self.max_long_polls,
             request_timeout: self.request_timeout,
+            max_builds: self.max_builds,
             ..Limits::default()
         }
     }
@@ -89,19 +103,45 @@ impl ApiConfig {
 pub struct Listeners {
     public: TcpListener,
     admin: TcpListener,
+    public_limits: ConnectionLimits,
+    admin_limits: ConnectionLimits,
 }
 
 impl Listeners {
-    /// Binds both listeners.
+    /// Binds both listeners. The public listener's connection cap shrinks, with
+    /// a warning, when the open file limit has no room for it beside the
+    /// admin listener's ([`connections::fit_api_cap`]).
     pub async fn bind(config: &ApiConfig) -> Result<Self, ServeError> {
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
                 .await
                 .map_err(|source| ServeError::Bind { addr, source })
         };
+        let admin_limits = config.admin_connections;
+        let mut public_limits = config.connections;
+        let file_limit = rlimit::getrlimit(rlimit::Resource::NOFILE)
+            .ok()
+            .map(|(soft, _)| soft);
+        let fitted = connections::fit_api_cap(
+            public_limits.max_connections,
+            admin_limits.max_connections,
+            file_limit,
+        );
+        if fitted < public_limits.max_connections {
+            tracing::warn!(
+                asked = public_limits.max_connections,
+                allowed = fitted,
+                file_limit,
+                "the open file limit leaves room for fewer API connections than \
+                 --max-connections; raise the limit (ulimit -n) to allow more"
+            );
+            public_limits.max_connections = fitted;
+        }
         Ok(Self {
             public: bind(config.listen).await?,
             admin: bind(config.admin_listen).await?,
+            public_limits,
+            admin_limits,
         })
     }
 
@@ -137,14 +177,26 @@ pub async fn serve(
     let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let public = axum::serve(listeners.public, router(state.clone(), token))
-        .with_graceful_shutdown(until_stopped(stopped_rx.clone()));
-    let admin = axum::serve(listeners.admin, admin_router(state))
-        .with_graceful_shutdown(until_stopped(stopped_rx.clone()));
-    let both = async { tokio::try_join!(public, admin) };
-    tokio::pin!(both);
+    let connections = state.metrics.connections();
+    let public = connections::serve_bounded(
+        listeners.public,
+        router(state.clone(), token),
+        listeners.public_limits,
+        connections.clone(),
+        "api",
+        stopped_rx.clone(),
+    );
+    let admin = connections::serve_bounded(
+        listeners.admin,
+        admin_router(state),
+        listeners.admin_limits,
+        connections,
+        "admin",
+        stopped_rx.clone(),
+    );
+    let both = async { tokio::join!(public, admin) };
     tokio::select! {
-        result = &mut both => { result?; }
+        _ = both => {}
         _ = async {
             until_stopped(stopped_rx).await;
             tokio::time::sleep(grace).await;

@@ -377,6 +377,89 @@ async fn fifty_gateways_resetting_at_once_cost_one_build() {
     assert_eq!(f.metrics.answer_builds("reset"), 0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_resets_from_distinct_since_values_share_one_snapshot_build() {
+    // A change log of one entry: every generation but the latest is compacted.
+    let f = fixture_with(synced_index(1), Limits::default(), None);
+    for i in 0..12 {
+        let ip = format!("10.0.1.{i}");
+        let p = pod("shop", &ip).ip(&ip).labels(&[("app", "cart")]).build();
+        f.index.apply_pod(Event::Apply(p), SystemTime::now());
+    }
+    let generation = f.index.read().generation();
+    let floor = f.index.read().change_log_floor();
+    assert!(floor >= 10, "{floor}");
+    // The builds are stuck behind a writer while all twenty arrive.
+    let released = hold_the_write_lock(&f.index, Duration::from_millis(300));
+    let mut polls = Vec::new();
+    for i in 0..20u64 {
+        let app = f.app.clone();
+        // Half of them compacted away, half ahead of the index: made up.
+        let since = if i % 2 == 0 {
+            i / 2
+        } else {
+            generation + 1_000 + i
+        };
+        let uri = format!("/v1/changes?epoch={EPOCH}&since={since}");
+        polls.push(tokio::spawn(async move { get(&app, &uri).await }));
+    }
+    for poll in polls {
+        let (status, body) = poll.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert!(matches!(changes(body), Changes::Reset(_)));
+    }
+    assert!(released.load(std::sync::atomic::Ordering::SeqCst));
+    let builds = f.metrics.answer_builds("snapshot") + f.metrics.answer_builds("reset");
+    assert_eq!(
+        builds, 1,
+        "one snapshot for every reset, whatever the since"
+    );
+    let started =
+        f.metrics.answer_build_reasons("compacted") + f.metrics.answer_build_reasons("ahead");
+    assert_eq!(started, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_builds_bounds_the_builds_running_at_once() {
+    let limits = Limits {
+        max_builds: 2,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    for ip in [
+        "10.0.0.21",
+        "10.0.0.22",
+        "10.0.0.23",
+        "10.0.0.24",
+        "10.0.0.25",
+    ] {
+        let p = pod("shop", ip).ip(ip).labels(&[("app", "cart")]).build();
+        f.index.apply_pod(Event::Apply(p), SystemTime::now());
+    }
+    let generation = f.index.read().generation();
+    // Each poll asks a distinct delta the log covers: a build each, but held
+    // behind a writer, so they would all run at once without the cap.
+    let released = hold_the_write_lock(&f.index, Duration::from_millis(600));
+    let mut polls = Vec::new();
+    for since in generation - 5..generation {
+        let app = f.app.clone();
+        let uri = format!("/v1/changes?epoch={EPOCH}&since={since}");
+        polls.push(tokio::spawn(async move { get(&app, &uri).await }));
+    }
+    let mut most = 0;
+    while !released.load(std::sync::atomic::Ordering::SeqCst) {
+        most = most.max(f.metrics.answer_builds_running());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(most, 2, "builds running at once while five waited");
+    for poll in polls {
+        let (status, body) = poll.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert!(matches!(changes(body), Changes::Delta(_)));
+    }
+    assert_eq!(f.metrics.answer_build_reasons("delta"), 5);
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_snapshot_build_never_blocks_the_async_workers() {
     let f = fixture();
