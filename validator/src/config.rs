@@ -149,6 +149,11 @@ pub struct Args {
     #[arg(long, env = "STALEGUARD_MAX_BUILDS", default_value_t = 2)]
     pub max_builds: usize,
 
+    /// How many `POST /v1/verdicts` may be read and judged at once; more wait
+    /// their turn (each holds a body of up to 20 MiB while judged).
+    #[arg(long, env = "STALEGUARD_MAX_VERDICT_BATCHES", default_value_t = 2)]
+    pub max_verdict_batches: usize,
+
     /// After SIGTERM, how long open connections may take before the process
     /// exits anyway.
     #[arg(long, env = "STALEGUARD_SHUTDOWN_GRACE", default_value = "10s")]
@@ -285,6 +290,9 @@ impl Config {
         if args.max_builds == 0 {
             problems.push("--max-builds: must be at least 1".into());
         }
+        if args.max_verdict_batches == 0 {
+            problems.push("--max-verdict-batches: must be at least 1".into());
+        }
         if args.max_connections == 0 {
             problems.push("--max-connections: must be at least 1".into());
         }
@@ -390,6 +398,7 @@ impl Config {
                 max_long_polls: args.max_long_polls,
                 request_timeout,
                 max_builds: args.max_builds,
+                max_verdict_batches: args.max_verdict_batches,
                 shutdown_grace,
                 connections: ConnectionLimits {
                     header_read_timeout,

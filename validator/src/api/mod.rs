@@ -62,6 +62,8 @@ pub struct Limits {
     pub max_query_bytes: usize,
     /// How many answers (snapshots, deltas) may be built at once; more wait.
     pub max_builds: usize,
+    /// How many `POST /v1/verdicts` may be read and judged at once; more wait.
+    pub max_verdict_batches: usize,
 }
 
 impl Default for Limits {
@@ -72,6 +74,7 @@ impl Default for Limits {
             request_timeout: Duration::from_secs(10),
             max_query_bytes: 1024,
             max_builds: 2,
+            max_verdict_batches: 2,
         }
     }
 }
@@ -83,6 +86,7 @@ pub struct ApiState {
     metrics: Arc<Metrics>,
     limits: Limits,
     long_polls: Arc<Semaphore>,
+    verdict_batches: Arc<Semaphore>,
     fan_out: FanOut,
     answers: Arc<answers::Answers>,
     shutdown: tokio::sync::watch::Receiver<bool>,
@@ -100,6 +104,9 @@ impl ApiState {
         let fan_out = FanOut::new(*index.subscribe().borrow());
         Self {
             long_polls: Arc::new(Semaphore::new(limits.max_long_polls)),
+            verdict_batches: Arc::new(Semaphore::new(
+                limits.max_verdict_batches.clamp(1, Semaphore::MAX_PERMITS),
+            )),
             index,
             metrics,
             limits,
@@ -118,12 +125,7 @@ pub fn router(state: ApiState, token: Option<Token>) -> Router {
         .route("/v1/changes", get(changes::changes))
         .route("/v1/ips/{ip}", get(ip_record))
         .route("/v1/verdict", get(verdict))
-        .route(
-            "/v1/verdicts",
-            post(verdicts::verdicts).layer(axum::extract::DefaultBodyLimit::max(
-                verdicts::MAX_BODY_BYTES,
-            )),
-        );
+        .route("/v1/verdicts", post(verdicts::verdicts));
     if let Some(token) = token {
         v1 = v1.layer(middleware::from_fn_with_state(token, auth::require_token));
     }

@@ -13,7 +13,8 @@ use crate::metrics::Metrics;
 use crate::shared::SharedIndex;
 
 /// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
-/// `--max-wait`, `--max-long-polls`, `--request-timeout`, `--max-builds`, `--shutdown-grace`,
+/// `--max-wait`, `--max-long-polls`, `--request-timeout`, `--max-builds`,
+/// `--max-verdict-batches`, `--shutdown-grace`,
 /// `--max-connections`, `--max-connections-per-source`, `--header-read-timeout`,
 /// `--idle-timeout`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +33,8 @@ pub struct ApiConfig {
     pub request_timeout: Duration,
     /// Answers (snapshots, deltas) built at once; more wait their turn.
     pub max_builds: usize,
+    /// `POST /v1/verdicts` read and judged at once; more wait their turn.
+    pub max_verdict_batches: usize,
     /// After SIGTERM, how long open connections may take to finish.
     pub shutdown_grace: Duration,
     /// The public listener's connection bounds.
@@ -52,6 +55,7 @@ impl Default for ApiConfig {
             max_long_polls: limits.max_long_polls,
             request_timeout: limits.request_timeout,
             max_builds: limits.max_builds,
+            max_verdict_batches: limits.max_verdict_batches,
             shutdown_grace: Duration::from_secs(10),
             connections: ConnectionLimits::API,
             admin_connections: ConnectionLimits::ADMIN,
@@ -87,6 +91,7 @@ impl ApiConfig {
             max_long_polls: self.max_long_polls,
             request_timeout: self.request_timeout,
             max_builds: self.max_builds,
+            max_verdict_batches: self.max_verdict_batches,
             ..Limits::default()
         }
     }

@@ -818,3 +818,100 @@ async fn batch_verdicts_refuse_bad_bodies_and_need_the_token() {
     assert_eq!(status, StatusCode::OK, "{answer}");
     assert_eq!(answer["items"][0]["verdict"]["reason"], "member");
 }
+
+/// A body that yields `chunk`-byte pieces of JSON-ish filler for ever,
+/// counting the bytes the server pulled from it.
+fn endless_body(chunk: usize, pulled: Arc<std::sync::atomic::AtomicUsize>) -> Body {
+    let stream = futures::stream::unfold(pulled, move |pulled| async move {
+        pulled.fetch_add(chunk, std::sync::atomic::Ordering::SeqCst);
+        let piece = axum::body::Bytes::from(vec![b' '; chunk]);
+        Some((Ok::<_, std::io::Error>(piece), pulled))
+    });
+    Body::from_stream(stream)
+}
+
+#[tokio::test]
+async fn an_oversized_verdicts_body_is_refused_before_it_is_read_whole() {
+    let f = fixture();
+    let limit = verdicts::MAX_BODY_BYTES;
+    // Declared too large: refused before a byte is read.
+    let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let request = Request::post("/v1/verdicts")
+        .header("content-type", "application/json")
+        .header("content-length", (limit + 1).to_string())
+        .body(endless_body(64 * 1024, pulled.clone()))
+        .unwrap();
+    let (status, answer) = get_with(&f.app, request).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{answer}");
+    assert_eq!(answer["error"]["code"], "too_large");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains(&limit.to_string()), "{message}");
+    assert_eq!(pulled.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // Undeclared (chunked) and endless: reading stops at the limit.
+    let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let request = Request::post("/v1/verdicts")
+        .header("content-type", "application/json")
+        .body(endless_body(64 * 1024, pulled.clone()))
+        .unwrap();
+    let (status, answer) = get_with(&f.app, request).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{answer}");
+    let read = pulled.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(read <= limit + 2 * 64 * 1024, "read {read} bytes");
+}
+
+#[tokio::test]
+async fn verdicts_past_max_items_are_refused_with_the_limit_named() {
+    let f = fixture();
+    let item = r#"{"service":"shop/cart","ip":"10.0.0.1"}"#;
+    let n = staleguard_core::batch::MAX_ITEMS + 1;
+    let body = format!(r#"{{"items":[{}]}}"#, vec![item; n].join(","));
+    let (status, answer) = get_with(&f.app, post_json("/v1/verdicts", &body, None)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains("more than 200000 items"), "{message}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn max_verdict_batches_holds_further_bodies_unread_and_judging_leaves_the_workers_free() {
+    let limits = Limits {
+        max_verdict_batches: 1,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    // The first batch's judging waits for a writer, on the blocking pool.
+    let released = hold_the_write_lock(&f.index, Duration::from_millis(400));
+    let body = r#"{"items":[{"service":"shop/cart","ip":"10.0.0.1"}]}"#;
+    let app = f.app.clone();
+    let first =
+        tokio::spawn(async move { get_with(&app, post_json("/v1/verdicts", body, None)).await });
+    // A second batch waits for the permit before reading its body.
+    let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let request = Request::post("/v1/verdicts")
+        .header("content-type", "application/json")
+        .body(endless_body(1024, pulled.clone()))
+        .unwrap();
+    let app = f.app.clone();
+    let second = tokio::spawn(async move { get_with(&app, request).await });
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    // The only async worker is free while the first batch is judged.
+    let (status, _) = get(&f.admin, "/healthz").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        !released.load(std::sync::atomic::Ordering::SeqCst),
+        "the probe waited for the batch"
+    );
+    assert_eq!(
+        pulled.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the second body was read while the first batch held the only permit"
+    );
+    let (status, answer) = first.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["items"][0]["verdict"]["reason"], "member");
+    // Once its turn came, the endless second body was read up to the limit.
+    let (status, _) = second.await.unwrap();
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(pulled.load(std::sync::atomic::Ordering::SeqCst) > 0);
+}
