@@ -77,6 +77,7 @@ fn server() -> Result<()> {
             listen: "127.0.0.1:0".parse()?,
             admin_listen: "127.0.0.1:0".parse()?,
             max_long_polls: 100_000,
+            max_long_polls_per_client: 100_000,
             // Every simulated gateway connects from 127.0.0.1.
             connections: ConnectionLimits {
                 max_connections: 100_000,

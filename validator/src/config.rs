@@ -140,6 +140,15 @@ pub struct Args {
     #[arg(long, env = "STALEGUARD_MAX_LONG_POLLS", default_value_t = 4096)]
     pub max_long_polls: usize,
 
+    /// How many of the waiting long polls one client (source address) may
+    /// hold; more are answered 429. A gateway holds one.
+    #[arg(
+        long,
+        env = "STALEGUARD_MAX_LONG_POLLS_PER_CLIENT",
+        default_value_t = 64
+    )]
+    pub max_long_polls_per_client: usize,
+
     /// How long any request may take on top of its `wait`.
     #[arg(long, env = "STALEGUARD_REQUEST_TIMEOUT", default_value = "10s")]
     pub request_timeout: String,
@@ -287,6 +296,9 @@ impl Config {
         if args.change_log_capacity == 0 {
             problems.push("--change-log-capacity: must be at least 1".into());
         }
+        if args.max_long_polls_per_client == 0 {
+            problems.push("--max-long-polls-per-client: must be at least 1".into());
+        }
         if args.max_builds == 0 {
             problems.push("--max-builds: must be at least 1".into());
         }
@@ -396,6 +408,7 @@ impl Config {
                 token_file: args.token_file,
                 max_wait,
                 max_long_polls: args.max_long_polls,
+                max_long_polls_per_client: args.max_long_polls_per_client,
                 request_timeout,
                 max_builds: args.max_builds,
                 max_verdict_batches: args.max_verdict_batches,

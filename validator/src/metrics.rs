@@ -34,6 +34,17 @@ struct DocumentLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClientReasonLabels {
+    client: String,
+    reason: &'static str,
+}
+
+/// How many clients get a label of their own in
+/// `long_polls_refused_total`; the rest share `client="other"`, so a client
+/// that cycles through addresses cannot grow the series without end.
+pub const MAX_CLIENT_LABELS: usize = 32;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildReasonLabels {
     reason: &'static str,
 }
@@ -157,6 +168,9 @@ pub struct Metrics {
     answer_build_time: Histogram,
     answer_build_reasons: Family<BuildReasonLabels, Counter>,
     answer_builds_running: Gauge<i64, std::sync::atomic::AtomicI64>,
+    long_polls_refused: Family<ClientReasonLabels, Counter>,
+    /// The clients that have a label of their own.
+    labelled_clients: std::sync::Mutex<std::collections::HashSet<std::net::IpAddr>>,
     connections: std::sync::Arc<ConnectionMetrics>,
 }
 
@@ -192,6 +206,8 @@ impl Metrics {
             ),
             answer_build_reasons: Family::default(),
             answer_builds_running: Gauge::default(),
+            long_polls_refused: Family::default(),
+            labelled_clients: std::sync::Mutex::default(),
             connections: std::sync::Arc::default(),
         }
     }
@@ -207,6 +223,40 @@ impl Metrics {
     pub fn long_poll_waiting(&self) -> Waiting<'_> {
         self.long_polls.inc();
         Waiting(&self.long_polls)
+    }
+
+    /// Counts a long poll refused (`max_long_polls`, `max_per_client`) for
+    /// `client`: its address for the first [`MAX_CLIENT_LABELS`] clients
+    /// refused, `other` after them, `unknown` without one.
+    pub fn long_poll_refused(&self, client: Option<std::net::IpAddr>, reason: &'static str) {
+        let client = match client {
+            None => "unknown".to_owned(),
+            Some(ip) => {
+                let mut labelled = self
+                    .labelled_clients
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if labelled.contains(&ip) || labelled.len() < MAX_CLIENT_LABELS {
+                    labelled.insert(ip);
+                    ip.to_string()
+                } else {
+                    "other".to_owned()
+                }
+            }
+        };
+        self.long_polls_refused
+            .get_or_create(&ClientReasonLabels { client, reason })
+            .inc();
+    }
+
+    /// Long polls refused so far for `client` (as labelled) and `reason`.
+    pub fn long_polls_refused(&self, client: &str, reason: &'static str) -> u64 {
+        self.long_polls_refused
+            .get_or_create(&ClientReasonLabels {
+                client: client.to_owned(),
+                reason,
+            })
+            .get()
     }
 
     /// Records how long after the first client heard of a change another did.
@@ -286,6 +336,12 @@ impl Metrics {
             "Time to build and encode one answer, off the async workers",
             Unit::Seconds,
             self.answer_build_time.clone(),
+        );
+        registry.register(
+            "long_polls_refused",
+            "Long polls answered 429, by client address (the first 32 refused; then other) \
+             and the cap (max_long_polls, max_per_client)",
+            self.long_polls_refused.clone(),
         );
         registry.register(
             "answer_builds_started",

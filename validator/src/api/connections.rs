@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -149,7 +149,7 @@ pub(crate) async fn serve_bounded(
         let stop = stop.clone();
         tokio::spawn(async move {
             let _open = metrics.open(listener_name);
-            let ended = serve_connection(stream, app, limits, stop).await;
+            let ended = serve_connection(stream, peer, app, limits, stop).await;
             if let Some(reason) = ended {
                 metrics.timed_out(listener_name, reason);
             }
@@ -163,6 +163,7 @@ pub(crate) async fn serve_bounded(
 /// Serves one connection; returns which timeout closed it, if one did.
 async fn serve_connection(
     stream: TcpStream,
+    peer: SocketAddr,
     app: Router,
     limits: ConnectionLimits,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -177,8 +178,13 @@ async fn serve_connection(
     let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
         let busy = handlers.busy();
         let app = app.clone();
+        let mut request = request.map(axum::body::Body::new);
+        // Handlers that treat clients apart (long polls) read who this is.
+        request
+            .extensions_mut()
+            .insert(axum::extract::ConnectInfo(peer));
         async move {
-            let response = app.oneshot(request.map(axum::body::Body::new)).await;
+            let response = app.oneshot(request).await;
             drop(busy);
             response
         }
@@ -217,22 +223,23 @@ async fn serve_connection(
     }
 }
 
-/// How many connections each source address holds.
+/// How many of something (connections, long polls) each source address
+/// holds, each capped.
 #[derive(Debug, Default)]
-struct Sources {
+pub(crate) struct Sources {
     open: Mutex<HashMap<IpAddr, usize>>,
 }
 
-/// One connection of a source; leaves on drop.
+/// One of what a source holds; leaves on drop.
 #[derive(Debug)]
-struct Source {
+pub(crate) struct Source {
     sources: Arc<Sources>,
     ip: IpAddr,
 }
 
 impl Sources {
-    /// Counts a connection from `ip`, unless it already holds `max`.
-    fn enter(self: Arc<Self>, ip: IpAddr, max: usize) -> Option<Source> {
+    /// Counts one more for `ip`, unless it already holds `max`.
+    pub(crate) fn enter(self: Arc<Self>, ip: IpAddr, max: usize) -> Option<Source> {
         // An IPv4 client of a dual-stack socket shows as ::ffff:a.b.c.d.
         let ip = ip.to_canonical();
         {

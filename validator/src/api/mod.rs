@@ -56,6 +56,8 @@ pub struct Limits {
     pub max_wait: Duration,
     /// How many long polls may wait at once; more get 429.
     pub max_long_polls: usize,
+    /// How many of them one client (source address) may hold; more get 429.
+    pub max_long_polls_per_client: usize,
     /// How long any request may take, on top of its `wait`.
     pub request_timeout: Duration,
     /// The longest query string accepted.
@@ -71,6 +73,7 @@ impl Default for Limits {
         Self {
             max_wait: Duration::from_secs(60),
             max_long_polls: 4096,
+            max_long_polls_per_client: 64,
             request_timeout: Duration::from_secs(10),
             max_query_bytes: 1024,
             max_builds: 2,
@@ -87,6 +90,7 @@ pub struct ApiState {
     limits: Limits,
     long_polls: Arc<Semaphore>,
     verdict_batches: Arc<Semaphore>,
+    long_poll_clients: Arc<connections::Sources>,
     fan_out: FanOut,
     answers: Arc<answers::Answers>,
     shutdown: tokio::sync::watch::Receiver<bool>,
@@ -104,6 +108,7 @@ impl ApiState {
         let fan_out = FanOut::new(*index.subscribe().borrow());
         Self {
             long_polls: Arc::new(Semaphore::new(limits.max_long_polls)),
+            long_poll_clients: Arc::default(),
             verdict_batches: Arc::new(Semaphore::new(
                 limits.max_verdict_batches.clamp(1, Semaphore::MAX_PERMITS),
             )),

@@ -13,7 +13,8 @@ use crate::metrics::Metrics;
 use crate::shared::SharedIndex;
 
 /// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
-/// `--max-wait`, `--max-long-polls`, `--request-timeout`, `--max-builds`,
+/// `--max-wait`, `--max-long-polls`, `--max-long-polls-per-client`,
+/// `--request-timeout`, `--max-builds`,
 /// `--max-verdict-batches`, `--shutdown-grace`,
 /// `--max-connections`, `--max-connections-per-source`, `--header-read-timeout`,
 /// `--idle-timeout`).
@@ -29,6 +30,8 @@ pub struct ApiConfig {
     pub max_wait: Duration,
     /// Long polls that may wait at once; more are answered 429.
     pub max_long_polls: usize,
+    /// Of those, how many one client (source address) may hold.
+    pub max_long_polls_per_client: usize,
     /// Time any request may take on top of its `wait`.
     pub request_timeout: Duration,
     /// Answers (snapshots, deltas) built at once; more wait their turn.
@@ -53,6 +56,7 @@ impl Default for ApiConfig {
             token_file: None,
             max_wait: limits.max_wait,
             max_long_polls: limits.max_long_polls,
+            max_long_polls_per_client: limits.max_long_polls_per_client,
             request_timeout: limits.request_timeout,
             max_builds: limits.max_builds,
             max_verdict_batches: limits.max_verdict_batches,
@@ -89,6 +93,7 @@ impl ApiConfig {
         Limits {
             max_wait: self.max_wait,
             max_long_polls: self.max_long_polls,
+            max_long_polls_per_client: self.max_long_polls_per_client,
             request_timeout: self.request_timeout,
             max_builds: self.max_builds,
             max_verdict_batches: self.max_verdict_batches,

@@ -495,6 +495,86 @@ async fn long_polls_beyond_the_limit_get_429() {
     assert_eq!(first.await.unwrap().0, StatusCode::OK);
 }
 
+/// A long poll from `client`, as the listener marks a request it accepted.
+fn long_poll_from(f: &Fixture, client: [u8; 4]) -> Request<Body> {
+    let mut request = Request::get(long_poll_uri(f)).body(Body::empty()).unwrap();
+    request
+        .extensions_mut()
+        .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+            client, 40000,
+        ))));
+    request
+}
+
+#[tokio::test]
+async fn max_long_polls_per_client_leaves_room_for_the_other_clients() {
+    let limits = Limits {
+        max_long_polls_per_client: 2,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    let mut waiting = Vec::new();
+    for n in 1..=2 {
+        let (app, request) = (f.app.clone(), long_poll_from(&f, [10, 1, 1, 1]));
+        waiting.push(tokio::spawn(async move { get_with(&app, request).await }));
+        until_long_polls_waiting(&f, n).await;
+    }
+    let (status, body) = get_with(&f.app, long_poll_from(&f, [10, 1, 1, 1])).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("limit 2"),
+        "{body}"
+    );
+    // Another client still gets in.
+    let (app, request) = (f.app.clone(), long_poll_from(&f, [10, 1, 1, 2]));
+    waiting.push(tokio::spawn(async move { get_with(&app, request).await }));
+    until_long_polls_waiting(&f, 3).await;
+    assert_eq!(
+        f.metrics.long_polls_refused("10.1.1.1", "max_per_client"),
+        1
+    );
+    assert_eq!(
+        f.metrics.long_polls_refused("10.1.1.2", "max_per_client"),
+        0
+    );
+    f.shutdown.send(true).unwrap();
+    for poll in waiting {
+        assert_eq!(poll.await.unwrap().0, StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn long_poll_refusals_are_counted_per_client_with_bounded_labels() {
+    let limits = Limits {
+        max_long_polls: 1,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    let first = waiting_long_poll(&f).await;
+    let clients = crate::metrics::MAX_CLIENT_LABELS as u8 + 8;
+    for last in 1..=clients {
+        let (status, _) = get_with(&f.app, long_poll_from(&f, [10, 2, 0, last])).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    }
+    assert_eq!(
+        f.metrics.long_polls_refused("10.2.0.1", "max_long_polls"),
+        1
+    );
+    assert_eq!(f.metrics.long_polls_refused("other", "max_long_polls"), 8);
+    let (_, metrics) = get(&f.admin, "/metrics").await;
+    let text = metrics.as_str().unwrap_or_default().to_owned();
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with("staleguard_validator_long_polls_refused_total{"))
+        .count();
+    assert_eq!(series, crate::metrics::MAX_CLIENT_LABELS + 1, "{text}");
+    f.shutdown.send(true).unwrap();
+    assert_eq!(first.await.unwrap().0, StatusCode::OK);
+}
+
 #[tokio::test]
 async fn ip_lookup_finds_a_record_or_says_not_found() {
     let f = fixture();
