@@ -132,6 +132,13 @@ pub struct Args {
     #[arg(long, env = "STALEGUARD_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
+    /// Serve `/v1` without a token on an address other than loopback. Without
+    /// this flag, a `--listen` beyond loopback needs `--token-file`: an open
+    /// API lets anyone the network admits read the index and load the
+    /// validator.
+    #[arg(long, env = "STALEGUARD_ALLOW_NO_TOKEN")]
+    pub allow_no_token: bool,
+
     /// The longest `wait` a long poll may ask for.
     #[arg(long, env = "STALEGUARD_MAX_WAIT", default_value = "60s")]
     pub max_wait: String,
@@ -290,6 +297,14 @@ impl Config {
         };
         let listen = address("listen", &args.listen);
         let admin_listen = address("admin-listen", &args.admin_listen);
+        if let Some(listen) = listen.filter(|l| !l.ip().is_loopback()) {
+            if args.token_file.is_none() && !args.allow_no_token {
+                problems.push(format!(
+                    "--listen {listen}: serves /v1 beyond this machine without a token; give \
+                     --token-file, or --allow-no-token to choose an open API"
+                ));
+            }
+        }
         if args.max_long_polls == 0 {
             problems.push("--max-long-polls: must be at least 1".into());
         }
@@ -495,6 +510,17 @@ mod tests {
         );
         assert_eq!(c.api.listen, "127.0.0.1:8080".parse().unwrap());
         assert_eq!(c.api.admin_listen, "127.0.0.1:9090".parse().unwrap());
+    }
+
+    #[test]
+    fn a_listen_beyond_loopback_needs_a_token_file_or_allow_no_token() {
+        let err = parse(&["--listen", "0.0.0.0:8080"]).unwrap_err();
+        assert_eq!(err.problems.len(), 1, "{err}");
+        assert!(err.to_string().contains("--allow-no-token"), "{err}");
+        assert!(parse(&["--listen", "0.0.0.0:8080", "--allow-no-token"]).is_ok());
+        assert!(parse(&["--listen", "0.0.0.0:8080", "--token-file", "/t"]).is_ok());
+        assert!(parse(&["--listen", "127.0.0.2:8080"]).is_ok());
+        assert!(parse(&["--listen", "[::1]:8080"]).is_ok());
     }
 
     #[test]

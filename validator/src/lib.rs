@@ -150,6 +150,12 @@ async fn serve_until_shutdown(
         auth = token.is_some(),
         "serving the index"
     );
+    if token.is_none() && !config.api.listen.ip().is_loopback() {
+        tracing::warn!(
+            listen = %config.api.listen,
+            "/v1 is open to the network without a token (--allow-no-token)"
+        );
+    }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let state = api::ApiState::new(
         shared.clone(),

@@ -169,6 +169,8 @@ pub struct Metrics {
     answer_build_reasons: Family<BuildReasonLabels, Counter>,
     answer_builds_running: Gauge<i64, std::sync::atomic::AtomicI64>,
     long_polls_refused: Family<ClientReasonLabels, Counter>,
+    token_reload_failures: Counter,
+    token_file_refused: Gauge,
     /// The clients that have a label of their own.
     labelled_clients: std::sync::Mutex<std::collections::HashSet<std::net::IpAddr>>,
     connections: std::sync::Arc<ConnectionMetrics>,
@@ -207,6 +209,8 @@ impl Metrics {
             answer_build_reasons: Family::default(),
             answer_builds_running: Gauge::default(),
             long_polls_refused: Family::default(),
+            token_reload_failures: Counter::default(),
+            token_file_refused: Gauge::default(),
             labelled_clients: std::sync::Mutex::default(),
             connections: std::sync::Arc::default(),
         }
@@ -257,6 +261,25 @@ impl Metrics {
                 reason,
             })
             .get()
+    }
+
+    /// Records a reload of the token file: a failure is counted and marks the
+    /// file refused until a reload succeeds.
+    pub fn token_reloaded(&self, ok: bool) {
+        if !ok {
+            self.token_reload_failures.inc();
+        }
+        self.token_file_refused.set(i64::from(!ok));
+    }
+
+    /// Failed token reloads so far.
+    pub fn token_reload_failures(&self) -> u64 {
+        self.token_reload_failures.get()
+    }
+
+    /// True while the token file on disk is refused and the old tokens serve.
+    pub fn token_file_refused(&self) -> bool {
+        self.token_file_refused.get() != 0
     }
 
     /// Records how long after the first client heard of a change another did.
@@ -342,6 +365,16 @@ impl Metrics {
             "Long polls answered 429, by client address (the first 32 refused; then other) \
              and the cap (max_long_polls, max_per_client)",
             self.long_polls_refused.clone(),
+        );
+        registry.register(
+            "token_reload_failures",
+            "Reloads of --token-file that were refused (the previous tokens kept serving)",
+            self.token_reload_failures.clone(),
+        );
+        registry.register(
+            "token_file_refused",
+            "1 while the token file on disk is refused and the previous tokens serve",
+            self.token_file_refused.clone(),
         );
         registry.register(
             "answer_builds_started",

@@ -177,7 +177,11 @@ pub async fn serve(
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     if let Some(token) = &token {
-        tokio::spawn(token.clone().watch(Duration::from_secs(10)));
+        tokio::spawn(
+            token
+                .clone()
+                .watch(Duration::from_secs(10), state.metrics.clone()),
+        );
     }
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
