@@ -11,7 +11,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use staleguard_core::service::is_dns_label;
 
-use crate::api::{ApiConfig, ConnectionLimits};
+use crate::api::{ApiConfig, ConnectionLimits, TlsFiles};
 use crate::index::IndexConfig;
 use crate::scope::{PodScope, Selector};
 
@@ -131,6 +131,23 @@ pub struct Args {
     /// when it changes. [default: `/v1` needs no token]
     #[arg(long, env = "STALEGUARD_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+
+    /// PEM certificate chain for TLS on the public listener (a mounted
+    /// `kubernetes.io/tls` Secret's `tls.crt`), re-read when it changes. With
+    /// `--tls-key-file`. [default: plain HTTP]
+    #[arg(long, env = "STALEGUARD_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of `--tls-cert-file` (`tls.key`).
+    #[arg(long, env = "STALEGUARD_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// Serve `/v1` as plain HTTP on an address other than loopback. Without
+    /// this flag, a `--listen` beyond loopback needs `--tls-cert-file`: in
+    /// clear, the token can be read on the path and nothing tells gateways
+    /// they talk to the validator.
+    #[arg(long, env = "STALEGUARD_ALLOW_PLAINTEXT")]
+    pub allow_plaintext: bool,
 
     /// Serve `/v1` without a token on an address other than loopback. Without
     /// this flag, a `--listen` beyond loopback needs `--token-file`: an open
@@ -304,6 +321,12 @@ impl Config {
                      --token-file, or --allow-no-token to choose an open API"
                 ));
             }
+            if args.tls_cert_file.is_none() && !args.allow_plaintext {
+                problems.push(format!(
+                    "--listen {listen}: serves /v1 beyond this machine in clear; give \
+                     --tls-cert-file and --tls-key-file, or --allow-plaintext to choose plain HTTP"
+                ));
+            }
         }
         if args.max_long_polls == 0 {
             problems.push("--max-long-polls: must be at least 1".into());
@@ -439,6 +462,10 @@ impl Config {
                     idle_timeout,
                     ..ConnectionLimits::ADMIN
                 },
+                tls: args
+                    .tls_cert_file
+                    .zip(args.tls_key_file)
+                    .map(|(cert, key)| TlsFiles { cert, key }),
             },
         })
     }
@@ -514,13 +541,48 @@ mod tests {
 
     #[test]
     fn a_listen_beyond_loopback_needs_a_token_file_or_allow_no_token() {
-        let err = parse(&["--listen", "0.0.0.0:8080"]).unwrap_err();
+        let tls = ["--tls-cert-file", "/c", "--tls-key-file", "/k"];
+        let with = |args: &[&str]| {
+            let mut all = vec!["--listen", "0.0.0.0:8080"];
+            all.extend_from_slice(args);
+            parse(&all)
+        };
+        let err = with(&tls).unwrap_err();
         assert_eq!(err.problems.len(), 1, "{err}");
         assert!(err.to_string().contains("--allow-no-token"), "{err}");
-        assert!(parse(&["--listen", "0.0.0.0:8080", "--allow-no-token"]).is_ok());
-        assert!(parse(&["--listen", "0.0.0.0:8080", "--token-file", "/t"]).is_ok());
+        assert!(with(&[&tls[..], &["--allow-no-token"]].concat()).is_ok());
+        assert!(with(&[&tls[..], &["--token-file", "/t"]].concat()).is_ok());
         assert!(parse(&["--listen", "127.0.0.2:8080"]).is_ok());
         assert!(parse(&["--listen", "[::1]:8080"]).is_ok());
+    }
+
+    #[test]
+    fn a_listen_beyond_loopback_needs_tls_or_allow_plaintext() {
+        let err = parse(&["--listen", "0.0.0.0:8080", "--token-file", "/t"]).unwrap_err();
+        assert_eq!(err.problems.len(), 1, "{err}");
+        assert!(err.to_string().contains("--allow-plaintext"), "{err}");
+        let c = parse(&[
+            "--listen",
+            "0.0.0.0:8080",
+            "--token-file",
+            "/t",
+            "--tls-cert-file",
+            "/tls/tls.crt",
+            "--tls-key-file",
+            "/tls/tls.key",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.api.tls.map(|t| (t.cert, t.key)),
+            Some(("/tls/tls.crt".into(), "/tls/tls.key".into()))
+        );
+        let plain = ["--listen", "0.0.0.0:8080", "--token-file", "/t"];
+        assert!(parse(&[&plain[..], &["--allow-plaintext"]].concat()).is_ok());
+        // A key without its certificate is a usage error.
+        let mut argv = vec!["staleguard-validator", "--tls-key-file", "/k"];
+        assert!(Args::try_parse_from(&argv).is_err());
+        argv.extend(["--tls-cert-file", "/c"]);
+        assert!(Args::try_parse_from(&argv).is_ok());
     }
 
     #[test]

@@ -148,13 +148,22 @@ async fn serve_until_shutdown(
         listen = %listeners.public_addr().map_err(api::ServeError::from)?,
         admin = %listeners.admin_addr().map_err(api::ServeError::from)?,
         auth = token.is_some(),
+        tls = listeners.tls(),
         "serving the index"
     );
-    if token.is_none() && !config.api.listen.ip().is_loopback() {
-        tracing::warn!(
-            listen = %config.api.listen,
-            "/v1 is open to the network without a token (--allow-no-token)"
-        );
+    if !config.api.listen.ip().is_loopback() {
+        if token.is_none() {
+            tracing::warn!(
+                listen = %config.api.listen,
+                "/v1 is open to the network without a token (--allow-no-token)"
+            );
+        }
+        if !listeners.tls() {
+            tracing::warn!(
+                listen = %config.api.listen,
+                "/v1 is served in clear beyond loopback (--allow-plaintext)"
+            );
+        }
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let state = api::ApiState::new(

@@ -34,8 +34,9 @@ use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
 use crate::metrics::ConnectionMetrics;
@@ -117,6 +118,7 @@ pub(crate) async fn serve_bounded(
     metrics: Arc<ConnectionMetrics>,
     listener_name: &'static str,
     mut stop: tokio::sync::watch::Receiver<bool>,
+    tls: Option<TlsAcceptor>,
 ) {
     let max = limits.max_connections.clamp(1, Semaphore::MAX_PERMITS);
     let open = Arc::new(Semaphore::new(max));
@@ -147,9 +149,26 @@ pub(crate) async fn serve_bounded(
         let app = app.clone();
         let metrics = metrics.clone();
         let stop = stop.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
             let _open = metrics.open(listener_name);
-            let ended = serve_connection(stream, peer, app, limits, stop).await;
+            let _ = stream.set_nodelay(true);
+            let ended = match tls {
+                None => serve_connection(stream, peer, app, limits, stop).await,
+                // The handshake gets the time a request head gets.
+                Some(tls) => {
+                    match tokio::time::timeout(limits.header_read_timeout, tls.accept(stream)).await
+                    {
+                        Ok(Ok(stream)) => serve_connection(stream, peer, app, limits, stop).await,
+                        Ok(Err(error)) => {
+                            tracing::debug!(%peer, %error, "TLS handshake failed");
+                            metrics.refused(listener_name, "tls_handshake");
+                            None
+                        }
+                        Err(_) => Some("tls_handshake"),
+                    }
+                }
+            };
             if let Some(reason) = ended {
                 metrics.timed_out(listener_name, reason);
             }
@@ -161,14 +180,16 @@ pub(crate) async fn serve_bounded(
 }
 
 /// Serves one connection; returns which timeout closed it, if one did.
-async fn serve_connection(
-    stream: TcpStream,
+async fn serve_connection<S>(
+    stream: S,
     peer: SocketAddr,
     app: Router,
     limits: ConnectionLimits,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) -> Option<&'static str> {
-    let _ = stream.set_nodelay(true);
+) -> Option<&'static str>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let activity = Arc::new(Activity::new());
     let io = TokioIo::new(Tracked {
         inner: stream,
@@ -326,12 +347,12 @@ impl Drop for Busy {
 
 /// A stream that notes every byte it moves in its [`Activity`].
 #[derive(Debug)]
-struct Tracked {
-    inner: TcpStream,
+struct Tracked<S> {
+    inner: S,
     activity: Arc<Activity>,
 }
 
-impl AsyncRead for Tracked {
+impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -346,7 +367,7 @@ impl AsyncRead for Tracked {
     }
 }
 
-impl AsyncWrite for Tracked {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

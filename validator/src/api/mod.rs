@@ -19,6 +19,7 @@ mod changes;
 mod connections;
 mod error;
 mod serve;
+mod tls;
 mod verdicts;
 
 use std::net::IpAddr;
@@ -44,6 +45,7 @@ pub(crate) use connections::serve_bounded;
 pub use connections::{fit_api_cap, raise_file_limit, ConnectionLimits, RESERVED_FILES};
 pub use error::ApiError;
 pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};
+pub use tls::{ServerTls, TlsError, TlsFiles};
 pub use verdicts::judge_all;
 
 use crate::metrics::Metrics;

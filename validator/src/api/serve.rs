@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use super::connections::{self, ConnectionLimits};
+use super::tls::{ServerTls, TlsError, TlsFiles};
 use super::{admin_router, router, ApiState, Limits, Token, TokenError};
 use crate::metrics::Metrics;
 use crate::shared::SharedIndex;
@@ -45,6 +46,8 @@ pub struct ApiConfig {
     /// The admin listener's connection bounds, apart from the public one's so
     /// that gateways cannot starve the probes.
     pub admin_connections: ConnectionLimits,
+    /// TLS for the public listener; plain HTTP without it.
+    pub tls: Option<TlsFiles>,
 }
 
 impl Default for ApiConfig {
@@ -63,6 +66,7 @@ impl Default for ApiConfig {
             shutdown_grace: Duration::from_secs(10),
             connections: ConnectionLimits::API,
             admin_connections: ConnectionLimits::ADMIN,
+            tls: None,
         }
     }
 }
@@ -82,6 +86,9 @@ pub enum ServeError {
     /// The token file is unusable.
     #[error(transparent)]
     Token(#[from] TokenError),
+    /// The TLS certificate or key is unusable.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
     /// A listener failed while serving.
     #[error("serving failed: {0}")]
     Io(#[from] std::io::Error),
@@ -115,6 +122,7 @@ pub struct Listeners {
     admin: TcpListener,
     public_limits: ConnectionLimits,
     admin_limits: ConnectionLimits,
+    tls: Option<ServerTls>,
 }
 
 impl Listeners {
@@ -147,12 +155,19 @@ impl Listeners {
             );
             public_limits.max_connections = fitted;
         }
+        let tls = config.tls.as_ref().map(ServerTls::from_files).transpose()?;
         Ok(Self {
             public: bind(config.listen).await?,
             admin: bind(config.admin_listen).await?,
             public_limits,
             admin_limits,
+            tls,
         })
+    }
+
+    /// True when the public listener serves TLS.
+    pub fn tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     /// The public listener's address.
@@ -183,6 +198,9 @@ pub async fn serve(
                 .watch(Duration::from_secs(10), state.metrics.clone()),
         );
     }
+    if let Some(tls) = &listeners.tls {
+        tokio::spawn(tls.clone().watch(Duration::from_secs(10)));
+    }
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         stop.await;
@@ -199,6 +217,7 @@ pub async fn serve(
         connections.clone(),
         "api",
         stopped_rx.clone(),
+        listeners.tls.as_ref().map(|tls| tls.acceptor().clone()),
     );
     let admin = connections::serve_bounded(
         listeners.admin,
@@ -207,6 +226,7 @@ pub async fn serve(
         connections,
         "admin",
         stopped_rx.clone(),
+        None,
     );
     let both = async { tokio::join!(public, admin) };
     tokio::select! {

@@ -70,6 +70,7 @@ pub async fn run(audit: &Audit, every: Duration, listen: SocketAddr) -> std::io:
         metrics.connections(),
         "audit",
         stop,
+        None,
     ));
     let shutdown = crate::shutdown_signal();
     tokio::pin!(shutdown);
