@@ -1,8 +1,8 @@
 //! The validator's API over TLS (`--tls-cert-file`, `--tls-key-file`), with a
 //! CA and certificates made at test time: the audit's client verifies it, and
-//! real Envoy syncs the filter's index through a validator cluster whose
-//! `UpstreamTlsContext` verifies the validator's name, and refuses a
-//! validator whose certificate names another.
+//! real Envoy syncs the filter's index through the validator cluster's
+//! `UpstreamTlsContext` as `deploy/envoy/envoy.yaml` ships it (the validator's
+//! name verified), and refuses a validator whose certificate names another.
 
 use std::time::Duration;
 
@@ -10,7 +10,9 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value};
 use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::stats::STAT_RESETS;
-use staleguard_tests::envoy::{cluster_mut, shipped_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::{
+    cluster_mut, shipped_plugin, shipped_validator_tls, Cluster, Gateway,
+};
 use staleguard_tests::tls::TestCa;
 use staleguard_validator::api::{self, ApiConfig, TlsFiles};
 use staleguard_validator::audit::fetch::{Client, FetchError};
@@ -73,26 +75,6 @@ fn tls_cert_file_serves_the_api_and_the_audit_client_verifies_it_with_validator_
     Ok(())
 }
 
-/// The validator cluster's transport socket as `deploy/envoy/envoy.yaml`
-/// ships it, with the test CA's file.
-fn upstream_tls(ca_file: &std::path::Path, san: &str) -> Value {
-    json!({
-        "name": "envoy.transport_sockets.tls",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            "sni": san,
-            "common_tls_context": {
-                "validation_context": {
-                    "trusted_ca": {"filename": ca_file},
-                    "match_typed_subject_alt_names": [
-                        {"san_type": "DNS", "matcher": {"exact": san}}
-                    ]
-                }
-            }
-        }
-    })
-}
-
 #[test]
 fn the_gateway_syncs_from_the_validator_over_tls_only_when_the_san_verifies() -> Result<()> {
     let dir = temp_dir("envoy");
@@ -110,7 +92,7 @@ fn the_gateway_syncs_from_the_validator_over_tls_only_when_the_san_verifies() ->
     );
     let Some(envoy) = gateway.start_with(|bootstrap| {
         cluster_mut(bootstrap, "staleguard-validator")?["transport_socket"] =
-            upstream_tls(ca.ca_file(), NAME);
+            shipped_validator_tls(ca.ca_file());
         Ok(())
     })?
     else {
@@ -125,7 +107,7 @@ fn the_gateway_syncs_from_the_validator_over_tls_only_when_the_san_verifies() ->
     let gateway = Gateway::new(impostor, vec![Cluster::new(cluster, host.addr(), plugin)]);
     let Some(envoy) = gateway.start_with(|bootstrap| {
         cluster_mut(bootstrap, "staleguard-validator")?["transport_socket"] =
-            upstream_tls(ca.ca_file(), NAME);
+            shipped_validator_tls(ca.ca_file());
         Ok(())
     })?
     else {
