@@ -75,6 +75,20 @@ fn tls_cert_file_serves_the_api_and_the_audit_client_verifies_it_with_validator_
     Ok(())
 }
 
+/// A gateway whose validator cluster reaches `validator` through the shipped
+/// transport socket, trusting `ca`.
+fn tls_gateway(
+    validator: std::net::SocketAddr,
+    ca: &TestCa,
+    cluster: Cluster,
+) -> Result<Option<staleguard_tests::envoy::Envoy>> {
+    Gateway::new(validator, vec![cluster]).start_with(|bootstrap| {
+        cluster_mut(bootstrap, "staleguard-validator")?["transport_socket"] =
+            shipped_validator_tls(ca.ca_file());
+        Ok(())
+    })
+}
+
 #[test]
 fn the_gateway_syncs_from_the_validator_over_tls_only_when_the_san_verifies() -> Result<()> {
     let dir = temp_dir("envoy");
@@ -86,15 +100,11 @@ fn the_gateway_syncs_from_the_validator_over_tls_only_when_the_san_verifies() ->
 
     // The validator's certificate names the validator: the filter syncs.
     let good = validator(&runtime, files(&ca.issue("good", &[NAME])?))?;
-    let gateway = Gateway::new(
+    let Some(envoy) = tls_gateway(
         good,
-        vec![Cluster::new(cluster, host.addr(), plugin.clone())],
-    );
-    let Some(envoy) = gateway.start_with(|bootstrap| {
-        cluster_mut(bootstrap, "staleguard-validator")?["transport_socket"] =
-            shipped_validator_tls(ca.ca_file());
-        Ok(())
-    })?
+        &ca,
+        Cluster::new(cluster, host.addr(), plugin.clone()),
+    )?
     else {
         return Ok(());
     };
@@ -104,12 +114,7 @@ fn the_gateway_syncs_from_the_validator_over_tls_only_when_the_san_verifies() ->
     // A certificate of the same CA for another name: Envoy refuses it, and
     // the filter never loads an index from it.
     let impostor = validator(&runtime, files(&ca.issue("impostor", &["impostor.test"])?))?;
-    let gateway = Gateway::new(impostor, vec![Cluster::new(cluster, host.addr(), plugin)]);
-    let Some(envoy) = gateway.start_with(|bootstrap| {
-        cluster_mut(bootstrap, "staleguard-validator")?["transport_socket"] =
-            shipped_validator_tls(ca.ca_file());
-        Ok(())
-    })?
+    let Some(envoy) = tls_gateway(impostor, &ca, Cluster::new(cluster, host.addr(), plugin))?
     else {
         return Ok(());
     };
