@@ -75,18 +75,45 @@ fn tls_cert_file_serves_the_api_and_the_audit_client_verifies_it_with_validator_
     Ok(())
 }
 
-/// A gateway whose validator cluster reaches `validator` through the shipped
-/// transport socket, trusting `ca`.
+/// A gateway whose validator cluster reaches `validator` through `socket`.
 fn tls_gateway(
     validator: std::net::SocketAddr,
-    ca: &TestCa,
+    socket: Value,
     cluster: Cluster,
 ) -> Result<Option<staleguard_tests::envoy::Envoy>> {
     Gateway::new(validator, vec![cluster]).start_with(|bootstrap| {
-        cluster_mut(bootstrap, "staleguard-validator")?["transport_socket"] =
-            shipped_validator_tls(ca.ca_file());
+        cluster_mut(bootstrap, "staleguard-validator")?["transport_socket"] = socket;
         Ok(())
     })
+}
+
+/// The transport socket `deploy/istio/components/validator-tls` adds to the
+/// EnvoyFilter's validator cluster, with `ca_file` as its `trusted_ca`.
+fn istio_validator_tls(ca_file: &std::path::Path) -> Result<Value> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/istio/components/validator-tls/kustomization.yaml"
+    );
+    let component: Value = yaml_serde::from_str(&std::fs::read_to_string(path)?)?;
+    let ops: Value = yaml_serde::from_str(
+        component["patches"][0]["patch"]
+            .as_str()
+            .context("the component's patch")?,
+    )?;
+    let mut socket = ops
+        .as_array()
+        .and_then(|ops| {
+            ops.iter().find(|op| {
+                op["path"]
+                    .as_str()
+                    .is_some_and(|p| p.ends_with("/transport_socket"))
+            })
+        })
+        .map(|op| op["value"].clone())
+        .context("no transport_socket in the component")?;
+    socket["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"] =
+        json!({"filename": ca_file});
+    Ok(socket)
 }
 
 #[test]
@@ -98,23 +125,26 @@ fn the_gateway_syncs_from_the_validator_over_tls_only_when_the_san_verifies() ->
     let cluster = "outbound|8080||cart.shop.svc.cluster.local";
     let plugin = Some(shipped_plugin(json!({})));
 
-    // The validator's certificate names the validator: the filter syncs.
+    // The validator's certificate names the validator: the filter syncs,
+    // through the socket deploy/envoy ships and the one deploy/istio's
+    // validator-tls component adds.
     let good = validator(&runtime, files(&ca.issue("good", &[NAME])?))?;
-    let Some(envoy) = tls_gateway(
-        good,
-        &ca,
-        Cluster::new(cluster, host.addr(), plugin.clone()),
-    )?
-    else {
-        return Ok(());
-    };
-    envoy.wait_first_sync()?;
-    drop(envoy);
+    for socket in [
+        shipped_validator_tls(ca.ca_file()),
+        istio_validator_tls(ca.ca_file())?,
+    ] {
+        let cluster = Cluster::new(cluster, host.addr(), plugin.clone());
+        let Some(envoy) = tls_gateway(good, socket, cluster)? else {
+            return Ok(());
+        };
+        envoy.wait_first_sync()?;
+    }
 
     // A certificate of the same CA for another name: Envoy refuses it, and
     // the filter never loads an index from it.
     let impostor = validator(&runtime, files(&ca.issue("impostor", &["impostor.test"])?))?;
-    let Some(envoy) = tls_gateway(impostor, &ca, Cluster::new(cluster, host.addr(), plugin))?
+    let socket = shipped_validator_tls(ca.ca_file());
+    let Some(envoy) = tls_gateway(impostor, socket, Cluster::new(cluster, host.addr(), plugin))?
     else {
         return Ok(());
     };
