@@ -609,6 +609,35 @@ mod tests {
     }
 
     #[test]
+    fn an_https_validator_needs_validator_ca_file_to_verify_it() {
+        let https = [
+            "--admin",
+            "127.0.0.1:15000",
+            "--validator",
+            "https://v.sg.svc:8080",
+        ];
+        let err = parse(&https).unwrap_err();
+        assert_eq!(err.exit(), Exit::Usage);
+        assert!(err.to_string().contains("--validator-ca-file"), "{err}");
+        let dir = std::env::temp_dir().join(format!("sg-audit-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.crt");
+        std::fs::write(&empty, "").unwrap();
+        let with = |ca: &std::path::Path| {
+            let mut argv = https.to_vec();
+            argv.extend(["--validator-ca-file", ca.to_str().unwrap()]);
+            parse(&argv)
+        };
+        let err = with(&empty).unwrap_err();
+        assert!(
+            err.to_string().contains("holds no PEM certificate"),
+            "{err}"
+        );
+        assert!(with(&dir.join("absent.crt")).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn the_shipped_sidecar_runs_a_valid_continuous_audit() {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
