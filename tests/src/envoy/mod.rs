@@ -31,6 +31,7 @@ pub use bootstrap::{
 };
 pub use shipped::{
     plugin_configs_in, shipped_plugin, shipped_plugin_config, shipped_route_retry_policy,
+    shipped_validator_tls,
 };
 pub use stats::Stats;
 

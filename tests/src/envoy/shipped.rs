@@ -129,3 +129,22 @@ pub fn shipped_twin_lb_policy() -> Value {
     );
     policy
 }
+
+/// The `transport_socket` of the validator cluster `deploy/envoy/envoy.yaml`
+/// ships (TLS verifying the validator's name), with its `trusted_ca` file
+/// replaced by `ca_file` (a test CA's certificate).
+pub fn shipped_validator_tls(ca_file: &std::path::Path) -> Value {
+    let mut socket = shipped_envoy_doc()["static_resources"]["clusters"]
+        .as_array()
+        .and_then(|clusters| {
+            clusters
+                .iter()
+                .find(|c| c["name"] == "staleguard-validator")
+        })
+        .map(|c| c["transport_socket"].clone())
+        .filter(|s| !s.is_null())
+        .unwrap_or_else(|| panic!("no transport_socket on staleguard-validator in {PATH}"));
+    socket["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"] =
+        serde_json::json!({"filename": ca_file});
+    socket
+}
