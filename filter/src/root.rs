@@ -471,7 +471,18 @@ impl Root {
             }
             Ok(Applied::Held | Applied::StillHeld) => {}
             Err(error) => {
-                self.sync_error(host, &error);
+                let mut reason = None;
+                if let SyncError::Status(_) = error {
+                    // Say why: the validator's JSON error, or Envoy's own text
+                    // (503 "no healthy upstream").
+                    let head = host.call_body(0, body_size.min(REASON_BYTES));
+                    reason = Some(
+                        head.ok()
+                            .and_then(|body| answer_reason(&body))
+                            .unwrap_or_else(|| "(no reason given)".to_owned()),
+                    );
+                }
+                self.sync_error_because(host, &error, reason.as_deref());
                 self.arm_timer(host, now);
                 return;
             }
@@ -484,11 +495,24 @@ impl Root {
     }
 
     fn sync_error<H: Host>(&self, host: &mut H, error: &SyncError) {
+        self.sync_error_because(host, error, None);
+    }
+
+    /// Counts and logs a failed sync, with the reason the answer gave.
+    fn sync_error_because<H: Host>(&self, host: &mut H, error: &SyncError, reason: Option<&str>) {
         self.vm
             .metrics
             .borrow_mut()
             .inc(host, &metrics::sync_errors(error.kind()), 1);
-        log::warn!("[ctx {}] staleguard: sync failed: {error}", self.id);
+        match reason {
+            Some(reason) => {
+                log::warn!(
+                    "[ctx {}] staleguard: sync failed: {error}: {reason}",
+                    self.id
+                );
+            }
+            None => log::warn!("[ctx {}] staleguard: sync failed: {error}", self.id),
+        }
     }
 
     fn guard_event<H: Host>(&self, host: &mut H, event: Option<GuardEvent>) {
@@ -603,6 +627,37 @@ fn dispatch_failed(cluster: &str, status: &str) -> SyncError {
     SyncError::Transport(format!(
         "dispatch to validator_cluster {cluster:?} failed: {status}{hint}"
     ))
+}
+
+/// How much of a non-200 answer is read for its reason.
+const REASON_BYTES: usize = 2048;
+
+/// The reason a non-200 answer gives: the validator's `error.message` (its
+/// JSON error, docs/api.md), else the body's first line (Envoy's own answers),
+/// printable and cut to 300 characters.
+fn answer_reason(body: &[u8]) -> Option<String> {
+    let from_json = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| {
+            v.get("error")
+                .and_then(|e| e.get("message"))
+                .and_then(|m| m.as_str())
+                .map(str::to_owned)
+        });
+    let text = from_json.unwrap_or_else(|| {
+        String::from_utf8_lossy(body)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    });
+    let text: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(300)
+        .collect();
+    let text = text.trim();
+    (!text.is_empty()).then(|| text.to_owned())
 }
 
 /// FNV-1a: a stable digest of a configuration, to log its problems once per
@@ -879,6 +934,31 @@ pub(crate) mod tests {
         let mut root = Root::new(1);
         assert!(root.configure(&mut host, br#"{"replay_twin":{"endpint_header":"x"}}"#));
         assert_eq!(host.counter(metrics::CONFIG_REFUSED), 1);
+    }
+
+    #[test]
+    fn a_refusal_s_reason_is_read_from_the_answer() {
+        assert_eq!(
+            answer_reason(
+                br#"{"error":{"code":"bad_request","message":"wait=-1 is out of range"}}"#
+            )
+            .as_deref(),
+            Some("wait=-1 is out of range")
+        );
+        assert_eq!(
+            answer_reason(b"no healthy upstream").as_deref(),
+            Some("no healthy upstream")
+        );
+        assert_eq!(
+            answer_reason(
+                b"upstream connect error
+more"
+            )
+            .as_deref(),
+            Some("upstream connect error")
+        );
+        assert_eq!(answer_reason(b""), None);
+        assert_eq!(answer_reason(&[b'x'; 1000]).map(|r| r.len()), Some(300));
     }
 
     #[test]
