@@ -482,6 +482,38 @@ async fn broken_admin_output_an_unreachable_admin_and_an_unreachable_validator_e
         .audit(&["--config-dump", &missing, "--validator", &url])
         .await;
     assert_eq!(run.code, 4, "{}", run.stderr);
+    // Said as what it is: a file, not an admin port.
+    assert!(
+        run.stderr
+            .contains(&format!("cannot read the config dump {missing}: "))
+            && !run.stderr.contains("admin is unreachable"),
+        "{}",
+        run.stderr
+    );
+
+    // A --metrics-listen address in use is named.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_addr = taken.local_addr().unwrap().to_string();
+    let run = setup
+        .audit(&[
+            "--admin",
+            &admin,
+            "--validator",
+            &url,
+            "--every",
+            "1s",
+            "--metrics-listen",
+            &taken_addr,
+        ])
+        .await;
+    assert_ne!(run.code, 0, "{}", run.stderr);
+    assert!(
+        run.stderr.contains(&format!(
+            "--metrics-listen {taken_addr}: cannot listen there"
+        )),
+        "{}",
+        run.stderr
+    );
     let run = setup.audit(&["--admin", &admin]).await;
     assert_eq!(run.code, 2, "{}", run.stderr);
 }

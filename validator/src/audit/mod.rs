@@ -177,6 +177,10 @@ pub enum AuditError {
     /// The gateway could not be read at all.
     #[error("gateway admin is unreachable: {0}")]
     AdminUnreachable(String),
+    /// The `--config-dump` file could not be read (same exit status as an
+    /// unreachable admin port: no endpoints to audit).
+    #[error("cannot read the config dump {0}")]
+    DumpUnreadable(String),
     /// No verdicts: the validator is unreachable, refused or answered nonsense.
     #[error("cannot get verdicts: {0}")]
     Validator(String),
@@ -188,7 +192,9 @@ impl AuditError {
         match self {
             AuditError::Usage(_) => Exit::Usage,
             AuditError::AdminMalformed(_) => Exit::AdminMalformed,
-            AuditError::AdminUnreachable(_) => Exit::AdminUnreachable,
+            AuditError::AdminUnreachable(_) | AuditError::DumpUnreadable(_) => {
+                Exit::AdminUnreachable
+            }
             AuditError::Validator(_) => Exit::Validator,
         }
     }
@@ -528,7 +534,7 @@ async fn read_gateway(audit: &Audit) -> Result<Gateway, AuditError> {
         EndpointSource::Dump(path) => {
             let bytes = read_file(path.clone())
                 .await
-                .map_err(|e| AuditError::AdminUnreachable(format!("{}: {e}", path.display())))?;
+                .map_err(|e| AuditError::DumpUnreadable(format!("{}: {e}", path.display())))?;
             gateway::parse_config_dump(&bytes, &path.display().to_string()).map_err(malformed)
         }
     }

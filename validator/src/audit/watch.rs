@@ -51,7 +51,12 @@ async fn serve_metrics(State(metrics): State<Arc<AuditMetrics>>) -> Response {
 /// Audits every `every` until SIGINT/SIGTERM, serving metrics on `listen`.
 pub async fn run(audit: &Audit, every: Duration, listen: SocketAddr) -> std::io::Result<()> {
     let metrics = Arc::new(AuditMetrics::default());
-    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("--metrics-listen {listen}: cannot listen there: {e}"),
+        )
+    })?;
     tracing::info!(
         gateway = %audit.gateway,
         metrics = %listener.local_addr()?,
