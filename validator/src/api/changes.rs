@@ -20,6 +20,7 @@ use crate::metrics::Metrics;
 const FRESHNESS_RECHECK: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct ChangesQuery {
     v: Option<u32>,
     epoch: Option<u64>,

@@ -658,6 +658,9 @@ async fn bad_input_is_a_400_with_a_json_error() {
         "/v1/changes?since=-3",
         "/v1/snapshot?v=2",
         "/v1/changes?v=0",
+        "/v1/changes?epoch=7&since=1&wiat=30",
+        "/v1/snapshot?veiw=verdict",
+        "/v1/verdict?service=shop/cart&ip=10.0.0.1&terminatin=reject",
         long.as_str(),
     ] {
         let (status, body) = get(&f.app, uri).await;
@@ -670,6 +673,13 @@ async fn bad_input_is_a_400_with_a_json_error() {
             "{uri}"
         );
     }
+    // A misspelt parameter is named, with what is accepted.
+    let (_, body) = get(&f.app, "/v1/changes?epoch=7&since=1&wiat=30").await;
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("unknown field `wiat`") && message.contains("`wait`"),
+        "{message}"
+    );
     let (status, body) = get(&f.app, "/v2/anything").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(body["error"]["code"], "not_found");
