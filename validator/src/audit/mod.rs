@@ -778,15 +778,15 @@ mod tests {
         )
         .unwrap();
         let path = config.to_str().unwrap();
-        let err = parse(&[
+        let args = [
             "--config-dump",
             "d.json",
             "--cluster-file",
             "c.yaml",
             "--plugin-config",
             path,
-        ])
-        .unwrap_err();
+        ];
+        let err = parse(&args).unwrap_err();
         assert_eq!(err.exit(), Exit::Usage);
         let text = err.to_string();
         assert!(text.contains("the filter would refuse it"), "{text}");
@@ -801,15 +801,7 @@ mod tests {
             r#"{"validator_cluster":"sg","token_env":"STALEGUARD_TOKEN"}"#,
         )
         .unwrap();
-        let audit = parse(&[
-            "--config-dump",
-            "d.json",
-            "--cluster-file",
-            "c.yaml",
-            "--plugin-config",
-            path,
-        ])
-        .unwrap();
+        let audit = parse(&args).unwrap();
         assert_eq!(audit.plugin.unwrap().validator_cluster, "sg");
         let _ = std::fs::remove_dir_all(&dir);
     }
