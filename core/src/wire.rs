@@ -768,7 +768,7 @@ mod tests {
             r#"{{"kind":"reset","v":1,"epoch":"x","generation":1,"freshness":{{"fresh":true}},"services":[],"records":[{records}]}}"#
         );
         let Err(WireError::Malformed { source, .. }) = Changes::from_json(json.as_bytes()) else {
-            panic!("a string epoch must be refused");
+            panic!("an epoch that is no number must be refused");
         };
         // Buffered, the error has no position at all (line 0, column 0).
         assert_eq!(source.line(), 1, "{source}");
