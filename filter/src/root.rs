@@ -201,7 +201,7 @@ impl Root {
                 );
             }
             log::error!(
-                "[ctx {}] staleguard: plugin configuration refused ({} problem{}); the plugin runs anyway and {what} (docs/filter.md, \"Configuration\")",
+                "[ctx {}] staleguard: plugin configuration refused ({} problem{}); the plugin runs anyway and {what} (docs/filter.md, \"Plugin configuration\")",
                 self.id,
                 problems.len(),
                 if problems.len() == 1 { "" } else { "s" }
