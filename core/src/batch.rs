@@ -119,7 +119,9 @@ pub struct VerdictItem {
 pub struct VerdictsAnswer {
     /// Wire major version.
     pub v: u32,
-    /// The index generation every item was judged at.
+    /// The index generation every item was judged at (a decimal string, see
+    /// [`crate::wire::counter`]).
+    #[serde(with = "crate::wire::counter")]
     pub generation: u64,
     /// How current the data was.
     pub freshness: Freshness,

@@ -10,6 +10,15 @@
 //!
 //! IPs are keyed by their canonical text form (`10.0.0.7`, `fd00::7`), services
 //! by `namespace/name` (see [`ServiceKey`]).
+//!
+//! Epochs and generations: JSON readers that hold numbers as doubles (jq 1.6,
+//! JavaScript) round integers above 2^53, so a client of a 0.1 validator
+//! (whose epoch was any u64) never matched its epoch and always got a reset.
+//! The validator now draws epochs below 2^53 ([`MAX_EPOCH`]), exact in every
+//! reader, and readers take an epoch or generation as a number or as a
+//! decimal string ([`counter`]): the form writers move to once every
+//! supported reader reads it (a 0.1 gateway reads numbers only, and the
+//! validator is upgraded first, so this release still writes numbers).
 
 use std::net::IpAddr;
 
@@ -19,6 +28,10 @@ use crate::service::ServiceKey;
 
 /// The wire major version this crate reads and writes.
 pub const WIRE_VERSION: u32 = 1;
+
+/// Epochs are drawn below this (2^53): a JSON number any reader holds
+/// exactly, doubles included.
+pub const MAX_EPOCH: u64 = 1 << 53;
 
 /// Why a document could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -182,8 +195,10 @@ pub struct Snapshot<R = IpRecord> {
     pub v: u32,
     /// Random per validator process start: generations of different epochs are
     /// not comparable.
+    #[serde(with = "counter")]
     pub epoch: u64,
     /// The index generation this snapshot shows.
+    #[serde(with = "counter")]
     pub generation: u64,
     /// How current the data is.
     pub freshness: Freshness,
@@ -225,11 +240,13 @@ enum ChangesKind {
 struct ChangesFields<R> {
     kind: ChangesKind,
     v: u32,
+    #[serde(with = "counter")]
     epoch: u64,
+    #[serde(with = "counter")]
     generation: u64,
     freshness: Freshness,
     // Delta.
-    #[serde(default)]
+    #[serde(default, with = "counter::optional")]
     since: Option<u64>,
     #[serde(default)]
     services_added: Vec<ServiceKey>,
@@ -294,11 +311,14 @@ pub struct Delta<R = IpRecord> {
     /// Wire major version ([`WIRE_VERSION`]).
     pub v: u32,
     /// The validator's epoch.
+    #[serde(with = "counter")]
     pub epoch: u64,
     /// The generation the client had (exclusive lower bound).
+    #[serde(with = "counter")]
     pub since: u64,
     /// The generation after applying this delta. Equal to `since` for an empty
     /// answer to a long poll that timed out.
+    #[serde(with = "counter")]
     pub generation: u64,
     /// How current the data is.
     pub freshness: Freshness,
@@ -458,6 +478,78 @@ impl PodHolder {
     }
 }
 
+/// Epochs and generations on the wire (`#[serde(with = "counter")]`): read
+/// from a JSON number or a decimal string, written as a number (see the
+/// module's documentation for when that changes).
+pub mod counter {
+    use std::fmt;
+
+    use serde::de::{self, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    /// Writes `value` as a number.
+    pub fn serialize<S: Serializer>(value: &u64, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_u64(*value)
+    }
+
+    /// Reads a decimal string or a non-negative integer.
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+        deserializer.deserialize_any(Counter)
+    }
+
+    struct Counter;
+
+    impl Visitor<'_> for Counter {
+        type Value = u64;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an unsigned 64-bit integer as a decimal string (or a number)")
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+            u64::try_from(v).map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+        }
+
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+            // Digits only: no sign, no spaces, no exponent.
+            if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(E::invalid_value(de::Unexpected::Str(v), &self));
+            }
+            v.parse()
+                .map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
+        }
+    }
+
+    /// [`counter`](self) for an optional field.
+    pub mod optional {
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        /// Writes `Some` as a number, `None` as null.
+        pub fn serialize<S: Serializer>(
+            value: &Option<u64>,
+            serializer: S,
+        ) -> Result<S::Ok, S::Error> {
+            match value {
+                Some(v) => super::serialize(v, serializer),
+                None => serializer.serialize_none(),
+            }
+        }
+
+        /// Reads null, a decimal string or a non-negative integer.
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            deserializer: D,
+        ) -> Result<Option<u64>, D::Error> {
+            #[derive(Deserialize)]
+            struct Wrapped(#[serde(with = "super")] u64);
+            Ok(Option::<Wrapped>::deserialize(deserializer)?.map(|Wrapped(v)| v))
+        }
+    }
+}
+
 fn parse<'a, T: Deserialize<'a>>(what: &'static str, bytes: &'a [u8]) -> Result<T, WireError> {
     serde_json::from_slice(bytes).map_err(|source| WireError::Malformed { what, source })
 }
@@ -559,6 +651,67 @@ mod tests {
     }
 
     #[test]
+    fn epochs_and_generations_are_read_as_strings_or_numbers() {
+        let snapshot = Snapshot {
+            v: WIRE_VERSION,
+            epoch: 9_271_046_301_922_839_485,
+            generation: 42,
+            freshness: Freshness::default(),
+            services: vec![],
+            records: vec![],
+        };
+        // Written as numbers (what a 0.1 gateway reads), read back exactly.
+        let json = serde_json::to_string(&snapshot).unwrap();
+        assert!(
+            json.contains(r#""epoch":9271046301922839485,"generation":42"#),
+            "{json}"
+        );
+        assert_eq!(Snapshot::from_json(json.as_bytes()).unwrap(), snapshot);
+        // The string form, which a reader that holds numbers as doubles
+        // keeps exact.
+        let strings = br#"{"v":1,"epoch":"9271046301922839485","generation":"42","freshness":{"fresh":false},"services":[],"records":[]}"#;
+        assert_eq!(Snapshot::from_json(strings).unwrap(), snapshot);
+        let delta = Changes::Delta(Delta {
+            v: 1,
+            epoch: u64::MAX,
+            since: 3,
+            generation: 5,
+            freshness: Freshness::default(),
+            services_added: vec![],
+            services_removed: vec![],
+            upserts: vec![],
+            removed: vec![],
+        });
+        let strings = br#"{"kind":"delta","v":1,"epoch":"18446744073709551615","since":"3","generation":"5","freshness":{"fresh":false}}"#;
+        assert_eq!(Changes::from_json(strings).unwrap(), delta);
+        let json = serde_json::to_string(&delta).unwrap();
+        assert_eq!(Changes::from_json(json.as_bytes()).unwrap(), delta);
+        // Anything else is refused, naming what is accepted.
+        for bad in [
+            r#""-1""#,
+            "-1",
+            r#""""#,
+            r#""12a""#,
+            r#"" 12""#,
+            r#""18446744073709551616""#,
+            "1.5",
+            "null",
+        ] {
+            let json = format!(
+                r#"{{"v":1,"epoch":{bad},"generation":1,"freshness":{{"fresh":true}},"services":[],"records":[]}}"#
+            );
+            let err = Snapshot::from_json(json.as_bytes()).unwrap_err();
+            assert!(err.to_string().contains("decimal string"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn an_epoch_below_max_epoch_is_exact_as_a_double() {
+        let largest = MAX_EPOCH - 1;
+        assert_eq!(largest as f64 as u64, largest);
+    }
+
+    #[test]
     fn changes_are_tagged_by_kind() {
         let delta = Changes::Delta(Delta {
             v: 1,
@@ -615,7 +768,7 @@ mod tests {
             r#"{{"kind":"reset","v":1,"epoch":"x","generation":1,"freshness":{{"fresh":true}},"services":[],"records":[{records}]}}"#
         );
         let Err(WireError::Malformed { source, .. }) = Changes::from_json(json.as_bytes()) else {
-            panic!("a string epoch must be refused");
+            panic!("an epoch that is no number must be refused");
         };
         // Buffered, the error has no position at all (line 0, column 0).
         assert_eq!(source.line(), 1, "{source}");

@@ -2,11 +2,16 @@
 //!
 //! [`RawConfig`] is what operators write (unknown fields are refused, so a typo
 //! never silently falls back to a default); [`Config::parse`] checks it and
-//! reports every problem at once, so one reload fixes them all.
+//! reports every problem at once, each naming its field, so one reload fixes
+//! them all. A refused configuration never stops the plugin: the root context
+//! runs with the [`Fallback`] until a good one arrives (`crate::root`).
 
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use serde_json::{Map, Value};
 use staleguard_core::cluster::ClusterMap;
 pub use staleguard_core::cluster::ClusterRule;
+use staleguard_core::verdict::FailurePolicy;
 use staleguard_core::Policy;
 
 use crate::guard::GuardConfig;
@@ -15,12 +20,23 @@ use crate::secret::Secret;
 /// Why a plugin configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// Not JSON, not the expected shape, or an unknown field.
-    #[error("plugin configuration is not valid JSON for staleguard: {0}")]
+    /// Not JSON at all.
+    #[error("plugin configuration is not JSON: {0}")]
     Malformed(#[source] serde_json::Error),
-    /// Parsed, but some values are out of range.
+    /// JSON, but with unknown fields, values of the wrong type, or values out
+    /// of range: every problem, each naming its field.
     #[error("plugin configuration refused: {}", .0.join("; "))]
     Invalid(Vec<String>),
+}
+
+impl ConfigError {
+    /// Every problem, one line each.
+    pub fn problems(&self) -> Vec<String> {
+        match self {
+            ConfigError::Malformed(e) => vec![format!("not JSON: {e}")],
+            ConfigError::Invalid(problems) => problems.clone(),
+        }
+    }
 }
 
 /// Enforce verdicts, or only count and log them.
@@ -214,8 +230,13 @@ impl Config {
         bytes: &[u8],
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, ConfigError> {
-        let mut raw: RawConfig = serde_json::from_slice(bytes).map_err(ConfigError::Malformed)?;
+        let doc: Value = serde_json::from_slice(bytes).map_err(ConfigError::Malformed)?;
         let mut problems = Vec::new();
+        let Some(mut raw) = shape(&doc, &mut problems) else {
+            return Err(ConfigError::Invalid(problems));
+        };
+        // A missing or mistyped validator_cluster is reported once, above.
+        let cluster_given = doc.get("validator_cluster").is_some_and(Value::is_string);
         if let Some(name) = raw.token_env.clone() {
             if raw.token.is_some() {
                 problems.push("set `token` or `token_env`, not both".to_owned());
@@ -231,7 +252,7 @@ impl Config {
                 }
             }
         }
-        if raw.validator_cluster.is_empty() {
+        if cluster_given && raw.validator_cluster.is_empty() {
             problems.push("validator_cluster must not be empty".to_owned());
         }
         if raw.poll_wait_s > 60 {
@@ -351,6 +372,230 @@ impl Config {
             istio: self.raw.istio,
             rules: &self.raw.clusters,
         }
+    }
+}
+
+/// What a root context whose configuration was refused does until a good one
+/// arrives: the failure policy's behaviour for data it cannot trust, read
+/// from whatever of the refused document can be read (the defaults
+/// otherwise). Open lets every request through, counted; closed rejects with
+/// the configured status and the reason `config_refused`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fallback {
+    /// `policy.failure_policy` of the refused document, if readable.
+    pub failure_policy: FailurePolicy,
+    /// `reject_status`, if readable and in range.
+    pub reject_status: u32,
+    /// `reject_header`, if readable and a header name.
+    pub reject_header: String,
+}
+
+/// The reason code a closed [`Fallback`] rejects with.
+pub const CONFIG_REFUSED: &str = "config_refused";
+
+impl Fallback {
+    /// The fallback of a refused document `bytes`.
+    pub fn read(bytes: &[u8]) -> Self {
+        let doc = serde_json::from_slice::<Value>(bytes).unwrap_or(Value::Null);
+        let failure_policy = doc
+            .get("policy")
+            .and_then(|p| p.get("failure_policy"))
+            .and_then(|v| FailurePolicy::deserialize(v).ok())
+            .unwrap_or_default();
+        let reject_status = doc
+            .get("reject_status")
+            .and_then(Value::as_u64)
+            .and_then(|s| u32::try_from(s).ok())
+            .filter(|s| (200..=599).contains(s))
+            .unwrap_or_else(default_reject_status);
+        let reject_header = doc
+            .get("reject_header")
+            .and_then(Value::as_str)
+            .filter(|h| is_header_name(h))
+            .map_or_else(default_reject_header, str::to_owned);
+        Self {
+            failure_policy,
+            reject_status,
+            reject_header,
+        }
+    }
+
+    /// What happens to requests, for the log line of a refusal.
+    pub fn describe(&self) -> String {
+        match self.failure_policy {
+            FailurePolicy::Open => "the filter lets every request through unguarded (failure policy open), \
+                 counted in staleguard_filter_requests_unconfigured_total, until a good configuration arrives"
+                .to_owned(),
+            FailurePolicy::Closed => format!(
+                "the filter rejects every request with {} and `{}: {CONFIG_REFUSED}` (failure policy closed), \
+                 counted in staleguard_filter_requests_unconfigured_total, until a good configuration arrives",
+                self.reject_status, self.reject_header
+            ),
+        }
+    }
+}
+
+// === the shape of a document, field by field ===
+
+/// The [`RawConfig`] in `doc`, checked field by field so that every unknown
+/// field and every value of the wrong type is reported (serde alone stops at
+/// the first), each with its path: the fields that fail are left out (their
+/// defaults apply) and the rest is parsed. `None` when nothing usable is left.
+fn shape(doc: &Value, problems: &mut Vec<String>) -> Option<RawConfig> {
+    let Value::Object(fields) = doc else {
+        problems.push(format!(
+            "the plugin configuration must be a JSON object, not {}",
+            kind(doc)
+        ));
+        return None;
+    };
+    // The one required field is put in first, a stand-in if it is missing or
+    // not a string, so that every other field is tried against a complete
+    // document: a `missing field` error met later is then the nested
+    // object's own.
+    let mut seed = Map::new();
+    match fields.get("validator_cluster") {
+        Some(Value::String(s)) => seed.insert("validator_cluster".into(), Value::String(s.clone())),
+        Some(_) => seed.insert("validator_cluster".into(), Value::String(String::new())),
+        None => {
+            problems.push(
+                "validator_cluster is missing: name the Envoy cluster that reaches the validator"
+                    .to_owned(),
+            );
+            seed.insert("validator_cluster".into(), Value::String(String::new()))
+        }
+    };
+    let probe = |candidate: &Value| refusal::<RawConfig>(candidate);
+    let accepted = narrow_object("", fields, seed, &probe, problems)?;
+    match RawConfig::deserialize(&accepted) {
+        Ok(raw) => Some(raw),
+        Err(e) => {
+            problems.push(e.to_string());
+            None
+        }
+    }
+}
+
+/// Tries a candidate value in its place in the document: `Some(error)` when
+/// the document would be refused for it.
+type Probe<'a> = &'a dyn Fn(&Value) -> Option<String>;
+
+/// Why `T` refuses `candidate`.
+fn refusal<T: DeserializeOwned>(candidate: &Value) -> Option<String> {
+    T::deserialize(candidate).err().map(|e| e.to_string())
+}
+
+/// `error`, unless it is a `missing field` one: an object built up field by
+/// field lacks the fields still to come.
+fn but_missing(error: Option<String>) -> Option<String> {
+    error.filter(|e| !e.starts_with("missing field"))
+}
+
+/// The part of `value` (at `path`) that `probe` accepts; what it leaves out is
+/// pushed to `problems`.
+fn narrow(
+    path: &str,
+    value: &Value,
+    probe: Probe<'_>,
+    problems: &mut Vec<String>,
+) -> Option<Value> {
+    let Some(error) = probe(value) else {
+        return Some(value.clone());
+    };
+    match value {
+        Value::Object(fields) => narrow_object(path, fields, Map::new(), probe, problems),
+        Value::Array(items) => {
+            if let Some(error) = but_missing(probe(&Value::Array(vec![]))) {
+                problems.push(problem(path, &error));
+                return None;
+            }
+            let mut kept: Vec<Value> = vec![];
+            for (i, item) in items.iter().enumerate() {
+                let at = |candidate: &Value| {
+                    let mut trial = kept.clone();
+                    trial.push(candidate.clone());
+                    probe(&Value::Array(trial))
+                };
+                if let Some(item) = narrow(&format!("{path}[{i}]"), item, &at, problems) {
+                    kept.push(item);
+                }
+            }
+            Some(Value::Array(kept))
+        }
+        _ => {
+            problems.push(problem(path, &error));
+            None
+        }
+    }
+}
+
+/// [`narrow`] for an object, starting from the fields in `seed`.
+fn narrow_object(
+    path: &str,
+    fields: &Map<String, Value>,
+    seed: Map<String, Value>,
+    probe: Probe<'_>,
+    problems: &mut Vec<String>,
+) -> Option<Value> {
+    if let Some(error) = but_missing(probe(&Value::Object(seed.clone()))) {
+        // Not an object where one is expected, or an unknown object field.
+        problems.push(problem(path, &error));
+        return None;
+    }
+    // The top level starts complete (see `shape`); below it, an object is
+    // complete only once all its fields are in.
+    let top = path.is_empty();
+    let mut kept = seed;
+    for (key, value) in fields {
+        let at = |candidate: &Value| {
+            let mut trial = kept.clone();
+            trial.insert(key.clone(), candidate.clone());
+            let error = probe(&Value::Object(trial));
+            if top {
+                error
+            } else {
+                but_missing(error)
+            }
+        };
+        let sub = if path.is_empty() {
+            key.clone()
+        } else {
+            format!("{path}.{key}")
+        };
+        if let Some(value) = narrow(&sub, value, &at, problems) {
+            kept.insert(key.clone(), value);
+        }
+    }
+    let kept = Value::Object(kept);
+    if let Some(error) = probe(&kept) {
+        // A required field is missing.
+        problems.push(problem(path, &error));
+        return None;
+    }
+    Some(kept)
+}
+
+/// One problem line: the field's path and what serde said (which names the
+/// value and what is accepted), but never the token's value.
+fn problem(path: &str, error: &str) -> String {
+    if path.is_empty() {
+        return error.to_owned();
+    }
+    if path == "token" {
+        return "token: must be a string (value not shown)".to_owned();
+    }
+    format!("{path}: {error}")
+}
+
+/// A JSON value's kind, for messages.
+fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 
@@ -474,7 +719,110 @@ mod tests {
         assert!(err.to_string().contains("unknown field `mdoe`"), "{err}");
         let err =
             Config::parse(br#"{"validator_cluster":"sg","policy":{"fail":"open"}}"#).unwrap_err();
-        assert!(matches!(err, ConfigError::Malformed(_)));
+        assert!(
+            err.to_string()
+                .contains("policy.fail: unknown field `fail`, expected one of `failure_policy`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn every_type_error_and_unknown_field_is_reported_with_its_field() {
+        // serde alone stops at the first of these (issue 25).
+        let err = Config::parse(
+            br#"{"validator_cluster":"sg","poll_wait_s":"30","mode":1,"mdoe":"audit",
+            "policy":{"failure_policy":"opn","fail":1},"guard":{"enable":false},
+            "clusters":[{"name":"a","service":"shop/a"},{"name":2,"service":"shop/b"},{"name":"c"}],
+            "retry":{"methods":["GET",7]},"tick_ms":-1}"#,
+        )
+        .unwrap_err();
+        let ConfigError::Invalid(problems) = err else {
+            panic!("expected Invalid, got {err}");
+        };
+        let all = problems.join("\n");
+        for expected in [
+            r#"poll_wait_s: invalid type: string "30", expected u32"#,
+            "mode: invalid type: integer `1`, expected",
+            "mdoe: unknown field `mdoe`, expected one of `validator_cluster`",
+            "policy.failure_policy: unknown variant `opn`, expected `open` or `closed`",
+            "policy.fail: unknown field `fail`",
+            "guard.enable: unknown field `enable`",
+            "clusters[1].name: invalid type: integer `2`, expected a string",
+            "clusters[2]: missing field `service`",
+            "retry.methods[1]: invalid type: integer `7`, expected a string",
+            "tick_ms: invalid value: integer `-1`, expected u64",
+        ] {
+            assert!(all.contains(expected), "no {expected:?} in:\n{all}");
+        }
+        // And the rule check of the cluster whose `name` was left out.
+        assert!(all.contains("clusters[1] needs exactly one"), "{all}");
+        assert_eq!(problems.len(), 11, "{all}");
+    }
+
+    #[test]
+    fn a_missing_or_mistyped_validator_cluster_is_named_once() {
+        let err = Config::parse(br#"{"mode":"audit"}"#).unwrap_err();
+        assert_eq!(
+            err.problems(),
+            ["validator_cluster is missing: name the Envoy cluster that reaches the validator"]
+        );
+        let err = Config::parse(br#"{"validator_cluster":["sg"],"poll_wait_s":0}"#).unwrap_err();
+        let problems = err.problems();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(
+            problems[0].starts_with("poll_wait_s must be at least 1")
+                || problems[1].starts_with("poll_wait_s must be at least 1"),
+            "{problems:?}"
+        );
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("validator_cluster: invalid type: sequence")),
+            "{problems:?}"
+        );
+    }
+
+    #[test]
+    fn json_that_is_not_an_object_is_named_for_what_it_is() {
+        let err = Config::parse(b"[]").unwrap_err();
+        assert_eq!(
+            err.problems(),
+            ["the plugin configuration must be a JSON object, not an array"]
+        );
+        assert!(matches!(
+            Config::parse(b"{"),
+            Err(ConfigError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn a_mistyped_token_is_named_without_its_value() {
+        let err = Config::parse(br#"{"validator_cluster":"sg","token":123456789}"#).unwrap_err();
+        assert_eq!(
+            err.problems(),
+            ["token: must be a string (value not shown)"]
+        );
+    }
+
+    #[test]
+    fn the_fallback_reads_the_failure_policy_of_a_refused_document() {
+        let open = Fallback::read(br#"{"mdoe":1}"#);
+        assert_eq!(open.failure_policy, FailurePolicy::Open);
+        assert_eq!(
+            (open.reject_status, open.reject_header.as_str()),
+            (503, "x-staleguard")
+        );
+        let closed = Fallback::read(
+            br#"{"policy":{"failure_policy":"closed","fail":1},"reject_status":429,"reject_header":"x-sg"}"#,
+        );
+        assert_eq!(closed.failure_policy, FailurePolicy::Closed);
+        assert_eq!(
+            (closed.reject_status, closed.reject_header.as_str()),
+            (429, "x-sg")
+        );
+        assert!(closed.describe().contains("rejects every request with 429"));
+        let junk = Fallback::read(b"\xff not json");
+        assert_eq!(junk, open);
     }
 
     #[test]

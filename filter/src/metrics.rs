@@ -23,6 +23,14 @@ use crate::replay::Outcome;
 pub const REQUESTS_UNMAPPED: &str = "staleguard_filter_requests_unmapped_total";
 /// Counter: requests whose upstream address could not be read (passed untouched).
 pub const REQUESTS_NO_ADDRESS: &str = "staleguard_filter_requests_no_address_total";
+/// Counter: requests met while the plugin configuration is refused (passed
+/// untouched, or rejected with `config_refused` under a closed failure
+/// policy).
+pub const REQUESTS_UNCONFIGURED: &str = "staleguard_filter_requests_unconfigured_total";
+/// Counter: plugin configurations refused, each distinct configuration
+/// counted once per Envoy process (by the first VM that met it); its log
+/// lines name every problem.
+pub const CONFIG_REFUSED: &str = "staleguard_filter_config_refused_total";
 /// Counter: validator requests sent.
 pub const SYNC_POLLS: &str = "staleguard_filter_sync_polls_total";
 /// Counter: full resyncs applied (snapshot or reset).

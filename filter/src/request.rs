@@ -78,7 +78,7 @@ impl Filter {
             return self.twin_request(host, &twin);
         }
         let Some(config) = self.vm.config.clone() else {
-            return Action::Continue;
+            return self.vm.unconfigured(host);
         };
         let upstream = Upstream {
             cluster: host.property(&["xds", "cluster_name"]),

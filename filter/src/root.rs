@@ -8,8 +8,11 @@ use std::fmt;
 use std::rc::Rc;
 use std::time::Duration;
 
+use proxy_wasm::types::Action;
+use staleguard_core::verdict::FailurePolicy;
+
 use crate::cache::Cache;
-use crate::config::Config;
+use crate::config::{Config, ConfigError, Fallback, CONFIG_REFUSED};
 use crate::guard::{Guard, GuardEvent};
 use crate::host::Host;
 use crate::lease::{Lease, LeaseState};
@@ -30,10 +33,12 @@ const VERDICT_LOGS_PER_SECOND: u32 = 5;
 pub const MIN_POLL_INTERVAL_MS: u64 = 50;
 
 /// What the root context and every request of one VM share: the plugin
-/// configuration, the metric tally, the verdict cache and the log budget.
+/// configuration (or, when it was refused, the fallback), the metric tally,
+/// the verdict cache and the log budget.
 #[derive(Clone)]
 pub(crate) struct VmState {
     pub(crate) config: Option<Rc<Config>>,
+    pub(crate) fallback: Option<Rc<Fallback>>,
     pub(crate) metrics: Rc<RefCell<VmMetrics>>,
     pub(crate) cache: Rc<RefCell<Cache>>,
     pub(crate) log_budget: Rc<RefCell<Throttle>>,
@@ -72,6 +77,7 @@ impl Root {
             id,
             vm: VmState {
                 config: None,
+                fallback: None,
                 metrics: Rc::new(RefCell::new(VmMetrics::default())),
                 cache: Rc::new(RefCell::new(Cache::default())),
                 log_budget: Rc::new(RefCell::new(Throttle::new(1_000, VERDICT_LOGS_PER_SECOND))),
@@ -95,7 +101,11 @@ impl Root {
         self.timer_ms
     }
 
-    /// Reads the plugin configuration; false rejects it.
+    /// Reads the plugin configuration. Always true: a configuration the
+    /// filter refuses must not stop the gateway (Envoy does not start, or
+    /// rejects the cluster or listener, whatever its `failure_policy`), so
+    /// the problems are logged and counted and the VM runs with the
+    /// [`Fallback`] until a good configuration arrives.
     pub fn configure<H: Host>(&mut self, host: &mut H, bytes: &[u8]) -> bool {
         // A twin cluster's filter (docs/filter.md, "Retry"): no index, no
         // poller; it only checks its pick against the hosts the origin named.
@@ -107,21 +117,27 @@ impl Root {
                     twin.endpoint_header
                 );
                 self.twin = Some(Rc::new(twin));
+                self.vm.fallback = None;
                 return true;
             }
             Ok(None) => {}
             Err(e) => {
-                log::error!("[ctx {}] staleguard: {e}", self.id);
-                return false;
+                self.refuse(host, bytes, &[e]);
+                return true;
             }
         }
         let config = match Config::parse(bytes) {
             Ok(c) => c,
             Err(e) => {
-                log::error!("[ctx {}] staleguard: {e}", self.id);
-                return false;
+                let problems = match &e {
+                    ConfigError::Invalid(problems) => problems.clone(),
+                    ConfigError::Malformed(_) => vec![e.to_string()],
+                };
+                self.refuse(host, bytes, &problems);
+                return true;
             }
         };
+        self.vm.fallback = None;
         let sync = SyncConfig {
             wait_s: config.raw.poll_wait_s,
             backoff_initial_ms: config.raw.backoff_initial_ms,
@@ -169,6 +185,63 @@ impl Root {
         // Cluster resolutions follow the configuration.
         self.vm.cache.borrow_mut().clear_clusters();
         true
+    }
+
+    /// Runs without a configuration: the previous one (if any) is dropped,
+    /// the problems are logged and counted, and requests get the fallback.
+    fn refuse<H: Host>(&mut self, host: &mut H, bytes: &[u8], problems: &[String]) {
+        let fallback = Fallback::read(bytes);
+        let first = self.first_to_refuse(host, bytes);
+        let what = fallback.describe();
+        if first {
+            for problem in problems {
+                log::error!(
+                    "[ctx {}] staleguard: plugin configuration: {problem}",
+                    self.id
+                );
+            }
+            log::error!(
+                "[ctx {}] staleguard: plugin configuration refused ({} problem{}); the plugin runs anyway and {what} (docs/filter.md, \"Plugin configuration\")",
+                self.id,
+                problems.len(),
+                if problems.len() == 1 { "" } else { "s" }
+            );
+        } else {
+            log::debug!(
+                "[ctx {}] staleguard: plugin configuration refused (logged by another VM): {}",
+                self.id,
+                problems.join("; ")
+            );
+        }
+        if let Some(lease) = self.lease.as_mut() {
+            lease.release(host);
+        }
+        self.lease = None;
+        self.poller = None;
+        self.in_flight = None;
+        self.twin = None;
+        self.vm.config = None;
+        self.vm.fallback = Some(Rc::new(fallback));
+    }
+
+    /// True for the first VM of the process to refuse this configuration
+    /// (Envoy configures one VM per worker, and each problem is to be logged
+    /// and counted once); that VM counts the refusal.
+    fn first_to_refuse<H: Host>(&self, host: &mut H, bytes: &[u8]) -> bool {
+        let key = format!("staleguard.config_refused.{:016x}", fnv1a(bytes));
+        let first = match host.get(&key) {
+            Ok((Some(_), _)) => false,
+            Ok((None, cas)) => host.set(&key, b"1", Some(cas)).is_ok(),
+            // Without shared data, each VM logs and counts.
+            Err(_) => true,
+        };
+        if first {
+            self.vm
+                .metrics
+                .borrow_mut()
+                .inc(host, metrics::CONFIG_REFUSED, 1);
+        }
+        first
     }
 
     /// The timer fired: flush the request counters, and renew the lease or
@@ -267,7 +340,7 @@ impl Root {
                 log::debug!("[ctx {}] staleguard: sync request {path}", self.id);
             }
             Err(status) => {
-                let error = SyncError::Transport(format!("dispatch failed: {status}"));
+                let error = dispatch_failed(&config.raw.validator_cluster, &status);
                 poller.on_failure(now, &error);
                 self.sync_error(host, &error);
             }
@@ -398,7 +471,18 @@ impl Root {
             }
             Ok(Applied::Held | Applied::StillHeld) => {}
             Err(error) => {
-                self.sync_error(host, &error);
+                let mut reason = None;
+                if let SyncError::Status(_) = error {
+                    // Say why: the validator's JSON error, or Envoy's own text
+                    // (503 "no healthy upstream").
+                    let head = host.call_body(0, body_size.min(REASON_BYTES));
+                    reason = Some(
+                        head.ok()
+                            .and_then(|body| answer_reason(&body))
+                            .unwrap_or_else(|| "(no reason given)".to_owned()),
+                    );
+                }
+                self.sync_error_because(host, &error, reason.as_deref());
                 self.arm_timer(host, now);
                 return;
             }
@@ -411,11 +495,24 @@ impl Root {
     }
 
     fn sync_error<H: Host>(&self, host: &mut H, error: &SyncError) {
+        self.sync_error_because(host, error, None);
+    }
+
+    /// Counts and logs a failed sync, with the reason the answer gave.
+    fn sync_error_because<H: Host>(&self, host: &mut H, error: &SyncError, reason: Option<&str>) {
         self.vm
             .metrics
             .borrow_mut()
             .inc(host, &metrics::sync_errors(error.kind()), 1);
-        log::warn!("[ctx {}] staleguard: sync failed: {error}", self.id);
+        match reason {
+            Some(reason) => {
+                log::warn!(
+                    "[ctx {}] staleguard: sync failed: {error}: {reason}",
+                    self.id
+                );
+            }
+            None => log::warn!("[ctx {}] staleguard: sync failed: {error}", self.id),
+        }
     }
 
     fn guard_event<H: Host>(&self, host: &mut H, event: Option<GuardEvent>) {
@@ -490,6 +587,85 @@ impl Root {
             None => m.gauge(host, metrics::GAUGE_FRESH, 0),
         }
     }
+}
+
+impl VmState {
+    /// A request while the VM has no configuration: through untouched when
+    /// none was ever given, else what the refused configuration's failure
+    /// policy says, counted.
+    pub(crate) fn unconfigured<H: Host>(&self, host: &mut H) -> Action {
+        let Some(fallback) = &self.fallback else {
+            return Action::Continue;
+        };
+        self.metrics
+            .borrow_mut()
+            .inc(host, metrics::REQUESTS_UNCONFIGURED, 1);
+        match fallback.failure_policy {
+            FailurePolicy::Open => Action::Continue,
+            FailurePolicy::Closed => {
+                let headers = [(fallback.reject_header.as_str(), CONFIG_REFUSED)];
+                let body = format!("staleguard: {CONFIG_REFUSED}\n");
+                host.send_reply(fallback.reject_status, &headers, Some(body.as_bytes()));
+                Action::Pause
+            }
+        }
+    }
+}
+
+/// A call to the validator that Envoy refused to make, naming the cluster.
+/// Envoy answers BadArgument when it knows no cluster of that name (the
+/// headers are always complete): a typo, or a cluster CDS has not delivered
+/// yet. `envoy --mode validate` does not check plugin configurations, and
+/// the plugin cannot ask Envoy which clusters exist, so the first call (one
+/// tick after the start) is where it shows.
+fn dispatch_failed(cluster: &str, status: &str) -> SyncError {
+    let hint = if status == "BadArgument" {
+        ": Envoy has no cluster of that name; set validator_cluster to the cluster that reaches the validator (docs/filter.md)"
+    } else {
+        ""
+    };
+    SyncError::Transport(format!(
+        "dispatch to validator_cluster {cluster:?} failed: {status}{hint}"
+    ))
+}
+
+/// How much of a non-200 answer is read for its reason.
+const REASON_BYTES: usize = 2048;
+
+/// The reason a non-200 answer gives: the validator's `error.message` (its
+/// JSON error, docs/api.md), else the body's first line (Envoy's own answers),
+/// printable and cut to 300 characters.
+fn answer_reason(body: &[u8]) -> Option<String> {
+    let from_json = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| {
+            v.get("error")
+                .and_then(|e| e.get("message"))
+                .and_then(|m| m.as_str())
+                .map(str::to_owned)
+        });
+    let text = from_json.unwrap_or_else(|| {
+        String::from_utf8_lossy(body)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    });
+    let text: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(300)
+        .collect();
+    let text = text.trim();
+    (!text.is_empty()).then(|| text.to_owned())
+}
+
+/// FNV-1a: a stable digest of a configuration, to log its problems once per
+/// process.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 #[cfg(test)]
@@ -666,6 +842,123 @@ pub(crate) mod tests {
         fire(&mut root, &mut host);
         assert_eq!(host.counter(&metrics::sync_errors("transport")), 1);
         assert_eq!(host.counter(metrics::SYNC_POLLS), 0);
+        // The message names the cluster and the fix.
+        let error = dispatch_failed("staleguard-validator", "BadArgument").to_string();
+        assert!(
+            error.contains(r#"validator_cluster "staleguard-validator" failed"#)
+                && error.contains("Envoy has no cluster of that name"),
+            "{error}"
+        );
+    }
+
+    /// A GET through the shipped `shop-cart` cluster to an IP no index holds.
+    fn request_to_nowhere(host: &mut FakeHost) {
+        host.properties
+            .insert("xds.cluster_name".into(), "shop-cart".into());
+        host.properties
+            .insert("upstream.address".into(), "10.9.9.9:8080".into());
+        host.request_headers = vec![(":method".into(), "GET".into())];
+    }
+
+    #[test]
+    fn a_refused_configuration_starts_the_plugin_and_fails_open_counted() {
+        let mut host = started_host();
+        let mut root = Root::new(1);
+        // Each class of problem: unknown field, wrong type, bad value, a
+        // token variable that is not set.
+        let bad = shipped_config(
+            r#"{"mdoe":"audit","poll_wait_s":"30","reject_status":42,"token_env":"SG_UNSET_FOR_TEST"}"#,
+        );
+        assert!(root.configure(&mut host, &bad), "the plugin must start");
+        assert_eq!(host.counter(metrics::CONFIG_REFUSED), 1);
+        // No lease, no poller: nothing is asked of the validator.
+        fire(&mut root, &mut host);
+        root.tick(&mut host);
+        assert!(host.calls.is_empty());
+        request_to_nowhere(&mut host);
+        for _ in 0..3 {
+            assert_eq!(
+                root.filter(2).request_headers(&mut host, true),
+                Action::Continue
+            );
+        }
+        assert!(host.replies.is_empty());
+        assert_eq!(host.counter(metrics::REQUESTS_UNCONFIGURED), 3);
+
+        // A good configuration takes over.
+        assert!(root.configure(&mut host, &shipped_config("{}")));
+        root.filter(3).request_headers(&mut host, true);
+        assert_eq!(host.counter(metrics::REQUESTS_UNCONFIGURED), 3);
+        fire(&mut root, &mut host);
+        fire(&mut root, &mut host);
+        assert_eq!(host.calls.len(), 1, "polling once configured");
+    }
+
+    #[test]
+    fn a_refused_configuration_with_failure_policy_closed_rejects_with_config_refused() {
+        let mut host = started_host();
+        let mut root = Root::new(1);
+        let bad = shipped_config(r#"{"policy":{"failure_policy":"closed"},"mdoe":1}"#);
+        assert!(root.configure(&mut host, &bad));
+        request_to_nowhere(&mut host);
+        assert_eq!(
+            root.filter(2).request_headers(&mut host, true),
+            Action::Pause
+        );
+        let reply = &host.replies[0];
+        assert_eq!(reply.status, 503);
+        assert_eq!(
+            reply.headers,
+            [("x-staleguard".to_owned(), CONFIG_REFUSED.to_owned())]
+        );
+        assert_eq!(host.counter(metrics::REQUESTS_UNCONFIGURED), 1);
+    }
+
+    #[test]
+    fn a_refused_configuration_is_logged_and_counted_by_the_first_vm_only() {
+        let mut host = started_host();
+        let bad = shipped_config(r#"{"mdoe":1}"#);
+        let first = Root::new(1);
+        assert!(first.first_to_refuse(&mut host, &bad));
+        let second = Root::new(2);
+        assert!(!second.first_to_refuse(&mut host, &bad));
+        assert_eq!(host.counter(metrics::CONFIG_REFUSED), 1);
+        let other = shipped_config(r#"{"mdoe":2}"#);
+        assert!(second.first_to_refuse(&mut host, &other));
+        assert_eq!(host.counter(metrics::CONFIG_REFUSED), 2);
+    }
+
+    #[test]
+    fn a_refused_twin_configuration_starts_the_plugin() {
+        let mut host = started_host();
+        let mut root = Root::new(1);
+        assert!(root.configure(&mut host, br#"{"replay_twin":{"endpint_header":"x"}}"#));
+        assert_eq!(host.counter(metrics::CONFIG_REFUSED), 1);
+    }
+
+    #[test]
+    fn a_refusal_s_reason_is_read_from_the_answer() {
+        assert_eq!(
+            answer_reason(
+                br#"{"error":{"code":"bad_request","message":"wait=-1 is out of range"}}"#
+            )
+            .as_deref(),
+            Some("wait=-1 is out of range")
+        );
+        assert_eq!(
+            answer_reason(b"no healthy upstream").as_deref(),
+            Some("no healthy upstream")
+        );
+        assert_eq!(
+            answer_reason(
+                b"upstream connect error
+more"
+            )
+            .as_deref(),
+            Some("upstream connect error")
+        );
+        assert_eq!(answer_reason(b""), None);
+        assert_eq!(answer_reason(&[b'x'; 1000]).map(|r| r.len()), Some(300));
     }
 
     #[test]

@@ -48,6 +48,12 @@ const SEEDS: &[&str] = &[
     r#"{"v":1,"epoch":7,"generation":3,"freshness":{"fresh":true,"age_ms":5},"services":["shop/cart","shop/pay"],"records":[{"ip":"10.0.0.1","pods":[{"namespace":"shop","name":"c","uid":"u","services":[{"service":"shop/cart","via":"both","ports":[{"name":"http","port":8080,"protocol":"TCP"}],"conditions":{"ready":true,"serving":true,"terminating":false}}],"ready":true}]},{"ip":"fd00::2","bare_services":["shop/pay"],"tombstone":{"pod":"shop/x","uid":"u2","services":["shop/cart"],"since_ms":17}}]}"#,
     r#"{"kind":"delta","v":1,"epoch":7,"since":3,"generation":5,"freshness":{"fresh":true},"services_added":["a/b"],"services_removed":["shop/pay"],"upserts":[{"ip":"10.0.0.9","pods":[{"namespace":"a","name":"b","terminating":true,"host_network":true}]}],"removed":["10.0.0.1","::1"]}"#,
     r#"{"kind":"reset","v":1,"epoch":8,"generation":1,"freshness":{"fresh":false},"services":[],"records":[]}"#,
+    // Epochs and generations as decimal strings (what writers move to).
+    r#"{"kind":"delta","v":1,"epoch":"9271046301922839485","since":"3","generation":"5","freshness":{"fresh":true},"removed":["10.0.0.1"]}"#,
+    r#"{"v":1,"epoch":"18446744073709551615","generation":"1","freshness":{"fresh":true},"services":[],"records":[]}"#,
+    // A plugin configuration with wrong types and unknown fields at every
+    // level (checked field by field).
+    r#"{"validator_cluster":1,"poll_wait_s":"30","mdoe":1,"policy":{"fail":1},"clusters":[{"name":2},{"service":"a/b","x":1}],"retry":{"methods":["GET",7]},"guard":[]}"#,
     "m1 3 7 5 1700000000000 1 12",
     "m3 3 7 5 1700000000000 1 12 1024",
     "3\n10.0.0.1 pr s0123456789abcdef/80,443 pt sfedcba9876543210\nfd00::2 b0123456789abcdef t",
@@ -75,6 +81,9 @@ const TOKENS: &[&str] = &[
     "\"delta\"",
     "\"reset\"",
     "\"v\"",
+    "\"epoch\"",
+    "\"9271046301922839485\"",
+    "\"-3\"",
     "\\u0000",
     "\u{ffff}",
     " ",
@@ -288,5 +297,28 @@ fn decoders_never_panic() {
     println!(
         "fuzz_decoders: {iters} inputs, 0 panics, {:.1} s (seed {seed})",
         started.elapsed().as_secs_f64()
+    );
+}
+
+/// The seeds of the string form are real documents: the mutations start from
+/// something the decoder takes.
+#[test]
+fn the_string_form_seeds_decode() {
+    use staleguard_core::{Changes, Snapshot};
+    let delta = SEEDS
+        .iter()
+        .find(|s| s.starts_with(r#"{"kind":"delta","v":1,"epoch":"9"#))
+        .unwrap();
+    assert!(matches!(
+        Changes::from_json(delta.as_bytes()),
+        Ok(Changes::Delta(d)) if d.epoch == 9_271_046_301_922_839_485 && d.since == 3
+    ));
+    let snapshot = SEEDS
+        .iter()
+        .find(|s| s.starts_with(r#"{"v":1,"epoch":"18446744073709551615""#))
+        .unwrap();
+    assert_eq!(
+        Snapshot::from_json(snapshot.as_bytes()).unwrap().epoch,
+        u64::MAX
     );
 }

@@ -366,6 +366,51 @@ async fn a_saved_config_dump_audits_like_the_live_gateway() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_config_the_filter_refuses_or_that_maps_nothing_exits_non_zero_saying_why() {
+    let Some(setup) = Setup::start().await else {
+        return;
+    };
+    let admin = setup.admin.to_string();
+    let url = setup.validator_url();
+    let path = setup.dir.join("plugin.json");
+    let config = path.display().to_string();
+    let args = [
+        "--admin",
+        &admin,
+        "--validator",
+        &url,
+        "--plugin-config",
+        &config,
+    ];
+    // What the filter would refuse, by the filter's own parser: every
+    // problem, each with its field.
+    let refused = json!({"validator_cluster": "staleguard-validator",
+        "mdoe": "audit", "poll_wait_s": "30"});
+    std::fs::write(&path, refused.to_string()).unwrap();
+    let run = setup.audit(&args).await;
+    assert_eq!(run.code, 2, "{}\n{}", run.stdout, run.stderr);
+    for line in [
+        "the filter would refuse it",
+        "mdoe: unknown field `mdoe`",
+        r#"poll_wait_s: invalid type: string "30""#,
+    ] {
+        assert!(run.stderr.contains(line), "{line}: {}", run.stderr);
+    }
+    // Valid, but it maps no cluster: nothing judged is no clean bill.
+    let maps_nothing = json!({"validator_cluster": "staleguard-validator", "istio": false});
+    std::fs::write(&path, maps_nothing.to_string()).unwrap();
+    let run = setup.audit(&args).await;
+    assert_eq!(run.code, 7, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stderr.contains("nothing was judged")
+            && run.stderr.contains("unmapped")
+            && run.stderr.contains("--plugin-config"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_admin_output_an_unreachable_admin_and_an_unreachable_validator_exit_distinctly() {
     let Some(setup) = Setup::start().await else {
         return;
@@ -437,6 +482,38 @@ async fn broken_admin_output_an_unreachable_admin_and_an_unreachable_validator_e
         .audit(&["--config-dump", &missing, "--validator", &url])
         .await;
     assert_eq!(run.code, 4, "{}", run.stderr);
+    // Said as what it is: a file, not an admin port.
+    assert!(
+        run.stderr
+            .contains(&format!("cannot read the config dump {missing}: "))
+            && !run.stderr.contains("admin is unreachable"),
+        "{}",
+        run.stderr
+    );
+
+    // A --metrics-listen address in use is named.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_addr = taken.local_addr().unwrap().to_string();
+    let run = setup
+        .audit(&[
+            "--admin",
+            &admin,
+            "--validator",
+            &url,
+            "--every",
+            "1s",
+            "--metrics-listen",
+            &taken_addr,
+        ])
+        .await;
+    assert_ne!(run.code, 0, "{}", run.stderr);
+    assert!(
+        run.stderr.contains(&format!(
+            "--metrics-listen {taken_addr}: cannot listen there"
+        )),
+        "{}",
+        run.stderr
+    );
     let run = setup.audit(&["--admin", &admin]).await;
     assert_eq!(run.code, 2, "{}", run.stderr);
 }

@@ -164,22 +164,19 @@ fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
     }
     // With the module loaded from a file, validation also configures the
     // plugin: it takes the shipped configuration with the token from the VM
-    // environment, and refuses it, saying why, without one.
+    // environment; without one the configuration is refused, saying why, and
+    // the gateway still validates (a refused plugin configuration must never
+    // stop a gateway: docs/filter.md, "Plugin configuration").
     if let Some((_, wasm)) = dependencies() {
         let mut local = after.clone();
         set_module(&mut local, Some(&wasm), None);
         let bootstrap = validate_bootstrap(&local, &tags);
         envoy_validate(&bootstrap, "local-module", Some(TOKEN))?;
-        let err = envoy_validate(&bootstrap, "no-token", None)
-            .err()
-            .context("a plugin without its token must be refused")?;
+        let out = envoy_validate(&bootstrap, "no-token", None)?.unwrap_or_default();
         assert!(
-            err.to_string()
-                .contains(r#"token_env \"STALEGUARD_TOKEN\" is not set"#)
-                || err
-                    .to_string()
-                    .contains(r#"token_env "STALEGUARD_TOKEN" is not set"#),
-            "{err}"
+            out.contains(r#"token_env "STALEGUARD_TOKEN" is not set"#)
+                && out.contains("the plugin runs anyway"),
+            "{out}"
         );
     }
     Ok(())

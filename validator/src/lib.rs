@@ -49,7 +49,9 @@ pub enum RunError {
 
 /// Builds the shared index for `config`, with a random epoch.
 pub fn shared_index(config: &Config) -> SharedIndex {
-    let epoch = rand::random::<u64>();
+    // Below 2^53: exact in readers that hold JSON numbers as doubles (jq,
+    // JavaScript), which would otherwise never match it in /v1/changes.
+    let epoch = rand::random_range(1..staleguard_core::wire::MAX_EPOCH);
     SharedIndex::new(
         Index::new(epoch, config.index.clone()),
         config.max_staleness,
@@ -287,5 +289,26 @@ pub async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {}
         _ = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn epochs_are_exact_as_doubles() {
+        let config =
+            Config::from_args(config::Args::try_parse_from(["staleguard-validator"]).unwrap())
+                .unwrap();
+        for _ in 0..1000 {
+            let epoch = shared_index(&config).epoch();
+            assert!(
+                (1..staleguard_core::wire::MAX_EPOCH).contains(&epoch),
+                "{epoch}"
+            );
+        }
     }
 }

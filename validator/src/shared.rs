@@ -357,7 +357,12 @@ impl SharedIndex {
             Event::InitDone => &w.init_dones,
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        self.heard(kind);
+        // `Init` is the watcher starting a (re)list, before any request has
+        // been answered: it comes again on every retry against an API server
+        // that cannot be reached, so it is no sign of life.
+        if !matches!(event, Event::Init) {
+            self.heard(kind);
+        }
     }
 
     fn age(&self, kind: Kind) -> Option<Duration> {
@@ -452,6 +457,20 @@ mod tests {
         assert!(f.age_ms.unwrap() >= 50);
         s.heard(Kind::EndpointSlice);
         assert!(s.ready());
+    }
+
+    #[test]
+    fn a_watch_that_only_starts_lists_was_never_heard_from() {
+        let s = shared(Duration::from_secs(60));
+        // What the watcher emits while the API server cannot be reached.
+        for _ in 0..3 {
+            s.apply_pod(Event::Init, SystemTime::now());
+            s.watch_error(Kind::Pod);
+        }
+        let pod = &s.watch_health()[0];
+        assert_eq!((pod.inits, pod.errors), (3, 3));
+        assert_eq!(pod.last_event_age, None);
+        assert_eq!(s.freshness().age_ms, None);
     }
 
     #[test]

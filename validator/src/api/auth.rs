@@ -442,6 +442,27 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(metrics.token_reload_failures(), 1);
+        // A deleted file is said, and counted, once; the tokens stay (issue 25).
+        let said = log.text().matches("keeping the previous API token").count();
+        std::fs::remove_file(&path).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while metrics.token_reload_failures() < 2 {
+            assert!(std::time::Instant::now() < deadline, "{}", log.text());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let text = log.text();
+        assert_eq!(metrics.token_reload_failures(), 2, "{text}");
+        assert_eq!(
+            text.matches("keeping the previous API token").count(),
+            said + 1,
+            "{text}"
+        );
+        assert!(
+            text.contains(&path.display().to_string()),
+            "the log names the file: {text}"
+        );
+        assert!(token.verify(B.as_bytes()));
         watcher.abort();
     }
 

@@ -20,6 +20,7 @@ use crate::metrics::Metrics;
 const FRESHNESS_RECHECK: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct ChangesQuery {
     v: Option<u32>,
     epoch: Option<u64>,
@@ -152,17 +153,21 @@ pub(crate) fn encoded(answer: Encoded) -> Response {
         .into_response()
 }
 
+/// The long poll's wait: `wait` seconds, at most `max` (`--max-wait`). A
+/// longer wait is clamped, not refused: the answer only comes sooner, which
+/// every client must handle anyway, whereas a refusal would leave a gateway
+/// whose `poll_wait_s` exceeds the validator's `--max-wait` without data.
 fn parse_wait(wait: Option<f64>, max: Duration) -> Result<Duration, ApiError> {
     let Some(seconds) = wait else {
         return Ok(Duration::ZERO);
     };
-    if !seconds.is_finite() || seconds < 0.0 || seconds > max.as_secs_f64() {
+    if !seconds.is_finite() || seconds < 0.0 {
         return Err(ApiError::BadRequest(format!(
-            "wait={seconds} is out of range: give seconds from 0 to {}",
+            "wait={seconds} is out of range: give seconds from 0 (longer waits are cut to --max-wait, {} s)",
             max.as_secs_f64()
         )));
     }
-    Ok(Duration::from_secs_f64(seconds))
+    Ok(Duration::from_secs_f64(seconds.min(max.as_secs_f64())))
 }
 
 #[cfg(test)]
@@ -178,7 +183,10 @@ mod tests {
             Duration::from_millis(250)
         );
         assert_eq!(parse_wait(Some(60.0), max).unwrap(), max);
-        for bad in [-1.0, 60.5, f64::NAN, f64::INFINITY] {
+        // Above --max-wait: clamped, the answer comes sooner.
+        assert_eq!(parse_wait(Some(60.5), max).unwrap(), max);
+        assert_eq!(parse_wait(Some(1e300), max).unwrap(), max);
+        for bad in [-1.0, f64::NAN, f64::INFINITY] {
             assert!(parse_wait(Some(bad), max).is_err(), "{bad}");
         }
     }

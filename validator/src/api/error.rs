@@ -74,6 +74,16 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let message = self.to_string();
+        // A client that is refused learns why from the body, and the
+        // operator from this line: a gateway whose requests are all refused
+        // (a bad token, a wire version this validator does not serve) is
+        // otherwise silent here. A miss of `/v1/ips/{ip}` is an answer,
+        // not a refusal.
+        match &self {
+            ApiError::NotFound(_) => tracing::debug!(code = self.code(), %message, "not found"),
+            ApiError::Internal => {}
+            _ => tracing::warn!(code = self.code(), %message, "refused a request"),
+        }
         let body = Json(Body {
             error: Detail {
                 code: self.code(),
@@ -94,5 +104,45 @@ impl IntoResponse for ApiError {
             );
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[test]
+    fn a_refused_request_is_logged_with_its_reason() {
+        let path =
+            std::env::temp_dir().join(format!("staleguard-refusals-{}.log", std::process::id()));
+        let log = Arc::new(std::fs::File::create(&path).unwrap());
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(log)
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let _ = ApiError::BadRequest("wait=-1 is out of range".into()).into_response();
+            let _ = ApiError::Unauthorized.into_response();
+            let _ = ApiError::NotFound("the validator knows nothing of 10.0.0.7".into())
+                .into_response();
+        });
+        let text = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            text.contains("WARN") && text.contains("refused a request"),
+            "{text}"
+        );
+        assert!(
+            text.contains("code=\"bad_request\"") || text.contains("code=bad_request"),
+            "{text}"
+        );
+        assert!(text.contains("wait=-1 is out of range"), "{text}");
+        assert!(text.contains("missing or invalid bearer token"), "{text}");
+        assert!(
+            !text.contains("knows nothing"),
+            "a miss is no refusal: {text}"
+        );
     }
 }

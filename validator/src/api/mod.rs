@@ -370,7 +370,10 @@ fn parse_ip(text: &str) -> Result<IpAddr, ApiError> {
         .map_err(|_| ApiError::BadRequest(format!("{text:?} is not an IPv4 or IPv6 address")))
 }
 
+// Query parameters are strict: a misspelt one (`wiat=30`) is refused with
+// the list of the accepted ones, never silently ignored.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct VersionQuery {
     v: Option<u32>,
     #[serde(default)]
@@ -378,6 +381,7 @@ struct VersionQuery {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct VerdictQuery {
     v: Option<u32>,
     service: Option<String>,

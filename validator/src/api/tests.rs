@@ -279,6 +279,31 @@ async fn a_long_poll_without_changes_times_out_with_an_empty_delta() {
 }
 
 #[tokio::test]
+async fn a_wait_beyond_max_wait_is_cut_to_it_not_refused() {
+    // A gateway whose poll_wait_s exceeds the validator's --max-wait still
+    // gets its answers, only sooner.
+    let limits = Limits {
+        max_wait: Duration::from_millis(200),
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1024), limits, None);
+    let g = f.index.read().generation();
+    let started = Instant::now();
+    let (status, body) = get(
+        &f.app,
+        &format!("/v1/changes?epoch={EPOCH}&since={g}&wait=30"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_secs(10),
+        "{waited:?}"
+    );
+    assert!(matches!(changes(body), Changes::Delta(d) if d.is_empty()));
+}
+
+#[tokio::test]
 async fn shutdown_answers_waiting_long_polls_at_once() {
     let f = fixture();
     let poll = waiting_long_poll(&f).await;
@@ -627,13 +652,15 @@ async fn bad_input_is_a_400_with_a_json_error() {
         "/v1/verdict?service=shop/cart&ip=10.0.0.1&port=0",
         "/v1/verdict?service=shop/cart&ip=10.0.0.1&port=70000",
         "/v1/verdict?service=shop/cart&ip=10.0.0.1&terminating=maybe",
-        "/v1/changes?epoch=7&since=1&wait=61",
         "/v1/changes?epoch=7&since=1&wait=-1",
         "/v1/changes?epoch=7&since=1&wait=NaN",
         "/v1/changes?epoch=seven&since=1",
         "/v1/changes?since=-3",
         "/v1/snapshot?v=2",
         "/v1/changes?v=0",
+        "/v1/changes?epoch=7&since=1&wiat=30",
+        "/v1/snapshot?veiw=verdict",
+        "/v1/verdict?service=shop/cart&ip=10.0.0.1&terminatin=reject",
         long.as_str(),
     ] {
         let (status, body) = get(&f.app, uri).await;
@@ -646,6 +673,13 @@ async fn bad_input_is_a_400_with_a_json_error() {
             "{uri}"
         );
     }
+    // A misspelt parameter is named, with what is accepted.
+    let (_, body) = get(&f.app, "/v1/changes?epoch=7&since=1&wiat=30").await;
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("unknown field `wiat`") && message.contains("`wait`"),
+        "{message}"
+    );
     let (status, body) = get(&f.app, "/v2/anything").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(body["error"]["code"], "not_found");

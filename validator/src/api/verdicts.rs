@@ -18,6 +18,7 @@ use crate::shared::SharedIndex;
 pub(crate) const MAX_BODY_BYTES: usize = 20 * 1024 * 1024;
 
 #[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct VerdictsQuery {
     v: Option<u32>,
 }

@@ -44,9 +44,11 @@ pub enum Output {
 #[command(
     name = "staleguard-validator audit",
     about = "Audit a gateway: which endpoints it holds are destroyed or recycled, per the validator",
-    after_help = "Exit status: 0 clean, 1 stale endpoints found, 2 bad flags, 3 malformed or \
-truncated admin output, 4 admin port unreachable (or dump file unreadable), 5 validator \
-unreachable or refusing (or cluster file unusable), 6 validator data not fresh. See docs/audit.md.",
+    after_help = "Exit status: 0 clean, 1 stale endpoints found, 2 bad flags (or a --plugin-config \
+the filter would refuse), 3 malformed or truncated admin output, 4 admin port unreachable (or \
+dump file unreadable), 5 validator unreachable or refusing (or cluster file unusable), 6 \
+validator data not fresh, 7 nothing judged (no endpoint in a cluster that maps to a service). \
+See docs/audit.md.",
     group(ArgGroup::new("endpoints").required(true).args(["admin", "config_dump"])),
     group(ArgGroup::new("verdicts").required(true).args(["validator", "cluster_file"]))
 )]
@@ -175,6 +177,10 @@ pub enum AuditError {
     /// The gateway could not be read at all.
     #[error("gateway admin is unreachable: {0}")]
     AdminUnreachable(String),
+    /// The `--config-dump` file could not be read (same exit status as an
+    /// unreachable admin port: no endpoints to audit).
+    #[error("cannot read the config dump {0}")]
+    DumpUnreadable(String),
     /// No verdicts: the validator is unreachable, refused or answered nonsense.
     #[error("cannot get verdicts: {0}")]
     Validator(String),
@@ -186,7 +192,9 @@ impl AuditError {
         match self {
             AuditError::Usage(_) => Exit::Usage,
             AuditError::AdminMalformed(_) => Exit::AdminMalformed,
-            AuditError::AdminUnreachable(_) => Exit::AdminUnreachable,
+            AuditError::AdminUnreachable(_) | AuditError::DumpUnreadable(_) => {
+                Exit::AdminUnreachable
+            }
             AuditError::Validator(_) => Exit::Validator,
         }
     }
@@ -255,7 +263,9 @@ impl Audit {
         let plugin = match &args.plugin_config {
             None => None,
             Some(path) => match std::fs::read_to_string(path) {
-                Ok(text) => match PluginView::parse(&text) {
+                Ok(text) => match refusal(&text)
+                    .map_or_else(|| PluginView::parse(&text).map_err(|e| e.to_string()), Err)
+                {
                     Ok(p) => Some(p),
                     Err(e) => {
                         problems.push(format!("--plugin-config {}: {e}", path.display()));
@@ -323,6 +333,22 @@ impl Audit {
     }
 }
 
+/// Why the filter would refuse the plugin configuration `text`, if it would:
+/// the filter's own parser, so the audit maps clusters only by what a gateway
+/// runs. The Wasm VM's environment is not the audit's, so `token_env` counts
+/// as set.
+fn refusal(text: &str) -> Option<String> {
+    let env = |_: &str| Some("set-in-the-gateway".to_owned());
+    staleguard_filter::config::Config::parse_with_env(text.as_bytes(), env)
+        .err()
+        .map(|e| {
+            format!(
+                "the filter would refuse it, so the gateway runs unguarded:\n      - {}",
+                e.problems().join("\n      - ")
+            )
+        })
+}
+
 /// Runs `staleguard-validator audit` with `argv` (after `audit`); returns the
 /// exit code.
 pub async fn run(argv: impl IntoIterator<Item = String>) -> i32 {
@@ -360,6 +386,9 @@ pub async fn run(argv: impl IntoIterator<Item = String>) -> i32 {
             match audit.output {
                 Output::Table => print!("{}", report.table(now_ms(), audit.stale_only)),
                 Output::Json => println!("{:#}", report.to_json()),
+            }
+            if let Some(failure) = report.failure() {
+                eprintln!("staleguard-validator audit: {failure}");
             }
             report.exit().code()
         }
@@ -505,7 +534,7 @@ async fn read_gateway(audit: &Audit) -> Result<Gateway, AuditError> {
         EndpointSource::Dump(path) => {
             let bytes = read_file(path.clone())
                 .await
-                .map_err(|e| AuditError::AdminUnreachable(format!("{}: {e}", path.display())))?;
+                .map_err(|e| AuditError::DumpUnreadable(format!("{}: {e}", path.display())))?;
             gateway::parse_config_dump(&bytes, &path.display().to_string()).map_err(malformed)
         }
     }
@@ -735,6 +764,45 @@ mod tests {
         let err = audit_once(&audit_with(&wrong)).await.unwrap_err();
         assert_eq!(err.exit(), Exit::Validator, "{err}");
         assert!(err.to_string().contains("401"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_plugin_config_the_filter_would_refuse_is_a_usage_error_naming_each_problem() {
+        let dir = std::env::temp_dir().join(format!("sg-audit-plugin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("plugin.json");
+        std::fs::write(
+            &config,
+            r#"{"validator_cluster":"sg","clusters":[{"nmae":"a","service":"shop/a"}],"reject_status":42}"#,
+        )
+        .unwrap();
+        let path = config.to_str().unwrap();
+        let args = [
+            "--config-dump",
+            "d.json",
+            "--cluster-file",
+            "c.yaml",
+            "--plugin-config",
+            path,
+        ];
+        let err = parse(&args).unwrap_err();
+        assert_eq!(err.exit(), Exit::Usage);
+        let text = err.to_string();
+        assert!(text.contains("the filter would refuse it"), "{text}");
+        assert!(
+            text.contains("clusters[0].nmae: unknown field `nmae`"),
+            "{text}"
+        );
+        assert!(text.contains("reject_status 42 not in 200..=599"), "{text}");
+        // token_env names a variable of the gateway's VM, not the audit's.
+        std::fs::write(
+            &config,
+            r#"{"validator_cluster":"sg","token_env":"STALEGUARD_TOKEN"}"#,
+        )
+        .unwrap();
+        let audit = parse(&args).unwrap();
+        assert_eq!(audit.plugin.unwrap().validator_cluster, "sg");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

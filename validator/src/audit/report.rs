@@ -28,6 +28,9 @@ pub enum Exit {
     Validator = 5,
     /// The validator's data is not fresh: no endpoint could be judged.
     NotFresh = 6,
+    /// The gateway has endpoints but none was judged: every cluster maps to
+    /// no service (a plugin configuration that maps nothing).
+    NothingJudged = 7,
 }
 
 impl Exit {
@@ -46,6 +49,7 @@ impl Exit {
             Exit::AdminUnreachable => "admin_unreachable",
             Exit::Validator => "validator_unreachable",
             Exit::NotFresh => "not_fresh",
+            Exit::NothingJudged => "nothing_judged",
         }
     }
 }
@@ -209,14 +213,55 @@ impl Report {
         self.clusters.iter().map(|c| c.findings.len()).sum()
     }
 
+    /// Endpoints the validator judged, in all clusters.
+    pub fn judged(&self) -> usize {
+        self.clusters
+            .iter()
+            .flat_map(|c| &c.findings)
+            .filter(|f| matches!(f.judgement, Judgement::Judged(_)))
+            .count()
+    }
+
     /// The exit status this report calls for.
     pub fn exit(&self) -> Exit {
         if self.stale() > 0 {
             Exit::Stale
+        } else if self.endpoints() > 0 && self.judged() == 0 {
+            Exit::NothingJudged
         } else if !self.freshness.fresh {
             Exit::NotFresh
         } else {
             Exit::Clean
+        }
+    }
+
+    /// Why the audit judged nothing, for stderr: `None` when the exit
+    /// status says what there is to say (clean, stale).
+    pub fn failure(&self) -> Option<String> {
+        match self.exit() {
+            Exit::NothingJudged => {
+                let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
+                for c in &self.clusters {
+                    for (reason, n) in c.by_reason() {
+                        *counts.entry(reason).or_default() += n;
+                    }
+                }
+                let counts: Vec<String> = counts.iter().map(|(r, n)| format!("{n} {r}")).collect();
+                Some(format!(
+                    "nothing was judged: none of the {} endpoint(s) could be ({}); an unmapped endpoint is in a \
+                     cluster that maps to no service: check the plugin configuration the clusters are mapped by \
+                     (--plugin-config, or the gateway's: `clusters` rules, `istio`)",
+                    self.endpoints(),
+                    counts.join(", ")
+                ))
+            }
+            Exit::NotFresh => Some(format!(
+                "the validator's data is not fresh{}: nothing could be judged",
+                self.freshness
+                    .age_ms
+                    .map_or_else(String::new, |ms| format!(" (last event {ms} ms ago)"))
+            )),
+            _ => None,
         }
     }
 
@@ -474,6 +519,31 @@ mod tests {
         let blind = report(vec![finding(verdict(Reason::Stale, Action::Allow))], false);
         assert_eq!(blind.exit(), Exit::NotFresh);
         assert!(blind.table(0, false).contains("NOT FRESH"));
+        assert_eq!(clean.failure(), None);
+        assert_eq!(stale.failure(), None);
+        let why = blind.failure().unwrap();
+        assert!(why.contains("not fresh") && why.contains("100 ms"), "{why}");
+    }
+
+    #[test]
+    fn an_audit_that_judged_nothing_exits_7_saying_why() {
+        let unmapped = report(
+            vec![
+                finding(Judgement::Unmapped),
+                finding(Judgement::Unmapped),
+                finding(Judgement::NoAddress),
+            ],
+            true,
+        );
+        assert_eq!(unmapped.exit(), Exit::NothingJudged);
+        assert_eq!(unmapped.exit().code(), 7);
+        let why = unmapped.failure().unwrap();
+        assert!(
+            why.contains("none of the 3 endpoint(s)") && why.contains("(1 no_address, 2 unmapped)"),
+            "{why}"
+        );
+        // A gateway without endpoints has nothing to judge: clean.
+        assert_eq!(report(vec![], true).exit(), Exit::Clean);
     }
 
     #[test]

@@ -51,7 +51,12 @@ async fn serve_metrics(State(metrics): State<Arc<AuditMetrics>>) -> Response {
 /// Audits every `every` until SIGINT/SIGTERM, serving metrics on `listen`.
 pub async fn run(audit: &Audit, every: Duration, listen: SocketAddr) -> std::io::Result<()> {
     let metrics = Arc::new(AuditMetrics::default());
-    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("--metrics-listen {listen}: cannot listen there: {e}"),
+        )
+    })?;
     tracing::info!(
         gateway = %audit.gateway,
         metrics = %listener.local_addr()?,
@@ -87,9 +92,11 @@ pub async fn run(audit: &Audit, every: Duration, listen: SocketAddr) -> std::io:
         match &result {
             Ok(report) => {
                 let exit = report.exit();
-                // Data that is not fresh judged nothing: keep the last
-                // findings rather than report a clean gateway.
-                let judged = (exit != Exit::NotFresh).then(|| findings(report));
+                // Data that is not fresh, or clusters that map to no
+                // service, judged nothing: keep the last findings rather
+                // than report a clean gateway.
+                let judged = (!matches!(exit, Exit::NotFresh | Exit::NothingJudged))
+                    .then(|| findings(report));
                 metrics.record(
                     &audit.gateway,
                     exit.as_str(),
@@ -105,6 +112,8 @@ pub async fn run(audit: &Audit, every: Duration, listen: SocketAddr) -> std::io:
                         endpoints = report.endpoints(),
                         "the gateway holds stale endpoints"
                     );
+                } else if let Some(failure) = report.failure() {
+                    tracing::warn!(gateway = %audit.gateway, outcome = exit.as_str(), "{failure}");
                 } else {
                     tracing::info!(
                         gateway = %audit.gateway,

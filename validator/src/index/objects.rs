@@ -361,6 +361,25 @@ pub(crate) fn obj_name<K: ResourceExt>(obj: &K, interner: &mut Interner) -> Opti
     })
 }
 
+/// Records that an object, or a part of it, was skipped, and names it in a
+/// debug line (`RUST_LOG=staleguard_validator::index=debug`): the counter
+/// `staleguard_validator_objects_skipped_total` has only the kind and reason.
+pub(crate) fn skip<K>(skips: &mut Vec<Skip>, skip: Skip, object: &K, detail: &str)
+where
+    K: kube::Resource<DynamicType = ()>,
+{
+    let meta = object.meta();
+    tracing::debug!(
+        kind = %K::kind(&()),
+        namespace = meta.namespace.as_deref().unwrap_or(""),
+        name = meta.name.as_deref().unwrap_or(""),
+        reason = skip.as_str(),
+        detail,
+        "skipped (part of) an object"
+    );
+    skips.push(skip);
+}
+
 /// Reduces a Pod (its name is the caller's business); `skips` collects what
 /// was wrong with it. `labels_before` are the pod's labels as the index knows
 /// them: when unchanged (most updates are status changes) they are reused
@@ -398,7 +417,7 @@ pub(crate) fn pod_facts(
             match text.trim().parse::<IpAddr>().map(canonical) {
                 Ok(ip) if !ips.contains(&ip) => ips.push(ip),
                 Ok(_) => {}
-                Err(_) => skips.push(Skip::InvalidIp),
+                Err(_) => skip(skips, Skip::InvalidIp, pod, text),
             }
         }
     }
@@ -430,7 +449,7 @@ pub(crate) fn service_facts(
     skips: &mut Vec<Skip>,
 ) -> Option<ServiceFacts> {
     let Some(name) = obj_name(service, interner) else {
-        skips.push(Skip::MissingName);
+        skip(skips, Skip::MissingName, service, "");
         return None;
     };
     // An empty selector selects nothing, as the endpoints controller reads it.
@@ -454,7 +473,7 @@ pub(crate) fn slice_facts(
     skips: &mut Vec<Skip>,
 ) -> Option<SliceFacts> {
     let Some(name) = obj_name(slice, interner) else {
-        skips.push(Skip::MissingName);
+        skip(skips, Skip::MissingName, slice, "");
         return None;
     };
     let Some(service_name) = slice
@@ -464,7 +483,7 @@ pub(crate) fn slice_facts(
         .and_then(|l| l.get(SERVICE_NAME_LABEL))
         .filter(|n| !n.is_empty())
     else {
-        skips.push(Skip::NoServiceLabel);
+        skip(skips, Skip::NoServiceLabel, slice, SERVICE_NAME_LABEL);
         return None;
     };
     let service = Arc::new(ServiceKey::new(&*name.namespace, service_name.as_str()));
@@ -472,7 +491,7 @@ pub(crate) fn slice_facts(
         "IPv4" => true,
         "IPv6" => false,
         _ => {
-            skips.push(Skip::UnknownAddressType);
+            skip(skips, Skip::UnknownAddressType, slice, &slice.address_type);
             return Some(SliceFacts {
                 name,
                 service,
@@ -482,7 +501,7 @@ pub(crate) fn slice_facts(
         }
     };
     if slice.endpoints.is_empty() {
-        skips.push(Skip::EmptySlice);
+        skip(skips, Skip::EmptySlice, slice, "");
     }
     let mut ports: Vec<EndpointPort> = Vec::new();
     for port in slice.ports.iter().flatten() {
@@ -495,7 +514,7 @@ pub(crate) fn slice_facts(
                 port: n,
                 protocol: port.protocol.clone(),
             }),
-            _ => skips.push(Skip::InvalidPort),
+            _ => skip(skips, Skip::InvalidPort, slice, &number.to_string()),
         }
     }
     ports.sort();
@@ -538,7 +557,7 @@ pub(crate) fn slice_facts(
         };
         for text in &endpoint.addresses {
             match text.trim().parse::<IpAddr>().map(canonical) {
-                Ok(ip) if ip.is_ipv4() != want_v4 => skips.push(Skip::InvalidIp),
+                Ok(ip) if ip.is_ipv4() != want_v4 => skip(skips, Skip::InvalidIp, slice, text),
                 // An endpoint that lists an address twice lists it once.
                 Ok(ip) if entries[first..].iter().any(|e: &EntryFacts| e.ip == ip) => {}
                 Ok(ip) => entries.push(EntryFacts {
@@ -546,7 +565,7 @@ pub(crate) fn slice_facts(
                     target: target.clone(),
                     conditions,
                 }),
-                Err(_) => skips.push(Skip::InvalidIp),
+                Err(_) => skip(skips, Skip::InvalidIp, slice, text),
             }
         }
     }

@@ -13,7 +13,9 @@ use k8s_openapi::api::core::v1::Pod;
 use smallvec::SmallVec;
 use staleguard_core::ServiceKey;
 
-use super::objects::{name_parts, obj_name, pod_facts, Ips, Kind, ObjName, PodFacts, Skip, Uid};
+use super::objects::{
+    name_parts, obj_name, pod_facts, skip, Ips, Kind, ObjName, PodFacts, Skip, Uid,
+};
 use super::relist::{Relist, Relists, Watched};
 use super::slices::IpEntry;
 use super::table::{Id, Named};
@@ -57,7 +59,7 @@ impl Watched for Pod {
 
     fn facts(index: &mut Index, pod: &Pod) -> Option<Self::Facts> {
         let Some(name) = obj_name(pod, &mut index.interner) else {
-            index.skips.push(Skip::MissingName);
+            skip(&mut index.skips, Skip::MissingName, pod, "");
             return None;
         };
         let before = index.pods.find(&name).and_then(|id| index.pods.get(id));
@@ -89,7 +91,7 @@ impl Watched for Pod {
     // only for a pod the index has not seen.
     fn apply(index: &mut Index, pod: Pod) {
         let Some((namespace, name)) = name_parts(&pod) else {
-            index.skips.push(Skip::MissingName);
+            skip(&mut index.skips, Skip::MissingName, &pod, "");
             return;
         };
         let id = index.pods.find_parts(namespace, name);
@@ -115,7 +117,7 @@ impl Watched for Pod {
                     index.remove_pod(id);
                 }
             }
-            None => index.skips.push(Skip::MissingName),
+            None => skip(&mut index.skips, Skip::MissingName, &pod, ""),
         }
     }
 }

@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Service;
 use smallvec::SmallVec;
 use staleguard_core::ServiceKey;
 
-use super::objects::{obj_name, service_facts, Kind, Labels, ServiceFacts, Skip};
+use super::objects::{obj_name, service_facts, skip, Kind, Labels, ServiceFacts, Skip};
 use super::relist::{Relist, Relists, Watched};
 use super::Index;
 
@@ -64,7 +64,7 @@ impl Watched for Service {
                 let key = ServiceKey::new(&*name.namespace, &*name.name);
                 index.remove_service(&key);
             }
-            None => index.skips.push(Skip::MissingName),
+            None => skip(&mut index.skips, Skip::MissingName, &service, ""),
         }
     }
 }

@@ -15,7 +15,7 @@ use staleguard_core::wire::{EndpointConditions, EndpointPort};
 use staleguard_core::ServiceKey;
 
 use super::objects::{
-    obj_name, slice_facts, EntryFacts, Kind, ObjName, Skip, SliceFacts, Target, Uid,
+    obj_name, skip, slice_facts, EntryFacts, Kind, ObjName, Skip, SliceFacts, Target, Uid,
 };
 use super::relist::{Relist, Relists, Watched};
 use super::table::{Id, Named};
@@ -102,7 +102,7 @@ impl Watched for EndpointSlice {
                     index.remove_slice(id);
                 }
             }
-            None => index.skips.push(Skip::MissingName),
+            None => skip(&mut index.skips, Skip::MissingName, &slice, ""),
         }
     }
 }

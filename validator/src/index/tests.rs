@@ -447,6 +447,37 @@ fn malformed_objects_are_skipped_and_counted() {
 }
 
 #[test]
+fn a_skipped_object_is_named_with_its_reason_in_a_debug_line() {
+    let path = std::env::temp_dir().join(format!("staleguard-skips-{}.log", std::process::id()));
+    let log = std::sync::Arc::new(std::fs::File::create(&path).unwrap());
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(log)
+        .with_ansi(false)
+        .with_max_level(tracing::Level::DEBUG)
+        .finish();
+    tracing::subscriber::with_default(subscriber, || {
+        let mut ix = cart_world();
+        ix.apply(pod("shop", "bad-ip").ip("10.0.0.300").build(), 1);
+        ix.apply(
+            slice("shop", "mixed", "cart")
+                .endpoint("not-an-ip", None)
+                .port("bad", 70000)
+                .build(),
+            1,
+        );
+    });
+    let text = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    for expected in [
+        "kind=Pod namespace=\"shop\" name=\"bad-ip\" reason=\"invalid_ip\" detail=\"10.0.0.300\"",
+        "kind=EndpointSlice namespace=\"shop\" name=\"mixed\" reason=\"invalid_ip\" detail=\"not-an-ip\"",
+        "name=\"mixed\" reason=\"invalid_port\" detail=\"70000\"",
+    ] {
+        assert!(text.contains(expected), "no {expected} in:\n{text}");
+    }
+}
+
+#[test]
 fn a_slice_that_turns_malformed_stops_listing_its_old_entries() {
     let mut ix = index();
     let s = || slice("shop", "s", "cart");

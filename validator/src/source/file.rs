@@ -262,6 +262,16 @@ fn log_loaded(path: &Path, objects: &Objects) {
         ignored = objects.ignored,
         "loaded objects"
     );
+    if objects.pods.is_empty() && objects.services.is_empty() && objects.slices.is_empty() {
+        // Served as a fresh index all the same (an empty cluster is one),
+        // but far more often a wrong path, an empty dump or a wrong kind.
+        tracing::warn!(
+            path = %path.display(),
+            ignored = objects.ignored,
+            "no Pods, Services or EndpointSlices: the index is empty and every service unknown; \
+             is this the right file (kubectl get pods,services,endpointslices -A -o yaml)?"
+        );
+    }
 }
 
 /// Feeds the embedded sample once, then keeps the data fresh: it never changes.

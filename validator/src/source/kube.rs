@@ -17,6 +17,7 @@
 //! connection that went silent reconnect, or report an error.
 
 use std::fmt::Debug;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -57,6 +58,10 @@ pub fn start(
     scope: Scope,
     shared: SharedIndex,
 ) -> Result<Vec<JoinHandle<()>>, ::kube::Error> {
+    // Named in every watch error: "client error (Connect)" alone does not say
+    // which API server could not be reached.
+    let server: Arc<str> = config.cluster_url.to_string().into();
+    tracing::info!(api_server = %server, "watching the Kubernetes API");
     let client = ClientBuilder::try_from(config)?
         .with_layer(&WatchLiveness::new(shared.clone()))
         .build();
@@ -81,6 +86,7 @@ pub fn start(
             pods,
             Kind::Pod,
             shared.clone(),
+            server.clone(),
             strip_pod,
             SharedIndex::apply_pod,
         )),
@@ -89,6 +95,7 @@ pub fn start(
             services,
             Kind::Service,
             shared.clone(),
+            server.clone(),
             strip_service,
             SharedIndex::apply_service,
         )),
@@ -97,6 +104,7 @@ pub fn start(
             base,
             Kind::EndpointSlice,
             shared,
+            server,
             strip_slice,
             SharedIndex::apply_slice,
         )),
@@ -198,6 +206,7 @@ async fn run<K>(
     config: watcher::Config,
     kind: Kind,
     shared: SharedIndex,
+    server: Arc<str>,
     strip: fn(&mut K),
     apply: fn(&SharedIndex, Event<K>, SystemTime),
 ) where
@@ -215,11 +224,33 @@ async fn run<K>(
             }
             Err(error) => {
                 shared.watch_error(kind);
-                tracing::warn!(kind = %kind, %error, "watch error; retrying with backoff");
+                tracing::warn!(
+                    kind = %kind,
+                    api_server = %server,
+                    error = %causes(&error),
+                    "watch error; retrying with backoff"
+                );
             }
         }
     }
     tracing::error!(kind = %kind, "watch stream ended");
+}
+
+/// `error` and its causes on one line, each said once: the cause that names
+/// the problem ("Connection refused", a certificate) is often three levels
+/// down.
+fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// Keeps name, namespace, uid, labels, deletionTimestamp, hostNetwork, phase,
@@ -304,6 +335,30 @@ fn strip_meta(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectM
 mod tests {
     use super::*;
     use crate::index::{Index, IndexConfig};
+
+    #[test]
+    fn a_watch_error_says_its_deepest_cause_once() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("client error (Connect)")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let refused =
+            std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused");
+        assert_eq!(
+            causes(&Outer(refused)),
+            "client error (Connect): Connection refused"
+        );
+        let io = std::io::Error::other("no such host");
+        assert_eq!(causes(&io), "no such host");
+    }
 
     #[test]
     fn watches_of_the_three_kinds_are_recognised_and_nothing_else() {
