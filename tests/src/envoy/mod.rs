@@ -203,11 +203,11 @@ impl Envoy {
         Ok(stats::parse(&self.admin("/stats")?))
     }
 
-    /// One counter or gauge by its full name (e.g.
-    /// `wasmcustom.staleguard_filter_sync_polls_total`); `0` when not defined
-    /// yet.
+    /// One counter or gauge by its full root-scope name (e.g.
+    /// `wasmcustom.staleguard_filter_sync_polls_total`, read in a cluster's
+    /// scope too: see [`stats::root_name`]); `0` when not defined yet.
     pub fn stat(&self, name: &str) -> Result<u64> {
-        let filter = format!("/stats?filter=^{}$", name.replace('|', "\\|"));
+        let filter = format!("/stats?filter={}", stats::filter_for(name));
         Ok(stats::parse(&self.admin(&filter)?)
             .get(name)
             .copied()
