@@ -109,6 +109,13 @@ def check_envoyfilter(where, obj, schema):
             "operation"
         ) == "MERGE" and not p.get("match", {}).get("listener"):
             problem(where, f"configPatches[{i}]: a filter MERGE needs a listener match")
+        # Istio's MERGE appends lists: a second matching EnvoyFilter (a canary,
+        # a copy in another namespace) would put the upstream filters in twice
+        # and Envoy would refuse the listener. The router is REPLACEd instead.
+        if p.get("applyTo") == "HTTP_FILTER" and p.get("patch", {}).get("operation") == "MERGE" and (
+            "upstream_http_filters" in json.dumps(p.get("patch", {}).get("value", {}))
+        ):
+            problem(where, f"configPatches[{i}]: upstream_http_filters by MERGE is not idempotent; REPLACE the router")
     if "istio-system" in json.dumps(obj):
         problem(where, "names istio-system: the namespace comes from the kustomization")
 

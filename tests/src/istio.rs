@@ -17,12 +17,16 @@
 //!   not have them, and the route table inline instead of RDS.
 //!
 //! [`apply_envoyfilter`] applies an EnvoyFilter's patches the way istiod does
-//! (pilot/pkg/networking/core/envoyfilter/cluster_patch.go: ADD appends;
+//! (pilot/pkg/networking/core/envoyfilter/cluster_patch.go: ADD appends, and
+//! cluster_builder.go normalizeClusters keeps the first of clusters with one
+//! name; http_filter_patch.go: REPLACE swaps the named filter for the value;
 //! listener_patch.go mergeHTTPFilter: MERGE of a filter's typed_config through
 //! pilot/pkg/networking/util/util.go MergeAnyWithAny and pkg/proto/merge's
 //! rules: lists append, map entries and Durations replace, messages merge,
 //! an embedded Any is replaced whole). A patch it does not model is an error,
-//! never silently skipped.
+//! never silently skipped. [`apply_envoyfilters`] applies several matching
+//! EnvoyFilters in Istio's order (by `spec.priority`, then as listed: the root
+//! namespace's before the workload's, older before newer).
 //!
 //! [`validate_bootstrap`] wraps the result in an Istio-like bootstrap
 //! (`xds-grpc` and `sds-grpc` clusters, ADS) for `envoy --mode validate`;
@@ -267,9 +271,11 @@ fn listener(services: &[Service], port: u16) -> Value {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault"}},
                     {"name": "envoy.filters.http.cors", "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"}},
+                    // BuildRouterFilter with the mesh defaults (no child
+                    // spans, Envoy's debug headers kept): both fields false,
+                    // which proto JSON leaves out.
                     {"name": "envoy.filters.http.router", "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
-                        "start_child_span": false, "suppress_envoy_headers": true}}
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
                 ],
                 "use_remote_address": true,
                 "upgrade_configs": [{"upgrade_type": "websocket"}],
@@ -384,11 +390,14 @@ pub fn apply_envoyfilter(output: &mut Value, envoyfilter: &Value) -> Result<Appl
                 if p["match"].get("cluster").is_some() {
                     bail!("patch {i}: an ADD with a cluster match is ignored by Istio");
                 }
-                output["clusters"]
-                    .as_array_mut()
-                    .context("no clusters")?
-                    .push(value.clone());
-                1
+                let clusters = output["clusters"].as_array_mut().context("no clusters")?;
+                // normalizeClusters: the first cluster of a name is kept.
+                if clusters.iter().any(|c| c["name"] == value["name"]) {
+                    0
+                } else {
+                    clusters.push(value.clone());
+                    1
+                }
             }
             ("CLUSTER", "MERGE") => {
                 // cluster_patch.go: merge.Merge into each matching cluster;
@@ -407,6 +416,8 @@ pub fn apply_envoyfilter(output: &mut Value, envoyfilter: &Value) -> Result<Appl
             }
             ("HTTP_FILTER", "MERGE") => merge_http_filter(output, &p["match"], value)
                 .with_context(|| format!("patch {i}"))?,
+            ("HTTP_FILTER", "REPLACE") => replace_http_filter(output, &p["match"], value)
+                .with_context(|| format!("patch {i}"))?,
             _ => bail!("patch {i}: {apply_to}/{op} is not modelled by this test"),
         };
         applied.counts.push(n);
@@ -414,7 +425,22 @@ pub fn apply_envoyfilter(output: &mut Value, envoyfilter: &Value) -> Result<Appl
     Ok(applied)
 }
 
-fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Result<usize> {
+/// Applies several EnvoyFilters that match one gateway in Istio's order:
+/// sorted by `spec.priority` (default 0), ties kept in the order given (the
+/// root namespace's before the workload namespace's, then by creation time).
+pub fn apply_envoyfilters(output: &mut Value, envoyfilters: &[&Value]) -> Result<Vec<Applied>> {
+    let mut ordered: Vec<&Value> = envoyfilters.to_vec();
+    ordered.sort_by_key(|f| f["spec"]["priority"].as_i64().unwrap_or(0));
+    ordered
+        .into_iter()
+        .map(|f| apply_envoyfilter(output, f))
+        .collect()
+}
+
+/// The HTTP filters an HTTP_FILTER patch's `match` names: every
+/// `http_filters` entry of a matching network filter whose name is the
+/// `subFilter`'s.
+fn matched_http_filters<'a>(output: &'a mut Value, matcher: &Value) -> Result<Vec<&'a mut Value>> {
     let fc = &matcher["listener"]["filterChain"];
     let network = fc["filter"]["name"].as_str().context("no filter match")?;
     let sub = fc["filter"]["subFilter"]["name"]
@@ -424,7 +450,7 @@ fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Resu
     {
         bail!("listener port/name matches are not modelled");
     }
-    let mut n = 0;
+    let mut found = vec![];
     for l in output["listeners"].as_array_mut().into_iter().flatten() {
         for chain in l["filter_chains"].as_array_mut().into_iter().flatten() {
             for f in chain["filters"].as_array_mut().into_iter().flatten() {
@@ -436,18 +462,37 @@ fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Resu
                     .into_iter()
                     .flatten()
                 {
-                    if hf["name"] != sub {
-                        continue;
+                    if hf["name"] == sub {
+                        found.push(hf);
                     }
-                    if let Some(name) = value["name"].as_str() {
-                        hf["name"] = json!(name);
-                    }
-                    if let Some(tc) = value.get("typed_config") {
-                        merge_any(&mut hf["typed_config"], tc)?;
-                    }
-                    n += 1;
                 }
             }
+        }
+    }
+    Ok(found)
+}
+
+/// REPLACE (http_filter_patch.go): the matched filter becomes the value.
+fn replace_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Result<usize> {
+    let matched = matched_http_filters(output, matcher)?;
+    let n = matched.len();
+    for hf in matched {
+        *hf = value.clone();
+    }
+    Ok(n)
+}
+
+/// MERGE (mergeHTTPFilter): the matched filter takes the value's name, and
+/// its typed_config is merged with the value's.
+fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Result<usize> {
+    let matched = matched_http_filters(output, matcher)?;
+    let n = matched.len();
+    for hf in matched {
+        if let Some(name) = value["name"].as_str() {
+            hf["name"] = json!(name);
+        }
+        if let Some(tc) = value.get("typed_config") {
+            merge_any(&mut hf["typed_config"], tc)?;
         }
     }
     Ok(n)

@@ -210,8 +210,8 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
 }
 
 /// The guard attached through the router's `upstream_http_filters` (as the
-/// Istio EnvoyFilter of deploy/istio attaches it: an HTTP_FILTER MERGE on the
-/// router) instead of per cluster: the twin, with its own upstream filter
+/// Istio EnvoyFilter of deploy/istio attaches it: an HTTP_FILTER REPLACE of
+/// the router) instead of per cluster: the twin, with its own upstream filter
 /// chain, still replays, and nothing reaches the stale host.
 #[test]
 fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<()> {
