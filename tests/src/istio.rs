@@ -101,16 +101,6 @@ pub fn shipped_envoyfilter() -> Result<Value> {
     read_yaml("deploy/istio/envoyfilter.yaml")
 }
 
-/// The shipped gateway `stats_tags` (`deploy/istio/bootstrap-stats.yaml`).
-pub fn shipped_stats_tags() -> Result<Value> {
-    let cm = read_yaml("deploy/istio/bootstrap-stats.yaml")?;
-    let json = cm["data"]["custom_bootstrap.json"]
-        .as_str()
-        .context("bootstrap-stats.yaml has no custom_bootstrap.json")?;
-    let bootstrap: Value = serde_json::from_str(json)?;
-    Ok(bootstrap["stats_config"]["stats_tags"].clone())
-}
-
 fn ads() -> Value {
     json!({"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"})
 }
@@ -580,8 +570,9 @@ pub fn set_plugin_config(output: &mut Value, plugin: &Value) {
 
 /// An Istio-like bootstrap around `output` for `envoy --mode validate`: the
 /// `xds-grpc` and `sds-grpc` clusters of Istio's bootstrap, ADS, and the
-/// gateway's resources as static resources.
-pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
+/// gateway's resources as static resources. No `stats_tags` for the filter:
+/// an Istio gateway as installed has none (docs/metrics.md, "Istio").
+pub fn validate_bootstrap(output: &Value) -> Value {
     let mut clusters = output["clusters"].as_array().cloned().unwrap_or_default();
     let pipe = |name: &str, path: &str| {
         json!({
@@ -604,7 +595,6 @@ pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
         "node": {"id": "router~10.0.0.1~istio-ingressgateway-1.istio-ingress~istio-ingress.svc.cluster.local",
                  "cluster": "istio-ingressgateway.istio-ingress"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
-        "stats_config": {"stats_tags": stats_tags},
         "dynamic_resources": {
             "ads_config": {
                 "api_type": "GRPC",
@@ -619,8 +609,8 @@ pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
     })
 }
 
-/// Runs Envoy on `output` made [`runnable`] (the shipped stats tags; two
-/// workers, as a gateway has several), with `token` as the plugin's
+/// Runs Envoy on `output` made [`runnable`] (two workers, as a gateway has
+/// several), with `token` as the plugin's
 /// `STALEGUARD_TOKEN`; `None` when Envoy is missing outside CI.
 pub fn run(
     name: &str,
@@ -633,7 +623,7 @@ pub fn run(
     let Some((envoy, _)) = dependencies() else {
         return Ok(None);
     };
-    let config = runnable(output, services, validator, module, &shipped_stats_tags()?)?;
+    let config = runnable(output, services, validator, module)?;
     let launch = Launch {
         name: name.into(),
         concurrency: 2,
@@ -648,14 +638,14 @@ pub fn run(
 /// them back), each service's EDS cluster replaced by its static endpoints, the
 /// transport socket matches dropped (their SDS secrets come from istio-agent,
 /// which is not here; the backends are plaintext, as the `tlsMode-disabled`
-/// match would pick for them), and the validator and module clusters pointed
-/// at `validator` and `module`.
+/// match would pick for them), the validator and module clusters pointed
+/// at `validator` and `module`, and no `stats_tags` (Istio's bootstrap has
+/// none for the filter).
 pub fn runnable(
     output: &Value,
     services: &[Service],
     validator: SocketAddr,
     module: Option<SocketAddr>,
-    stats_tags: &Value,
 ) -> Result<Value> {
     let (listen, admin) = (free_addr()?, free_addr()?);
     let mut out = output.clone();
@@ -697,7 +687,6 @@ pub fn runnable(
     Ok(json!({
         "node": {"id": "staleguard-istio-test", "cluster": "staleguard-istio-test"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
-        "stats_config": {"stats_tags": stats_tags},
         "static_resources": {"listeners": out["listeners"], "clusters": out["clusters"]}
     }))
 }

@@ -18,8 +18,7 @@ use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::h2::{self, Kind};
 use staleguard_tests::istio::{
     self, apply_envoyfilter, cluster_names, gateway_output, plugin_config, proto_merge, set_module,
-    set_plugin_config, shipped_envoyfilter, shipped_stats_tags, validate_bootstrap, Protocol,
-    Service,
+    set_plugin_config, shipped_envoyfilter, validate_bootstrap, Protocol, Service,
 };
 
 fn service(name: &str, ns: &str, port: u16, protocol: Protocol, eps: &[SocketAddr]) -> Service {
@@ -151,9 +150,8 @@ fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
     // As shipped (remote module, sha256; validation does not fetch it). The
     // patch adds no deprecated field: Envoy warns about the same ones (those
     // of Istio's own output) with and without it.
-    let tags = shipped_stats_tags()?;
-    let patched = envoy_validate(&validate_bootstrap(&after, &tags), "remote-module", None)?;
-    let istio_only = envoy_validate(&validate_bootstrap(&before, &tags), "istio-only", None)?;
+    let patched = envoy_validate(&validate_bootstrap(&after), "remote-module", None)?;
+    let istio_only = envoy_validate(&validate_bootstrap(&before), "istio-only", None)?;
     if let (Some(patched), Some(istio_only)) = (patched, istio_only) {
         assert_eq!(deprecated(&patched), deprecated(&istio_only));
     }
@@ -163,7 +161,7 @@ fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
     if let Some((_, wasm)) = dependencies() {
         let mut local = after.clone();
         set_module(&mut local, Some(&wasm), None);
-        let bootstrap = validate_bootstrap(&local, &tags);
+        let bootstrap = validate_bootstrap(&local);
         envoy_validate(&bootstrap, "local-module", Some(TOKEN))?;
         let err = envoy_validate(&bootstrap, "no-token", None)
             .err()
@@ -292,9 +290,8 @@ fn the_envoyfilter_applied_twice_or_beside_a_canary_leaves_one_valid_chain() -> 
         .count();
     assert_eq!(validators, 1);
 
-    let tags = shipped_stats_tags()?;
-    envoy_validate(&validate_bootstrap(&twice, &tags), "twice", None)?;
-    envoy_validate(&validate_bootstrap(&both, &tags), "canary", None)?;
+    envoy_validate(&validate_bootstrap(&twice), "twice", None)?;
+    envoy_validate(&validate_bootstrap(&both), "canary", None)?;
 
     // What a MERGE of the router did: the lists append, and Envoy refuses
     // the listener.
@@ -312,7 +309,7 @@ fn the_envoyfilter_applied_twice_or_beside_a_canary_leaves_one_valid_chain() -> 
     istio::apply_envoyfilters(&mut doubled, &[&merge, &merge])?;
     assert_eq!(upstream_filter_names(&doubled), [codec, codec].concat());
     if dependencies().is_some() {
-        let err = envoy_validate(&validate_bootstrap(&doubled, &tags), "merged-twice", None)
+        let err = envoy_validate(&validate_bootstrap(&doubled), "merged-twice", None)
             .err()
             .context("Envoy must refuse a chain with the codec in the middle")?;
         assert!(err.to_string().contains("must be the last filter"), "{err}");
@@ -483,12 +480,15 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
     assert_eq!(echo_gone.hits(), 0);
     assert_eq!((greeter.hits(), echo.hits()), (4, 4));
 
-    // Counted per service (on the filter's next tick: docs/metrics.md).
+    // Counted per service (on the filter's next tick: docs/metrics.md), as
+    // an Istio gateway exports them: no stats tags, the labels in the name
+    // (what deploy/monitoring/rules.yaml records as labelled series).
     let lines = [
-        r#"staleguard_filter_requests_total{staleguard_service="grpc/greeter",staleguard_reason="member",staleguard_action="allow"} 4"#,
-        r#"staleguard_filter_requests_total{staleguard_service="h2/echo",staleguard_reason="member",staleguard_action="allow"} 4"#,
+        "staleguard_filter_requests_total_service_grpc_greeter_reason_member_action_allow{} 4",
+        "staleguard_filter_requests_total_service_h2_echo_reason_member_action_allow{} 4",
     ];
-    let ghost = r#"staleguard_filter_requests_total{staleguard_service="grpc/ghost",staleguard_reason="destroyed",staleguard_action="reject"}"#;
+    let ghost =
+        "staleguard_filter_requests_total_service_grpc_ghost_reason_destroyed_action_reject{} ";
     gw.eventually("the requests counted", WAIT, |g| {
         let prom = blocking::get(g.admin, "/stats/prometheus", &[])?.body;
         Ok(lines.iter().all(|line| prom.lines().any(|l| l == *line))
