@@ -53,7 +53,7 @@ pub const WAIT: Duration = Duration::from_secs(30);
 /// outside CI when they are missing.
 pub fn dependencies() -> Option<(PathBuf, PathBuf)> {
     let hint = "run `. scripts/setup.sh && sg_setup_all` (installs Envoy, builds the filter)";
-    let envoy = require("STALEGUARD_ENVOY", "Envoy 1.40", hint)?;
+    let envoy = require("STALEGUARD_ENVOY", "Envoy", hint)?;
     let wasm = require("STALEGUARD_WASM", "the staleguard filter module", hint)?;
     Some((envoy, wasm))
 }
