@@ -23,6 +23,9 @@ use crate::replay::Outcome;
 pub const REQUESTS_UNMAPPED: &str = "staleguard_filter_requests_unmapped_total";
 /// Counter: requests whose upstream address could not be read (passed untouched).
 pub const REQUESTS_NO_ADDRESS: &str = "staleguard_filter_requests_no_address_total";
+/// Counter: requests to an IP outside the configured `pod_cidrs` (another
+/// cluster's pod, an east-west gateway: passed untouched).
+pub const REQUESTS_OUT_OF_SCOPE: &str = "staleguard_filter_requests_out_of_scope_total";
 /// Counter: validator requests sent.
 pub const SYNC_POLLS: &str = "staleguard_filter_sync_polls_total";
 /// Counter: full resyncs applied (snapshot or reset).
@@ -165,6 +168,8 @@ pub enum Count {
     Unmapped,
     /// [`REQUESTS_NO_ADDRESS`].
     NoAddress,
+    /// [`REQUESTS_OUT_OF_SCOPE`].
+    OutOfScope,
 }
 
 impl Count {
@@ -183,6 +188,7 @@ impl Count {
             } => requests_replayed(labels.name(label), reason),
             Count::Unmapped => REQUESTS_UNMAPPED.to_owned(),
             Count::NoAddress => REQUESTS_NO_ADDRESS.to_owned(),
+            Count::OutOfScope => REQUESTS_OUT_OF_SCOPE.to_owned(),
         }
     }
 }
@@ -380,6 +386,7 @@ mod tests {
         let counters = [
             REQUESTS_UNMAPPED,
             REQUESTS_NO_ADDRESS,
+            REQUESTS_OUT_OF_SCOPE,
             SYNC_POLLS,
             SYNC_RESETS,
             SYNC_DELTAS,
@@ -495,5 +502,6 @@ mod tests {
             "staleguard_filter_requests_total.service.shop/pay.reason.destroyed.action.retry"
         );
         assert_eq!(Count::NoAddress.name(&labels), REQUESTS_NO_ADDRESS);
+        assert_eq!(Count::OutOfScope.name(&labels), REQUESTS_OUT_OF_SCOPE);
     }
 }

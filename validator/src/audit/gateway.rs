@@ -21,6 +21,7 @@ use std::net::{IpAddr, SocketAddr};
 use serde::Deserialize;
 use serde_json::Value;
 use staleguard_core::cluster::{default_istio, ClusterMap, ClusterRule};
+use staleguard_core::ip::Cidr;
 use staleguard_core::{Policy, ServiceKey};
 
 /// Why admin output could not be read.
@@ -65,6 +66,11 @@ pub struct PluginView {
     /// `<cluster><twin_suffix>`.
     #[serde(default)]
     pub retry: Option<RetryView>,
+    /// This cluster's pod networks: an IP outside them is out of scope, as
+    /// for the filter. Unparsable entries are skipped here (the filter
+    /// refuses them).
+    #[serde(default)]
+    pub pod_cidrs: Vec<String>,
 }
 
 /// The part of the plugin's `retry` block the audit needs.
@@ -89,6 +95,7 @@ impl Default for PluginView {
             clusters: Vec::new(),
             policy: Policy::default(),
             retry: None,
+            pod_cidrs: Vec::new(),
         }
     }
 }
@@ -98,6 +105,17 @@ impl PluginView {
     /// `configuration`).
     pub fn parse(text: &str) -> Result<Self, serde_json::Error> {
         serde_json::from_str(text)
+    }
+
+    /// True when the filter judges `ip` under this configuration's
+    /// `pod_cidrs`.
+    pub fn in_scope(&self, ip: IpAddr) -> bool {
+        let cidrs: Vec<Cidr> = self
+            .pod_cidrs
+            .iter()
+            .filter_map(|c| c.parse().ok())
+            .collect();
+        staleguard_core::ip::in_scope(&cidrs, ip)
     }
 
     /// The cluster map this configuration implies.
@@ -241,6 +259,18 @@ struct Address {
     socket_address: Option<SocketAddress>,
     #[serde(default)]
     pipe: Option<Pipe>,
+    #[serde(default)]
+    envoy_internal_address: Option<InternalAddress>,
+}
+
+/// An Envoy internal address (Istio ambient's HBONE endpoints:
+/// `connect_originate` with the pod's `IP:port` as `endpoint_id`).
+#[derive(Debug, Deserialize)]
+struct InternalAddress {
+    #[serde(default)]
+    server_listener_name: String,
+    #[serde(default)]
+    endpoint_id: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -309,13 +339,31 @@ fn is_empty_object(bytes: &[u8]) -> bool {
 }
 
 fn typed_endpoint(address: Address) -> Endpoint {
-    match (address.socket_address, address.pipe) {
-        (Some(s), _) => socket_endpoint(&s.address, s.port_value.map(u64::from)),
-        (None, Some(pipe)) => Endpoint {
+    match (
+        address.socket_address,
+        address.pipe,
+        address.envoy_internal_address,
+    ) {
+        (Some(s), _, _) => socket_endpoint(&s.address, s.port_value.map(u64::from)),
+        (None, Some(pipe), _) => Endpoint {
             address: format!("pipe:{}", pipe.path),
             ip: None,
         },
-        (None, None) => Endpoint {
+        // Judged by the endpoint_id's IP, as the filter does.
+        (None, None, Some(internal)) => Endpoint {
+            ip: internal
+                .endpoint_id
+                .parse::<SocketAddr>()
+                .map(|a| a.ip())
+                .or_else(|_| internal.endpoint_id.parse::<IpAddr>())
+                .ok()
+                .map(staleguard_core::ip::canonical),
+            address: format!(
+                "envoy://{}/{}",
+                internal.server_listener_name, internal.endpoint_id
+            ),
+        },
+        (None, None, None) => Endpoint {
             address: "?".into(),
             ip: None,
         },
@@ -735,5 +783,24 @@ mod tests {
         assert_eq!(gateway.plugin.as_ref().unwrap().validator_cluster, "sg");
         assert_eq!(gateway.notes.len(), 1, "{:?}", gateway.notes);
         assert!(gateway.notes[0].contains("does not parse"));
+    }
+
+    #[test]
+    fn internal_addresses_are_read_by_endpoint_id_and_pod_cidrs_set_the_scope() {
+        let clusters = parse_clusters(
+            br#"{"cluster_statuses":[{"name":"c","host_statuses":[
+                {"address":{"envoy_internal_address":{"server_listener_name":"connect_originate","endpoint_id":"10.244.1.5:8080"}}},
+                {"address":{"envoy_internal_address":{"server_listener_name":"connect_originate"}}}]}]}"#,
+        )
+        .unwrap();
+        let eps = &clusters[0].endpoints;
+        assert_eq!(eps[0].address, "envoy://connect_originate/10.244.1.5:8080");
+        assert_eq!(eps[0].ip, Some("10.244.1.5".parse().unwrap()));
+        assert_eq!(eps[1].ip, None, "no endpoint_id: no address");
+
+        let plugin = PluginView::parse(r#"{"pod_cidrs":["10.244.0.0/16","not a cidr"]}"#).unwrap();
+        assert!(plugin.in_scope("10.244.7.7".parse().unwrap()));
+        assert!(!plugin.in_scope("10.8.0.1".parse().unwrap()));
+        assert!(PluginView::default().in_scope("10.8.0.1".parse().unwrap()));
     }
 }

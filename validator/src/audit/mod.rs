@@ -405,6 +405,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
                 (None, _) if twin_of.is_some() => Err(Judgement::Twin),
                 (None, _) => Err(Judgement::Unmapped),
                 (Some(_), None) => Err(Judgement::NoAddress),
+                (Some(_), Some(ip)) if !plugin.in_scope(ip) => Err(Judgement::OutOfScope),
                 (Some(service), Some(ip)) => {
                     queries.push(VerdictQuery {
                         service: service.clone(),
