@@ -444,3 +444,49 @@ fn twins_py_says_to_apply_server_side_when_the_output_is_large() -> Result<()> {
     assert!(few.status.success() && few.stderr.is_empty());
     Ok(())
 }
+
+/// The audit reports a twin whose settings are no longer its cluster's: the
+/// twin `twins.py` writes matches its cluster until the cluster changes (a
+/// DestinationRule edited after the script ran).
+#[test]
+fn the_audit_reports_a_twin_that_drifted_from_its_cluster() -> Result<()> {
+    use staleguard_validator::audit::gateway::{parse_config_dump, twin_drift, Gateway};
+    let mut guarded = json!({
+        "name": CLUSTER, "type": "EDS",
+        "eds_cluster_config": {"eds_config": {"ads": {}}},
+        "circuit_breakers": {"thresholds": [{"max_connections": 100}]},
+        "connect_timeout": "10s"
+    });
+    istio_shape(&mut guarded);
+    let doc = generated(&json!([guarded.clone()]), &[])?;
+    let twin = doc["spec"]["configPatches"][0]["patch"]["value"].clone();
+    let dump = |guarded: &Value| {
+        json!({"configs": [{
+            "@type": "type.googleapis.com/envoy.admin.v3.ClustersConfigDump",
+            "dynamic_active_clusters": [{"cluster": guarded}, {"cluster": twin}]
+        }]})
+    };
+    let drift = |gateway: &Gateway| -> Result<Vec<String>> {
+        let settings = |name: &str| {
+            gateway
+                .clusters
+                .iter()
+                .find(|c| c.name == name)
+                .and_then(|c| c.settings.clone())
+                .with_context(|| format!("no settings for {name}"))
+        };
+        Ok(twin_drift(
+            &settings(&format!("{CLUSTER}|staleguard-twin"))?,
+            &settings(CLUSTER)?,
+        ))
+    };
+    let current = parse_config_dump(dump(&guarded).to_string().as_bytes(), "dump")?;
+    assert_eq!(drift(&current)?, Vec::<String>::new());
+
+    // The DestinationRule changed: more connections, another timeout.
+    guarded["circuit_breakers"]["thresholds"][0]["max_connections"] = json!(500);
+    guarded["connect_timeout"] = json!("2s");
+    let changed = parse_config_dump(dump(&guarded).to_string().as_bytes(), "dump")?;
+    assert_eq!(drift(&changed)?, ["circuit_breakers", "connect_timeout"]);
+    Ok(())
+}

@@ -148,6 +148,9 @@ pub struct Cluster {
     pub plugin: Option<PluginView>,
     /// The endpoints.
     pub endpoints: Vec<Endpoint>,
+    /// The settings a retry twin copies from its cluster ([`twin_settings`]),
+    /// when the config dump has the cluster.
+    pub settings: Option<Value>,
 }
 
 /// A gateway's clusters, sorted by name.
@@ -453,6 +456,7 @@ pub fn parse_config_dump(bytes: &[u8], what: &str) -> Result<Gateway, GatewayErr
                         .map(str::to_owned),
                     plugin: pick(found, &format!("cluster {name}"), &mut gateway.notes),
                     endpoints: Vec::new(),
+                    settings: Some(twin_settings(cluster)),
                 });
             }
         } else if kind.ends_with(".EndpointsConfigDump") {
@@ -493,6 +497,90 @@ pub fn parse_config_dump(bytes: &[u8], what: &str) -> Result<Gateway, GatewayErr
     Ok(gateway)
 }
 
+// === Retry twins ===
+
+/// The load balancer fields a twin replaces with its override-host policy
+/// (deploy/istio/twins.py `LB_FIELDS`, plus the policy itself).
+const TWIN_LB_FIELDS: [&str; 9] = [
+    "lb_policy",
+    "common_lb_config",
+    "least_request_lb_config",
+    "round_robin_lb_config",
+    "ring_hash_lb_config",
+    "maglev_lb_config",
+    "original_dst_lb_config",
+    "lb_subset_config",
+    "load_balancing_policy",
+];
+const HPO: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// What a retry twin copies from its cluster, as a config dump shows it
+/// (snake_case): the cluster without its name, the EDS resource it reads
+/// (the cluster's name when unset: a twin names it), its load balancer
+/// (a twin has its own) and its upstream HTTP filters (a twin has the
+/// replay filter), and without HTTP/1.1 protocol options that only spell
+/// out the default (deploy/istio/twins.py writes them where a cluster has
+/// none).
+pub fn twin_settings(cluster: &Value) -> Value {
+    let mut s = cluster.clone();
+    let name = cluster.get("name").cloned().unwrap_or(Value::Null);
+    if let Some(o) = s.as_object_mut() {
+        o.remove("name");
+        for field in TWIN_LB_FIELDS {
+            o.remove(field);
+        }
+        if let Some(la) = o.get_mut("load_assignment").and_then(Value::as_object_mut) {
+            la.remove("cluster_name");
+        }
+        if let Some(eds) = o
+            .get_mut("eds_cluster_config")
+            .and_then(Value::as_object_mut)
+        {
+            let read = eds
+                .get("service_name")
+                .filter(|v| v.as_str().is_some_and(|s| !s.is_empty()))
+                .cloned()
+                .unwrap_or(name);
+            eds.insert("service_name".into(), read);
+        }
+        let options = o
+            .get_mut("typed_extension_protocol_options")
+            .and_then(Value::as_object_mut);
+        if let Some(options) = options {
+            if let Some(hpo) = options.get_mut(HPO).and_then(Value::as_object_mut) {
+                hpo.remove("http_filters");
+                let default_only = hpo.len() == 2
+                    && hpo.get("explicit_http_config")
+                        == Some(&serde_json::json!({"http_protocol_options": {}}));
+                if default_only || hpo.len() == 1 {
+                    options.remove(HPO);
+                }
+            }
+            if options.is_empty() {
+                o.remove("typed_extension_protocol_options");
+            }
+        }
+    }
+    s
+}
+
+/// The top-level fields whose settings differ between a twin and its
+/// cluster (see [`twin_settings`]); empty when the twin is current.
+pub fn twin_drift(twin: &Value, cluster: &Value) -> Vec<String> {
+    let (Some(t), Some(c)) = (twin.as_object(), cluster.as_object()) else {
+        return vec!["the whole cluster".into()];
+    };
+    let mut fields: Vec<String> = t
+        .keys()
+        .chain(c.keys())
+        .filter(|k| t.get(*k) != c.get(*k))
+        .cloned()
+        .collect();
+    fields.sort();
+    fields.dedup();
+    fields
+}
+
 /// Merges the live endpoint lists into what the config dump says about the
 /// clusters: the load balancer's hosts are the truth of what is routed to.
 pub fn merge(mut config: Gateway, live: Vec<Cluster>) -> Gateway {
@@ -506,6 +594,7 @@ pub fn merge(mut config: Gateway, live: Vec<Cluster>) -> Gateway {
             if let Some(known) = by_name.remove(&c.name) {
                 c.istio_service_host = known.istio_service_host;
                 c.plugin = known.plugin;
+                c.settings = known.settings;
             }
             c
         })
