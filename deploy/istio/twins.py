@@ -9,10 +9,23 @@ with its own EDS resource and its own mTLS transport socket (the SNI and the
 SANs name the service), so the twins are generated from the gateway's own
 clusters rather than written by hand:
 
-    istioctl proxy-config cluster -n istio-ingress deploy/istio-ingressgateway -o json \\
+    istioctl proxy-config cluster -n istio-ingress deploy/istio-ingress -o json \\
       | deploy/istio/twins.py --service cart.shop.svc.cluster.local \\
           --module-uri URI --module-sha256 SHA256 > twins.json
-    kubectl apply -f twins.json        # an EnvoyFilter; JSON is YAML
+    kubectl apply --server-side -f twins.json   # an EnvoyFilter; JSON is YAML
+
+Server-side apply: each twin is about 3.8 KB, and a client-side
+`kubectl apply` keeps the whole object in the last-applied-configuration
+annotation, which the API server caps at 256 KiB (about 65 twins); the
+script says so on stderr past 200 KiB.
+
+The input is either spelling of the same clusters: `istioctl proxy-config
+cluster -o json` writes proto JSON names (camelCase: `edsClusterConfig`,
+`typedExtensionProtocolOptions`), Envoy's /config_dump the proto field names
+(snake_case). Every cluster is read into snake_case first, so the twin never
+carries both spellings of a field (istiod's jsonpb would read the camelCase
+copy and the twin would lose its filter chain); map keys, metadata values and
+transport socket `match` values are kept as they are.
 
 Each twin is a copy of its cluster, field for field (the transport socket
 matches, so mTLS keeps working; circuit breakers, protocol options, metadata),
@@ -22,15 +35,20 @@ except:
     so it has the same endpoints, pushed by istiod with the guarded cluster's;
   * its load balancer is `envoy.load_balancing_policies.override_host`,
     reading the header the filter names live members in (round robin as the
-    fallback);
+    fallback), and the cluster's own load balancer settings are dropped,
+    `common_lb_config` too: Envoy refuses its `locality_weighted_lb_config`
+    (Istio sets it with locality load balancing) beside
+    `load_balancing_policy`;
   * its HttpProtocolOptions keep Istio's protocol settings and add the filter
     in its `replay_twin` role, in a VM of its own (`vm_id: staleguard-twin`).
 
 The twins carry their own upstream filter chain, so they work whether the
 guard filter is attached per cluster or through the router's
 `upstream_http_filters`: a cluster's own http_filters win, and the twins are
-only ever reached by the filter's callouts. Re-run the generator when the
-guarded services or their ports change.
+only ever reached by the filter's callouts. The twins are a snapshot: re-run
+the generator when the guarded services, their ports or their
+DestinationRules change (the audit reports a twin whose settings have drifted
+from its cluster's, docs/audit.md).
 
 Standard library only; reads JSON on stdin (a list of clusters, or an object
 with a "clusters" list, or an Envoy /config_dump), writes JSON on stdout.
@@ -39,6 +57,7 @@ with a "clusters" list, or an Envoy /config_dump), writes JSON on stdout.
 import argparse
 import copy
 import json
+import re
 import sys
 
 LB_FIELDS = (
@@ -55,16 +74,55 @@ HPO = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 HPO_TYPE = "type.googleapis.com/" + HPO
 
 
+# Fields whose value is a map (keys are names, not fields) or a
+# google.protobuf.Struct (keys are data): their keys are kept as written.
+MAP_FIELDS = ("typed_extension_protocol_options", "typed_filter_metadata")
+VERBATIM_FIELDS = ("filter_metadata", "match", "default_subset")
+
+# What a manifest may hold before a client-side apply's annotation overflows.
+CLIENT_SIDE_APPLY_LIMIT = 200 * 1024
+
+
+# Proto JSON names a rule cannot map back: an underscore before a digit.
+DIGIT_FIELDS = {"consecutive5xx": "consecutive_5xx", "enforcingConsecutive5xx": "enforcing_consecutive_5xx"}
+
+
+def snake(name):
+    """`edsClusterConfig` -> `eds_cluster_config`; snake_case stays."""
+    if name in DIGIT_FIELDS:
+        return DIGIT_FIELDS[name]
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", lambda m: "_" + m.group(1).lower(), name)
+
+
+def snake_case(value):
+    """A proto JSON message in either spelling, with snake_case field names."""
+    if isinstance(value, list):
+        return [snake_case(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for key, v in value.items():
+        field = key if key.startswith("@") else snake(key)
+        if field in VERBATIM_FIELDS:
+            out[field] = copy.deepcopy(v)
+        elif field in MAP_FIELDS and isinstance(v, dict):
+            out[field] = {k: snake_case(entry) for k, entry in v.items()}
+        else:
+            out[field] = snake_case(v)
+    return out
+
+
 def clusters_of(doc):
-    """The cluster objects in istioctl's or Envoy's JSON."""
+    """The cluster objects in istioctl's or Envoy's JSON, snake_case."""
     if isinstance(doc, list):
-        return doc
+        return [snake_case(c) for c in doc]
     if "clusters" in doc:
-        return doc["clusters"]
+        return [snake_case(c) for c in doc["clusters"]]
     out = []
     for config in doc.get("configs", []):
-        for key in ("static_clusters", "dynamic_active_clusters"):
-            out.extend(c["cluster"] for c in config.get(key, []))
+        for key in ("static_clusters", "dynamic_active_clusters",
+                    "staticClusters", "dynamicActiveClusters"):
+            out.extend(snake_case(c["cluster"]) for c in config.get(key, []))
     return out
 
 
@@ -184,8 +242,12 @@ def main():
     p.add_argument("--module-cluster", default="staleguard-module", help="the cluster serving the module")
     p.add_argument("--wasm", default="/etc/staleguard/staleguard_filter.wasm",
                    help="a module file in the gateway pod, when --module-uri is not given")
-    p.add_argument("--namespace", default="istio-ingress", help="the gateway's namespace (kustomization.yaml)")
-    p.add_argument("--selector", default="istio=ingressgateway", help="workloadSelector label KEY=VALUE")
+    p.add_argument("--namespace", default="istio-ingress",
+                   help="the gateway's namespace, as its deploy/gateway overlay names it")
+    p.add_argument("--selector", default="istio=ingress",
+                   help="workloadSelector label KEY=VALUE, as its deploy/gateway overlay names it "
+                        "(Helm: istio=ingress; istioctl: istio=ingressgateway; Gateway API: "
+                        "gateway.networking.k8s.io/gateway-name=NAME)")
     args = p.parse_args()
     try:
         doc = json.load(sys.stdin)
@@ -215,8 +277,12 @@ def main():
             ],
         },
     }
-    json.dump(out, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    text = json.dumps(out, indent=2) + "\n"
+    if len(text) > CLIENT_SIDE_APPLY_LIMIT:
+        print(f"twins.py: {len(chosen)} twins, {len(text) // 1024} KiB: apply with "
+              "`kubectl apply --server-side` (a client-side apply's annotation is capped at 256 KiB)",
+              file=sys.stderr)
+    sys.stdout.write(text)
 
 
 if __name__ == "__main__":

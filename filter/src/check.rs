@@ -61,8 +61,12 @@ impl Effect {
 pub enum Outcome {
     /// The cluster maps to no service: untouched.
     Unmapped,
-    /// The upstream address is missing or unreadable: untouched.
+    /// The upstream address is missing or unreadable (an internal address
+    /// without an `endpoint_id`, too): untouched.
     NoAddress,
+    /// The upstream IP is outside the configured `pod_cidrs`: not this
+    /// cluster's pod (another cluster's, an east-west gateway), untouched.
+    OutOfScope,
     /// Judged.
     Judged {
         /// The service the cluster routes to.
@@ -89,8 +93,15 @@ pub fn resolve_service(
 
 /// Parses `IP:port` (`[v6]:port` too) or a bare IP, in the canonical form the
 /// index keys IPs by: Envoy reports an IPv4-mapped endpoint as
-/// `[::ffff:a.b.c.d]:port`, and that host is `a.b.c.d`.
+/// `[::ffff:a.b.c.d]:port`, and that host is `a.b.c.d`. An Envoy internal
+/// address, `envoy://<listener>/<endpoint_id>` (Istio ambient's HBONE
+/// endpoints: `envoy://connect_originate/10.244.1.5:8080`), is judged by
+/// the IP in its `endpoint_id`; without one it has no IP.
 pub fn parse_ip(address: &str) -> Option<IpAddr> {
+    let address = match address.strip_prefix("envoy://") {
+        Some(internal) => internal.split_once('/')?.1,
+        None => address,
+    };
     address
         .parse::<SocketAddr>()
         .map(|a| a.ip())
@@ -125,6 +136,9 @@ pub fn judge(
     let Some(ip) = upstream.address.as_deref().and_then(parse_ip) else {
         return Outcome::NoAddress;
     };
+    if !config.in_scope(ip) {
+        return Outcome::OutOfScope;
+    }
     let stamp = View::new(store).meta_and_cas();
     cache.align(stamp);
     let meta = stamp
@@ -410,6 +424,9 @@ mod tests {
         let mut no_addr = upstream(CART, "");
         no_addr.address = None;
         assert_eq!(judge_at(&c, &s, &no_addr, 0), Outcome::NoAddress);
+        // An internal address without an endpoint_id has no IP either.
+        let internal = upstream(CART, "envoy://connect_originate/");
+        assert_eq!(judge_at(&c, &s, &internal, 0), Outcome::NoAddress);
     }
 
     #[test]
@@ -584,6 +601,62 @@ mod tests {
         assert_eq!(
             effect(&judge(&c, &mut cache, &s, &up, &at(1_500))),
             (Reason::Recycled, Effect::Reject { status: 503 })
+        );
+    }
+
+    #[test]
+    fn ips_outside_pod_cidrs_are_out_of_scope_and_internal_addresses_are_judged_by_endpoint_id() {
+        let s = store(&[record("10.244.1.5", vec![pod(&[cart()], false)])]);
+        let scoped = config(r#","pod_cidrs":["10.244.0.0/16","fd00:10:244::/56"]"#);
+        // Another cluster's pod, an east-west gateway: passed, not destroyed.
+        assert_eq!(
+            judge_at(&scoped, &s, &upstream(CART, "10.8.3.4:8080"), 2_000),
+            Outcome::OutOfScope
+        );
+        // Inside: judged as ever; a gone pod of this cluster is destroyed.
+        assert_eq!(
+            effect(&judge_at(
+                &scoped,
+                &s,
+                &upstream(CART, "10.244.9.9:8080"),
+                2_000
+            ))
+            .0,
+            Reason::Destroyed
+        );
+        // Without pod_cidrs every IP is judged (the remote pod is destroyed).
+        let all = config("");
+        assert_eq!(
+            effect(&judge_at(&all, &s, &upstream(CART, "10.8.3.4:8080"), 2_000)).0,
+            Reason::Destroyed
+        );
+        // HBONE: the endpoint_id's IP is the pod's.
+        for c in [&scoped, &all] {
+            let hbone = upstream(CART, "envoy://connect_originate/10.244.1.5:8080");
+            assert_eq!(effect(&judge_at(c, &s, &hbone, 2_000)).0, Reason::Member);
+        }
+        let remote_hbone = upstream(CART, "envoy://connect_originate/10.8.3.4:15008");
+        assert_eq!(
+            judge_at(&scoped, &s, &remote_hbone, 2_000),
+            Outcome::OutOfScope
+        );
+        assert_eq!(
+            parse_ip("envoy://connect_originate/[::ffff:10.244.1.5]:80"),
+            Some("10.244.1.5".parse().unwrap())
+        );
+        assert_eq!(parse_ip("envoy://no-endpoint-id"), None);
+    }
+
+    #[test]
+    fn pod_cidrs_that_do_not_parse_are_refused_together() {
+        let err = Config::parse(
+            br#"{"validator_cluster":"sg","pod_cidrs":["10.244.0.0/16","10.244.0.1/16","nope"]}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("pod_cidrs[1]") && err.contains("pod_cidrs[2]"),
+            "{err}"
         );
     }
 }

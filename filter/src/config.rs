@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 use staleguard_core::cluster::ClusterMap;
 pub use staleguard_core::cluster::ClusterRule;
 use staleguard_core::verdict::FailurePolicy;
+use staleguard_core::ip::Cidr;
 use staleguard_core::Policy;
 
 use crate::guard::GuardConfig;
@@ -184,6 +185,12 @@ pub struct RawConfig {
     /// The replay path; its presence makes `retry` the default.
     #[serde(default)]
     pub retry: Option<RetryConfig>,
+    /// This cluster's pod networks (CIDRs); when set, an upstream IP outside
+    /// all of them (a remote cluster's pod, an east-west gateway) is not
+    /// judged: passed and counted as out of scope. Empty (the default):
+    /// every IP is judged.
+    #[serde(default)]
+    pub pod_cidrs: Vec<String>,
 }
 
 fn default_wait_s() -> u32 {
@@ -216,6 +223,8 @@ fn default_reject_header() -> String {
 pub struct Config {
     /// The checked fields (same names as written).
     pub raw: RawConfig,
+    /// `raw.pod_cidrs`, parsed.
+    pub pod_cidrs: Vec<Cidr>,
 }
 
 impl Config {
@@ -314,8 +323,15 @@ impl Config {
         if let Some(retry) = &raw.retry {
             retry_problems(retry, &mut problems);
         }
+        let mut pod_cidrs = Vec::new();
+        for (i, text) in raw.pod_cidrs.iter().enumerate() {
+            match text.parse::<Cidr>() {
+                Ok(cidr) => pod_cidrs.push(cidr),
+                Err(e) => problems.push(format!("pod_cidrs[{i}]: {e}")),
+            }
+        }
         if problems.is_empty() {
-            Ok(Self { raw })
+            Ok(Self { raw, pod_cidrs })
         } else {
             Err(ConfigError::Invalid(problems))
         }
@@ -354,6 +370,12 @@ impl Config {
         }
         (self.raw.mode == Mode::Audit)
             .then(|| "on_reject is retry but mode is audit, which lets every request through: nothing is replayed".to_owned())
+    }
+
+    /// True when `ip` is one this gateway judges: no `pod_cidrs`, or inside
+    /// one of them.
+    pub fn in_scope(&self, ip: std::net::IpAddr) -> bool {
+        staleguard_core::ip::in_scope(&self.pod_cidrs, ip)
     }
 
     /// The `:authority` of validator requests.

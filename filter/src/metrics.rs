@@ -31,6 +31,9 @@ pub const REQUESTS_UNCONFIGURED: &str = "staleguard_filter_requests_unconfigured
 /// counted once per Envoy process (by the first VM that met it); its log
 /// lines name every problem.
 pub const CONFIG_REFUSED: &str = "staleguard_filter_config_refused_total";
+/// Counter: requests to an IP outside the configured `pod_cidrs` (another
+/// cluster's pod, an east-west gateway: passed untouched).
+pub const REQUESTS_OUT_OF_SCOPE: &str = "staleguard_filter_requests_out_of_scope_total";
 /// Counter: validator requests sent.
 pub const SYNC_POLLS: &str = "staleguard_filter_sync_polls_total";
 /// Counter: full resyncs applied (snapshot or reset).
@@ -173,6 +176,8 @@ pub enum Count {
     Unmapped,
     /// [`REQUESTS_NO_ADDRESS`].
     NoAddress,
+    /// [`REQUESTS_OUT_OF_SCOPE`].
+    OutOfScope,
 }
 
 impl Count {
@@ -191,6 +196,7 @@ impl Count {
             } => requests_replayed(labels.name(label), reason),
             Count::Unmapped => REQUESTS_UNMAPPED.to_owned(),
             Count::NoAddress => REQUESTS_NO_ADDRESS.to_owned(),
+            Count::OutOfScope => REQUESTS_OUT_OF_SCOPE.to_owned(),
         }
     }
 }
@@ -388,6 +394,7 @@ mod tests {
         let counters = [
             REQUESTS_UNMAPPED,
             REQUESTS_NO_ADDRESS,
+            REQUESTS_OUT_OF_SCOPE,
             SYNC_POLLS,
             SYNC_RESETS,
             SYNC_DELTAS,
@@ -503,5 +510,6 @@ mod tests {
             "staleguard_filter_requests_total.service.shop/pay.reason.destroyed.action.retry"
         );
         assert_eq!(Count::NoAddress.name(&labels), REQUESTS_NO_ADDRESS);
+        assert_eq!(Count::OutOfScope.name(&labels), REQUESTS_OUT_OF_SCOPE);
     }
 }

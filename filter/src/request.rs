@@ -101,6 +101,10 @@ impl Filter {
                 m.count(host, Count::NoAddress);
                 return Action::Continue;
             }
+            Outcome::OutOfScope => {
+                m.count(host, Count::OutOfScope);
+                return Action::Continue;
+            }
             Outcome::Judged {
                 service,
                 ip,

@@ -17,12 +17,16 @@
 //!   not have them, and the route table inline instead of RDS.
 //!
 //! [`apply_envoyfilter`] applies an EnvoyFilter's patches the way istiod does
-//! (pilot/pkg/networking/core/envoyfilter/cluster_patch.go: ADD appends;
+//! (pilot/pkg/networking/core/envoyfilter/cluster_patch.go: ADD appends, and
+//! cluster_builder.go normalizeClusters keeps the first of clusters with one
+//! name; http_filter_patch.go: REPLACE swaps the named filter for the value;
 //! listener_patch.go mergeHTTPFilter: MERGE of a filter's typed_config through
 //! pilot/pkg/networking/util/util.go MergeAnyWithAny and pkg/proto/merge's
 //! rules: lists append, map entries and Durations replace, messages merge,
 //! an embedded Any is replaced whole). A patch it does not model is an error,
-//! never silently skipped.
+//! never silently skipped. [`apply_envoyfilters`] applies several matching
+//! EnvoyFilters in Istio's order (by `spec.priority`, then as listed: the root
+//! namespace's before the workload's, older before newer).
 //!
 //! [`validate_bootstrap`] wraps the result in an Istio-like bootstrap
 //! (`xds-grpc` and `sds-grpc` clusters, ADS) for `envoy --mode validate`;
@@ -95,16 +99,6 @@ pub fn read_yaml(path: &str) -> Result<Value> {
 /// The shipped EnvoyFilter (`deploy/istio/envoyfilter.yaml`).
 pub fn shipped_envoyfilter() -> Result<Value> {
     read_yaml("deploy/istio/envoyfilter.yaml")
-}
-
-/// The shipped gateway `stats_tags` (`deploy/istio/bootstrap-stats.yaml`).
-pub fn shipped_stats_tags() -> Result<Value> {
-    let cm = read_yaml("deploy/istio/bootstrap-stats.yaml")?;
-    let json = cm["data"]["custom_bootstrap.json"]
-        .as_str()
-        .context("bootstrap-stats.yaml has no custom_bootstrap.json")?;
-    let bootstrap: Value = serde_json::from_str(json)?;
-    Ok(bootstrap["stats_config"]["stats_tags"].clone())
 }
 
 fn ads() -> Value {
@@ -267,9 +261,11 @@ fn listener(services: &[Service], port: u16) -> Value {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault"}},
                     {"name": "envoy.filters.http.cors", "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"}},
+                    // BuildRouterFilter with the mesh defaults (no child
+                    // spans, Envoy's debug headers kept): both fields false,
+                    // which proto JSON leaves out.
                     {"name": "envoy.filters.http.router", "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
-                        "start_child_span": false, "suppress_envoy_headers": true}}
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
                 ],
                 "use_remote_address": true,
                 "upgrade_configs": [{"upgrade_type": "websocket"}],
@@ -384,11 +380,14 @@ pub fn apply_envoyfilter(output: &mut Value, envoyfilter: &Value) -> Result<Appl
                 if p["match"].get("cluster").is_some() {
                     bail!("patch {i}: an ADD with a cluster match is ignored by Istio");
                 }
-                output["clusters"]
-                    .as_array_mut()
-                    .context("no clusters")?
-                    .push(value.clone());
-                1
+                let clusters = output["clusters"].as_array_mut().context("no clusters")?;
+                // normalizeClusters: the first cluster of a name is kept.
+                if clusters.iter().any(|c| c["name"] == value["name"]) {
+                    0
+                } else {
+                    clusters.push(value.clone());
+                    1
+                }
             }
             ("CLUSTER", "MERGE") => {
                 // cluster_patch.go: merge.Merge into each matching cluster;
@@ -407,6 +406,8 @@ pub fn apply_envoyfilter(output: &mut Value, envoyfilter: &Value) -> Result<Appl
             }
             ("HTTP_FILTER", "MERGE") => merge_http_filter(output, &p["match"], value)
                 .with_context(|| format!("patch {i}"))?,
+            ("HTTP_FILTER", "REPLACE") => replace_http_filter(output, &p["match"], value)
+                .with_context(|| format!("patch {i}"))?,
             _ => bail!("patch {i}: {apply_to}/{op} is not modelled by this test"),
         };
         applied.counts.push(n);
@@ -414,7 +415,22 @@ pub fn apply_envoyfilter(output: &mut Value, envoyfilter: &Value) -> Result<Appl
     Ok(applied)
 }
 
-fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Result<usize> {
+/// Applies several EnvoyFilters that match one gateway in Istio's order:
+/// sorted by `spec.priority` (default 0), ties kept in the order given (the
+/// root namespace's before the workload namespace's, then by creation time).
+pub fn apply_envoyfilters(output: &mut Value, envoyfilters: &[&Value]) -> Result<Vec<Applied>> {
+    let mut ordered: Vec<&Value> = envoyfilters.to_vec();
+    ordered.sort_by_key(|f| f["spec"]["priority"].as_i64().unwrap_or(0));
+    ordered
+        .into_iter()
+        .map(|f| apply_envoyfilter(output, f))
+        .collect()
+}
+
+/// The HTTP filters an HTTP_FILTER patch's `match` names: every
+/// `http_filters` entry of a matching network filter whose name is the
+/// `subFilter`'s.
+fn matched_http_filters<'a>(output: &'a mut Value, matcher: &Value) -> Result<Vec<&'a mut Value>> {
     let fc = &matcher["listener"]["filterChain"];
     let network = fc["filter"]["name"].as_str().context("no filter match")?;
     let sub = fc["filter"]["subFilter"]["name"]
@@ -424,7 +440,7 @@ fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Resu
     {
         bail!("listener port/name matches are not modelled");
     }
-    let mut n = 0;
+    let mut found = vec![];
     for l in output["listeners"].as_array_mut().into_iter().flatten() {
         for chain in l["filter_chains"].as_array_mut().into_iter().flatten() {
             for f in chain["filters"].as_array_mut().into_iter().flatten() {
@@ -436,18 +452,37 @@ fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Resu
                     .into_iter()
                     .flatten()
                 {
-                    if hf["name"] != sub {
-                        continue;
+                    if hf["name"] == sub {
+                        found.push(hf);
                     }
-                    if let Some(name) = value["name"].as_str() {
-                        hf["name"] = json!(name);
-                    }
-                    if let Some(tc) = value.get("typed_config") {
-                        merge_any(&mut hf["typed_config"], tc)?;
-                    }
-                    n += 1;
                 }
             }
+        }
+    }
+    Ok(found)
+}
+
+/// REPLACE (http_filter_patch.go): the matched filter becomes the value.
+fn replace_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Result<usize> {
+    let matched = matched_http_filters(output, matcher)?;
+    let n = matched.len();
+    for hf in matched {
+        *hf = value.clone();
+    }
+    Ok(n)
+}
+
+/// MERGE (mergeHTTPFilter): the matched filter takes the value's name, and
+/// its typed_config is merged with the value's.
+fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Result<usize> {
+    let matched = matched_http_filters(output, matcher)?;
+    let n = matched.len();
+    for hf in matched {
+        if let Some(name) = value["name"].as_str() {
+            hf["name"] = json!(name);
+        }
+        if let Some(tc) = value.get("typed_config") {
+            merge_any(&mut hf["typed_config"], tc)?;
         }
     }
     Ok(n)
@@ -535,8 +570,9 @@ pub fn set_plugin_config(output: &mut Value, plugin: &Value) {
 
 /// An Istio-like bootstrap around `output` for `envoy --mode validate`: the
 /// `xds-grpc` and `sds-grpc` clusters of Istio's bootstrap, ADS, and the
-/// gateway's resources as static resources.
-pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
+/// gateway's resources as static resources. No `stats_tags` for the filter:
+/// an Istio gateway as installed has none (docs/metrics.md, "Istio").
+pub fn validate_bootstrap(output: &Value) -> Value {
     let mut clusters = output["clusters"].as_array().cloned().unwrap_or_default();
     let pipe = |name: &str, path: &str| {
         json!({
@@ -559,7 +595,6 @@ pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
         "node": {"id": "router~10.0.0.1~istio-ingressgateway-1.istio-ingress~istio-ingress.svc.cluster.local",
                  "cluster": "istio-ingressgateway.istio-ingress"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
-        "stats_config": {"stats_tags": stats_tags},
         "dynamic_resources": {
             "ads_config": {
                 "api_type": "GRPC",
@@ -574,8 +609,8 @@ pub fn validate_bootstrap(output: &Value, stats_tags: &Value) -> Value {
     })
 }
 
-/// Runs Envoy on `output` made [`runnable`] (the shipped stats tags; two
-/// workers, as a gateway has several), with `token` as the plugin's
+/// Runs Envoy on `output` made [`runnable`] (two workers, as a gateway has
+/// several), with `token` as the plugin's
 /// `STALEGUARD_TOKEN`; `None` when Envoy is missing outside CI.
 pub fn run(
     name: &str,
@@ -588,7 +623,7 @@ pub fn run(
     let Some((envoy, _)) = dependencies() else {
         return Ok(None);
     };
-    let config = runnable(output, services, validator, module, &shipped_stats_tags()?)?;
+    let config = runnable(output, services, validator, module)?;
     let launch = Launch {
         name: name.into(),
         concurrency: 2,
@@ -603,14 +638,14 @@ pub fn run(
 /// them back), each service's EDS cluster replaced by its static endpoints, the
 /// transport socket matches dropped (their SDS secrets come from istio-agent,
 /// which is not here; the backends are plaintext, as the `tlsMode-disabled`
-/// match would pick for them), and the validator and module clusters pointed
-/// at `validator` and `module`.
+/// match would pick for them), the validator and module clusters pointed
+/// at `validator` and `module`, and no `stats_tags` (Istio's bootstrap has
+/// none for the filter).
 pub fn runnable(
     output: &Value,
     services: &[Service],
     validator: SocketAddr,
     module: Option<SocketAddr>,
-    stats_tags: &Value,
 ) -> Result<Value> {
     let (listen, admin) = (free_addr()?, free_addr()?);
     let mut out = output.clone();
@@ -652,7 +687,6 @@ pub fn runnable(
     Ok(json!({
         "node": {"id": "staleguard-istio-test", "cluster": "staleguard-istio-test"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
-        "stats_config": {"stats_tags": stats_tags},
         "static_resources": {"listeners": out["listeners"], "clusters": out["clusters"]}
     }))
 }

@@ -210,8 +210,8 @@ fn a_generated_twin_replays_in_real_envoy() -> Result<()> {
 }
 
 /// The guard attached through the router's `upstream_http_filters` (as the
-/// Istio EnvoyFilter of deploy/istio attaches it: an HTTP_FILTER MERGE on the
-/// router) instead of per cluster: the twin, with its own upstream filter
+/// Istio EnvoyFilter of deploy/istio attaches it: an HTTP_FILTER REPLACE of
+/// the router) instead of per cluster: the twin, with its own upstream filter
 /// chain, still replays, and nothing reaches the stale host.
 #[test]
 fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<()> {
@@ -260,5 +260,233 @@ fn replays_work_with_the_guard_on_the_routers_upstream_http_filters() -> Result<
     }
     assert_eq!(gone.hits(), 0, "the stale host got a request");
     assert!(envoy.stat("wasmcustom.staleguard_filter_retries_total.outcome.answered")? >= 5);
+    Ok(())
+}
+
+/// `twin` keys of proto JSON in istioctl's spelling (lowerCamelCase), as
+/// `istioctl proxy-config cluster -o json` prints them: map keys (protocol
+/// options, metadata namespaces) and Struct contents (metadata values, a
+/// transport socket `match`) stay as written.
+fn camel_case(value: &Value) -> Value {
+    match value {
+        Value::Array(items) => Value::Array(items.iter().map(camel_case).collect()),
+        Value::Object(fields) => Value::Object(
+            fields
+                .iter()
+                .map(|(key, v)| {
+                    let mut camel = String::new();
+                    let mut upper = false;
+                    for ch in key.chars() {
+                        match (ch, upper) {
+                            ('_', _) => upper = true,
+                            (c, true) => {
+                                camel.extend(c.to_uppercase());
+                                upper = false;
+                            }
+                            (c, false) => camel.push(c),
+                        }
+                    }
+                    let v = match key.as_str() {
+                        "filter_metadata" | "match" => v.clone(),
+                        "typed_extension_protocol_options" => Value::Object(
+                            v.as_object()
+                                .into_iter()
+                                .flatten()
+                                .map(|(k, entry)| (k.clone(), camel_case(entry)))
+                                .collect(),
+                        ),
+                        _ => camel_case(v),
+                    };
+                    (camel, v)
+                })
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// Every object key in `value`, outside Struct contents (`match`,
+/// `filter_metadata`), with the path to it.
+fn keys(value: &Value, path: &str, out: &mut Vec<String>) {
+    match value {
+        Value::Array(items) => items.iter().for_each(|v| keys(v, path, out)),
+        Value::Object(fields) => {
+            for (k, v) in fields {
+                out.push(format!("{path}/{k}"));
+                if k != "match" && k != "filter_metadata" {
+                    keys(v, &format!("{path}/{k}"), out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The same clusters in istioctl's camelCase and in a config_dump's
+/// snake_case give the same twins, in snake_case only (istiod's jsonpb would
+/// read a camelCase copy beside them and drop the twin's filter chain), and
+/// without the locality-weighted settings Envoy refuses beside
+/// `load_balancing_policy`; Envoy accepts the result.
+#[test]
+fn twins_py_reads_istioctl_camel_case_and_config_dump_snake_case_alike() -> Result<()> {
+    use staleguard_tests::istio::{gateway_output, validate_bootstrap, Protocol, Service};
+    let any = "127.0.0.1:1".parse()?;
+    let services: Vec<Service> = [
+        ("greeter", "grpc", Protocol::Grpc),
+        ("cart", "shop", Protocol::Http),
+    ]
+    .into_iter()
+    .map(|(name, ns, protocol)| Service {
+        name: name.into(),
+        namespace: ns.into(),
+        port: 8080,
+        protocol,
+        route_host: format!("{name}.example.com"),
+        endpoints: vec![any],
+    })
+    .collect();
+    let mut output = gateway_output(&services, 8080);
+    // Locality load balancing on (a DestinationRule's localityLbSetting).
+    for c in output["clusters"].as_array_mut().into_iter().flatten() {
+        c["common_lb_config"]["locality_weighted_lb_config"] = json!({});
+    }
+    let snake = output["clusters"].clone();
+    let camel = camel_case(&snake);
+    assert!(camel[0].get("edsClusterConfig").is_some(), "{camel}");
+    let config_dump = json!({"configs": [{"dynamic_active_clusters":
+        snake.as_array().into_iter().flatten().map(|c| json!({"cluster": c})).collect::<Vec<_>>()}]});
+
+    let wasm = staleguard_tests::envoy::dependencies().map(|(_, wasm)| wasm);
+    let wasm_arg = wasm.as_ref().map_or_else(
+        || "/etc/staleguard/staleguard_filter.wasm".to_owned(),
+        |w| w.display().to_string(),
+    );
+    let args = ["--wasm", wasm_arg.as_str()];
+    let from_camel = generated(&camel, &args)?;
+    assert_eq!(from_camel, generated(&snake, &args)?);
+    assert_eq!(from_camel, generated(&config_dump, &args)?);
+
+    let twins: Vec<&Value> = from_camel["spec"]["configPatches"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| &p["patch"]["value"])
+        .collect();
+    assert_eq!(twins.len(), 2);
+    for twin in &twins {
+        let mut found = vec![];
+        keys(twin, "", &mut found);
+        let camel_keys: Vec<&String> = found
+            .iter()
+            .filter(|k| {
+                let last = k.rsplit('/').next().unwrap_or_default();
+                !last.starts_with('@')
+                    && !last.contains('.')
+                    && last.chars().any(char::is_uppercase)
+            })
+            .collect();
+        assert!(
+            camel_keys.is_empty(),
+            "camelCase left in the twin: {camel_keys:?}"
+        );
+        assert!(twin.get("common_lb_config").is_none(), "{twin}");
+        assert!(twin.get("lb_policy").is_none(), "{twin}");
+        let hpo = &twin["typed_extension_protocol_options"]
+            ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+        assert_eq!(hpo["http_filters"][0]["name"], "envoy.filters.http.wasm");
+        assert_eq!(
+            twin["transport_socket_matches"][0]["match"],
+            json!({"tlsMode": "istio"}),
+            "Struct contents keep their keys"
+        );
+    }
+    // The gRPC twin keeps Istio's h2 settings.
+    let grpc = twins
+        .iter()
+        .find(|t| t["name"].as_str().unwrap_or_default().contains("greeter"))
+        .context("the greeter twin")?;
+    assert_eq!(
+        grpc["typed_extension_protocol_options"]
+            ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
+            ["http2_protocol_options"]["max_concurrent_streams"],
+        100
+    );
+
+    // Envoy takes the gateway's clusters with the twins beside them.
+    if let (Some((envoy, _)), Some(_)) = (staleguard_tests::envoy::dependencies(), &wasm) {
+        let mut with_twins = output.clone();
+        if let Some(clusters) = with_twins["clusters"].as_array_mut() {
+            clusters.extend(twins.iter().map(|t| (*t).clone()));
+        }
+        let path =
+            std::env::temp_dir().join(format!("staleguard-twins-{}.json", std::process::id()));
+        std::fs::write(
+            &path,
+            serde_json::to_vec_pretty(&validate_bootstrap(&with_twins))?,
+        )?;
+        staleguard_tests::envoy::validate(&envoy, &path, &[])?;
+    }
+    Ok(())
+}
+
+/// Past 200 KiB of twins (a client-side apply's annotation holds 256 KiB)
+/// the script says to apply server-side.
+#[test]
+fn twins_py_says_to_apply_server_side_when_the_output_is_large() -> Result<()> {
+    let many: Vec<Value> = (0..80)
+        .map(|i| json!({"name": format!("outbound|8080||svc{i}.shop.svc.cluster.local"), "type": "EDS"}))
+        .collect();
+    let out = twins_py(&Value::Array(many), &[])?;
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--server-side"), "{err}");
+    let few = twins_py(&json!([{"name": CLUSTER, "type": "EDS"}]), &[])?;
+    assert!(few.status.success() && few.stderr.is_empty());
+    Ok(())
+}
+
+/// The audit reports a twin whose settings are no longer its cluster's: the
+/// twin `twins.py` writes matches its cluster until the cluster changes (a
+/// DestinationRule edited after the script ran).
+#[test]
+fn the_audit_reports_a_twin_that_drifted_from_its_cluster() -> Result<()> {
+    use staleguard_validator::audit::gateway::{parse_config_dump, twin_drift, Gateway};
+    let mut guarded = json!({
+        "name": CLUSTER, "type": "EDS",
+        "eds_cluster_config": {"eds_config": {"ads": {}}},
+        "circuit_breakers": {"thresholds": [{"max_connections": 100}]},
+        "connect_timeout": "10s"
+    });
+    istio_shape(&mut guarded);
+    let doc = generated(&json!([guarded.clone()]), &[])?;
+    let twin = doc["spec"]["configPatches"][0]["patch"]["value"].clone();
+    let dump = |guarded: &Value| {
+        json!({"configs": [{
+            "@type": "type.googleapis.com/envoy.admin.v3.ClustersConfigDump",
+            "dynamic_active_clusters": [{"cluster": guarded}, {"cluster": twin}]
+        }]})
+    };
+    let drift = |gateway: &Gateway| -> Result<Vec<String>> {
+        let settings = |name: &str| {
+            gateway
+                .clusters
+                .iter()
+                .find(|c| c.name == name)
+                .and_then(|c| c.settings.clone())
+                .with_context(|| format!("no settings for {name}"))
+        };
+        Ok(twin_drift(
+            &settings(&format!("{CLUSTER}|staleguard-twin"))?,
+            &settings(CLUSTER)?,
+        ))
+    };
+    let current = parse_config_dump(dump(&guarded).to_string().as_bytes(), "dump")?;
+    assert_eq!(drift(&current)?, Vec::<String>::new());
+
+    // The DestinationRule changed: more connections, another timeout.
+    guarded["circuit_breakers"]["thresholds"][0]["max_connections"] = json!(500);
+    guarded["connect_timeout"] = json!("2s");
+    let changed = parse_config_dump(dump(&guarded).to_string().as_bytes(), "dump")?;
+    assert_eq!(drift(&changed)?, ["circuit_breakers", "connect_timeout"]);
     Ok(())
 }

@@ -12,6 +12,7 @@ use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::named_host;
+use staleguard_tests::envoy::stats::prometheus_value;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
 
@@ -105,9 +106,12 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
     assert_eq!(verdict(&envoy, CLOSED)?, (200, String::new()), "kept");
     let prom = envoy.admin("/stats/prometheus")?;
     assert!(
-        prom.lines().any(|l| l.starts_with(
-            r#"staleguard_filter_sync_errors_total{staleguard_error_kind="decode"} "#
-        )),
+        prometheus_value(
+            &prom,
+            "staleguard_filter_sync_errors_total",
+            &[("staleguard_error_kind", "decode")]
+        )
+        .is_some_and(|n| n >= 1),
         "{prom}"
     );
     expect(&envoy, "stale after garbage", CLOSED, 503, "stale")?;

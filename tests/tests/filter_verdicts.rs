@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
+use staleguard_tests::envoy::stats::{prometheus_value, PROM_REQUESTS};
 use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
@@ -178,14 +179,30 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
 
     // The stats_tags turn the names into Prometheus labels.
     let prom = envoy.admin("/stats/prometheus")?;
-    for line in [
-        r#"staleguard_filter_requests_total{staleguard_service="shop/cart",staleguard_reason="member",staleguard_action="allow"} 1"#,
-        r#"staleguard_filter_requests_total{staleguard_service="shop/cart",staleguard_reason="destroyed",staleguard_action="audit"} 1"#,
-        "staleguard_filter_requests_unmapped_total{} 1",
+    // Envoy before 1.39 adds the cluster's labels (see stats::root_name).
+    for (name, labels) in [
+        (
+            PROM_REQUESTS,
+            &[
+                ("staleguard_service", "shop/cart"),
+                ("staleguard_reason", "member"),
+                ("staleguard_action", "allow"),
+            ][..],
+        ),
+        (
+            PROM_REQUESTS,
+            &[
+                ("staleguard_service", "shop/cart"),
+                ("staleguard_reason", "destroyed"),
+                ("staleguard_action", "audit"),
+            ][..],
+        ),
+        ("staleguard_filter_requests_unmapped_total", &[][..]),
     ] {
-        assert!(
-            prom.lines().any(|l| l == line),
-            "/stats/prometheus lacks {line}:\n{}",
+        assert_eq!(
+            prometheus_value(&prom, name, labels),
+            Some(1),
+            "/stats/prometheus: {name}{labels:?} in:\n{}",
             prom.lines()
                 .filter(|l| l.contains("staleguard"))
                 .collect::<Vec<_>>()
@@ -193,9 +210,9 @@ fn verdicts_in_real_envoy_with_on_reject_reject() -> Result<()> {
         );
     }
     assert_eq!(
-        staleguard_tests::envoy::stats::prometheus_value(
+        prometheus_value(
             &prom,
-            staleguard_tests::envoy::stats::PROM_REQUESTS,
+            PROM_REQUESTS,
             &[
                 ("staleguard_reason", "destroyed"),
                 ("staleguard_action", "reject")

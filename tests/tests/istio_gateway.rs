@@ -18,8 +18,7 @@ use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::h2::{self, Kind};
 use staleguard_tests::istio::{
     self, apply_envoyfilter, cluster_names, gateway_output, plugin_config, proto_merge, set_module,
-    set_plugin_config, shipped_envoyfilter, shipped_stats_tags, validate_bootstrap, Protocol,
-    Service,
+    set_plugin_config, shipped_envoyfilter, validate_bootstrap, Protocol, Service,
 };
 
 fn service(name: &str, ns: &str, port: u16, protocol: Protocol, eps: &[SocketAddr]) -> Service {
@@ -95,7 +94,7 @@ fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
     let before = gateway_output(&services, 8080);
     let mut after = before.clone();
     let applied = apply_envoyfilter(&mut after, &shipped_envoyfilter()?)?;
-    // Two clusters added, the router of the one gateway listener merged.
+    // Two clusters added, the router of the one gateway listener replaced.
     assert_eq!(applied.counts, vec![1, 1, 1]);
     assert!(cluster_names(&after).contains(&"staleguard-validator".to_owned()));
 
@@ -125,18 +124,13 @@ fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
         c
     });
 
-    // The router keeps Istio's settings and gains the filter before the codec.
+    // The router is Istio's default one (no child spans, debug headers
+    // kept: fields it leaves unset) with the filter before the codec.
     let r = router(&after);
-    assert_eq!(r["suppress_envoy_headers"], true);
-    assert_eq!(r["start_child_span"], false);
-    let names: Vec<&str> = r["upstream_http_filters"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|f| f["name"].as_str())
-        .collect();
+    let set: Vec<&String> = r.as_object().into_iter().flat_map(|o| o.keys()).collect();
+    assert_eq!(set, ["@type", "upstream_http_filters"]);
     assert_eq!(
-        names,
+        upstream_filter_names(&after),
         [
             "envoy.filters.http.wasm",
             "envoy.filters.http.upstream_codec"
@@ -156,9 +150,8 @@ fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
     // As shipped (remote module, sha256; validation does not fetch it). The
     // patch adds no deprecated field: Envoy warns about the same ones (those
     // of Istio's own output) with and without it.
-    let tags = shipped_stats_tags()?;
-    let patched = envoy_validate(&validate_bootstrap(&after, &tags), "remote-module", None)?;
-    let istio_only = envoy_validate(&validate_bootstrap(&before, &tags), "istio-only", None)?;
+    let patched = envoy_validate(&validate_bootstrap(&after), "remote-module", None)?;
+    let istio_only = envoy_validate(&validate_bootstrap(&before), "istio-only", None)?;
     if let (Some(patched), Some(istio_only)) = (patched, istio_only) {
         assert_eq!(deprecated(&patched), deprecated(&istio_only));
     }
@@ -170,7 +163,7 @@ fn the_envoyfilter_keeps_istios_cluster_settings_and_validates() -> Result<()> {
     if let Some((_, wasm)) = dependencies() {
         let mut local = after.clone();
         set_module(&mut local, Some(&wasm), None);
-        let bootstrap = validate_bootstrap(&local, &tags);
+        let bootstrap = validate_bootstrap(&local);
         envoy_validate(&bootstrap, "local-module", Some(TOKEN))?;
         let out = envoy_validate(&bootstrap, "no-token", None)?.unwrap_or_default();
         assert!(
@@ -210,6 +203,122 @@ fn a_cluster_merge_of_protocol_options_would_drop_http2() -> Result<()> {
         "pool settings lost too"
     );
     Ok(())
+}
+
+/// The names in the router's `upstream_http_filters` of `output`.
+fn upstream_filter_names(output: &Value) -> Vec<String> {
+    router(output)["upstream_http_filters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["name"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The module URI of the first upstream Wasm filter of `output`.
+fn module_uri(output: &Value) -> Value {
+    router(output)["upstream_http_filters"][0]["typed_config"]["config"]["vm_config"]["code"]
+        ["remote"]["http_uri"]["uri"]
+        .clone()
+}
+
+/// A canary of `envoyfilter` as docs/operations.md ("Upgrade") writes it:
+/// another name, the next module version (its path and sha256), and
+/// `priority: 10`, so that Istio applies it after the stable one.
+fn canary_of(envoyfilter: &Value) -> Result<Value> {
+    let mut canary = envoyfilter.clone();
+    canary["metadata"]["name"] = json!("staleguard-canary");
+    canary["spec"]["priority"] = json!(10);
+    let patches = canary["spec"]["configPatches"]
+        .as_array_mut()
+        .context("configPatches")?;
+    let router = patches
+        .iter_mut()
+        .find(|p| p["applyTo"] == "HTTP_FILTER")
+        .context("the router patch")?;
+    let remote = &mut router["patch"]["value"]["typed_config"]["upstream_http_filters"][0]
+        ["typed_config"]["config"]["vm_config"]["code"]["remote"];
+    remote["http_uri"]["uri"] = json!(
+        "http://staleguard-module.staleguard.svc.cluster.local:8080/staleguard_filter-0.1.1.wasm"
+    );
+    remote["sha256"] = json!("0".repeat(64));
+    Ok(canary)
+}
+
+/// Two EnvoyFilters that match one gateway (a copy in the root namespace plus
+/// the one in the gateway's, or the stable one beside a canary) leave Envoy a
+/// valid router, `[wasm, codec]` once: the router patch is a REPLACE and the
+/// clusters are ADDs Istio keeps once. The MERGE shipped before gave
+/// `[wasm, codec, wasm, codec]`, which Envoy refuses.
+#[test]
+fn the_envoyfilter_applied_twice_or_beside_a_canary_leaves_one_valid_chain() -> Result<()> {
+    let services = three_services();
+    let shipped = shipped_envoyfilter()?;
+    let mut once = gateway_output(&services, 8080);
+    apply_envoyfilter(&mut once, &shipped)?;
+    let codec = [
+        "envoy.filters.http.wasm",
+        "envoy.filters.http.upstream_codec",
+    ];
+    assert_eq!(upstream_filter_names(&once), codec);
+
+    // Twice: the second copy adds no cluster and replaces the router with
+    // the same one.
+    let mut twice = gateway_output(&services, 8080);
+    let applied = istio::apply_envoyfilters(&mut twice, &[&shipped, &shipped])?;
+    assert_eq!(applied[0].counts, vec![1, 1, 1]);
+    assert_eq!(applied[1].counts, vec![0, 0, 1]);
+    assert_eq!(twice, once);
+
+    // Beside a canary (listed first: priority, not order, decides): the
+    // canary's router wins on the pods both select.
+    let canary = canary_of(&shipped)?;
+    let mut both = gateway_output(&services, 8080);
+    istio::apply_envoyfilters(&mut both, &[&canary, &shipped])?;
+    assert_eq!(upstream_filter_names(&both), codec);
+    assert_eq!(
+        module_uri(&both),
+        module_uri(&gateway_output_with(&services, &canary)?)
+    );
+    assert_ne!(module_uri(&both), module_uri(&once));
+    let validators = cluster_names(&both)
+        .into_iter()
+        .filter(|n| n == "staleguard-validator")
+        .count();
+    assert_eq!(validators, 1);
+
+    envoy_validate(&validate_bootstrap(&twice), "twice", None)?;
+    envoy_validate(&validate_bootstrap(&both), "canary", None)?;
+
+    // What a MERGE of the router did: the lists append, and Envoy refuses
+    // the listener.
+    let mut merge = shipped.clone();
+    for p in merge["spec"]["configPatches"]
+        .as_array_mut()
+        .into_iter()
+        .flatten()
+    {
+        if p["applyTo"] == "HTTP_FILTER" {
+            p["patch"]["operation"] = json!("MERGE");
+        }
+    }
+    let mut doubled = gateway_output(&services, 8080);
+    istio::apply_envoyfilters(&mut doubled, &[&merge, &merge])?;
+    assert_eq!(upstream_filter_names(&doubled), [codec, codec].concat());
+    if dependencies().is_some() {
+        let err = envoy_validate(&validate_bootstrap(&doubled), "merged-twice", None)
+            .err()
+            .context("Envoy must refuse a chain with the codec in the middle")?;
+        assert!(err.to_string().contains("must be the last filter"), "{err}");
+    }
+    Ok(())
+}
+
+/// `services`' gateway output with `envoyfilter` applied once.
+fn gateway_output_with(services: &[Service], envoyfilter: &Value) -> Result<Value> {
+    let mut output = gateway_output(services, 8080);
+    apply_envoyfilter(&mut output, envoyfilter)?;
+    Ok(output)
 }
 
 // === In real Envoy ===
@@ -368,12 +477,15 @@ fn h2c_and_grpc_backends_answer_through_the_guard_in_enforce_mode_and_stale_host
     assert_eq!(echo_gone.hits(), 0);
     assert_eq!((greeter.hits(), echo.hits()), (4, 4));
 
-    // Counted per service (on the filter's next tick: docs/metrics.md).
+    // Counted per service (on the filter's next tick: docs/metrics.md), as
+    // an Istio gateway exports them: no stats tags, the labels in the name
+    // (what deploy/monitoring/rules.yaml records as labelled series).
     let lines = [
-        r#"staleguard_filter_requests_total{staleguard_service="grpc/greeter",staleguard_reason="member",staleguard_action="allow"} 4"#,
-        r#"staleguard_filter_requests_total{staleguard_service="h2/echo",staleguard_reason="member",staleguard_action="allow"} 4"#,
+        "staleguard_filter_requests_total_service_grpc_greeter_reason_member_action_allow{} 4",
+        "staleguard_filter_requests_total_service_h2_echo_reason_member_action_allow{} 4",
     ];
-    let ghost = r#"staleguard_filter_requests_total{staleguard_service="grpc/ghost",staleguard_reason="destroyed",staleguard_action="reject"}"#;
+    let ghost =
+        "staleguard_filter_requests_total_service_grpc_ghost_reason_destroyed_action_reject{} ";
     gw.eventually("the requests counted", WAIT, |g| {
         let prom = blocking::get(g.admin, "/stats/prometheus", &[])?.body;
         Ok(lines.iter().all(|line| prom.lines().any(|l| l == *line))

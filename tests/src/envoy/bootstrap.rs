@@ -4,7 +4,7 @@
 //! one listener whose routes reach every cluster two ways: by the cluster's
 //! name in the `x-cluster` header (the filter tests), or by a `host` of its
 //! own ([`VirtualHost`], the end-to-end scenes). The bootstrap carries the
-//! same `stats_tags` as `deploy/envoy/envoy.yaml` (see docs/metrics.md).
+//! `stats_tags` of `deploy/envoy/envoy.yaml`, read from it (see docs/metrics.md).
 //!
 //! The pieces (the filter entry, the upstream filter chain, the twin, the
 //! body path) are public for tests that edit a bootstrap or build one from
@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use super::shipped::{shipped_twin_lb_policy, shipped_upstream_options};
+use super::shipped::{shipped_stats_tags, shipped_twin_lb_policy, shipped_upstream_options};
 use super::{dependencies, Envoy, Launch};
 use crate::eds::EdsFile;
 use crate::process::free_addr;
@@ -363,20 +363,10 @@ pub fn lb_endpoint(addr: &SocketAddr) -> Value {
         "address": addr.ip().to_string(), "port_value": addr.port()}}}})
 }
 
-/// The `stats_tags` that turn staleguard metric names into labels.
+/// The `stats_tags` that turn staleguard metric names into labels, as
+/// `deploy/envoy/envoy.yaml` ships them (see docs/metrics.md).
 pub fn stats_tags() -> Value {
-    json!([
-        {"tag_name": "staleguard_service",
-         "regex": "^wasmcustom\\.staleguard_filter_requests_total(\\.service\\.([^.]+))"},
-        {"tag_name": "staleguard_reason",
-         "regex": "^wasmcustom\\.staleguard_filter_requests_total\\.service\\.[^.]+(\\.reason\\.([a-z_]+))"},
-        {"tag_name": "staleguard_action",
-         "regex": "^wasmcustom\\.staleguard_filter_requests_total\\.service\\.[^.]+\\.reason\\.[a-z_]+(\\.action\\.([a-z_]+))$"},
-        {"tag_name": "staleguard_error_kind",
-         "regex": "^wasmcustom\\.staleguard_filter_sync_errors_total(\\.kind\\.([a-z_]+))$"},
-        {"tag_name": "staleguard_outcome",
-         "regex": "^wasmcustom\\.staleguard_filter_(?:retries_total|twin_picks_total)(\\.outcome\\.([a-z_]+))$"}
-    ])
+    shipped_stats_tags()
 }
 
 /// The static clusters of a bootstrap.

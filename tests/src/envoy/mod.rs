@@ -53,7 +53,7 @@ pub const WAIT: Duration = Duration::from_secs(30);
 /// outside CI when they are missing.
 pub fn dependencies() -> Option<(PathBuf, PathBuf)> {
     let hint = "run `. scripts/setup.sh && sg_setup_all` (installs Envoy, builds the filter)";
-    let envoy = require("STALEGUARD_ENVOY", "Envoy 1.40", hint)?;
+    let envoy = require("STALEGUARD_ENVOY", "Envoy", hint)?;
     let wasm = require("STALEGUARD_WASM", "the staleguard filter module", hint)?;
     Some((envoy, wasm))
 }
@@ -203,11 +203,11 @@ impl Envoy {
         Ok(stats::parse(&self.admin("/stats")?))
     }
 
-    /// One counter or gauge by its full name (e.g.
-    /// `wasmcustom.staleguard_filter_sync_polls_total`); `0` when not defined
-    /// yet.
+    /// One counter or gauge by its full root-scope name (e.g.
+    /// `wasmcustom.staleguard_filter_sync_polls_total`, read in a cluster's
+    /// scope too: see [`stats::root_name`]); `0` when not defined yet.
     pub fn stat(&self, name: &str) -> Result<u64> {
-        let filter = format!("/stats?filter=^{}$", name.replace('|', "\\|"));
+        let filter = format!("/stats?filter={}", stats::filter_for(name));
         Ok(stats::parse(&self.admin(&filter)?)
             .get(name)
             .copied()

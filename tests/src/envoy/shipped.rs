@@ -148,3 +148,11 @@ pub fn shipped_validator_tls(ca_file: &std::path::Path) -> Value {
         serde_json::json!({"filename": ca_file});
     socket
 }
+
+/// The `stats_config.stats_tags` of `deploy/envoy/envoy.yaml`: the tags that
+/// make the filter's metric names Prometheus labels, on every Envoy version.
+pub fn shipped_stats_tags() -> Value {
+    let tags = shipped_envoy_doc()["stats_config"]["stats_tags"].clone();
+    assert!(tags.is_array(), "no stats_config.stats_tags in {PATH}");
+    tags
+}

@@ -2,6 +2,15 @@
 //! as a map, the names the filter's metrics take there, and series from
 //! `/stats/prometheus` (where `stats_tags` turned name parts into labels; see
 //! docs/metrics.md).
+//!
+//! Envoy before 1.39 keeps the metrics of a Wasm filter in a *cluster's*
+//! upstream chain (`HttpProtocolOptions.http_filters`, as
+//! `deploy/envoy/envoy.yaml` and every test gateway attach it) in that
+//! cluster's stats scope, `cluster.<name>.wasmcustom.<metric>`; 1.39 moved
+//! them to the root scope, `wasmcustom.<metric>` (envoyproxy/envoy#45242), where
+//! a router's `upstream_http_filters` (the Istio attachment) always had them.
+//! [`parse`] reads both as the root name, so a test asserts the same thing on
+//! every Envoy it runs on (docs/operations.md, "Envoy and Istio versions").
 
 use std::collections::BTreeMap;
 
@@ -27,15 +36,42 @@ pub const STAT_NO_ADDRESS: &str = "wasmcustom.staleguard_filter_requests_no_addr
 /// `staleguard_service`, `staleguard_reason`, `staleguard_action`).
 pub const PROM_REQUESTS: &str = "staleguard_filter_requests_total";
 
-/// Parses `/stats` text; lines whose value is not a number (histograms) are
-/// left out.
+/// The root-scope name of a stat: `cluster.<name>.wasmcustom.<metric>` (a
+/// cluster-level upstream filter's metric on Envoy before 1.39) is
+/// `wasmcustom.<metric>`; any other name is itself.
+pub fn root_name(name: &str) -> &str {
+    name.strip_prefix("cluster.")
+        .and_then(|rest| rest.find(".wasmcustom.").map(|i| &rest[i + 1..]))
+        .unwrap_or(name)
+}
+
+/// The `/stats?filter=` regex for the stat `name` in either scope (see
+/// [`root_name`]).
+pub fn filter_for(name: &str) -> String {
+    let escaped = name.replace('|', "\\|");
+    if name.starts_with("wasmcustom.") {
+        // No `+`: the admin's query decoding may read it as a space.
+        format!("^(cluster\\..*\\.)?{escaped}$")
+    } else {
+        format!("^{escaped}$")
+    }
+}
+
+/// Parses `/stats` text, each name read as its [`root_name`] (the values of a
+/// metric found in several scopes are added up); lines whose value is not a
+/// number (histograms) are left out.
 pub fn parse(text: &str) -> Stats {
-    text.lines()
-        .filter_map(|line| {
-            let (k, v) = line.split_once(": ")?;
-            Some((k.to_owned(), v.trim().parse().ok()?))
-        })
-        .collect()
+    let mut stats = Stats::new();
+    for line in text.lines() {
+        let Some((k, v)) = line.split_once(": ") else {
+            continue;
+        };
+        let Ok(v) = v.trim().parse::<u64>() else {
+            continue;
+        };
+        *stats.entry(root_name(k).to_owned()).or_default() += v;
+    }
+    stats
 }
 
 /// The filter's requests with `reason` and `action`, summed over services.
@@ -105,6 +141,31 @@ mod tests {
         assert_eq!(requests_counted(&stats), 32);
         assert_eq!(stats.get(STAT_FRESH), Some(&1));
         assert!(!stats.contains_key("cluster.x.upstream_rq_time"));
+    }
+
+    #[test]
+    fn reads_cluster_scoped_filter_metrics_as_root_ones() {
+        // Envoy 1.36-1.38: a cluster-level upstream chain's metrics carry the
+        // cluster's scope (cluster names have dots and bars).
+        let stats = parse(
+            "cluster.outbound|8080||cart.shop.svc.cluster.local.wasmcustom.staleguard_filter_sync_resets_total: 1\n\
+             cluster.outbound|8080||cart.shop.svc.cluster.local.wasmcustom.staleguard_filter_requests_total.service.shop/cart.reason.destroyed.action.reject: 2\n\
+             cluster.outbound|8080||pay.shop.svc.cluster.local.wasmcustom.staleguard_filter_requests_total.service.shop/cart.reason.destroyed.action.reject: 3\n\
+             cluster.outbound|8080||cart.shop.svc.cluster.local.wasm.staleguard.vm_reload: 0\n",
+        );
+        assert_eq!(stats.get(STAT_RESETS), Some(&1));
+        assert_eq!(requests_total(&stats, "destroyed", "reject"), 5);
+        assert_eq!(
+            stats.get(
+                "cluster.outbound|8080||cart.shop.svc.cluster.local.wasm.staleguard.vm_reload"
+            ),
+            Some(&0)
+        );
+        assert_eq!(
+            filter_for(STAT_RESETS),
+            "^(cluster\\..*\\.)?wasmcustom.staleguard_filter_sync_resets_total$"
+        );
+        assert_eq!(filter_for("a.b|c"), "^a.b\\|c$");
     }
 
     #[test]

@@ -21,6 +21,7 @@ use std::net::{IpAddr, SocketAddr};
 use serde::Deserialize;
 use serde_json::Value;
 use staleguard_core::cluster::{default_istio, ClusterMap, ClusterRule};
+use staleguard_core::ip::Cidr;
 use staleguard_core::{Policy, ServiceKey};
 
 /// Why admin output could not be read.
@@ -65,6 +66,11 @@ pub struct PluginView {
     /// `<cluster><twin_suffix>`.
     #[serde(default)]
     pub retry: Option<RetryView>,
+    /// This cluster's pod networks: an IP outside them is out of scope, as
+    /// for the filter. Unparsable entries are skipped here (the filter
+    /// refuses them).
+    #[serde(default)]
+    pub pod_cidrs: Vec<String>,
 }
 
 /// The part of the plugin's `retry` block the audit needs.
@@ -89,6 +95,7 @@ impl Default for PluginView {
             clusters: Vec::new(),
             policy: Policy::default(),
             retry: None,
+            pod_cidrs: Vec::new(),
         }
     }
 }
@@ -98,6 +105,17 @@ impl PluginView {
     /// `configuration`).
     pub fn parse(text: &str) -> Result<Self, serde_json::Error> {
         serde_json::from_str(text)
+    }
+
+    /// True when the filter judges `ip` under this configuration's
+    /// `pod_cidrs`.
+    pub fn in_scope(&self, ip: IpAddr) -> bool {
+        let cidrs: Vec<Cidr> = self
+            .pod_cidrs
+            .iter()
+            .filter_map(|c| c.parse().ok())
+            .collect();
+        staleguard_core::ip::in_scope(&cidrs, ip)
     }
 
     /// The cluster map this configuration implies.
@@ -130,6 +148,9 @@ pub struct Cluster {
     pub plugin: Option<PluginView>,
     /// The endpoints.
     pub endpoints: Vec<Endpoint>,
+    /// The settings a retry twin copies from its cluster ([`twin_settings`]),
+    /// when the config dump has the cluster.
+    pub settings: Option<Value>,
 }
 
 /// A gateway's clusters, sorted by name.
@@ -241,6 +262,18 @@ struct Address {
     socket_address: Option<SocketAddress>,
     #[serde(default)]
     pipe: Option<Pipe>,
+    #[serde(default)]
+    envoy_internal_address: Option<InternalAddress>,
+}
+
+/// An Envoy internal address (Istio ambient's HBONE endpoints:
+/// `connect_originate` with the pod's `IP:port` as `endpoint_id`).
+#[derive(Debug, Deserialize)]
+struct InternalAddress {
+    #[serde(default)]
+    server_listener_name: String,
+    #[serde(default)]
+    endpoint_id: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -309,13 +342,31 @@ fn is_empty_object(bytes: &[u8]) -> bool {
 }
 
 fn typed_endpoint(address: Address) -> Endpoint {
-    match (address.socket_address, address.pipe) {
-        (Some(s), _) => socket_endpoint(&s.address, s.port_value.map(u64::from)),
-        (None, Some(pipe)) => Endpoint {
+    match (
+        address.socket_address,
+        address.pipe,
+        address.envoy_internal_address,
+    ) {
+        (Some(s), _, _) => socket_endpoint(&s.address, s.port_value.map(u64::from)),
+        (None, Some(pipe), _) => Endpoint {
             address: format!("pipe:{}", pipe.path),
             ip: None,
         },
-        (None, None) => Endpoint {
+        // Judged by the endpoint_id's IP, as the filter does.
+        (None, None, Some(internal)) => Endpoint {
+            ip: internal
+                .endpoint_id
+                .parse::<SocketAddr>()
+                .map(|a| a.ip())
+                .or_else(|_| internal.endpoint_id.parse::<IpAddr>())
+                .ok()
+                .map(staleguard_core::ip::canonical),
+            address: format!(
+                "envoy://{}/{}",
+                internal.server_listener_name, internal.endpoint_id
+            ),
+        },
+        (None, None, None) => Endpoint {
             address: "?".into(),
             ip: None,
         },
@@ -405,6 +456,7 @@ pub fn parse_config_dump(bytes: &[u8], what: &str) -> Result<Gateway, GatewayErr
                         .map(str::to_owned),
                     plugin: pick(found, &format!("cluster {name}"), &mut gateway.notes),
                     endpoints: Vec::new(),
+                    settings: Some(twin_settings(cluster)),
                 });
             }
         } else if kind.ends_with(".EndpointsConfigDump") {
@@ -445,6 +497,90 @@ pub fn parse_config_dump(bytes: &[u8], what: &str) -> Result<Gateway, GatewayErr
     Ok(gateway)
 }
 
+// === Retry twins ===
+
+/// The load balancer fields a twin replaces with its override-host policy
+/// (deploy/istio/twins.py `LB_FIELDS`, plus the policy itself).
+const TWIN_LB_FIELDS: [&str; 9] = [
+    "lb_policy",
+    "common_lb_config",
+    "least_request_lb_config",
+    "round_robin_lb_config",
+    "ring_hash_lb_config",
+    "maglev_lb_config",
+    "original_dst_lb_config",
+    "lb_subset_config",
+    "load_balancing_policy",
+];
+const HPO: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// What a retry twin copies from its cluster, as a config dump shows it
+/// (snake_case): the cluster without its name, the EDS resource it reads
+/// (the cluster's name when unset: a twin names it), its load balancer
+/// (a twin has its own) and its upstream HTTP filters (a twin has the
+/// replay filter), and without HTTP/1.1 protocol options that only spell
+/// out the default (deploy/istio/twins.py writes them where a cluster has
+/// none).
+pub fn twin_settings(cluster: &Value) -> Value {
+    let mut s = cluster.clone();
+    let name = cluster.get("name").cloned().unwrap_or(Value::Null);
+    if let Some(o) = s.as_object_mut() {
+        o.remove("name");
+        for field in TWIN_LB_FIELDS {
+            o.remove(field);
+        }
+        if let Some(la) = o.get_mut("load_assignment").and_then(Value::as_object_mut) {
+            la.remove("cluster_name");
+        }
+        if let Some(eds) = o
+            .get_mut("eds_cluster_config")
+            .and_then(Value::as_object_mut)
+        {
+            let read = eds
+                .get("service_name")
+                .filter(|v| v.as_str().is_some_and(|s| !s.is_empty()))
+                .cloned()
+                .unwrap_or(name);
+            eds.insert("service_name".into(), read);
+        }
+        let options = o
+            .get_mut("typed_extension_protocol_options")
+            .and_then(Value::as_object_mut);
+        if let Some(options) = options {
+            if let Some(hpo) = options.get_mut(HPO).and_then(Value::as_object_mut) {
+                hpo.remove("http_filters");
+                let default_only = hpo.len() == 2
+                    && hpo.get("explicit_http_config")
+                        == Some(&serde_json::json!({"http_protocol_options": {}}));
+                if default_only || hpo.len() == 1 {
+                    options.remove(HPO);
+                }
+            }
+            if options.is_empty() {
+                o.remove("typed_extension_protocol_options");
+            }
+        }
+    }
+    s
+}
+
+/// The top-level fields whose settings differ between a twin and its
+/// cluster (see [`twin_settings`]); empty when the twin is current.
+pub fn twin_drift(twin: &Value, cluster: &Value) -> Vec<String> {
+    let (Some(t), Some(c)) = (twin.as_object(), cluster.as_object()) else {
+        return vec!["the whole cluster".into()];
+    };
+    let mut fields: Vec<String> = t
+        .keys()
+        .chain(c.keys())
+        .filter(|k| t.get(*k) != c.get(*k))
+        .cloned()
+        .collect();
+    fields.sort();
+    fields.dedup();
+    fields
+}
+
 /// Merges the live endpoint lists into what the config dump says about the
 /// clusters: the load balancer's hosts are the truth of what is routed to.
 pub fn merge(mut config: Gateway, live: Vec<Cluster>) -> Gateway {
@@ -458,6 +594,7 @@ pub fn merge(mut config: Gateway, live: Vec<Cluster>) -> Gateway {
             if let Some(known) = by_name.remove(&c.name) {
                 c.istio_service_host = known.istio_service_host;
                 c.plugin = known.plugin;
+                c.settings = known.settings;
             }
             c
         })
@@ -735,5 +872,24 @@ mod tests {
         assert_eq!(gateway.plugin.as_ref().unwrap().validator_cluster, "sg");
         assert_eq!(gateway.notes.len(), 1, "{:?}", gateway.notes);
         assert!(gateway.notes[0].contains("does not parse"));
+    }
+
+    #[test]
+    fn internal_addresses_are_read_by_endpoint_id_and_pod_cidrs_set_the_scope() {
+        let clusters = parse_clusters(
+            br#"{"cluster_statuses":[{"name":"c","host_statuses":[
+                {"address":{"envoy_internal_address":{"server_listener_name":"connect_originate","endpoint_id":"10.244.1.5:8080"}}},
+                {"address":{"envoy_internal_address":{"server_listener_name":"connect_originate"}}}]}]}"#,
+        )
+        .unwrap();
+        let eps = &clusters[0].endpoints;
+        assert_eq!(eps[0].address, "envoy://connect_originate/10.244.1.5:8080");
+        assert_eq!(eps[0].ip, Some("10.244.1.5".parse().unwrap()));
+        assert_eq!(eps[1].ip, None, "no endpoint_id: no address");
+
+        let plugin = PluginView::parse(r#"{"pod_cidrs":["10.244.0.0/16","not a cidr"]}"#).unwrap();
+        assert!(plugin.in_scope("10.244.7.7".parse().unwrap()));
+        assert!(!plugin.in_scope("10.8.0.1".parse().unwrap()));
+        assert!(PluginView::default().in_scope("10.8.0.1".parse().unwrap()));
     }
 }

@@ -434,6 +434,7 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
                 (None, _) if twin_of.is_some() => Err(Judgement::Twin),
                 (None, _) => Err(Judgement::Unmapped),
                 (Some(_), None) => Err(Judgement::NoAddress),
+                (Some(_), Some(ip)) if !plugin.in_scope(ip) => Err(Judgement::OutOfScope),
                 (Some(service), Some(ip)) => {
                     queries.push(VerdictQuery {
                         service: service.clone(),
@@ -503,8 +504,43 @@ pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
         generation: answer.generation,
         freshness: answer.freshness,
         clusters,
-        notes: gateway.notes,
+        notes: gateway
+            .notes
+            .iter()
+            .cloned()
+            .chain(drifted_twins(&gateway, &twins))
+            .collect(),
     })
+}
+
+/// A note for each retry twin whose settings are no longer its cluster's (a
+/// DestinationRule changed after `deploy/istio/twins.py` ran): replays then
+/// go out with the old pool, TLS or timeout settings.
+fn drifted_twins(
+    gateway: &Gateway,
+    twins: &std::collections::HashMap<String, String>,
+) -> Vec<String> {
+    let settings = |name: &str| {
+        gateway
+            .clusters
+            .iter()
+            .find(|c| c.name == name)
+            .and_then(|c| c.settings.as_ref())
+    };
+    let mut notes: Vec<String> = twins
+        .iter()
+        .filter_map(|(twin, guarded)| {
+            let drift = gateway::twin_drift(settings(twin)?, settings(guarded)?);
+            (!drift.is_empty()).then(|| {
+                format!(
+                    "retry twin {twin} has drifted from {guarded} ({}): re-run deploy/istio/twins.py",
+                    drift.join(", ")
+                )
+            })
+        })
+        .collect();
+    notes.sort();
+    notes
 }
 
 async fn read_gateway(audit: &Audit) -> Result<Gateway, AuditError> {
@@ -630,6 +666,30 @@ pub fn wants_audit(first: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_twin_whose_settings_drifted_from_its_cluster_is_a_note() {
+        let cluster = |name: &str, timeout: &str| gateway::Cluster {
+            name: name.into(),
+            settings: Some(serde_json::json!({"connect_timeout": timeout})),
+            ..gateway::Cluster::default()
+        };
+        let twins =
+            std::collections::HashMap::from([("c|staleguard-twin".to_owned(), "c".to_owned())]);
+        let current = Gateway {
+            clusters: vec![cluster("c", "1s"), cluster("c|staleguard-twin", "1s")],
+            ..Gateway::default()
+        };
+        assert!(drifted_twins(&current, &twins).is_empty());
+        let drifted = Gateway {
+            clusters: vec![cluster("c", "1s"), cluster("c|staleguard-twin", "2s")],
+            ..Gateway::default()
+        };
+        assert_eq!(
+            drifted_twins(&drifted, &twins),
+            ["retry twin c|staleguard-twin has drifted from c (connect_timeout): re-run deploy/istio/twins.py"]
+        );
+    }
 
     fn parse(args: &[&str]) -> Result<Audit, AuditError> {
         let args = AuditArgs::try_parse_from(std::iter::once("audit").chain(args.iter().copied()))

@@ -64,19 +64,24 @@ pub enum Judgement {
     /// The cluster is a guarded cluster's retry twin: it holds that
     /// cluster's endpoints again, judged there.
     Twin,
-    /// The endpoint has no IP (a pipe, an unresolved name).
+    /// The endpoint has no IP (a pipe, an unresolved name, an internal
+    /// address without an endpoint_id).
     NoAddress,
+    /// The IP is outside the plugin's `pod_cidrs`: another cluster's pod or
+    /// an east-west gateway, which the filter passes unjudged.
+    OutOfScope,
 }
 
 impl Judgement {
-    /// The reason code: a verdict reason, `unmapped`, `twin` or
-    /// `no_address`.
+    /// The reason code: a verdict reason, `unmapped`, `twin`, `no_address`
+    /// or `out_of_scope`.
     pub const fn reason(self) -> &'static str {
         match self {
             Judgement::Judged(v) => v.reason.as_str(),
             Judgement::Unmapped => "unmapped",
             Judgement::Twin => "twin",
             Judgement::NoAddress => "no_address",
+            Judgement::OutOfScope => "out_of_scope",
         }
     }
 
@@ -84,7 +89,10 @@ impl Judgement {
     pub const fn action(self) -> &'static str {
         match self {
             Judgement::Judged(v) => v.action.as_str(),
-            Judgement::Unmapped | Judgement::Twin | Judgement::NoAddress => "-",
+            Judgement::Unmapped
+            | Judgement::Twin
+            | Judgement::NoAddress
+            | Judgement::OutOfScope => "-",
         }
     }
 
