@@ -71,6 +71,11 @@ pub struct RetryConfig {
     /// The header the twin's load balancer reads the members from.
     #[serde(default = "default_endpoint_header")]
     pub endpoint_header: String,
+    /// The largest answer a replay gives the client: the live host's answer
+    /// is copied into the VM (whose memory never shrinks) to be sent on. A
+    /// larger one is never copied; the client gets the rejection.
+    #[serde(default = "default_max_answer_bytes")]
+    pub max_answer_bytes: u64,
 }
 
 impl Default for RetryConfig {
@@ -82,6 +87,7 @@ impl Default for RetryConfig {
             hosts_per_attempt: default_hosts_per_attempt(),
             timeout_ms: default_retry_timeout_ms(),
             endpoint_header: default_endpoint_header(),
+            max_answer_bytes: default_max_answer_bytes(),
         }
     }
 }
@@ -104,6 +110,13 @@ fn default_retry_timeout_ms() -> u64 {
 fn default_endpoint_header() -> String {
     "x-gateway-destination-endpoint".to_owned()
 }
+/// 1 MiB, Envoy's default buffer limit per request.
+fn default_max_answer_bytes() -> u64 {
+    1 << 20
+}
+
+/// The largest `retry.max_answer_bytes`: 64 MiB.
+const MAX_ANSWER_BYTES: u64 = 64 << 20;
 
 /// The plugin configuration as written (JSON in the Wasm filter's `configuration`).
 #[derive(Debug, Clone, Deserialize)]
@@ -379,6 +392,12 @@ fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
         problems.push(format!(
             "retry.timeout_ms {} not in 1..=3600000",
             retry.timeout_ms
+        ));
+    }
+    if !(1..=MAX_ANSWER_BYTES).contains(&retry.max_answer_bytes) {
+        problems.push(format!(
+            "retry.max_answer_bytes {} not in 1..={MAX_ANSWER_BYTES}",
+            retry.max_answer_bytes
         ));
     }
     if !is_header_name(&retry.endpoint_header) {

@@ -29,6 +29,9 @@ pub struct Filter {
     twin: Option<Rc<TwinConfig>>,
     /// A replay in flight (see `crate::replay`).
     replay: Option<Pending>,
+    /// The request has a body, and the filter let it go upstream: its
+    /// answer loses any reject header (see `response_headers`).
+    strip_answer: bool,
 }
 
 impl fmt::Debug for Filter {
@@ -63,6 +66,7 @@ impl Filter {
             vm,
             twin,
             replay: None,
+            strip_answer: false,
         }
     }
 
@@ -174,12 +178,28 @@ impl Filter {
             return Action::Pause;
         }
         match effect {
-            Effect::Allow | Effect::Audit => Action::Continue,
+            Effect::Allow | Effect::Audit => {
+                self.strip_answer = !end_of_stream;
+                Action::Continue
+            }
             Effect::Reject { status } => {
                 reject(host, &config, status, verdict.reason);
                 Action::Pause
             }
         }
+    }
+
+    /// The upstream's answer headers arrived. For a request with a body the
+    /// filter let through, the reject header goes: the body path's route
+    /// retries an answer that carries it (docs/filter.md, "Requests with a
+    /// body"), and only the filter's own rejection may, never a backend's.
+    pub fn response_headers<H: Host>(&mut self, host: &mut H) -> Action {
+        if self.strip_answer {
+            if let Some(config) = self.vm.config.as_deref() {
+                host.remove_response_header(&config.raw.reject_header);
+            }
+        }
+        Action::Continue
     }
 
     /// The answer to a replay's call arrived (or the call failed).
@@ -190,6 +210,12 @@ impl Filter {
         headers: usize,
         body_size: usize,
     ) {
+        let Some(config) = self.vm.config.clone() else {
+            return;
+        };
+        let Some(retry) = config.replay() else {
+            return;
+        };
         let Some(pending) = self.replay.as_mut() else {
             return;
         };
@@ -205,7 +231,7 @@ impl Filter {
                 .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
                 .collect::<Vec<_>>()
         });
-        let result = replay::classify(answer.as_deref());
+        let result = replay::classify(retry, answer.as_deref(), body_size);
         pending.answer = answer.unwrap_or_default();
         let step = pending.replay.on_result(host.now_ms(), result);
         self.drive(host, step);
@@ -560,6 +586,51 @@ mod tests {
             host.counter(&metrics::retries(ReplayOutcome::NotEligible(
                 Ineligible::Body
             ))),
+            1
+        );
+    }
+
+    #[test]
+    fn a_backends_reject_header_is_stripped_from_the_answer_to_a_request_with_a_body() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+        get_to(&mut host, "10.0.0.1");
+        let mut filter = root.filter(2);
+        assert_eq!(filter.request_headers(&mut host, false), Action::Continue);
+        assert_eq!(filter.response_headers(&mut host), Action::Continue);
+        let header = Config::parse(&crate::host::fake::shipped_config("{}"))
+            .unwrap()
+            .raw
+            .reject_header;
+        assert_eq!(host.removed_response_headers, vec![header]);
+        // Without a body (no route retries on the header): untouched.
+        let mut filter = root.filter(3);
+        filter.request_headers(&mut host, true);
+        filter.response_headers(&mut host);
+        assert_eq!(host.removed_response_headers.len(), 1);
+    }
+
+    #[test]
+    fn retry_max_answer_bytes_a_larger_answer_gets_the_rejection() {
+        let extra = r#"{"retry":{"max_answer_bytes":4}}"#;
+        let (mut root, mut host) = loaded(extra, &["10.0.0.1"]);
+        get_to(&mut host, "10.0.0.9");
+        let mut filter = root.filter(2);
+        filter.request_headers(&mut host, true);
+        let call = host.calls.last().unwrap().clone();
+        host.answer = crate::host::fake::Answer {
+            headers: vec![
+                (":status".into(), "200".into()),
+                (replay::UPSTREAM_TIME_HEADER.into(), "3".into()),
+            ],
+            body: b"12345".to_vec(),
+        };
+        filter.call_response(&mut host, call.token, 2, 5);
+        assert_eq!(host.replies.len(), 1);
+        assert_eq!(host.replies[0].status, reject_status(extra));
+        assert_eq!(host.replies[0].body, b"staleguard: destroyed\n");
+        root.tick(&mut host);
+        assert_eq!(
+            host.counter(&metrics::retries(ReplayOutcome::AnswerTooLarge)),
             1
         );
     }

@@ -421,19 +421,31 @@ pub fn upstream_filter_options(wasm: &Path, plugin: &Value) -> Value {
 
 /// `options` with every Wasm filter running `wasm` with `plugin`.
 fn configured(mut options: Value, wasm: &Path, plugin: &Value) -> Value {
-    let filters = options
+    for config in wasm_configs_mut(&mut options, wasm) {
+        config["configuration"]["value"] = json!(plugin.to_string());
+    }
+    options
+}
+
+/// The `config` of every Wasm filter in a cluster's
+/// `typed_extension_protocol_options`, each set to run the module `wasm`.
+pub(super) fn wasm_configs_mut<'a>(
+    options: &'a mut Value,
+    wasm: &'a Path,
+) -> impl Iterator<Item = &'a mut Value> + 'a {
+    options
         .as_object_mut()
         .into_iter()
         .flat_map(|o| o.values_mut())
         .filter_map(|hpo| hpo["http_filters"].as_array_mut())
         .flatten()
-        .filter(|f| f["name"] == "envoy.filters.http.wasm");
-    for filter in filters {
-        let config = &mut filter["typed_config"]["config"];
-        config["vm_config"]["code"] = json!({"local": {"filename": wasm.display().to_string()}});
-        config["configuration"]["value"] = json!(plugin.to_string());
-    }
-    options
+        .filter(|f| f["name"] == "envoy.filters.http.wasm")
+        .map(move |filter| {
+            let config = &mut filter["typed_config"]["config"];
+            config["vm_config"]["code"] =
+                json!({"local": {"filename": wasm.display().to_string()}});
+            config
+        })
 }
 
 /// The twin of a guarded cluster, for the replay of rejected requests

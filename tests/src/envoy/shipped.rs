@@ -129,3 +129,40 @@ pub fn shipped_twin_lb_policy() -> Value {
     );
     policy
 }
+
+/// `deploy/envoy/envoy.yaml` itself, made to run on loopback: only addresses
+/// and paths change. The gateway listens on `listener`, its admin on
+/// `admin`; the guarded cluster `shop-cart` and its twin have the static
+/// endpoints `cart` (instead of DNS); the validator is `validator`; every
+/// Wasm filter runs the module `wasm`. Routes, retry policies, circuit
+/// breakers and the plugin configuration are the shipped ones.
+pub fn shipped_gateway(
+    wasm: &std::path::Path,
+    listener: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    validator: std::net::SocketAddr,
+    cart: &[std::net::SocketAddr],
+) -> Value {
+    use super::bootstrap::{static_cluster, wasm_configs_mut};
+    let mut doc = shipped_envoy_doc().clone();
+    doc["admin"]["address"]["socket_address"] =
+        serde_json::json!({"address": "127.0.0.1", "port_value": admin.port()});
+    doc["static_resources"]["listeners"][0]["address"]["socket_address"] = serde_json::json!(
+        {"address": listener.ip().to_string(), "port_value": listener.port()}
+    );
+    if let Some(clusters) = doc["static_resources"]["clusters"].as_array_mut() {
+        for c in clusters {
+            let name = c["name"].as_str().unwrap_or_default().to_owned();
+            let hosts = match name.as_str() {
+                "shop-cart" | "shop-cart|staleguard-twin" => cart,
+                "staleguard-validator" => std::slice::from_ref(&validator),
+                _ => continue,
+            };
+            let fixed = static_cluster(&name, hosts);
+            c["type"] = fixed["type"].clone();
+            c["load_assignment"] = fixed["load_assignment"].clone();
+            wasm_configs_mut(&mut c["typed_extension_protocol_options"], wasm).for_each(drop);
+        }
+    }
+    doc
+}
