@@ -204,7 +204,9 @@ fn default_backoff_max_ms() -> u64 {
 fn default_reject_status() -> u32 {
     503
 }
-fn default_reject_header() -> String {
+/// `x-staleguard`: the guard's reject header, also what the steering role
+/// strips by default.
+pub(crate) fn default_reject_header() -> String {
     "x-staleguard".to_owned()
 }
 

@@ -86,6 +86,10 @@ impl Host for HostCalls {
         let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
     }
 
+    fn set_request_header(&mut self, name: &str, value: &str) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
+    }
+
     fn remove_response_header(&mut self, name: &str) {
         let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, name);
     }

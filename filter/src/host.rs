@@ -50,6 +50,9 @@ pub trait Host: SharedData {
     /// Removes a request header before it goes upstream.
     fn remove_request_header(&mut self, name: &str);
 
+    /// Sets a request header (replacing it) before it goes upstream.
+    fn set_request_header(&mut self, name: &str, value: &str);
+
     /// Removes a header from the upstream's answer.
     fn remove_response_header(&mut self, name: &str);
 
@@ -262,6 +265,12 @@ pub(crate) mod fake {
 
         fn remove_request_header(&mut self, name: &str) {
             self.removed_headers.push(name.to_owned());
+        }
+
+        fn set_request_header(&mut self, name: &str, value: &str) {
+            self.request_headers.retain(|(k, _)| k != name);
+            self.request_headers
+                .push((name.to_owned(), value.to_owned()));
         }
 
         fn remove_response_header(&mut self, name: &str) {

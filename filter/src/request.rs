@@ -19,6 +19,7 @@ use crate::replay::{
     self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
 };
 use crate::root::VmState;
+use crate::steer::SteerConfig;
 use crate::store::View;
 
 /// The HTTP context of one request.
@@ -27,11 +28,13 @@ pub struct Filter {
     vm: VmState,
     /// Set in a twin cluster's VM: this instance only checks its pick.
     twin: Option<Rc<TwinConfig>>,
+    /// Set on the body path's hop: this instance only names live members.
+    steer: Option<Rc<SteerConfig>>,
     /// A replay in flight (see `crate::replay`).
     replay: Option<Pending>,
-    /// The request has a body, and the filter let it go upstream: its
-    /// answer loses any reject header (see `response_headers`).
-    strip_answer: bool,
+    /// The header to take out of the upstream's answer (see
+    /// `response_headers`).
+    strip_answer: Option<String>,
 }
 
 impl fmt::Debug for Filter {
@@ -60,13 +63,19 @@ struct Pending {
 
 impl Filter {
     /// A request's context over its VM's shared state (see `Root::filter`).
-    pub(crate) fn new(id: u32, vm: VmState, twin: Option<Rc<TwinConfig>>) -> Self {
+    pub(crate) fn new(
+        id: u32,
+        vm: VmState,
+        twin: Option<Rc<TwinConfig>>,
+        steer: Option<Rc<SteerConfig>>,
+    ) -> Self {
         Self {
             id,
             vm,
             twin,
+            steer,
             replay: None,
-            strip_answer: false,
+            strip_answer: None,
         }
     }
 
@@ -80,6 +89,9 @@ impl Filter {
     pub fn request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         if let Some(twin) = self.twin.clone() {
             return self.twin_request(host, &twin);
+        }
+        if let Some(steer) = self.steer.clone() {
+            return self.steer_request(host, &steer);
         }
         let Some(config) = self.vm.config.clone() else {
             return Action::Continue;
@@ -179,7 +191,9 @@ impl Filter {
         }
         match effect {
             Effect::Allow | Effect::Audit => {
-                self.strip_answer = !end_of_stream;
+                if !end_of_stream {
+                    self.strip_answer = Some(config.raw.reject_header.clone());
+                }
                 Action::Continue
             }
             Effect::Reject { status } => {
@@ -190,14 +204,13 @@ impl Filter {
     }
 
     /// The upstream's answer headers arrived. For a request with a body the
-    /// filter let through, the reject header goes: the body path's route
-    /// retries an answer that carries it (docs/filter.md, "Requests with a
-    /// body"), and only the filter's own rejection may, never a backend's.
+    /// filter let through (or steered), the reject header goes: the body
+    /// path's route retries an answer that carries it (docs/filter.md,
+    /// "Requests with a body"), and only the filter's own rejection may,
+    /// never a backend's.
     pub fn response_headers<H: Host>(&mut self, host: &mut H) -> Action {
-        if self.strip_answer {
-            if let Some(config) = self.vm.config.as_deref() {
-                host.remove_response_header(&config.raw.reject_header);
-            }
+        if let Some(header) = self.strip_answer.take() {
+            host.remove_response_header(&header);
         }
         Action::Continue
     }
@@ -257,6 +270,25 @@ impl Filter {
         );
         host.send_reply(503, &[(replay::TWIN_MISS_HEADER, "1")], None);
         Action::Pause
+    }
+
+    /// The steering role's whole job (`crate::steer`): name the service's
+    /// live members in the endpoint header, or leave the request as it is
+    /// when the index names none; never pause.
+    fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Action {
+        let members = match (View::new(&*host).meta(), steer.key()) {
+            (Some(meta), Some(service)) => members::read(&*host, &service, meta.load),
+            _ => Vec::new(),
+        };
+        match steer.endpoint_value(&members, host.random_u64()) {
+            Some(value) => {
+                host.set_request_header(&steer.endpoint_header, &value);
+                self.strip_answer = Some(steer.reject_header.clone());
+            }
+            // Whatever a client sent must not pick the host instead.
+            None => host.remove_request_header(&steer.endpoint_header),
+        }
+        Action::Continue
     }
 
     /// Starts replaying a rejected request, or says why it cannot be.
@@ -633,5 +665,40 @@ mod tests {
             host.counter(&metrics::retries(ReplayOutcome::AnswerTooLarge)),
             1
         );
+    }
+
+    #[test]
+    fn the_steering_role_names_live_members_and_never_pauses() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1", "10.0.0.2"]);
+        let mut steering = Root::new(7);
+        assert!(steering.configure(
+            &mut host,
+            br#"{"steer":{"service":"shop/cart","port":8080}}"#
+        ));
+        drop(root);
+        get_to(&mut host, "10.0.0.9");
+        host.request_headers
+            .push(("x-gateway-destination-endpoint".into(), "6.6.6.6:1".into()));
+        let calls = host.calls.len();
+        let mut filter = steering.filter(2);
+        assert_eq!(filter.request_headers(&mut host, false), Action::Continue);
+        let named = host
+            .request_headers
+            .iter()
+            .find(|(k, _)| k == "x-gateway-destination-endpoint")
+            .map(|(_, v)| v.clone())
+            .unwrap();
+        let mut named: Vec<&str> = named.split(',').collect();
+        named.sort_unstable();
+        assert_eq!(named, ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        assert!(host.replies.is_empty());
+        assert_eq!(host.calls.len(), calls);
+        // A service the index has no member of: the client's header goes.
+        let mut other = Root::new(8);
+        assert!(other.configure(&mut host, br#"{"steer":{"service":"shop/none","port":80}}"#));
+        other.filter(3).request_headers(&mut host, false);
+        assert!(host
+            .removed_headers
+            .contains(&"x-gateway-destination-endpoint".to_owned()));
     }
 }

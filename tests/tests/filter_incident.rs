@@ -14,7 +14,7 @@ use anyhow::Result;
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{dependencies, shipped_gateway, Envoy, Launch};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
-use staleguard_tests::incident::{self, Endpoints, Kind, Load, Mix, Reports};
+use staleguard_tests::incident::{self, Endpoints, Kind, Load, Mix, Reports, ALL};
 use staleguard_tests::process::free_addr;
 
 /// Requests per client: 16 clients, about 1,000 requests of each method

@@ -133,8 +133,9 @@ pub fn shipped_twin_lb_policy() -> Value {
 /// `deploy/envoy/envoy.yaml` itself, made to run on loopback: only addresses
 /// and paths change. The gateway listens on `listener`, its admin on
 /// `admin`; the guarded cluster `shop-cart` and its twin have the static
-/// endpoints `cart` (instead of DNS); the validator is `validator`; every
-/// Wasm filter runs the module `wasm`. Routes, retry policies, circuit
+/// endpoints `cart` (instead of DNS; one port for all, which the steering
+/// role then names); the validator is `validator`; every Wasm filter runs
+/// the module `wasm`. Routes, retry policies, circuit
 /// breakers and the plugin configuration are the shipped ones.
 pub fn shipped_gateway(
     wasm: &std::path::Path,
@@ -152,6 +153,18 @@ pub fn shipped_gateway(
     );
     if let Some(clusters) = doc["static_resources"]["clusters"].as_array_mut() {
         for c in clusters {
+            for config in wasm_configs_mut(&mut c["typed_extension_protocol_options"], wasm) {
+                // The steering role names members on the pods' port.
+                let value = config["configuration"]["value"]
+                    .as_str()
+                    .unwrap_or_default();
+                if let Ok(mut plugin) = serde_json::from_str::<Value>(value) {
+                    if let (Some(steer), Some(first)) = (plugin.get_mut("steer"), cart.first()) {
+                        steer["port"] = serde_json::json!(first.port());
+                        config["configuration"]["value"] = serde_json::json!(plugin.to_string());
+                    }
+                }
+            }
             let name = c["name"].as_str().unwrap_or_default().to_owned();
             let hosts = match name.as_str() {
                 "shop-cart" | "shop-cart|staleguard-twin" => cart,
@@ -161,7 +174,6 @@ pub fn shipped_gateway(
             let fixed = static_cluster(&name, hosts);
             c["type"] = fixed["type"].clone();
             c["load_assignment"] = fixed["load_assignment"].clone();
-            wasm_configs_mut(&mut c["typed_extension_protocol_options"], wasm).for_each(drop);
         }
     }
     doc
