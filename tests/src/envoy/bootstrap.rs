@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use super::shipped::{shipped_twin_lb_policy, shipped_upstream_options};
+use super::shipped::{shipped_circuit_breakers, shipped_twin_lb_policy, shipped_upstream_options};
 use super::{dependencies, Envoy, Launch};
 use crate::eds::EdsFile;
 use crate::process::free_addr;
@@ -303,6 +303,10 @@ impl Cluster {
                 },
             }),
         };
+        if self.plugin.is_some() && !shipped_circuit_breakers().is_null() {
+            // The shipped thresholds (the route's retries need them).
+            c["circuit_breakers"] = shipped_circuit_breakers();
+        }
         merge_into(&mut c, &self.extra);
         if let Some(plugin) = &self.plugin {
             c["typed_extension_protocol_options"] = upstream_filter_options(wasm, plugin);

@@ -118,6 +118,12 @@ pub fn shipped_upstream_options(twin: bool) -> Value {
     options
 }
 
+/// The `circuit_breakers` of the shipped guarded cluster (`Null` when it
+/// sets none): every guarded test cluster gets them.
+pub fn shipped_circuit_breakers() -> Value {
+    shipped_cluster(false)["circuit_breakers"].clone()
+}
+
 /// The `load_balancing_policy` of the shipped retry twin: the override-host
 /// balancer reading the members the filter names, round robin as its
 /// fallback.
