@@ -360,7 +360,7 @@ fn hung(bind: SocketAddr) -> Result<Holder> {
         stop,
         thread: Some(thread),
         _held: Vec::new(),
-        listener: listener,
+        listener,
         hits,
     })
 }
@@ -444,10 +444,10 @@ impl Report {
         self.latencies_us.sort_unstable();
     }
 
-    /// One line: `answered a/n, wrong w, failed f, p50 .. p99 ..`.
+    /// One line: `answered a/n, wrong w, failed f, p50 .. p99 .. max ..`.
     pub fn line(&self) -> String {
         format!(
-            "answered {}/{} ({:.2}%), wrong service {}, failed {} {:?}, p50 {:.1} ms, p99 {:.1} ms",
+            "answered {}/{} ({:.2}%), wrong service {}, failed {} {:?}, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
             self.answered,
             self.sent,
             self.answered_share() * 100.0,
@@ -456,6 +456,7 @@ impl Report {
             self.failed,
             self.percentile(50.0).as_secs_f64() * 1e3,
             self.percentile(99.0).as_secs_f64() * 1e3,
+            self.percentile(100.0).as_secs_f64() * 1e3,
         )
     }
 }
