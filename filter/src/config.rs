@@ -410,7 +410,8 @@ fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
     }
 }
 
-fn is_header_name(s: &str) -> bool {
+/// A lowercase header name (what every header knob must be).
+pub(crate) fn is_header_name(s: &str) -> bool {
     !s.is_empty()
         && s.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')

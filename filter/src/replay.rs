@@ -477,28 +477,37 @@ impl TwinConfig {
     /// The twin configuration, if `bytes` is one (`Ok(None)`: it is not a
     /// twin configuration, parse it as the guard's).
     pub fn parse(bytes: &[u8]) -> Result<Option<Self>, String> {
-        let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        let Some(twin) = role::<TwinDocument>(bytes, "replay_twin", "a replay twin")? else {
             return Ok(None);
         };
-        if value.get("replay_twin").is_none() {
-            return Ok(None);
-        }
-        let doc: TwinDocument = serde_json::from_value(value)
-            .map_err(|e| format!("plugin configuration of a replay twin refused: {e}"))?;
-        if doc.replay_twin.endpoint_header.is_empty()
-            || !doc
-                .replay_twin
-                .endpoint_header
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        {
+        let twin = twin.replay_twin;
+        if !crate::config::is_header_name(&twin.endpoint_header) {
             return Err(format!(
                 "replay_twin.endpoint_header {:?} is not a lowercase header name",
-                doc.replay_twin.endpoint_header
+                twin.endpoint_header
             ));
         }
-        Ok(Some(doc.replay_twin))
+        Ok(Some(twin))
     }
+}
+
+/// A role's plugin configuration (`{"<key>": {...}}`, parsed as `D`), if
+/// `bytes` is one: `Ok(None)` when it is not (parse it as another role's),
+/// an error naming `what` when it is but does not parse.
+pub(crate) fn role<D: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    key: &str,
+    what: &str,
+) -> Result<Option<D>, String> {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        return Ok(None);
+    };
+    if value.get(key).is_none() {
+        return Ok(None);
+    }
+    serde_json::from_value(value)
+        .map(Some)
+        .map_err(|e| format!("plugin configuration of {what} refused: {e}"))
 }
 
 /// The twin's check: is the host its load balancer picked (`address`, as

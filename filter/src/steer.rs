@@ -65,15 +65,11 @@ impl SteerConfig {
     /// The steering configuration, if `bytes` is one (`Ok(None)`: it is
     /// not; parse it as another role's).
     pub fn parse(bytes: &[u8]) -> Result<Option<Self>, String> {
-        let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        let Some(SteerDocument { steer }) =
+            replay::role::<SteerDocument>(bytes, "steer", "the steering role")?
+        else {
             return Ok(None);
         };
-        if value.get("steer").is_none() {
-            return Ok(None);
-        }
-        let doc: SteerDocument = serde_json::from_value(value)
-            .map_err(|e| format!("plugin configuration of the steering role refused: {e}"))?;
-        let steer = doc.steer;
         let mut problems = Vec::new();
         if steer.key().is_none() {
             problems.push(format!(
@@ -87,12 +83,7 @@ impl SteerConfig {
         if !(1..=64).contains(&steer.hosts) {
             problems.push(format!("steer.hosts {} not in 1..=64", steer.hosts));
         }
-        if steer.endpoint_header.is_empty()
-            || !steer
-                .endpoint_header
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        {
+        if !crate::config::is_header_name(&steer.endpoint_header) {
             problems.push(format!(
                 "steer.endpoint_header {:?} is not a lowercase header name",
                 steer.endpoint_header
