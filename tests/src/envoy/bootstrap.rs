@@ -493,8 +493,9 @@ pub fn twin_cluster(cluster: &Value, wasm: &Path, plugin: &Value) -> Option<Valu
     Some(twin)
 }
 
-/// The full-fidelity path for requests with bodies, as
-/// `deploy/envoy/body-path.yaml` ships it: the outer route sends them to the
+/// The body path for requests with bodies as `deploy/envoy/envoy.yaml` has
+/// it when its hop names no members (no index yet; the steering hop itself
+/// is not built here, see `shipped_gateway`): the outer route sends them to the
 /// cluster `staleguard-body`, whose one endpoint is the internal listener
 /// `staleguard-body`, whose route (`inner_route`) leads to the guarded
 /// cluster. A rejection there (a 503 with `reject_header`) is an answer the
