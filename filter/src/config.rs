@@ -186,7 +186,8 @@ pub struct RawConfig {
 fn default_wait_s() -> u32 {
     30
 }
-fn default_max_staleness_ms() -> u64 {
+/// 60 s: the guard's `max_staleness_ms`, also the steering role's.
+pub(crate) fn default_max_staleness_ms() -> u64 {
     60_000
 }
 fn default_tick_ms() -> u64 {

@@ -276,7 +276,11 @@ impl Filter {
     /// live members in the endpoint header, or leave the request as it is
     /// when the index names none; never pause.
     fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Action {
-        let members = match (View::new(&*host).meta(), steer.key()) {
+        let now_ms = host.now_ms();
+        let fresh = View::new(&*host)
+            .meta()
+            .filter(|m| m.is_fresh(now_ms, steer.max_staleness_ms));
+        let members = match (fresh, steer.key()) {
             (Some(meta), Some(service)) => members::read(&*host, &service, meta.load),
             _ => Vec::new(),
         };
@@ -693,6 +697,12 @@ mod tests {
         assert_eq!(named, ["10.0.0.1:8080", "10.0.0.2:8080"]);
         assert!(host.replies.is_empty());
         assert_eq!(host.calls.len(), calls);
+        // An index not synced for longer than max_staleness_ms names no one.
+        host.now_ms += 60_001;
+        let before = host.removed_headers.len();
+        steering.filter(4).request_headers(&mut host, false);
+        assert_eq!(host.removed_headers.len(), before + 1);
+        host.now_ms -= 60_001;
         // A service the index has no member of: the client's header goes.
         let mut other = Root::new(8);
         assert!(other.configure(&mut host, br#"{"steer":{"service":"shop/none","port":80}}"#));

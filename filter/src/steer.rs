@@ -12,7 +12,8 @@
 //! stream on. The internal listener's route sends a request that carries the
 //! header to the guarded cluster's twin, whose override-host balancer picks
 //! a named member and whose filter lets through only a named pick. Without
-//! an index (none loaded yet, or no live member), no header: the request
+//! a fresh index (none loaded yet, no sync for `max_staleness_ms`, or the
+//! validator's data not fresh) or a live member, no header: the request
 //! takes the guarded cluster and the normal verdict (docs/filter.md,
 //! "Requests with a body").
 
@@ -45,6 +46,10 @@ pub struct SteerConfig {
     /// requests, since the body path's route retries an answer carrying it.
     #[serde(default = "crate::config::default_reject_header")]
     pub reject_header: String,
+    /// No successful sync for longer than this: the index names no one (as
+    /// the guard's `max_staleness_ms`; its members may have died since).
+    #[serde(default = "crate::config::default_max_staleness_ms")]
+    pub max_staleness_ms: u64,
 }
 
 fn default_endpoint_header() -> String {
