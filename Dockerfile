@@ -31,10 +31,11 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --locked --release -p staleguard-validator --bin staleguard-validator \
       --target x86_64-unknown-linux-musl \
  && install -D -m 0555 target/x86_64-unknown-linux-musl/release/staleguard-validator /out/staleguard-validator
+# scripts/build-module: the build whose sha256 deploy/istio/envoyfilter.yaml pins
+# (paths remapped, so this image's CARGO_HOME and /src leave no trace).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --locked -p staleguard-filter --target wasm32-wasip1 --profile wasm-release \
- && install -D -m 0444 target/wasm32-wasip1/wasm-release/staleguard_filter.wasm /out/staleguard_filter.wasm \
+    install -D -m 0444 "$(scripts/build-module)" /out/staleguard_filter.wasm \
  && (cd /out && sha256sum staleguard_filter.wasm > staleguard_filter.wasm.sha256)
 
 FROM scratch AS filter-module

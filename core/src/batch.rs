@@ -54,8 +54,47 @@ pub struct VerdictsRequest {
     /// Which items carry their record.
     #[serde(default)]
     pub records: Records,
-    /// The endpoints, at most [`MAX_ITEMS`].
+    /// The endpoints, at most [`MAX_ITEMS`]: decoding stops at the first
+    /// item past the limit instead of reading them all.
+    #[serde(deserialize_with = "at_most_max_items")]
     pub items: Vec<VerdictQuery>,
+}
+
+/// Decodes `items`, failing at the first item past [`MAX_ITEMS`] with an error
+/// that names the limit, so that an oversized request costs the decoder no
+/// more than the limit.
+fn at_most_max_items<'de, D>(deserializer: D) -> Result<Vec<VerdictQuery>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    struct AtMost;
+
+    impl<'de> serde::de::Visitor<'de> for AtMost {
+        type Value = Vec<VerdictQuery>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "a list of at most {MAX_ITEMS} items")
+        }
+
+        fn visit_seq<A>(self, mut seq: A) -> Result<Self::Value, A::Error>
+        where
+            A: serde::de::SeqAccess<'de>,
+        {
+            // A size hint is the sender's word: trust it only so far.
+            let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+            while let Some(item) = seq.next_element()? {
+                if items.len() == MAX_ITEMS {
+                    return Err(serde::de::Error::custom(format_args!(
+                        "more than {MAX_ITEMS} items, the limit per request"
+                    )));
+                }
+                items.push(item);
+            }
+            Ok(items)
+        }
+    }
+
+    deserializer.deserialize_seq(AtMost)
 }
 
 /// One endpoint's verdict.
@@ -86,4 +125,27 @@ pub struct VerdictsAnswer {
     pub freshness: Freshness,
     /// The verdicts, in the order of the request's items.
     pub items: Vec<VerdictItem>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn items(n: usize) -> String {
+        let item = r#"{"service":"shop/cart","ip":"10.0.0.1"}"#;
+        format!(r#"{{"items":[{}]}}"#, vec![item; n].join(","))
+    }
+
+    #[test]
+    fn items_past_max_items_are_refused_with_the_limit_named() {
+        let request: VerdictsRequest = serde_json::from_str(&items(3)).unwrap();
+        assert_eq!(request.items.len(), 3);
+        let at_limit: VerdictsRequest = serde_json::from_str(&items(MAX_ITEMS)).unwrap();
+        assert_eq!(at_limit.items.len(), MAX_ITEMS);
+        let error = serde_json::from_str::<VerdictsRequest>(&items(MAX_ITEMS + 1)).unwrap_err();
+        assert!(
+            error.to_string().contains("more than 200000 items"),
+            "{error}"
+        );
+    }
 }

@@ -171,8 +171,13 @@ pub struct Tombstone {
 }
 
 /// The whole index at one generation: `GET /v1/snapshot`.
+///
+/// `R` is what a reader keeps of each record: the record itself by default, or
+/// a smaller type built from it (`#[serde(from = "IpRecord")]`), so that a
+/// large snapshot never holds every record whole at once, only one at a time
+/// while it is read ([`Snapshot::decode_from`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Snapshot {
+pub struct Snapshot<R = IpRecord> {
     /// Wire major version ([`WIRE_VERSION`]).
     pub v: u32,
     /// Random per validator process start: generations of different epochs are
@@ -185,7 +190,7 @@ pub struct Snapshot {
     /// Every service the validator watches. A service not listed is *unknown*.
     pub services: Vec<ServiceKey>,
     /// Every IP the validator knows.
-    pub records: Vec<IpRecord>,
+    pub records: Vec<R>,
 }
 
 /// An answer to `GET /v1/changes`: a delta, or a full reset.
@@ -198,12 +203,12 @@ pub struct Snapshot {
 /// variant by `kind` at the end.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
-pub enum Changes {
+pub enum Changes<R = IpRecord> {
     /// What changed after the generation the client asked from.
-    Delta(Delta),
+    Delta(Delta<R>),
     /// The client's epoch is wrong or its generation was compacted away: start
-    /// over from this snapshot.
-    Reset(Snapshot),
+    /// over from this snapshot (its records kept as `R`, see [`Snapshot`]).
+    Reset(Snapshot<R>),
 }
 
 /// The `kind` tag of a [`Changes`] document.
@@ -217,7 +222,7 @@ enum ChangesKind {
 /// Every field either variant of [`Changes`] may carry, each read directly into
 /// its type (no intermediate tree); unknown fields are skipped.
 #[derive(Deserialize)]
-struct ChangesFields {
+struct ChangesFields<R> {
     kind: ChangesKind,
     v: u32,
     epoch: u64,
@@ -230,18 +235,18 @@ struct ChangesFields {
     services_added: Vec<ServiceKey>,
     #[serde(default)]
     services_removed: Vec<ServiceKey>,
-    #[serde(default)]
-    upserts: Vec<IpRecord>,
+    #[serde(default = "Vec::new")]
+    upserts: Vec<R>,
     #[serde(default)]
     removed: Vec<IpAddr>,
     // Reset.
     #[serde(default)]
     services: Option<Vec<ServiceKey>>,
-    #[serde(default)]
-    records: Option<Vec<IpRecord>>,
+    #[serde(default = "Option::default")]
+    records: Option<Vec<R>>,
 }
 
-impl<'de> Deserialize<'de> for Changes {
+impl<'de, R: Deserialize<'de>> Deserialize<'de> for Changes<R> {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         use serde::de::Error;
         let ChangesFields {
@@ -257,7 +262,7 @@ impl<'de> Deserialize<'de> for Changes {
             removed,
             services,
             records,
-        } = ChangesFields::deserialize(deserializer)?;
+        } = ChangesFields::<R>::deserialize(deserializer)?;
         Ok(match kind {
             ChangesKind::Delta => Changes::Delta(Delta {
                 v,
@@ -283,9 +288,9 @@ impl<'de> Deserialize<'de> for Changes {
 }
 
 /// Changes between two generations, compacted to the latest state of each IP
-/// and service.
+/// and service; `R` as in [`Snapshot`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Delta {
+pub struct Delta<R = IpRecord> {
     /// Wire major version ([`WIRE_VERSION`]).
     pub v: u32,
     /// The validator's epoch.
@@ -304,14 +309,14 @@ pub struct Delta {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub services_removed: Vec<ServiceKey>,
     /// IPs whose record changed: replace the old record whole.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub upserts: Vec<IpRecord>,
+    #[serde(default = "Vec::new", skip_serializing_if = "Vec::is_empty")]
+    pub upserts: Vec<R>,
     /// IPs the validator no longer knows at all.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub removed: Vec<IpAddr>,
 }
 
-impl Delta {
+impl<R> Delta<R> {
     /// True when the delta changes nothing.
     pub fn is_empty(&self) -> bool {
         self.services_added.is_empty()
@@ -334,6 +339,14 @@ impl Snapshot {
     /// filter reading its call's body in chunks from the host) needs no copy
     /// of the whole document beside the decoded value.
     pub fn from_reader(reader: impl std::io::Read) -> Result<Self, WireError> {
+        Self::decode_from(reader)
+    }
+}
+
+impl<R: serde::de::DeserializeOwned> Snapshot<R> {
+    /// Like [`Snapshot::from_reader`], keeping each record as `R`: every
+    /// record is read whole, turned into an `R` and dropped before the next.
+    pub fn decode_from(reader: impl std::io::Read) -> Result<Self, WireError> {
         let snapshot: Self = parse_reader("snapshot", reader)?;
         check_version("snapshot", snapshot.v)?;
         Ok(snapshot)
@@ -350,6 +363,14 @@ impl Changes {
     /// Like [`Changes::from_json`], reading from `reader` as it goes (see
     /// [`Snapshot::from_reader`]).
     pub fn from_reader(reader: impl std::io::Read) -> Result<Self, WireError> {
+        Self::decode_from(reader)
+    }
+}
+
+impl<R: serde::de::DeserializeOwned> Changes<R> {
+    /// Like [`Changes::from_reader`], keeping a reset's records as `R` (see
+    /// [`Snapshot::decode_from`]).
+    pub fn decode_from(reader: impl std::io::Read) -> Result<Self, WireError> {
         let changes: Self = parse_reader("changes", reader)?;
         changes.checked()
     }

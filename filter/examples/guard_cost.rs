@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use staleguard_core::wire::{Delta, Tombstone};
 use staleguard_core::{Freshness, IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
+use staleguard_filter::buckets::CompactRecord;
 use staleguard_filter::guard::{Answer, Guard, GuardConfig};
 
 fn env(name: &str, default: usize) -> usize {
@@ -93,7 +94,11 @@ fn main() {
 
     let full = snapshot(services, (0..ips).map(|i| record(i, services)).collect());
     let json = serde_json::to_vec(&full).unwrap();
-    let empty = snapshot(services, vec![]);
+    // What the poller holds: records read off the wire into their compact form.
+    let full: Snapshot<CompactRecord> = Snapshot::decode_from(&json[..]).unwrap();
+    let empty: Snapshot<CompactRecord> =
+        Snapshot::decode_from(&serde_json::to_vec(&snapshot(services, vec![])).unwrap()[..])
+            .unwrap();
     let delta = Delta {
         v: 1,
         epoch: 1,
@@ -113,6 +118,7 @@ fn main() {
                 }),
                 ..record(i, services)
             })
+            .map(|r| CompactRecord::of(&r))
             .collect(),
         removed: vec![],
     };
@@ -121,12 +127,12 @@ fn main() {
     // allocates and frees around it.
     let before = rss_bytes();
     let mut first = Guard::new(GuardConfig::default(), Policy::default());
-    first.applied(Answer::Reset(&full));
+    first.applied(0, Answer::Reset(&full));
     let baseline_bytes = before.zip(rss_bytes()).map(|(b, a)| a.saturating_sub(b));
     drop(first);
     let decode = time(rounds, || Snapshot::from_json(&json).unwrap());
     let mut guard = Guard::new(GuardConfig::default(), Policy::default());
-    let baseline = time(rounds, || guard.applied(Answer::Reset(&full)));
+    let baseline = time(rounds, || guard.applied(0, Answer::Reset(&full)));
     let same = time(rounds, || guard.assess(Answer::Reset(&full)));
     let all_gone = time(rounds, || guard.assess(Answer::Reset(&empty)));
     assert!(guard.assess(Answer::Reset(&empty)).tripped.is_some());

@@ -19,8 +19,11 @@
 //! means no entries. Like every entry, a bucket written under a load older
 //! than `meta`'s is absent.
 
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 
+use serde::Deserialize;
 use staleguard_core::ip::canonical;
 use staleguard_core::wire::{Membership, Tombstone, Via};
 use staleguard_core::{IpRecord, PodHolder, ServiceKey};
@@ -113,12 +116,12 @@ impl Bucket {
 
     /// Sets `record` (vacant: removes its IP). Returns the change in the
     /// number of IPs: +1 added, -1 removed, 0 replaced or nothing to remove.
-    pub fn put(&mut self, record: &IpRecord) -> i64 {
-        let ip = canonical(record.ip);
+    pub fn put(&mut self, record: &CompactRecord) -> i64 {
+        let ip = record.ip;
         if record.is_vacant() {
             return self.remove(&ip);
         }
-        let holders = Holders::from_record(record).encode();
+        let holders = record.line.to_vec();
         match self.lines.iter_mut().find(|(i, _)| *i == ip) {
             Some(line) => {
                 line.1 = holders;
@@ -441,6 +444,71 @@ impl Holders {
     }
 }
 
+/// An IP's record as the poller keeps it from reading an answer to writing
+/// it: its bucket line ([`Holders::encode`]), and the two facts the
+/// blast-radius guard needs that the line drops. Read straight off the wire
+/// (`#[serde(from = "IpRecord")]`, see [`staleguard_core::Snapshot`]), each
+/// record whole only while it is turned into this: a reset of 150,000 IPs
+/// never holds 150,000 records with their names and strings at once.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(from = "IpRecord")]
+pub struct CompactRecord {
+    /// The IP, canonical ([`canonical`]).
+    pub ip: IpAddr,
+    /// Its bucket line; empty for a vacant record.
+    pub line: Box<[u8]>,
+    /// A fingerprint of the pods holding it (namespaces and names): a new
+    /// holder changes it. 32 bits: a collision only hides a new holder from
+    /// the guard's evidence, and the record is smaller by a word.
+    pub fingerprint: u32,
+    /// The services its tombstone names, by [`service_id`].
+    pub tombstone: Box<[u64]>,
+}
+
+impl CompactRecord {
+    /// What the poller keeps of `record`.
+    pub fn of(record: &IpRecord) -> Self {
+        let line = if record.is_vacant() {
+            Vec::new()
+        } else {
+            Holders::from_record(record).encode()
+        };
+        // A fixed-key hasher: the fingerprint is compared across answers.
+        let mut h = DefaultHasher::new();
+        for pod in &record.pods {
+            pod.namespace.hash(&mut h);
+            pod.name.hash(&mut h);
+        }
+        let fingerprint = h.finish();
+        Self {
+            ip: canonical(record.ip),
+            line: line.into_boxed_slice(),
+            fingerprint: (fingerprint ^ (fingerprint >> 32)) as u32,
+            tombstone: record
+                .tombstone
+                .iter()
+                .flat_map(|t| t.services.iter().map(service_id))
+                .collect(),
+        }
+    }
+
+    /// True when no pod, service or tombstone names the IP.
+    pub fn is_vacant(&self) -> bool {
+        self.line.is_empty()
+    }
+
+    /// The line, decoded (`None` for a vacant record).
+    pub fn holders(&self) -> Option<Holders> {
+        Holders::decode(&self.line)
+    }
+}
+
+impl From<IpRecord> for CompactRecord {
+    fn from(record: IpRecord) -> Self {
+        Self::of(&record)
+    }
+}
+
 /// The key standing for the service with id `id` in a decoded record: its
 /// namespace is empty, which no Kubernetes Service has.
 pub fn placeholder(id: u64) -> ServiceKey {
@@ -465,7 +533,7 @@ pub fn put(
     let key = key_of(&record.ip, buckets);
     let (value, _) = store.get(&key)?;
     let mut bucket = Bucket::read(&value.unwrap_or_default(), load);
-    bucket.put(record);
+    bucket.put(&CompactRecord::of(record));
     store.set(&key, &bucket.encode(load), None)
 }
 
@@ -517,9 +585,13 @@ mod tests {
     #[test]
     fn buckets_hold_several_ips_and_readers_decode_only_theirs() {
         let mut b = Bucket::default();
-        assert_eq!(b.put(&record("10.0.0.1")), 1);
-        assert_eq!(b.put(&record("fd00::1")), 1);
-        assert_eq!(b.put(&record("10.0.0.1")), 0, "replaced");
+        assert_eq!(b.put(&CompactRecord::of(&record("10.0.0.1"))), 1);
+        assert_eq!(b.put(&CompactRecord::of(&record("fd00::1"))), 1);
+        assert_eq!(
+            b.put(&CompactRecord::of(&record("10.0.0.1"))),
+            0,
+            "replaced"
+        );
         let bytes = b.encode(7);
         let one: IpAddr = "10.0.0.1".parse().unwrap();
         let kept = Holders::from_record(&record("10.0.0.1"));
@@ -533,7 +605,11 @@ mod tests {
         assert_eq!(b.remove(&one), 0);
         let mut vacant = record("fd00::1");
         vacant.pods.clear();
-        assert_eq!(b.put(&vacant), -1, "a vacant record removes its IP");
+        assert_eq!(
+            b.put(&CompactRecord::of(&vacant)),
+            -1,
+            "a vacant record removes its IP"
+        );
         assert!(b.encode(7).is_empty());
         assert_eq!(find(b"", &one, 0), Entry::Absent);
         assert_eq!(find(b"x\n10.0.0.1 {}", &one, 0), Entry::Corrupt);

@@ -24,21 +24,37 @@
 //! - **service**: every allowed IP of a service with at least
 //!   `min_service_ips` of them.
 //!
-//! A held answer is not written: the previous data keeps serving (and ages
-//! like any data, so it turns stale after `max_staleness_ms` and the failure
-//! policy decides). The poller asks again with backoff; an answer that no
-//! longer trips is applied normally (the hold is *released*), and one that
-//! still trips `confirm_ms` after the hold began is applied (*confirmed*): a
-//! change that persists that long is taken as real.
+//! A held answer is not written: the previous data keeps serving, enforced as
+//! before. A validator that answers, and calls its answer fresh, keeps that
+//! data fresh while it holds (the poller refreshes `meta`; see
+//! [`crate::sync`]): holding a wrong answer must not turn into failing closed
+//! on live members, nor into failing open. The poller watches the held answer
+//! and asks again at least every second; an answer that no longer trips is
+//! applied normally (the hold is *released*), and one that still trips
+//! `confirm_ms` after the hold began is applied (*confirmed*): a change that
+//! persists that long is taken as real.
+//!
+//! The reference the losses are counted against must itself be sane, so it
+//! is made only of IPs that have been allowed for `confirm_ms`: an IP an
+//! answer newly allows is *unconfirmed* until then, and losing it again is no
+//! loss. The guard protects established members. Without that rule, one
+//! answer of a wrong validator that passes (a validator pointed at the wrong
+//! cluster, a restore from an old backup, adding 150,000 IPs and dropping a
+//! service's one live pod, under every threshold) would become the
+//! reference, and the correct validator's next answer, which drops all of it,
+//! would be held for a minute as a loss of everything. The first snapshot a
+//! poller applies is its reference as it stands (there is nothing older to
+//! judge it by). A wrong validator that serves for longer than `confirm_ms`
+//! is taken for the truth, like any change that persists that long.
 
-use std::collections::hash_map::DefaultHasher;
-use std::collections::{HashMap, HashSet};
-use std::hash::{Hash, Hasher};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 
 use serde::Deserialize;
 use staleguard_core::wire::Delta;
 use staleguard_core::{decide, Action, IpRecord, Policy, ServiceKey, Snapshot};
+
+use crate::buckets::{placeholder, service_id, CompactRecord};
 
 /// The guard's knobs (`guard` in the plugin configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -55,7 +71,8 @@ pub struct GuardConfig {
     /// be rejected without evidence (at least 1; default 2).
     pub min_service_ips: u64,
     /// A held change that still trips this long after the hold began is
-    /// applied (default 60000).
+    /// applied; an IP newly allowed counts as allowed this long after
+    /// (default 60000).
     pub confirm_ms: u64,
 }
 
@@ -116,7 +133,8 @@ impl std::fmt::Display for Rule {
 /// What an answer would do to the IPs the index allows.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Blast {
-    /// IPs allowed for at least one service before the answer.
+    /// IPs allowed for at least one service before the answer, for at least
+    /// `confirm_ms` (see [`crate::guard`]).
     pub allowed_ips: u64,
     /// Of those, IPs the answer would reject for a service it still knows,
     /// without evidence.
@@ -138,13 +156,25 @@ pub enum GuardEvent {
     Released,
 }
 
-/// One IP as the guard remembers it.
+/// One IP as the guard remembers it (32 bytes: the baseline has one per IP
+/// of the index).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct IpFacts {
-    /// Ids of the services the IP is allowed for.
+    /// The services the IP is allowed for, by [`service_id`].
     allowed: Allowed,
-    /// A fingerprint of the pods holding it.
-    holders: u64,
+    /// When an allowed IP that was newly allowed counts as allowed; 0 once
+    /// it does. Until then losing it is no loss.
+    confirm_at_ms: u64,
+    /// [`CompactRecord::fingerprint`]: who holds it.
+    fingerprint: u32,
+    /// The reset that last listed the IP ([`Baseline::mark`]).
+    mark: u32,
+}
+
+impl IpFacts {
+    fn unconfirmed(&self) -> bool {
+        self.confirm_at_ms != 0
+    }
 }
 
 /// Service ids, inline when there is at most one (almost every IP): the
@@ -153,12 +183,12 @@ struct IpFacts {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Allowed {
     None,
-    One(u32),
-    Many(Box<[u32]>),
+    One(u64),
+    Many(Box<[u64]>),
 }
 
 impl Allowed {
-    fn new(ids: Vec<u32>) -> Self {
+    fn new(ids: Vec<u64>) -> Self {
         match ids.as_slice() {
             [] => Allowed::None,
             [id] => Allowed::One(*id),
@@ -170,7 +200,7 @@ impl Allowed {
         matches!(self, Allowed::None)
     }
 
-    fn iter(&self) -> std::slice::Iter<'_, u32> {
+    fn iter(&self) -> std::slice::Iter<'_, u64> {
         match self {
             Allowed::None => [].iter(),
             Allowed::One(id) => std::slice::from_ref(id).iter(),
@@ -182,20 +212,31 @@ impl Allowed {
 /// What the poller last applied, reduced to what the guard compares.
 #[derive(Debug, Default, Clone)]
 pub struct Baseline {
-    /// Service ids, handed out on first sight (bounded by the services ever
-    /// seen, like the shared-data keys).
-    ids: HashMap<ServiceKey, u32>,
-    /// Services by id.
-    names: Vec<ServiceKey>,
-    /// Allowed IPs per service id.
-    members: Vec<u64>,
     ips: HashMap<IpAddr, IpFacts>,
-    /// IPs allowed for at least one service.
-    allowed_ips: u64,
-    known: HashSet<ServiceKey>,
+    counts: Counts,
+    /// When each unconfirmed IP counts, in order (an entry whose IP has
+    /// been removed or re-added since is skipped).
+    pending: VecDeque<(u64, IpAddr)>,
+    /// Counts the resets applied: a reset updates the baseline in place
+    /// (never two baselines in the VM at once) and then drops every IP it
+    /// did not mark.
+    mark: u32,
+    /// The services the validator knows, by id.
+    known: HashSet<u64>,
     /// False until the poller applied a full snapshot itself (a poller that
     /// took over from a dead one has nothing to compare with).
     armed: bool,
+}
+
+/// The baseline's tallies of allowed IPs.
+#[derive(Debug, Default, Clone)]
+struct Counts {
+    /// Confirmed allowed IPs per service id.
+    members: HashMap<u64, u64>,
+    /// Confirmed IPs allowed for at least one service.
+    allowed_ips: u64,
+    /// Allowed IPs not confirmed yet.
+    unconfirmed_ips: u64,
 }
 
 /// The guard: its knobs, the baseline, and the hold in progress.
@@ -204,6 +245,9 @@ pub struct Guard {
     config: GuardConfig,
     policy: Policy,
     baseline: Baseline,
+    /// Service names by id, for what the guard reports (records name
+    /// services by id only).
+    names: HashMap<u64, ServiceKey>,
     held_since_ms: Option<u64>,
     event: Option<GuardEvent>,
 }
@@ -212,9 +256,51 @@ pub struct Guard {
 #[derive(Debug, Clone, Copy)]
 pub enum Answer<'a> {
     /// A snapshot or reset: the whole index.
-    Reset(&'a Snapshot),
+    Reset(&'a Snapshot<CompactRecord>),
     /// A delta that continues the applied generation.
-    Delta(&'a Delta),
+    Delta(&'a Delta<CompactRecord>),
+}
+
+/// What an answer's record says, for the guard: the services it allows the
+/// IP for, and whether a pod holds it.
+struct Judged {
+    record: Option<IpRecord>,
+    has_pods: bool,
+}
+
+impl Judged {
+    fn of(record: Option<&CompactRecord>) -> Self {
+        let holders = record.and_then(|r| r.holders().map(|h| (r.ip, h)));
+        Self {
+            has_pods: holders.as_ref().is_some_and(|(_, h)| !h.pods.is_empty()),
+            record: holders.map(|(ip, h)| h.record_by_ids(ip)),
+        }
+    }
+
+    /// True when the verdict for service `id` on fresh data allows. The
+    /// verdict rules themselves, so "allowed" cannot drift from what requests
+    /// get.
+    fn allows(&self, policy: &Policy, id: u64) -> bool {
+        decide(policy, true, &placeholder(id), true, self.record.as_ref()).action == Action::Allow
+    }
+
+    /// Every service the record allows the IP for.
+    fn allowed(&self, policy: &Policy) -> Vec<u64> {
+        let Some(record) = &self.record else {
+            return Vec::new();
+        };
+        let mut ids: Vec<u64> = record
+            .pods
+            .iter()
+            .flat_map(|p| p.services.iter().map(|m| &m.service))
+            .chain(record.bare_services.iter())
+            .filter_map(placeholder_id)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.retain(|id| self.allows(policy, *id));
+        ids
+    }
 }
 
 // === impl Guard ===
@@ -226,6 +312,7 @@ impl Guard {
             config,
             policy,
             baseline: Baseline::default(),
+            names: HashMap::new(),
             held_since_ms: None,
             event: None,
         }
@@ -234,6 +321,24 @@ impl Guard {
     /// True while an answer is held.
     pub fn holding(&self) -> bool {
         self.held_since_ms.is_some()
+    }
+
+    /// How long the hold in progress has lasted at `now_ms`, if one is.
+    pub fn held_for_ms(&self, now_ms: u64) -> Option<u64> {
+        self.held_since_ms.map(|since| now_ms.saturating_sub(since))
+    }
+
+    /// True when a hold that began at the latest `confirm_ms` ago would be
+    /// confirmed by an answer that still trips at `now_ms`.
+    pub fn confirm_due(&self, now_ms: u64) -> bool {
+        self.held_for_ms(now_ms)
+            .is_some_and(|held| held >= self.config.confirm_ms)
+    }
+
+    /// Allowed IPs not confirmed yet (newly allowed less than `confirm_ms`
+    /// ago), as of the last answer.
+    pub fn unconfirmed_ips(&self) -> u64 {
+        self.baseline.counts.unconfirmed_ips
     }
 
     /// What happened with the last answer, once.
@@ -245,9 +350,11 @@ impl Guard {
     /// After `true` the caller applies it and reports with
     /// [`Guard::applied`].
     pub fn admit(&mut self, now_ms: u64, answer: Answer<'_>) -> bool {
+        self.learn_names(answer);
         if !self.config.enabled || !self.baseline.armed {
             return true;
         }
+        self.baseline.confirm_due(now_ms);
         let blast = self.assess(answer);
         match (blast.tripped.is_some(), self.held_since_ms) {
             (false, None) => true,
@@ -269,34 +376,63 @@ impl Guard {
         }
     }
 
-    /// The poller applied `answer`: it is the new baseline.
-    pub fn applied(&mut self, answer: Answer<'_>) {
+    /// The poller applied `answer` at `now_ms`: it is the new baseline. An
+    /// IP that stays allowed keeps its standing; one newly allowed is
+    /// unconfirmed for `confirm_ms`, except in the first snapshot.
+    pub fn applied(&mut self, now_ms: u64, answer: Answer<'_>) {
+        self.learn_names(answer);
+        let confirm_at = now_ms.saturating_add(self.config.confirm_ms).max(1);
         match answer {
             Answer::Reset(snapshot) => {
-                let mut baseline = Baseline {
-                    ids: std::mem::take(&mut self.baseline.ids),
-                    names: std::mem::take(&mut self.baseline.names),
-                    members: Vec::new(),
-                    ips: HashMap::with_capacity(snapshot.records.len()),
-                    allowed_ips: 0,
-                    known: snapshot.services.iter().cloned().collect(),
-                    armed: true,
-                };
-                baseline.members = vec![0; baseline.names.len()];
-                for record in &snapshot.records {
-                    baseline.insert(&self.policy, record);
+                let b = &mut self.baseline;
+                let first = !b.armed;
+                b.armed = true;
+                b.known = snapshot.services.iter().map(service_id).collect();
+                b.mark = b.mark.wrapping_add(1);
+                if first {
+                    b.pending.clear();
                 }
-                self.baseline = baseline;
+                // At once, not by doubling as it fills: the table is the
+                // largest thing the guard keeps.
+                b.ips
+                    .reserve(snapshot.records.len().saturating_sub(b.ips.len()));
+                for record in &snapshot.records {
+                    let at = match b.remove(&record.ip) {
+                        _ if first => 0,
+                        Some(before) if !before.allowed.is_empty() => before.confirm_at_ms,
+                        _ => confirm_at,
+                    };
+                    // A standing carried over keeps its place in the queue.
+                    if b.insert(&self.policy, record, at) && at == confirm_at {
+                        b.pending.push_back((at, record.ip));
+                    }
+                }
+                let Baseline {
+                    ips, counts, mark, ..
+                } = b;
+                ips.retain(|_, facts| {
+                    let listed = facts.mark == *mark;
+                    if !listed {
+                        counts.add(facts, -1);
+                    }
+                    listed
+                });
             }
             Answer::Delta(delta) => {
                 let b = &mut self.baseline;
                 for s in &delta.services_removed {
-                    b.known.remove(s);
+                    b.known.remove(&service_id(s));
                 }
-                b.known.extend(delta.services_added.iter().cloned());
+                b.known.extend(delta.services_added.iter().map(service_id));
                 for record in &delta.upserts {
-                    b.remove(&record.ip);
-                    b.insert(&self.policy, record);
+                    let at = match b.remove(&record.ip) {
+                        Some(before) if !before.allowed.is_empty() => before.confirm_at_ms,
+                        _ => confirm_at,
+                    };
+                    // A standing carried over keeps its place in the queue.
+                    if b.insert(&self.policy, record, at) && at == confirm_at {
+                        b.pending.push_back((at, record.ip));
+                    }
                 }
                 for ip in &delta.removed {
                     b.remove(ip);
@@ -316,8 +452,8 @@ impl Guard {
     /// answer is held can turn a rejection into an allowance, never the
     /// reverse, so a pod that appeared during a hold is not read as
     /// destroyed.
-    pub fn gains<'a>(&self, answer: Answer<'a>) -> Vec<&'a IpRecord> {
-        let records: &'a [IpRecord] = match answer {
+    pub fn gains<'a>(&self, answer: Answer<'a>) -> Vec<&'a CompactRecord> {
+        let records: &'a [CompactRecord] = match answer {
             Answer::Reset(snapshot) => &snapshot.records,
             Answer::Delta(delta) => &delta.upserts,
         };
@@ -329,33 +465,35 @@ impl Guard {
                     .get(&r.ip)
                     .is_none_or(|old| old.allowed.is_empty())
             })
-            .filter(|r| candidates(r).any(|s| allows(&self.policy, s, Some(r))))
+            .filter(|r| !Judged::of(Some(r)).allowed(&self.policy).is_empty())
             .collect()
     }
 
     /// What `answer` would do to the IPs allowed now.
     pub fn assess(&self, answer: Answer<'_>) -> Blast {
         let b = &self.baseline;
-        let mut lost_by_service: HashMap<u32, u64> = HashMap::new();
+        let mut lost_by_service: HashMap<u64, u64> = HashMap::new();
         let mut blast = Blast {
-            allowed_ips: b.allowed_ips,
+            allowed_ips: b.counts.allowed_ips,
             ..Blast::default()
         };
         let in_delta = matches!(answer, Answer::Delta(_));
         let mut judge =
-            |old: &IpFacts, new: Option<&IpRecord>, known: &dyn Fn(&ServiceKey) -> bool| {
+            |old: &IpFacts, new: Option<&CompactRecord>, known: &dyn Fn(u64) -> bool| {
+                if old.unconfirmed() || old.allowed.is_empty() {
+                    // Not trusted as allowed (yet): nothing to lose.
+                    return;
+                }
+                let judged = Judged::of(new);
                 let mut lost = false;
                 let mut evidenced = false;
                 for &id in old.allowed.iter() {
-                    let Some(service) = b.service(id) else {
-                        continue;
-                    };
                     // The verdict first: it is cheaper than the set lookup, and
                     // almost always still allows.
-                    if allows(&self.policy, service, new) || !known(service) {
+                    if judged.allows(&self.policy, id) || !known(id) {
                         continue;
                     }
-                    if has_evidence(service, old, new, in_delta) {
+                    if has_evidence(id, old, new, &judged, in_delta) {
                         evidenced = true;
                     } else {
                         lost = true;
@@ -370,8 +508,8 @@ impl Guard {
             };
         match answer {
             Answer::Reset(snapshot) => {
-                let known: HashSet<&ServiceKey> = snapshot.services.iter().collect();
-                let known = |s: &ServiceKey| known.contains(s);
+                let known: HashSet<u64> = snapshot.services.iter().map(service_id).collect();
+                let known = |id: u64| known.contains(&id);
                 let mut seen = 0usize;
                 for record in &snapshot.records {
                     if let Some(old) = b.ips.get(&record.ip) {
@@ -390,9 +528,10 @@ impl Guard {
                 }
             }
             Answer::Delta(delta) => {
-                let known = |s: &ServiceKey| {
-                    delta.services_added.contains(s)
-                        || (b.known.contains(s) && !delta.services_removed.contains(s))
+                let added: HashSet<u64> = delta.services_added.iter().map(service_id).collect();
+                let removed: HashSet<u64> = delta.services_removed.iter().map(service_id).collect();
+                let known = |id: u64| {
+                    added.contains(&id) || (b.known.contains(&id) && !removed.contains(&id))
                 };
                 for record in &delta.upserts {
                     if let Some(old) = b.ips.get(&record.ip) {
@@ -407,13 +546,13 @@ impl Guard {
             }
         }
         let c = &self.config;
-        let mut wiped: Vec<&ServiceKey> = lost_by_service
+        let mut wiped: Vec<ServiceKey> = lost_by_service
             .iter()
             .filter(|(id, lost)| {
-                let members = b.members.get(**id as usize).copied().unwrap_or(0);
+                let members = b.counts.members.get(id).copied().unwrap_or(0);
                 members >= c.min_service_ips && **lost >= members
             })
-            .filter_map(|(id, _)| b.service(*id))
+            .map(|(id, _)| self.name(*id))
             .collect();
         wiped.sort();
         blast.tripped = if blast.allowed_ips >= c.min_ips
@@ -421,116 +560,124 @@ impl Guard {
         {
             Some(Rule::Ratio)
         } else {
-            wiped.first().map(|s| Rule::Service((*s).clone()))
+            wiped.into_iter().next().map(Rule::Service)
         };
         blast
+    }
+
+    /// Remembers the names of the services `answer` lists.
+    fn learn_names(&mut self, answer: Answer<'_>) {
+        let services = match answer {
+            Answer::Reset(snapshot) => &snapshot.services,
+            Answer::Delta(delta) => &delta.services_added,
+        };
+        for service in services {
+            self.names
+                .entry(service_id(service))
+                .or_insert_with(|| service.clone());
+        }
+    }
+
+    /// The name of the service with id `id`, as far as the guard knows it.
+    fn name(&self, id: u64) -> ServiceKey {
+        self.names
+            .get(&id)
+            .cloned()
+            .unwrap_or_else(|| placeholder(id))
     }
 }
 
 // === impl Baseline ===
 
 impl Baseline {
-    fn service(&self, id: u32) -> Option<&ServiceKey> {
-        self.names.get(id as usize)
-    }
-
-    fn id(&mut self, service: &ServiceKey) -> u32 {
-        if let Some(id) = self.ids.get(service) {
-            return *id;
-        }
-        let id = u32::try_from(self.names.len()).unwrap_or(u32::MAX);
-        self.ids.insert(service.clone(), id);
-        self.names.push(service.clone());
-        self.members.push(0);
-        id
-    }
-
-    fn insert(&mut self, policy: &Policy, record: &IpRecord) {
-        let mut allowed: Vec<u32> = Vec::new();
-        for service in candidates(record) {
-            if allows(policy, service, Some(record)) {
-                let id = self.id(service);
-                if !allowed.contains(&id) {
-                    allowed.push(id);
-                    if let Some(n) = self.members.get_mut(id as usize) {
-                        *n += 1;
-                    }
-                }
-            }
-        }
-        if allowed.is_empty() && record.pods.is_empty() {
+    /// Remembers `record`, unconfirmed until `confirm_at_ms` if that is not
+    /// 0. True when it is allowed and unconfirmed.
+    fn insert(&mut self, policy: &Policy, record: &CompactRecord, confirm_at_ms: u64) -> bool {
+        let judged = Judged::of(Some(record));
+        let allowed = judged.allowed(policy);
+        if allowed.is_empty() && !judged.has_pods {
             // Destroyed or vacant: nothing to lose, nothing to remember.
+            return false;
+        }
+        let facts = IpFacts {
+            confirm_at_ms: if allowed.is_empty() { 0 } else { confirm_at_ms },
+            allowed: Allowed::new(allowed),
+            fingerprint: record.fingerprint,
+            mark: self.mark,
+        };
+        self.counts.add(&facts, 1);
+        let unconfirmed = facts.unconfirmed();
+        self.ips.insert(record.ip, facts);
+        unconfirmed
+    }
+
+    /// Forgets `ip`; returns what was known of it.
+    fn remove(&mut self, ip: &IpAddr) -> Option<IpFacts> {
+        let old = self.ips.remove(ip)?;
+        self.counts.add(&old, -1);
+        Some(old)
+    }
+
+    /// Confirms the IPs whose time has come at `now_ms`.
+    fn confirm_due(&mut self, now_ms: u64) {
+        while let Some(&(at, ip)) = self.pending.front() {
+            if at > now_ms {
+                break;
+            }
+            self.pending.pop_front();
+            let Some(facts) = self.ips.get_mut(&ip) else {
+                continue;
+            };
+            if facts.confirm_at_ms != at {
+                // Removed and allowed again since: a later entry counts.
+                continue;
+            }
+            self.counts.add(facts, -1);
+            facts.confirm_at_ms = 0;
+            self.counts.add(facts, 1);
+        }
+    }
+}
+
+// === impl Counts ===
+
+impl Counts {
+    /// Adds (`sign` 1) or takes away (-1) an IP's share.
+    fn add(&mut self, facts: &IpFacts, sign: i64) {
+        if facts.allowed.is_empty() {
             return;
         }
-        if !allowed.is_empty() {
-            self.allowed_ips += 1;
+        if facts.unconfirmed() {
+            self.unconfirmed_ips = self.unconfirmed_ips.saturating_add_signed(sign);
+            return;
         }
-        self.ips.insert(
-            record.ip,
-            IpFacts {
-                allowed: Allowed::new(allowed),
-                holders: holders(record),
-            },
-        );
-    }
-
-    fn remove(&mut self, ip: &IpAddr) {
-        if let Some(old) = self.ips.remove(ip) {
-            if !old.allowed.is_empty() {
-                self.allowed_ips = self.allowed_ips.saturating_sub(1);
-            }
-            for id in old.allowed.iter() {
-                if let Some(n) = self.members.get_mut(*id as usize) {
-                    *n = n.saturating_sub(1);
-                }
-            }
+        self.allowed_ips = self.allowed_ips.saturating_add_signed(sign);
+        for id in facts.allowed.iter() {
+            let n = self.members.entry(*id).or_default();
+            *n = n.saturating_add_signed(sign);
         }
     }
 }
 
-/// Every service a record could allow the IP for.
-fn candidates(record: &IpRecord) -> impl Iterator<Item = &ServiceKey> {
-    record
-        .pods
-        .iter()
-        .flat_map(|p| p.services.iter().map(|m| &m.service))
-        .chain(record.bare_services.iter())
-}
-
-/// True when the verdict for `service` on fresh data with `record` allows.
-/// The verdict rules themselves, so "allowed" cannot drift from what requests
-/// get.
-fn allows(policy: &Policy, service: &ServiceKey, record: Option<&IpRecord>) -> bool {
-    decide(policy, true, service, true, record).action == Action::Allow
-}
-
-fn holders(record: &IpRecord) -> u64 {
-    // A fixed-key hasher: the fingerprint is compared across answers.
-    let mut h = DefaultHasher::new();
-    for pod in &record.pods {
-        pod.namespace.hash(&mut h);
-        pod.name.hash(&mut h);
-    }
-    h.finish()
+/// The id a [`placeholder`] key stands for.
+fn placeholder_id(key: &ServiceKey) -> Option<u64> {
+    u64::from_str_radix(&key.name, 16).ok()
 }
 
 fn has_evidence(
-    service: &ServiceKey,
+    id: u64,
     old: &IpFacts,
-    new: Option<&IpRecord>,
+    new: Option<&CompactRecord>,
+    judged: &Judged,
     in_delta: bool,
 ) -> bool {
     let Some(new) = new else {
         return false;
     };
-    if new
-        .tombstone
-        .as_ref()
-        .is_some_and(|t| t.services.contains(service))
-    {
+    if new.tombstone.contains(&id) {
         return true;
     }
-    in_delta && !new.pods.is_empty() && holders(new) != old.holders
+    in_delta && judged.has_pods && new.fingerprint != old.fingerprint
 }
 
 #[cfg(test)]
@@ -544,7 +691,8 @@ mod tests {
     }
 
     fn ip(n: u32) -> IpAddr {
-        IpAddr::from([10, 0, (n / 256) as u8, (n % 256) as u8])
+        let [_, b, c, d] = n.to_be_bytes();
+        IpAddr::from([10, b, c, d])
     }
 
     fn held_by(n: u32, pod: &str, service: &str) -> IpRecord {
@@ -577,7 +725,8 @@ mod tests {
         }
     }
 
-    fn snapshot(services: &[&str], records: Vec<IpRecord>) -> Snapshot {
+    fn snapshot(services: &[&str], records: Vec<IpRecord>) -> Snapshot<CompactRecord> {
+        let records = records.iter().map(CompactRecord::of).collect();
         Snapshot {
             v: 1,
             epoch: 1,
@@ -591,7 +740,8 @@ mod tests {
         }
     }
 
-    fn delta(upserts: Vec<IpRecord>, removed: Vec<IpAddr>) -> Delta {
+    fn delta(upserts: Vec<IpRecord>, removed: Vec<IpAddr>) -> Delta<CompactRecord> {
+        let upserts = upserts.iter().map(CompactRecord::of).collect();
         Delta {
             v: 1,
             epoch: 1,
@@ -613,7 +763,7 @@ mod tests {
         let mut g = Guard::new(GuardConfig::default(), Policy::default());
         let mut records: Vec<IpRecord> = (0..n).map(|i| member(i, "api")).collect();
         records.extend((1000..1004).map(|i| member(i, "web")));
-        g.applied(Answer::Reset(&snapshot(&["api", "web"], records)));
+        g.applied(0, Answer::Reset(&snapshot(&["api", "web"], records)));
         g
     }
 
@@ -725,7 +875,10 @@ mod tests {
         assert_eq!((blast.lost_ips, blast.tripped), (15, Some(Rule::Ratio)));
         // One lost IP of a 1-IP service is under min_service_ips.
         let mut g = Guard::new(GuardConfig::default(), Policy::default());
-        g.applied(Answer::Reset(&snapshot(&["solo"], vec![member(1, "solo")])));
+        g.applied(
+            0,
+            Answer::Reset(&snapshot(&["solo"], vec![member(1, "solo")])),
+        );
         assert_eq!(
             g.assess(Answer::Delta(&delta(vec![], vec![ip(1)]))).tripped,
             None
@@ -745,13 +898,13 @@ mod tests {
         assert!(g.admit(31_000, Answer::Reset(&sane)));
         assert_eq!(g.take_event(), Some(GuardEvent::Released));
         assert!(!g.holding());
-        g.applied(Answer::Reset(&sane));
+        g.applied(0, Answer::Reset(&sane));
 
         assert!(!g.admit(40_000, Answer::Reset(&empty)));
         assert!(!g.admit(99_999, Answer::Reset(&empty)));
         assert!(g.admit(100_000, Answer::Reset(&empty)), "confirmed");
         assert!(matches!(g.take_event(), Some(GuardEvent::Confirmed(_))));
-        g.applied(Answer::Reset(&empty));
+        g.applied(0, Answer::Reset(&empty));
         // Nothing is allowed now: nothing left to lose.
         assert!(g.admit(100_001, Answer::Reset(&empty)));
     }
@@ -763,9 +916,9 @@ mod tests {
         for i in 0..12 {
             let d = delta(vec![held_by(i, "batch", "batch")], vec![]);
             assert!(g.admit(1, Answer::Delta(&d)));
-            g.applied(Answer::Delta(&d));
+            g.applied(0, Answer::Delta(&d));
         }
-        assert_eq!(g.baseline.members[0], 8);
+        assert_eq!(g.baseline.counts.members[&service_id(&svc("api"))], 8);
         // Now the remaining eight vanish without evidence: every IP of api.
         let d = delta(vec![], (12..20).map(ip).collect());
         assert_eq!(
@@ -798,7 +951,7 @@ mod tests {
                 ..Policy::default()
             },
         );
-        strict.applied(Answer::Reset(&snapshot(&["api"], vec![r.clone()])));
+        strict.applied(0, Answer::Reset(&snapshot(&["api"], vec![r.clone()])));
         assert_eq!(
             strict
                 .assess(Answer::Reset(&snapshot(&["api"], vec![])))
@@ -806,7 +959,7 @@ mod tests {
             0
         );
         let mut open = Guard::new(GuardConfig::default(), Policy::default());
-        open.applied(Answer::Reset(&snapshot(&["api"], vec![r])));
+        open.applied(0, Answer::Reset(&snapshot(&["api"], vec![r])));
         assert_eq!(
             open.assess(Answer::Reset(&snapshot(&["api"], vec![])))
                 .allowed_ips,
@@ -835,5 +988,124 @@ mod tests {
             ..GuardConfig::default()
         };
         assert_eq!(bad.problems().len(), 3);
+    }
+
+    /// A baseline of one live `api` pod (IP 1): the situation of issue 23.
+    fn one_live_pod() -> Guard {
+        let mut g = Guard::new(GuardConfig::default(), Policy::default());
+        g.applied(
+            0,
+            Answer::Reset(&snapshot(&["api"], vec![member(1, "api")])),
+        );
+        g
+    }
+
+    /// `n` members of api from IP 10,000 on, without IP 1.
+    fn huge(n: u32) -> Snapshot<CompactRecord> {
+        snapshot(
+            &["api"],
+            (10_000..10_000 + n).map(|i| member(i, "api")).collect(),
+        )
+    }
+
+    #[test]
+    fn newly_allowed_ips_are_no_loss_until_confirm_ms_has_passed() {
+        let mut g = one_live_pod();
+        let big = huge(150_000);
+        let blast = g.assess(Answer::Reset(&big));
+        assert_eq!((blast.allowed_ips, blast.lost_ips), (1, 1));
+        assert_eq!(blast.tripped, None, "one pod is under every loss threshold");
+        assert!(g.admit(1_000, Answer::Reset(&big)));
+        g.applied(1_000, Answer::Reset(&big));
+        assert_eq!(
+            (g.baseline.counts.allowed_ips, g.unconfirmed_ips()),
+            (0, 150_000)
+        );
+        // Losing all of them again is no loss: the live pod comes back.
+        let truth = snapshot(&["api"], vec![member(1, "api")]);
+        let blast = g.assess(Answer::Reset(&truth));
+        assert_eq!(
+            (blast.allowed_ips, blast.lost_ips, blast.tripped),
+            (0, 0, None)
+        );
+        // Once they have persisted confirm_ms (60 s) they are the reference,
+        // and losing them is held like any loss.
+        assert!(!g.admit(61_000, Answer::Reset(&truth)));
+        assert_eq!(
+            (g.baseline.counts.allowed_ips, g.unconfirmed_ips()),
+            (150_000, 0)
+        );
+        assert!(matches!(g.take_event(), Some(GuardEvent::Held(b)) if b.lost_ips == 150_000));
+    }
+
+    #[test]
+    fn an_ip_keeps_its_standing_while_it_stays_allowed() {
+        let mut g = armed(20);
+        // A new pod, then its IP changes hands within the same service.
+        let d = delta(vec![member(500, "api")], vec![]);
+        g.applied(1_000, Answer::Delta(&d));
+        assert_eq!(g.unconfirmed_ips(), 1);
+        let d = delta(vec![held_by(500, "api-other", "api")], vec![]);
+        g.applied(30_000, Answer::Delta(&d));
+        g.baseline.confirm_due(60_999);
+        assert_eq!(
+            g.unconfirmed_ips(),
+            1,
+            "not yet: still the first pod's clock"
+        );
+        g.baseline.confirm_due(61_000);
+        assert_eq!(
+            (g.unconfirmed_ips(), g.baseline.counts.allowed_ips),
+            (0, 25)
+        );
+        // Removed and allowed again: a new clock, the old entry skipped.
+        let gone = delta(vec![], vec![ip(500)]);
+        g.applied(70_000, Answer::Delta(&gone));
+        let back = delta(vec![member(500, "api")], vec![]);
+        g.applied(80_000, Answer::Delta(&back));
+        g.baseline.confirm_due(130_000);
+        assert_eq!(g.unconfirmed_ips(), 1);
+        g.baseline.confirm_due(140_000);
+        assert_eq!(g.unconfirmed_ips(), 0);
+        // A reset carries the standing over: the baseline's IPs stay
+        // confirmed, a new one starts its clock.
+        let mut records: Vec<IpRecord> = (0..20).map(|i| member(i, "api")).collect();
+        records.push(member(600, "api"));
+        g.applied(150_000, Answer::Reset(&snapshot(&["api", "web"], records)));
+        assert_eq!(
+            (g.baseline.counts.allowed_ips, g.unconfirmed_ips()),
+            (20, 1)
+        );
+    }
+
+    #[test]
+    fn the_sequence_of_a_wrong_validator_then_the_correct_one_is_applied_at_once() {
+        // Issue 23: a valid 150,000-IP reset without the live pod, resets
+        // naming one or two other IPs, then the truth.
+        let mut g = one_live_pod();
+        let mut now = 0;
+        let mut feed = |g: &mut Guard, s: &Snapshot<CompactRecord>| {
+            now += 500;
+            let admitted = g.admit(now, Answer::Reset(s));
+            if admitted {
+                g.applied(now, Answer::Reset(s));
+            }
+            admitted
+        };
+        assert!(feed(&mut g, &huge(150_000)));
+        for _ in 0..10 {
+            assert!(feed(
+                &mut g,
+                &snapshot(&["api"], vec![member(10_000, "api")])
+            ));
+            assert!(feed(
+                &mut g,
+                &snapshot(&["api"], vec![member(10_001, "api"), member(10_002, "api")])
+            ));
+        }
+        let truth = snapshot(&["api"], vec![member(1, "api"), tombstone(2, "api")]);
+        assert!(feed(&mut g, &truth), "the truth is not held");
+        assert!(!g.holding());
+        assert_eq!(g.baseline.counts.allowed_ips + g.unconfirmed_ips(), 1);
     }
 }

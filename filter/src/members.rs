@@ -24,9 +24,9 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use staleguard_core::{decide, IpRecord, Policy, Reason, ServiceKey};
+use staleguard_core::{decide, Policy, Reason, ServiceKey};
 
-use crate::buckets::{placeholder, service_id, Holders};
+use crate::buckets::{placeholder, service_id, CompactRecord, Holders};
 use crate::store::{SharedData, StoreError};
 
 /// One live member: its IP, and the ports the index lists for it in the
@@ -148,11 +148,13 @@ fn read_id(store: &dyn SharedData, id: u64, meta_load: u64) -> Vec<Member> {
 pub fn write_snapshot(
     store: &mut dyn SharedData,
     load: u64,
-    records: &[IpRecord],
+    records: &[CompactRecord],
 ) -> Result<(), StoreError> {
     let mut lists: BTreeMap<u64, Vec<Member>> = BTreeMap::new();
     for record in records {
-        let holders = Holders::from_record(record);
+        let Some(holders) = record.holders() else {
+            continue;
+        };
         for (id, ports) in live_memberships(record.ip, &holders) {
             lists.entry(id).or_default().push(Member {
                 ip: record.ip,
@@ -175,11 +177,12 @@ pub fn apply_change(
     load: u64,
     ip: IpAddr,
     old: Option<&Holders>,
-    new: Option<&IpRecord>,
+    new: Option<&CompactRecord>,
 ) -> Result<(), StoreError> {
     let old = old.map(|h| live_memberships(ip, h)).unwrap_or_default();
     let new = new
-        .map(|r| live_memberships(ip, &Holders::from_record(r)))
+        .and_then(CompactRecord::holders)
+        .map(|h| live_memberships(ip, &h))
         .unwrap_or_default();
     let services = old.keys().chain(new.keys()).collect::<Vec<_>>();
     for id in services {
@@ -206,7 +209,7 @@ mod tests {
     use super::*;
     use crate::store::MemoryStore;
     use staleguard_core::wire::{EndpointPort, Membership, Via};
-    use staleguard_core::PodHolder;
+    use staleguard_core::{IpRecord, PodHolder};
 
     fn cart() -> ServiceKey {
         ServiceKey::new("shop", "cart")
@@ -377,12 +380,13 @@ mod tests {
     #[test]
     fn a_snapshot_writes_lists_and_deltas_keep_them_right() {
         let mut s = MemoryStore::default();
-        let records = vec![
+        let records = [
             rec("10.0.0.1", &cart(), true, false),
             rec("10.0.0.2", &cart(), true, false),
             rec("10.0.0.3", &pay(), true, false),
         ];
-        write_snapshot(&mut s, 1, &records).unwrap();
+        let compact: Vec<CompactRecord> = records.iter().map(CompactRecord::of).collect();
+        write_snapshot(&mut s, 1, &compact).unwrap();
         let mut index: std::collections::HashMap<IpAddr, IpRecord> =
             records.iter().map(|r| (r.ip, r.clone())).collect();
         assert_eq!(ips(&read(&s, &cart(), 1)), ["10.0.0.1", "10.0.0.2"]);
@@ -394,7 +398,7 @@ mod tests {
             rec("10.0.0.4", &cart(), true, false),
         ] {
             let old = index.get(&r.ip).map(Holders::from_record);
-            apply_change(&mut s, 1, r.ip, old.as_ref(), Some(&r)).unwrap();
+            apply_change(&mut s, 1, r.ip, old.as_ref(), Some(&CompactRecord::of(&r))).unwrap();
             index.insert(r.ip, r);
         }
         let gone: IpAddr = "10.0.0.3".parse().unwrap();
@@ -403,7 +407,8 @@ mod tests {
         assert_eq!(ips(&read(&s, &cart(), 1)), ["10.0.0.4"]);
         assert_eq!(ips(&read(&s, &pay(), 1)), ["10.0.0.2"]);
         // A new load hides every list the snapshot did not write.
-        write_snapshot(&mut s, 2, &[rec("10.0.0.9", &cart(), true, false)]).unwrap();
+        let one = CompactRecord::of(&rec("10.0.0.9", &cart(), true, false));
+        write_snapshot(&mut s, 2, &[one]).unwrap();
         assert_eq!(ips(&read(&s, &cart(), 2)), ["10.0.0.9"]);
         assert!(read(&s, &pay(), 2).is_empty());
     }

@@ -62,6 +62,11 @@ pub const GUARD_RELEASED_TOTAL: &str = "staleguard_filter_guard_released_total";
 pub const GUARD_HOLDING: &str = "staleguard_filter_guard_holding";
 /// Gauge: IPs the last held answer would have rejected without evidence.
 pub const GUARD_HELD_IPS: &str = "staleguard_filter_guard_held_ips";
+/// Gauge: how long the hold in progress has lasted, in seconds (0 when none).
+pub const GUARD_HELD_SECONDS: &str = "staleguard_filter_guard_held_seconds";
+/// Gauge: allowed IPs the guard does not count yet: newly allowed less than
+/// `guard.confirm_ms` ago (see `crate::guard`).
+pub const GUARD_UNCONFIRMED_IPS: &str = "staleguard_filter_guard_unconfirmed_ips";
 
 /// Sync error kinds (labels of [`sync_errors`]).
 pub const SYNC_ERROR_KINDS: [&str; 6] = [

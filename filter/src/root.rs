@@ -313,10 +313,9 @@ impl Root {
                     }
                     if p.guard_holding() {
                         // A successor starts without a hold.
-                        self.vm
-                            .metrics
-                            .borrow_mut()
-                            .gauge(host, metrics::GUARD_HOLDING, 0);
+                        let mut m = self.vm.metrics.borrow_mut();
+                        m.gauge(host, metrics::GUARD_HOLDING, 0);
+                        m.gauge(host, metrics::GUARD_HELD_SECONDS, 0);
                     }
                     p.stand_down();
                 }
@@ -423,7 +422,7 @@ impl Root {
                     );
                 }
             }
-            Ok(Applied::Held) => {}
+            Ok(Applied::Held | Applied::StillHeld) => {}
             Err(error) => {
                 self.sync_error(host, &error);
                 self.arm_timer(host, now);
@@ -491,6 +490,16 @@ impl Root {
             // Of this VM: the one that decodes the answers.
             let bytes = host.vm_memory_bytes();
             m.gauge(host, metrics::GAUGE_VM_MEMORY_BYTES, bytes);
+            if let Some(poller) = &self.poller {
+                let guard = poller.guard();
+                let held_s = guard.held_for_ms(now).unwrap_or(0) / 1000;
+                m.gauge(host, metrics::GUARD_HELD_SECONDS, held_s);
+                m.gauge(
+                    host,
+                    metrics::GUARD_UNCONFIRMED_IPS,
+                    guard.unconfirmed_ips(),
+                );
+            }
         }
         match View::new(&*host).meta() {
             Some(meta) => {

@@ -22,6 +22,7 @@ use staleguard_core::wire::{Delta, WireError};
 use staleguard_core::{Changes, Policy, Snapshot};
 
 use crate::backoff::Backoff;
+use crate::buckets::CompactRecord;
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
 use crate::store::write::Writer;
 use crate::store::{Meta, SharedData, StoreError, META_KEY};
@@ -162,9 +163,13 @@ pub enum Applied {
         /// IPs written or cleared.
         changed: u64,
     },
-    /// The blast-radius guard held the answer: nothing was written and the
-    /// previous data keeps serving (see [`crate::guard`]).
+    /// The blast-radius guard held the answer: nothing but its additions
+    /// was written and the previous data keeps serving, synced as of this
+    /// answer (see [`crate::guard`]).
     Held,
+    /// An answer to the watch of a held answer: the validator still serves
+    /// it unchanged. Nothing was written but the time of the sync.
+    StillHeld,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +178,20 @@ struct Cursor {
     epoch: u64,
     generation: u64,
 }
+
+/// Where the validator's held answer stands: the poller long-polls from
+/// here, so it hears at once when that answer changes or another validator
+/// (a new epoch) answers instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct HeldAt {
+    epoch: u64,
+    generation: u64,
+}
+
+/// The longest the poller waits to ask again after the guard held an
+/// answer: a correct validator replacing a wrong one is heard within a
+/// second, whatever backoff the wrong one ran up.
+pub const HOLD_RETRY_MAX_MS: u64 = 1_000;
 
 /// The poller's state.
 #[derive(Debug, Clone)]
@@ -190,6 +209,13 @@ pub struct Poller {
     /// What applying an answer writes to shared data.
     writer: Writer,
     guard: Guard,
+    /// The held answer being watched, while the guard holds one.
+    held: Option<HeldAt>,
+    /// The request in flight watches the held answer.
+    watching: bool,
+    /// A hold wrote additions into the index: if a delta ends the hold, the
+    /// next request is a snapshot, which replaces them with the truth.
+    gains_written: bool,
 }
 
 impl Poller {
@@ -206,6 +232,9 @@ impl Poller {
             backoff: Backoff::new(config.backoff_initial_ms, config.backoff_max_ms, seed),
             writer: Writer::default(),
             guard: Guard::new(GuardConfig::default(), Policy::default()),
+            held: None,
+            watching: false,
+            gains_written: false,
         }
     }
 
@@ -224,6 +253,11 @@ impl Poller {
     /// True while the guard holds an answer back.
     pub fn guard_holding(&self) -> bool {
         self.guard.holding()
+    }
+
+    /// The blast-radius guard, for its gauges.
+    pub fn guard(&self) -> &Guard {
+        &self.guard
     }
 
     /// The request to send now, if one is due and none is in flight. The
@@ -250,14 +284,20 @@ impl Poller {
                 }
             }
         }
-        let request = match self.cursor {
-            None => Request::Snapshot,
-            Some(c) => Request::Changes {
+        let request = match (self.held, self.cursor) {
+            (Some(HeldAt { epoch, generation }), _) => Request::Changes {
+                epoch,
+                since: generation,
+                wait_s: self.config.wait_s,
+            },
+            (None, None) => Request::Snapshot,
+            (None, Some(c)) => Request::Changes {
                 epoch: c.epoch,
                 since: c.generation,
                 wait_s: self.config.wait_s,
             },
         };
+        self.watching = self.held.is_some();
         self.in_flight = Some(request);
         self.deadline_ms = now_ms.saturating_add(self.config.watchdog_ms(&request));
         self.last_sent_ms = Some(now_ms);
@@ -317,6 +357,9 @@ impl Poller {
         self.backoff.reset();
         self.next_at_ms = 0;
         self.guard.reset();
+        self.held = None;
+        self.watching = false;
+        self.gains_written = false;
     }
 
     /// The generation applied last, if any.
@@ -352,11 +395,19 @@ impl Poller {
     ) -> Result<Applied, SyncError> {
         let request = self.in_flight.take();
         let result = self.apply(now_ms, request, status, body, store);
+        self.watching = false;
         match &result {
-            // Ask again, with backoff: the answer may be corrected, or
-            // persist until the guard confirms it.
+            // Ask again soon: the answer may be corrected, replaced by another
+            // validator's, or persist until the guard confirms it. The next
+            // request watches the held answer, which the validator holds
+            // until something changes; the backoff only spaces out answers
+            // that come back at once.
             Ok(Applied::Held) => {
-                self.next_at_ms = now_ms.saturating_add(self.backoff.fail());
+                let delay = self.backoff.fail().min(HOLD_RETRY_MAX_MS);
+                self.next_at_ms = now_ms.saturating_add(delay);
+            }
+            Ok(Applied::StillHeld) => {
+                self.next_at_ms = now_ms;
             }
             Ok(_) => {
                 self.backoff.reset();
@@ -374,9 +425,11 @@ impl Poller {
     }
 
     fn fail(&mut self, now_ms: u64, error: &SyncError) {
+        self.watching = false;
         if matches!(error, SyncError::Sequence { .. } | SyncError::Decode(_)) {
             // We may be out of step: the next attempt starts over.
             self.cursor = None;
+            self.held = None;
         }
         self.next_at_ms = now_ms.saturating_add(self.backoff.fail());
     }
@@ -397,22 +450,55 @@ impl Poller {
         let body = std::io::BufReader::with_capacity(BODY_CHUNK, body);
         match request {
             Some(Request::Snapshot) | None => {
-                let snapshot = Snapshot::from_reader(body).map_err(SyncError::Decode)?;
+                let snapshot = Snapshot::decode_from(body).map_err(SyncError::Decode)?;
                 self.load_snapshot(now_ms, snapshot, store)
             }
             Some(Request::Changes { .. }) => {
-                match Changes::from_reader(body).map_err(SyncError::Decode)? {
+                match Changes::decode_from(body).map_err(SyncError::Decode)? {
                     Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
+                    Changes::Delta(delta) if self.watching => {
+                        self.watch_delta(now_ms, &delta, store)
+                    }
                     Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
                 }
             }
         }
     }
 
+    /// A delta answering the watch of a held answer. Unchanged, and not yet
+    /// due for confirmation: the hold goes on and the data it keeps serving
+    /// counts as synced now. Otherwise the next request asks from the
+    /// applied generation again, so the guard judges the validator's whole
+    /// answer anew (released, held again, or confirmed).
+    fn watch_delta(
+        &mut self,
+        now_ms: u64,
+        delta: &Delta<CompactRecord>,
+        store: &mut dyn SharedData,
+    ) -> Result<Applied, SyncError> {
+        let continues = self
+            .held
+            .is_some_and(|h| delta.epoch == h.epoch && delta.since == h.generation);
+        let unchanged = delta.upserts.is_empty()
+            && delta.removed.is_empty()
+            && delta.services_added.is_empty()
+            && delta.services_removed.is_empty();
+        if continues && unchanged && !self.guard.confirm_due(now_ms) {
+            self.held = Some(HeldAt {
+                epoch: delta.epoch,
+                generation: delta.generation,
+            });
+            self.writer.refresh(store, now_ms, delta.freshness.fresh)?;
+            return Ok(Applied::StillHeld);
+        }
+        self.held = None;
+        Ok(Applied::Held)
+    }
+
     fn load_snapshot(
         &mut self,
         now_ms: u64,
-        mut snapshot: Snapshot,
+        mut snapshot: Snapshot<CompactRecord>,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
         // The decoder grew the records by doubling: give the spare capacity
@@ -421,16 +507,24 @@ impl Poller {
         snapshot.records.shrink_to_fit();
         if !self.guard.admit(now_ms, Answer::Reset(&snapshot)) {
             let gains = self.guard.gains(Answer::Reset(&snapshot));
-            self.writer.write_gains(store, &gains)?;
+            self.writer
+                .write_hold(store, now_ms, snapshot.freshness.fresh, &gains)?;
+            self.gains_written |= !gains.is_empty();
+            self.held = Some(HeldAt {
+                epoch: snapshot.epoch,
+                generation: snapshot.generation,
+            });
             return Ok(Applied::Held);
         }
+        self.held = None;
+        self.gains_written = false;
         let meta = self.writer.write_snapshot(store, now_ms, &mut snapshot)?;
         self.cursor = Some(Cursor {
             load: meta.load,
             epoch: meta.epoch,
             generation: meta.generation,
         });
-        self.guard.applied(Answer::Reset(&snapshot));
+        self.guard.applied(now_ms, Answer::Reset(&snapshot));
         Ok(Applied::Reset {
             entries: meta.entries,
         })
@@ -439,7 +533,7 @@ impl Poller {
     fn apply_delta(
         &mut self,
         now_ms: u64,
-        delta: Delta,
+        delta: Delta<CompactRecord>,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
         let (epoch, since, generation) = (delta.epoch, delta.since, delta.generation);
@@ -454,9 +548,13 @@ impl Poller {
         }
         if !self.guard.admit(now_ms, Answer::Delta(&delta)) {
             let gains = self.guard.gains(Answer::Delta(&delta));
-            self.writer.write_gains(store, &gains)?;
+            self.writer
+                .write_hold(store, now_ms, delta.freshness.fresh, &gains)?;
+            self.gains_written |= !gains.is_empty();
+            self.held = Some(HeldAt { epoch, generation });
             return Ok(Applied::Held);
         }
+        self.held = None;
         let changed = self
             .writer
             .write_delta(store, now_ms, cursor.load, &delta)?;
@@ -464,12 +562,13 @@ impl Poller {
             generation,
             ..cursor
         });
-        if self.writer.outgrown() {
+        if self.writer.outgrown() || std::mem::take(&mut self.gains_written) {
             // More than two IPs per bucket on average: readers' lookups grow.
-            // The next request is a snapshot, laid out with more buckets.
+            // Or a hold wrote additions this delta does not know of. The next
+            // request is a snapshot, laid out anew.
             self.cursor = None;
         }
-        self.guard.applied(Answer::Delta(&delta));
+        self.guard.applied(now_ms, Answer::Delta(&delta));
         Ok(Applied::Delta { changed })
     }
 }
@@ -928,21 +1027,59 @@ mod tests {
             p.take_guard_event(),
             Some(GuardEvent::Held(b)) if b.lost_ips == 20
         ));
-        assert_eq!(View::new(&store).meta(), Some(before), "nothing written");
-        assert!(present(&store, "10.0.0.1"));
-        // Asked again after a backoff, from the same cursor.
-        assert_eq!(p.next_request(10, &store), None);
-        let again = p.next_request(200, &store).unwrap();
         assert_eq!(
-            again.path(),
+            View::new(&store).meta(),
+            Some(Meta {
+                synced_ms: 10,
+                ..before
+            }),
+            "nothing written but the time of the sync"
+        );
+        assert!(present(&store, "10.0.0.1"));
+        // The held answer is watched, soon: a long poll from its generation.
+        assert_eq!(p.next_request(10, &store), None);
+        let watch = p.next_request(200, &store).unwrap();
+        assert_eq!(
+            watch,
+            Request::Changes {
+                epoch: 10,
+                since: 1,
+                wait_s: 5
+            }
+        );
+        // Unchanged after the wait: the hold goes on, the data counts as
+        // synced, and the watch goes on at once.
+        assert_eq!(
+            p.on_response(
+                5_200,
+                200,
+                &json(&Changes::Delta(delta(10, 1, 1))),
+                &mut store
+            )
+            .unwrap(),
+            Applied::StillHeld
+        );
+        assert_eq!(View::new(&store).meta().unwrap().synced_ms, 5_200);
+        assert_eq!(p.next_request(5_200, &store), Some(watch));
+        // The held answer changes: judged anew, from the applied generation.
+        let mut changed = delta(10, 1, 2);
+        changed.removed = vec!["10.0.0.1".parse().unwrap()];
+        assert_eq!(
+            p.on_response(6_000, 200, &json(&Changes::Delta(changed)), &mut store)
+                .unwrap(),
+            Applied::Held
+        );
+        let again = p.next_request(7_000, &store).unwrap();
+        assert_eq!(
+            again,
             Request::Changes {
                 epoch: 9,
                 since: 3,
                 wait_s: 5
             }
-            .path()
         );
-        p.on_response(200, 200, &empty, &mut store).unwrap();
+        p.on_response(7_000, 200, &empty, &mut store).unwrap();
+        assert!(present(&store, "10.0.0.1"));
         // Still there after confirm_ms: the change is taken as real.
         p.next_request(60_010, &store);
         assert_eq!(
@@ -981,7 +1118,112 @@ mod tests {
             present(&store, "10.0.0.20"),
             "the held losses are not written"
         );
-        assert_eq!(View::new(&store).meta(), Some(before), "meta untouched");
+        assert_eq!(
+            View::new(&store).meta(),
+            Some(Meta {
+                synced_ms: 10,
+                ..before
+            }),
+            "meta only synced"
+        );
+    }
+
+    #[test]
+    fn a_hold_keeps_the_data_fresh_only_while_the_validator_calls_it_fresh() {
+        let ips = twenty_ips();
+        let (mut p, mut store) = loaded(&ips.iter().map(String::as_str).collect::<Vec<_>>());
+        let mut empty = snapshot(10, 1, &[]);
+        empty.freshness.fresh = false;
+        p.next_request(10, &store);
+        assert_eq!(
+            p.on_response(10, 200, &json(&Changes::Reset(empty)), &mut store)
+                .unwrap(),
+            Applied::Held
+        );
+        let meta = View::new(&store).meta().unwrap();
+        assert!(!meta.fresh, "a validator that is not fresh is not trusted");
+        assert!(!meta.is_fresh(20, 60_000));
+    }
+
+    /// The sequence of issue 23: a wrong validator serves a huge reset of one
+    /// service that lacks its one live pod, then resets naming a single IP;
+    /// then the correct validator answers. Its answer is enforced at once:
+    /// the huge reset did not become the reference the guard holds the
+    /// truth against.
+    #[test]
+    fn a_wrong_validator_cannot_make_the_guard_hold_the_correct_one() {
+        let (mut p, mut store) = loaded(&["10.0.0.1"]);
+        // 1. 20,000 members of cart, not 10.0.0.1: applied (one pod is under
+        //    every threshold), its additions unconfirmed.
+        let huge: Vec<String> = (0..20_000)
+            .map(|i| format!("10.1.{}.{}", i / 250, i % 250))
+            .collect();
+        let huge: Vec<&str> = huge.iter().map(String::as_str).collect();
+        p.next_request(1_000, &store);
+        let answer = p
+            .on_response(
+                1_000,
+                200,
+                &json(&Changes::Reset(snapshot(66, 1, &huge))),
+                &mut store,
+            )
+            .unwrap();
+        assert_eq!(answer, Applied::Reset { entries: 20_000 });
+        assert_eq!(p.take_guard_event(), None);
+        assert_eq!(p.guard().unconfirmed_ips(), 20_000);
+        // 2. Then a reset naming two other IPs: every IP of cart, by the
+        //    guard's rules, if they were its reference.
+        p.next_request(2_000, &store);
+        let two = Changes::Reset(snapshot(67, 1, &["10.0.0.2", "10.0.0.3"]));
+        assert_eq!(
+            p.on_response(2_000, 200, &json(&two), &mut store).unwrap(),
+            Applied::Reset { entries: 2 }
+        );
+        // 3. The correct validator: enforced at once, nothing held.
+        p.next_request(3_000, &store);
+        let truth = Changes::Reset(snapshot(70, 1, &["10.0.0.1"]));
+        assert_eq!(
+            p.on_response(3_000, 200, &json(&truth), &mut store)
+                .unwrap(),
+            Applied::Reset { entries: 1 }
+        );
+        assert!(!p.guard_holding());
+        assert!(present(&store, "10.0.0.1") && !present(&store, "10.0.0.2"));
+        assert!(View::new(&store).meta().unwrap().is_fresh(3_000, 5_000));
+    }
+
+    #[test]
+    fn a_delta_that_ends_a_hold_with_written_gains_is_followed_by_a_snapshot() {
+        let ips = twenty_ips();
+        let (mut p, mut store) = loaded(&ips.iter().map(String::as_str).collect::<Vec<_>>());
+        // Held: 18 of 20 gone, and a new pod whose gain is written.
+        let held = Changes::Reset(snapshot(10, 1, &["10.0.0.1", "10.0.0.2", "10.0.1.1"]));
+        p.next_request(10, &store);
+        assert_eq!(
+            p.on_response(10, 200, &json(&held), &mut store).unwrap(),
+            Applied::Held
+        );
+        assert!(present(&store, "10.0.1.1"));
+        // The held answer changes; asked again from our cursor, the first
+        // validator answers an empty delta: released.
+        p.next_request(1_000, &store);
+        let mut changed = delta(10, 1, 2);
+        changed.removed = vec!["10.0.0.2".parse().unwrap()];
+        p.on_response(1_000, 200, &json(&Changes::Delta(changed)), &mut store)
+            .unwrap();
+        p.next_request(2_000, &store);
+        assert!(matches!(
+            p.on_response(
+                2_000,
+                200,
+                &json(&Changes::Delta(delta(9, 3, 4))),
+                &mut store
+            ),
+            Ok(Applied::Delta { .. })
+        ));
+        assert_eq!(p.take_guard_event(), Some(GuardEvent::Released));
+        // The gain it knows nothing of goes with the next request, a snapshot.
+        assert_eq!(p.next_request(3_000, &store), Some(Request::Snapshot));
     }
 
     #[test]

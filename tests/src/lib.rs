@@ -37,6 +37,7 @@ pub mod kube_source;
 pub mod pods;
 pub mod process;
 pub mod scene;
+pub mod tls;
 pub mod traffic;
 pub mod validator;
 pub mod world;

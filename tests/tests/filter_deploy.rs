@@ -55,10 +55,18 @@ fn plain_envoy_example_validates() -> Result<()> {
     let Some((envoy, wasm)) = dependencies() else {
         return Ok(());
     };
-    let yaml = std::fs::read_to_string(repo("deploy/envoy/envoy.yaml"))?.replace(
-        "/etc/envoy/staleguard_filter.wasm",
-        &wasm.display().to_string(),
-    );
+    // The validator's CA, which the operator provides: one made now.
+    let dir = std::env::temp_dir().join(format!("staleguard-example-ca-{}", std::process::id()));
+    let ca = staleguard_tests::tls::TestCa::new(&dir, "example")?;
+    let yaml = std::fs::read_to_string(repo("deploy/envoy/envoy.yaml"))?
+        .replace(
+            "/etc/envoy/staleguard_filter.wasm",
+            &wasm.display().to_string(),
+        )
+        .replace(
+            "/etc/envoy/staleguard-validator-ca.crt",
+            &ca.ca_file().display().to_string(),
+        );
     let path = std::env::temp_dir().join(format!("staleguard-example-{}.yaml", std::process::id()));
     std::fs::write(&path, yaml)?;
     validate(&envoy, &path, &[])?;

@@ -24,6 +24,7 @@ const HELD: &str = "wasmcustom.staleguard_filter_guard_held_total";
 const RELEASED: &str = "wasmcustom.staleguard_filter_guard_released_total";
 const HOLDING: &str = "wasmcustom.staleguard_filter_guard_holding";
 const HELD_IPS: &str = "wasmcustom.staleguard_filter_guard_held_ips";
+const RESETS: &str = "wasmcustom.staleguard_filter_sync_resets_total";
 
 /// The live hosts Envoy routes to.
 const CART_LIVE: &str = "127.0.1.51";
@@ -235,4 +236,177 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
     assert_eq!(envoy.stat(HOLDING)?, 0);
     all_served(&envoy, WEB, 5)?;
     Ok(())
+}
+
+// === A wrong validator, then the correct one (issue 23) ===
+
+/// shop/api's one live pod, and a pod of it that was deleted.
+const API: &str = "outbound|8080||api.shop.svc.cluster.local";
+const API_GONE: &str = "outbound|8080|gone|api.shop.svc.cluster.local";
+const API_LIVE_IP: &str = "127.0.1.61";
+const API_GONE_IP: &str = "127.0.1.62";
+/// The plugin knobs of the check: short waits, so staleness comes within
+/// the test's seconds.
+const POLL_WAIT_S: u64 = 2;
+const MAX_STALENESS_MS: u64 = 5_000;
+
+/// The truth: shop/api's one live member and one deleted pod with its
+/// tombstone, and 20 members of shop/web (Envoy routes to none of them).
+fn api_truth(api: &ServiceKey) -> (Vec<ServiceKey>, Vec<IpRecord>) {
+    let web = ServiceKey::new("shop", "web");
+    let mut records: Vec<IpRecord> = (1..=20)
+        .map(|i| pod(&format!("127.0.5.{i}"), &format!("web-{i}"), &[&web], false))
+        .collect();
+    records.extend([
+        pod(API_LIVE_IP, "api-0", &[api], false),
+        IpRecord {
+            ip: API_GONE_IP
+                .parse()
+                .unwrap_or(std::net::IpAddr::from([0; 4])),
+            pods: vec![],
+            bare_services: vec![],
+            tombstone: Some(Tombstone {
+                pod: "shop/api-1".into(),
+                uid: String::new(),
+                services: vec![api.clone()],
+                since_ms: 1,
+            }),
+        },
+    ]);
+    (vec![api.clone(), web], records)
+}
+
+/// What the gateway did with one request.
+fn verdict(envoy: &Envoy, cluster: &str) -> Result<String> {
+    let r = envoy.get(cluster)?;
+    Ok(match (r.status, r.header("x-staleguard")) {
+        (200, "") => "served".to_owned(),
+        (status, reason) => format!("{status} {reason}"),
+    })
+}
+
+/// Sends a request to each cluster every 50 ms for `span`; returns what
+/// happened to each, with the time it was sent.
+fn traffic(envoy: &Envoy, span: Duration) -> Result<Vec<(Duration, String, String)>> {
+    let start = std::time::Instant::now();
+    let mut seen = vec![];
+    while start.elapsed() < span {
+        let at = start.elapsed();
+        seen.push((at, verdict(envoy, API)?, verdict(envoy, API_GONE)?));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(seen)
+}
+
+/// A wrong validator serves fresh, valid, wrong answers for about 11 s: a
+/// reset of 100,000 members of shop/api without its live pod, then resets
+/// that name one or two other IPs; then the correct validator answers. Before
+/// that, a wrong answer the guard holds for longer than `max_staleness_ms`.
+fn wrong_then_correct(failure_policy: &str) -> Result<()> {
+    let api = ServiceKey::new("shop", "api");
+    let live = named_host(API_LIVE_IP, "api-0")?;
+    let gone = named_host(API_GONE_IP, "api-1-recycled")?;
+    let validator = FakeValidator::start(1)?;
+    let (services, truth) = api_truth(&api);
+    validator.set_index(services.clone(), truth.clone());
+    let plugin = Some(shipped_plugin(json!({
+        "poll_wait_s": POLL_WAIT_S,
+        "max_staleness_ms": MAX_STALENESS_MS,
+        "tick_ms": 200,
+        "policy": {"failure_policy": failure_policy},
+    })));
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![
+            Cluster::new(API, live.addr(), plugin.clone()),
+            Cluster::new(API_GONE, gone.addr(), plugin),
+        ],
+    );
+    let Some(envoy) = gateway.start()? else {
+        return Ok(());
+    };
+    envoy.eventually("first sync: the deleted pod rejected", WAIT, |e| {
+        Ok(verdict(e, API_GONE)? == "503 destroyed")
+    })?;
+
+    // 1. A held answer (an empty reset, for twice max_staleness_ms) keeps the
+    //    previous data serving as it did, fresh: neither the live pod
+    //    rejected (fail-closed) nor the deleted one let through (fail-open).
+    validator.restart(50);
+    validator.set_index(services.clone(), vec![]);
+    envoy.eventually("the guard holds the empty reset", WAIT, |e| {
+        Ok(e.stat(HOLDING)? == 1)
+    })?;
+    let during = traffic(&envoy, Duration::from_millis(2 * MAX_STALENESS_MS))?;
+    for (at, live, gone) in &during {
+        ensure!(
+            live == "served" && gone == "503 destroyed",
+            "{at:?} into the hold ({failure_policy}): live {live}, deleted {gone}"
+        );
+    }
+    ensure!(envoy.stat("wasmcustom.staleguard_filter_guard_held_seconds")? >= 5);
+    ensure!(envoy.stat("wasmcustom.staleguard_filter_index_fresh")? == 1);
+
+    // 2. The wrong validator, for about 11 s: it knows only shop/api (so
+    //    web's IPs are no loss), and api's one live pod is under every
+    //    threshold, so its answers pass the guard: a huge valid reset without
+    //    the live pod, then resets naming one or two other IPs.
+    let huge: Vec<IpRecord> = (0..100_000u32)
+        .map(|i| {
+            let [_, b, c, d] = i.to_be_bytes();
+            pod(
+                &format!("10.{b}.{c}.{d}"),
+                &format!("api-w{i}"),
+                &[&api],
+                false,
+            )
+        })
+        .collect();
+    let mut epoch = 100;
+    validator.restart(epoch);
+    validator.set_index(vec![api.clone()], huge);
+    let wrong_until = std::time::Instant::now() + Duration::from_secs(11);
+    while std::time::Instant::now() < wrong_until {
+        std::thread::sleep(Duration::from_millis(900));
+        epoch += 1;
+        let mut few = vec![pod(API_GONE_IP, "api-w0", &[&api], false)];
+        if epoch % 2 == 0 {
+            few.push(pod("10.0.0.9", "api-w9", &[&api], false));
+        }
+        validator.restart(epoch);
+        validator.set_index(vec![api.clone()], few);
+    }
+
+    // 3. The correct validator answers: its answer is applied within
+    //    poll_wait_s + 1 s, and from then on the live pod is served and the
+    //    deleted pod rejected, past max_staleness_ms.
+    std::thread::sleep(Duration::from_millis(500));
+    let resets = envoy.stat(RESETS)?;
+    let asked = std::time::Instant::now();
+    validator.restart(1_000);
+    validator.set_index(services, truth);
+    let bound = Duration::from_secs(POLL_WAIT_S + 1);
+    envoy.eventually("the correct answer applied", bound, |e| {
+        Ok(e.stat(RESETS)? > resets)
+    })?;
+    let applied = asked.elapsed();
+    let after = traffic(&envoy, Duration::from_millis(MAX_STALENESS_MS + 1_000))?;
+    for (at, live, gone) in &after {
+        ensure!(
+            live == "served" && gone == "503 destroyed",
+            "({failure_policy}) {at:?} after the correct answer was applied ({applied:?} after it was served): live {live}, deleted {gone}"
+        );
+    }
+    assert_eq!(envoy.stat(HOLDING)?, 0);
+    Ok(())
+}
+
+#[test]
+fn a_wrong_validator_then_the_correct_one_with_failure_policy_closed() -> Result<()> {
+    wrong_then_correct("closed")
+}
+
+#[test]
+fn a_wrong_validator_then_the_correct_one_with_failure_policy_open() -> Result<()> {
+    wrong_then_correct("open")
 }

@@ -66,7 +66,7 @@ tests:
           - exp_labels: {severity: critical, namespace: istio-system, pod: gw-1}
             exp_annotations:
               summary: "staleguard held a validator answer that would reject most live traffic"
-              description: "Gateway istio-system/gw-1 kept its previous data instead of an answer that would newly reject most allowed IPs, or every IP of a service, without evidence. Check the validator (flags, /readyz, /v1/snapshot on each replica); staleguard_filter_guard_held_ips says how many IPs it would have rejected."
+              description: "Gateway istio-system/gw-1 kept its previous data instead of an answer that would newly reject most allowed IPs, or every IP of a service, without evidence. The previous data keeps being enforced (and stays fresh while the validator answers) until the answer changes or persists for guard.confirm_ms. Check the validator (flags, /readyz, /v1/snapshot on each replica); staleguard_filter_guard_held_ips says how many IPs it would have rejected, staleguard_filter_guard_held_seconds how long the hold has lasted."
               runbook: "docs/filter.md#the-blast-radius-guard"
       - eval_time: 16m
         alertname: StaleguardGuardHeldValidatorAnswer

@@ -115,7 +115,7 @@ async fn run() -> Result<()> {
 
     let mut batch = Vec::new();
     let mut naive = Vec::new();
-    let client = Client::new(Duration::from_secs(60));
+    let client = Client::new(Duration::from_secs(60), None).map_err(anyhow::Error::msg)?;
     for round in 0..rounds {
         let t0 = Instant::now();
         let report = audit_once(&audit).await?;

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use staleguard_core::Changes;
-use staleguard_validator::api::{self, ApiConfig};
+use staleguard_validator::api::{self, ApiConfig, ConnectionLimits};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::shared::SharedIndex;
 use staleguard_validator::synth;
@@ -77,6 +77,13 @@ fn server() -> Result<()> {
             listen: "127.0.0.1:0".parse()?,
             admin_listen: "127.0.0.1:0".parse()?,
             max_long_polls: 100_000,
+            max_long_polls_per_client: 100_000,
+            // Every simulated gateway connects from 127.0.0.1.
+            connections: ConnectionLimits {
+                max_connections: 100_000,
+                max_per_source: 100_000,
+                ..ConnectionLimits::API
+            },
             ..ApiConfig::default()
         };
         let (port, admin) = api::spawn(shared.clone(), &config).await?;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use staleguard_core::service::is_dns_label;
 
-use crate::api::ApiConfig;
+use crate::api::{ApiConfig, ConnectionLimits, TlsFiles};
 use crate::index::IndexConfig;
 use crate::scope::{PodScope, Selector};
 
@@ -132,6 +132,30 @@ pub struct Args {
     #[arg(long, env = "STALEGUARD_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
+    /// PEM certificate chain for TLS on the public listener (a mounted
+    /// `kubernetes.io/tls` Secret's `tls.crt`), re-read when it changes. With
+    /// `--tls-key-file`. [default: plain HTTP]
+    #[arg(long, env = "STALEGUARD_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of `--tls-cert-file` (`tls.key`).
+    #[arg(long, env = "STALEGUARD_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// Serve `/v1` as plain HTTP on an address other than loopback. Without
+    /// this flag, a `--listen` beyond loopback needs `--tls-cert-file`: in
+    /// clear, the token can be read on the path and nothing tells gateways
+    /// they talk to the validator.
+    #[arg(long, env = "STALEGUARD_ALLOW_PLAINTEXT")]
+    pub allow_plaintext: bool,
+
+    /// Serve `/v1` without a token on an address other than loopback. Without
+    /// this flag, a `--listen` beyond loopback needs `--token-file`: an open
+    /// API lets anyone the network admits read the index and load the
+    /// validator.
+    #[arg(long, env = "STALEGUARD_ALLOW_NO_TOKEN")]
+    pub allow_no_token: bool,
+
     /// The longest `wait` a long poll may ask for.
     #[arg(long, env = "STALEGUARD_MAX_WAIT", default_value = "60s")]
     pub max_wait: String,
@@ -140,14 +164,57 @@ pub struct Args {
     #[arg(long, env = "STALEGUARD_MAX_LONG_POLLS", default_value_t = 4096)]
     pub max_long_polls: usize,
 
+    /// How many of the waiting long polls one client (source address) may
+    /// hold; more are answered 429. A gateway holds one.
+    #[arg(
+        long,
+        env = "STALEGUARD_MAX_LONG_POLLS_PER_CLIENT",
+        default_value_t = 64
+    )]
+    pub max_long_polls_per_client: usize,
+
     /// How long any request may take on top of its `wait`.
     #[arg(long, env = "STALEGUARD_REQUEST_TIMEOUT", default_value = "10s")]
     pub request_timeout: String,
+
+    /// How many answers (snapshots, deltas) may be built at once; more wait
+    /// their turn. Every reset, whatever its `since`, shares one snapshot build.
+    #[arg(long, env = "STALEGUARD_MAX_BUILDS", default_value_t = 2)]
+    pub max_builds: usize,
+
+    /// How many `POST /v1/verdicts` may be read and judged at once; more wait
+    /// their turn (each holds a body of up to 20 MiB while judged).
+    #[arg(long, env = "STALEGUARD_MAX_VERDICT_BATCHES", default_value_t = 2)]
+    pub max_verdict_batches: usize,
 
     /// After SIGTERM, how long open connections may take before the process
     /// exits anyway.
     #[arg(long, env = "STALEGUARD_SHUTDOWN_GRACE", default_value = "10s")]
     pub shutdown_grace: String,
+
+    /// Connections the public listener holds at once; more are closed as soon
+    /// as accepted. Lowered at start, with a warning, when the open file limit
+    /// has no room for it beside the admin listener's 128.
+    #[arg(long, env = "STALEGUARD_MAX_CONNECTIONS", default_value_t = 8192)]
+    pub max_connections: usize,
+
+    /// Connections the public listener holds at once from one source address.
+    #[arg(
+        long,
+        env = "STALEGUARD_MAX_CONNECTIONS_PER_SOURCE",
+        default_value_t = 256
+    )]
+    pub max_connections_per_source: usize,
+
+    /// Time a client has to send a complete request head, on a new connection
+    /// or between two requests of a kept-alive one (both listeners).
+    #[arg(long, env = "STALEGUARD_HEADER_READ_TIMEOUT", default_value = "10s")]
+    pub header_read_timeout: String,
+
+    /// A connection on which no byte moved for this long while no request of
+    /// it is being handled is closed (both listeners).
+    #[arg(long, env = "STALEGUARD_IDLE_TIMEOUT", default_value = "30s")]
+    pub idle_timeout: String,
 }
 
 /// Where objects come from, checked.
@@ -228,6 +295,16 @@ impl Config {
             Duration::from_millis(100),
         );
         let shutdown_grace = duration("shutdown-grace", &args.shutdown_grace, Duration::ZERO);
+        let header_read_timeout = duration(
+            "header-read-timeout",
+            &args.header_read_timeout,
+            Duration::from_millis(100),
+        );
+        let idle_timeout = duration(
+            "idle-timeout",
+            &args.idle_timeout,
+            Duration::from_millis(100),
+        );
         let mut address = |flag: &str, text: &str| match text.parse::<SocketAddr>() {
             Ok(addr) => Some(addr),
             Err(_) => {
@@ -237,11 +314,40 @@ impl Config {
         };
         let listen = address("listen", &args.listen);
         let admin_listen = address("admin-listen", &args.admin_listen);
+        if let Some(listen) = listen.filter(|l| !l.ip().is_loopback()) {
+            if args.token_file.is_none() && !args.allow_no_token {
+                problems.push(format!(
+                    "--listen {listen}: serves /v1 beyond this machine without a token; give \
+                     --token-file, or --allow-no-token to choose an open API"
+                ));
+            }
+            if args.tls_cert_file.is_none() && !args.allow_plaintext {
+                problems.push(format!(
+                    "--listen {listen}: serves /v1 beyond this machine in clear; give \
+                     --tls-cert-file and --tls-key-file, or --allow-plaintext to choose plain HTTP"
+                ));
+            }
+        }
         if args.max_long_polls == 0 {
             problems.push("--max-long-polls: must be at least 1".into());
         }
         if args.change_log_capacity == 0 {
             problems.push("--change-log-capacity: must be at least 1".into());
+        }
+        if args.max_long_polls_per_client == 0 {
+            problems.push("--max-long-polls-per-client: must be at least 1".into());
+        }
+        if args.max_builds == 0 {
+            problems.push("--max-builds: must be at least 1".into());
+        }
+        if args.max_verdict_batches == 0 {
+            problems.push("--max-verdict-batches: must be at least 1".into());
+        }
+        if args.max_connections == 0 {
+            problems.push("--max-connections: must be at least 1".into());
+        }
+        if args.max_connections_per_source == 0 {
+            problems.push("--max-connections-per-source: must be at least 1".into());
         }
         let mut scope = PodScope::default();
         let source = match args.source {
@@ -340,8 +446,26 @@ impl Config {
                 token_file: args.token_file,
                 max_wait,
                 max_long_polls: args.max_long_polls,
+                max_long_polls_per_client: args.max_long_polls_per_client,
                 request_timeout,
+                max_builds: args.max_builds,
+                max_verdict_batches: args.max_verdict_batches,
                 shutdown_grace,
+                connections: ConnectionLimits {
+                    header_read_timeout,
+                    idle_timeout,
+                    max_connections: args.max_connections,
+                    max_per_source: args.max_connections_per_source,
+                },
+                admin_connections: ConnectionLimits {
+                    header_read_timeout,
+                    idle_timeout,
+                    ..ConnectionLimits::ADMIN
+                },
+                tls: args
+                    .tls_cert_file
+                    .zip(args.tls_key_file)
+                    .map(|(cert, key)| TlsFiles { cert, key }),
             },
         })
     }
@@ -413,6 +537,52 @@ mod tests {
         );
         assert_eq!(c.api.listen, "127.0.0.1:8080".parse().unwrap());
         assert_eq!(c.api.admin_listen, "127.0.0.1:9090".parse().unwrap());
+    }
+
+    #[test]
+    fn a_listen_beyond_loopback_needs_a_token_file_or_allow_no_token() {
+        let tls = ["--tls-cert-file", "/c", "--tls-key-file", "/k"];
+        let with = |args: &[&str]| {
+            let mut all = vec!["--listen", "0.0.0.0:8080"];
+            all.extend_from_slice(args);
+            parse(&all)
+        };
+        let err = with(&tls).unwrap_err();
+        assert_eq!(err.problems.len(), 1, "{err}");
+        assert!(err.to_string().contains("--allow-no-token"), "{err}");
+        assert!(with(&[&tls[..], &["--allow-no-token"]].concat()).is_ok());
+        assert!(with(&[&tls[..], &["--token-file", "/t"]].concat()).is_ok());
+        assert!(parse(&["--listen", "127.0.0.2:8080"]).is_ok());
+        assert!(parse(&["--listen", "[::1]:8080"]).is_ok());
+    }
+
+    #[test]
+    fn a_listen_beyond_loopback_needs_tls_or_allow_plaintext() {
+        let err = parse(&["--listen", "0.0.0.0:8080", "--token-file", "/t"]).unwrap_err();
+        assert_eq!(err.problems.len(), 1, "{err}");
+        assert!(err.to_string().contains("--allow-plaintext"), "{err}");
+        let c = parse(&[
+            "--listen",
+            "0.0.0.0:8080",
+            "--token-file",
+            "/t",
+            "--tls-cert-file",
+            "/tls/tls.crt",
+            "--tls-key-file",
+            "/tls/tls.key",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.api.tls.map(|t| (t.cert, t.key)),
+            Some(("/tls/tls.crt".into(), "/tls/tls.key".into()))
+        );
+        let plain = ["--listen", "0.0.0.0:8080", "--token-file", "/t"];
+        assert!(parse(&[&plain[..], &["--allow-plaintext"]].concat()).is_ok());
+        // A key without its certificate is a usage error.
+        let mut argv = vec!["staleguard-validator", "--tls-key-file", "/k"];
+        assert!(Args::try_parse_from(&argv).is_err());
+        argv.extend(["--tls-cert-file", "/c"]);
+        assert!(Args::try_parse_from(&argv).is_ok());
     }
 
     #[test]

@@ -61,6 +61,10 @@ pub fn shared_index(config: &Config) -> SharedIndex {
 /// logs a summary whenever it changes, until SIGINT/SIGTERM or until a source
 /// task stops.
 pub async fn run(config: Config) -> Result<(), RunError> {
+    if !config.once {
+        let file_limit = api::raise_file_limit();
+        tracing::info!(?file_limit, "open file limit");
+    }
     let shared = shared_index(&config);
     let source_name = source::describe(&config.source);
     tracing::info!(source = %source_name, epoch = shared.epoch(), "starting");
@@ -144,8 +148,23 @@ async fn serve_until_shutdown(
         listen = %listeners.public_addr().map_err(api::ServeError::from)?,
         admin = %listeners.admin_addr().map_err(api::ServeError::from)?,
         auth = token.is_some(),
+        tls = listeners.tls(),
         "serving the index"
     );
+    if !config.api.listen.ip().is_loopback() {
+        if token.is_none() {
+            tracing::warn!(
+                listen = %config.api.listen,
+                "/v1 is open to the network without a token (--allow-no-token)"
+            );
+        }
+        if !listeners.tls() {
+            tracing::warn!(
+                listen = %config.api.listen,
+                "/v1 is served in clear beyond loopback (--allow-plaintext)"
+            );
+        }
+    }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let state = api::ApiState::new(
         shared.clone(),

@@ -34,6 +34,22 @@ struct DocumentLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClientReasonLabels {
+    client: String,
+    reason: &'static str,
+}
+
+/// How many clients get a label of their own in
+/// `long_polls_refused_total`; the rest share `client="other"`, so a client
+/// that cycles through addresses cannot grow the series without end.
+pub const MAX_CLIENT_LABELS: usize = 32;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabels {
     resource: &'static str,
 }
@@ -50,6 +66,95 @@ struct SkipLabels {
     reason: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerReasonLabels {
+    listener: &'static str,
+    reason: &'static str,
+}
+
+/// The connections of every listener (`api`, `admin`, `audit`): how many are
+/// open, and how many the bounds closed (`crate::api::ConnectionLimits`).
+#[derive(Debug, Default)]
+pub struct ConnectionMetrics {
+    open: Family<ListenerLabels, Gauge>,
+    refused: Family<ListenerReasonLabels, Counter>,
+    timed_out: Family<ListenerReasonLabels, Counter>,
+}
+
+/// One open connection; the gauge goes down when it drops.
+#[derive(Debug)]
+pub struct OpenConnection(Gauge);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl ConnectionMetrics {
+    /// Counts a connection open on `listener` until the guard drops.
+    pub fn open(&self, listener: &'static str) -> OpenConnection {
+        let gauge = self
+            .open
+            .get_or_create(&ListenerLabels { listener })
+            .clone();
+        gauge.inc();
+        OpenConnection(gauge)
+    }
+
+    /// Counts a connection closed at accept (`max_connections`,
+    /// `max_per_source`).
+    pub fn refused(&self, listener: &'static str, reason: &'static str) {
+        self.refused
+            .get_or_create(&ListenerReasonLabels { listener, reason })
+            .inc();
+    }
+
+    /// Counts a connection a timeout closed (`header_read`, `idle`).
+    pub fn timed_out(&self, listener: &'static str, reason: &'static str) {
+        self.timed_out
+            .get_or_create(&ListenerReasonLabels { listener, reason })
+            .inc();
+    }
+
+    /// Connections refused so far on `listener` for `reason`.
+    pub fn refused_count(&self, listener: &'static str, reason: &'static str) -> u64 {
+        self.refused
+            .get_or_create(&ListenerReasonLabels { listener, reason })
+            .get()
+    }
+
+    /// Connections closed so far by `reason`'s timeout on `listener`.
+    pub fn timed_out_count(&self, listener: &'static str, reason: &'static str) -> u64 {
+        self.timed_out
+            .get_or_create(&ListenerReasonLabels { listener, reason })
+            .get()
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "connections_open",
+            "Connections open, by listener",
+            self.open.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Connections closed as soon as accepted, by listener and the cap they exceeded (max_connections, max_per_source)",
+            self.refused.clone(),
+        );
+        registry.register(
+            "connections_timed_out",
+            "Connections closed by a timeout, by listener and timeout (header_read, idle)",
+            self.timed_out.clone(),
+        );
+    }
+}
+
 /// The prefix of every validator series (the API's and the audit's).
 pub const PREFIX: &str = "staleguard_validator";
 
@@ -61,9 +166,17 @@ pub struct Metrics {
     fan_out: Histogram,
     answer_builds: Family<DocumentLabels, Counter>,
     answer_build_time: Histogram,
+    answer_build_reasons: Family<BuildReasonLabels, Counter>,
+    answer_builds_running: Gauge<i64, std::sync::atomic::AtomicI64>,
+    long_polls_refused: Family<ClientReasonLabels, Counter>,
+    token_reload_failures: Counter,
+    token_file_refused: Gauge,
+    /// The clients that have a label of their own.
+    labelled_clients: std::sync::Mutex<std::collections::HashSet<std::net::IpAddr>>,
+    connections: std::sync::Arc<ConnectionMetrics>,
 }
 
-/// Decrements the waiting long-poll gauge when dropped.
+/// Decrements its gauge (long polls waiting, builds running) when dropped.
 #[derive(Debug)]
 pub struct Waiting<'a>(&'a Gauge<i64, std::sync::atomic::AtomicI64>);
 
@@ -93,6 +206,13 @@ impl Metrics {
             answer_build_time: Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 15),
             ),
+            answer_build_reasons: Family::default(),
+            answer_builds_running: Gauge::default(),
+            long_polls_refused: Family::default(),
+            token_reload_failures: Counter::default(),
+            token_file_refused: Gauge::default(),
+            labelled_clients: std::sync::Mutex::default(),
+            connections: std::sync::Arc::default(),
         }
     }
 
@@ -109,6 +229,59 @@ impl Metrics {
         Waiting(&self.long_polls)
     }
 
+    /// Counts a long poll refused (`max_long_polls`, `max_per_client`) for
+    /// `client`: its address for the first [`MAX_CLIENT_LABELS`] clients
+    /// refused, `other` after them, `unknown` without one.
+    pub fn long_poll_refused(&self, client: Option<std::net::IpAddr>, reason: &'static str) {
+        let client = match client {
+            None => "unknown".to_owned(),
+            Some(ip) => {
+                let mut labelled = self
+                    .labelled_clients
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if labelled.contains(&ip) || labelled.len() < MAX_CLIENT_LABELS {
+                    labelled.insert(ip);
+                    ip.to_string()
+                } else {
+                    "other".to_owned()
+                }
+            }
+        };
+        self.long_polls_refused
+            .get_or_create(&ClientReasonLabels { client, reason })
+            .inc();
+    }
+
+    /// Long polls refused so far for `client` (as labelled) and `reason`.
+    pub fn long_polls_refused(&self, client: &str, reason: &'static str) -> u64 {
+        self.long_polls_refused
+            .get_or_create(&ClientReasonLabels {
+                client: client.to_owned(),
+                reason,
+            })
+            .get()
+    }
+
+    /// Records a reload of the token file: a failure is counted and marks the
+    /// file refused until a reload succeeds.
+    pub fn token_reloaded(&self, ok: bool) {
+        if !ok {
+            self.token_reload_failures.inc();
+        }
+        self.token_file_refused.set(i64::from(!ok));
+    }
+
+    /// Failed token reloads so far.
+    pub fn token_reload_failures(&self) -> u64 {
+        self.token_reload_failures.get()
+    }
+
+    /// True while the token file on disk is refused and the old tokens serve.
+    pub fn token_file_refused(&self) -> bool {
+        self.token_file_refused.get() != 0
+    }
+
     /// Records how long after the first client heard of a change another did.
     pub fn observe_fan_out(&self, latency: Duration) {
         self.fan_out.observe(latency.as_secs_f64());
@@ -123,11 +296,38 @@ impl Metrics {
         self.answer_build_time.observe(took.as_secs_f64());
     }
 
+    /// Counts a build starting for `reason` (`snapshot`, `epoch`, `compacted`,
+    /// `ahead`, `delta`) and marks it running until the guard drops.
+    pub fn answer_build_running(&self, reason: &'static str) -> Waiting<'_> {
+        self.answer_build_reasons
+            .get_or_create(&BuildReasonLabels { reason })
+            .inc();
+        self.answer_builds_running.inc();
+        Waiting(&self.answer_builds_running)
+    }
+
+    /// Builds started so far for `reason`.
+    pub fn answer_build_reasons(&self, reason: &'static str) -> u64 {
+        self.answer_build_reasons
+            .get_or_create(&BuildReasonLabels { reason })
+            .get()
+    }
+
+    /// Builds running now.
+    pub fn answer_builds_running(&self) -> i64 {
+        self.answer_builds_running.get()
+    }
+
     /// Answers built so far, by document (`snapshot`, `delta`, `reset`).
     pub fn answer_builds(&self, document: &'static str) -> u64 {
         self.answer_builds
             .get_or_create(&DocumentLabels { document })
             .get()
+    }
+
+    /// The connections of the API and admin listeners.
+    pub fn connections(&self) -> std::sync::Arc<ConnectionMetrics> {
+        self.connections.clone()
     }
 
     /// Encodes every metric, reading the index's state now.
@@ -160,6 +360,34 @@ impl Metrics {
             Unit::Seconds,
             self.answer_build_time.clone(),
         );
+        registry.register(
+            "long_polls_refused",
+            "Long polls answered 429, by client address (the first 32 refused; then other) \
+             and the cap (max_long_polls, max_per_client)",
+            self.long_polls_refused.clone(),
+        );
+        registry.register(
+            "token_reload_failures",
+            "Reloads of --token-file that were refused (the previous tokens kept serving)",
+            self.token_reload_failures.clone(),
+        );
+        registry.register(
+            "token_file_refused",
+            "1 while the token file on disk is refused and the previous tokens serve",
+            self.token_file_refused.clone(),
+        );
+        registry.register(
+            "answer_builds_started",
+            "Answer builds started, by the reason of the request that started it \
+             (snapshot, epoch, compacted, ahead: a snapshot; delta)",
+            self.answer_build_reasons.clone(),
+        );
+        registry.register(
+            "answer_builds_running",
+            "Answer builds running now (at most --max-builds)",
+            self.answer_builds_running.clone(),
+        );
+        self.connections.register(&mut registry);
         register_index(&mut registry, index);
         let mut text = String::new();
         encode(&mut text, &registry)?;
@@ -331,6 +559,7 @@ pub struct AuditMetrics {
     runs: Family<AuditRunLabels, Counter>,
     duration: Family<GatewayLabels, Gauge<f64, AtomicU64>>,
     last_success: Family<GatewayLabels, Gauge<f64, AtomicU64>>,
+    connections: std::sync::Arc<ConnectionMetrics>,
 }
 
 impl AuditMetrics {
@@ -385,6 +614,11 @@ impl AuditMetrics {
             .set(since_epoch.as_secs_f64());
     }
 
+    /// The connections of the audit's metrics listener.
+    pub fn connections(&self) -> std::sync::Arc<ConnectionMetrics> {
+        self.connections.clone()
+    }
+
     /// Encodes the audit's metrics.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
         let mut registry = Registry::with_prefix(PREFIX);
@@ -415,6 +649,7 @@ impl AuditMetrics {
             Unit::Seconds,
             self.last_success.clone(),
         );
+        self.connections.register(&mut registry);
         let mut text = String::new();
         encode(&mut text, &registry)?;
         Ok(text)

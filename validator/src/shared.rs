@@ -54,6 +54,9 @@ struct Inner {
     failure: OnceLock<String>,
     /// The index's epoch, which never changes.
     epoch: u64,
+    /// The change log's floor, as of the last update; kept out of the lock so
+    /// that choosing between a delta and a reset never waits for a writer.
+    change_log_floor: AtomicU64,
 }
 
 /// Counters of one watch. Plain atomics: metrics read them at scrape time.
@@ -120,6 +123,7 @@ impl SharedIndex {
         let synced = AtomicBool::new(index.synced());
         let kinds_synced = Kind::ALL.map(|k| AtomicBool::new(index.kind_synced(k)));
         let epoch = index.epoch();
+        let change_log_floor = AtomicU64::new(index.change_log_floor());
         Self {
             inner: Arc::new(Inner {
                 index: RwLock::new(index),
@@ -131,6 +135,7 @@ impl SharedIndex {
                 kinds_synced,
                 failure: OnceLock::new(),
                 epoch,
+                change_log_floor,
             }),
         }
     }
@@ -190,6 +195,13 @@ impl SharedIndex {
         *self.inner.generation.borrow()
     }
 
+    /// True when the change log can answer a client at generation `since` with
+    /// a delta (it is neither ahead of the index nor compacted away), without
+    /// taking the lock. The build checks again under the lock.
+    pub fn has_changes_since(&self, since: u64) -> bool {
+        since <= self.generation() && since >= self.inner.change_log_floor.load(Ordering::Acquire)
+    }
+
     /// The current generation, notified on every effective change.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.inner.generation.subscribe()
@@ -201,6 +213,9 @@ impl SharedIndex {
             let mut index = self.write_guard();
             let result = f(&mut index);
             self.inner.synced.store(index.synced(), Ordering::Release);
+            self.inner
+                .change_log_floor
+                .store(index.change_log_floor(), Ordering::Release);
             for kind in Kind::ALL {
                 self.inner.kinds_synced[kind.slot()]
                     .store(index.kind_synced(kind), Ordering::Release);

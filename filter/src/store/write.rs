@@ -7,13 +7,13 @@ use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 
 use staleguard_core::wire::Delta;
-use staleguard_core::{IpRecord, ServiceKey, Snapshot};
+use staleguard_core::{ServiceKey, Snapshot};
 
 use super::{
     encode_service, next_id, service_key, Entry, Meta, SharedData, StoreError, View, LOADS_KEY,
     META_KEY,
 };
-use crate::buckets::{self, Bucket};
+use crate::buckets::{self, Bucket, CompactRecord};
 use crate::members;
 
 /// What the writer knows of the index it wrote: the layout in use, and
@@ -80,7 +80,7 @@ impl Writer {
         &mut self,
         store: &mut dyn SharedData,
         now_ms: u64,
-        snapshot: &mut Snapshot,
+        snapshot: &mut Snapshot<CompactRecord>,
     ) -> Result<Meta, StoreError> {
         self.clear_retired(store);
         let load = next_id(store, LOADS_KEY)?;
@@ -170,7 +170,7 @@ impl Writer {
         store: &mut dyn SharedData,
         now_ms: u64,
         load: u64,
-        delta: &Delta,
+        delta: &Delta<CompactRecord>,
     ) -> Result<u64, StoreError> {
         self.clear_retired(store);
         let Delta {
@@ -266,22 +266,21 @@ impl Writer {
     }
 
     /// While an answer is held: writes the records that only add (see
-    /// [`crate::guard::Guard::gains`]) into the current load and layout,
-    /// leaving `meta` as it is, so the previous data keeps serving and ages
-    /// as before. The held answer, once applied, rewrites them (`entries` is
-    /// corrected then).
-    pub fn write_gains(
+    /// [`crate::guard::Guard::gains`]) into the current load and layout, and
+    /// marks the previous data synced at `now_ms` with the answer's
+    /// freshness ([`Writer::refresh`]). The next snapshot rewrites the gains
+    /// (`entries` is corrected then).
+    pub fn write_hold(
         &mut self,
         store: &mut dyn SharedData,
-        gains: &[&IpRecord],
+        now_ms: u64,
+        fresh: bool,
+        gains: &[&CompactRecord],
     ) -> Result<(), StoreError> {
-        if gains.is_empty() {
-            return Ok(());
-        }
         let Some(meta) = View::new(&*store).meta() else {
             return Ok(());
         };
-        let mut edits: BTreeMap<u32, Vec<&IpRecord>> = BTreeMap::new();
+        let mut edits: BTreeMap<u32, Vec<&CompactRecord>> = BTreeMap::new();
         for record in gains {
             let index = buckets::bucket_of(&record.ip, meta.buckets);
             edits.entry(index).or_default().push(record);
@@ -308,7 +307,29 @@ impl Writer {
                 self.known_buckets.insert(index);
             }
         }
-        Ok(())
+        self.refresh(store, now_ms, fresh)
+    }
+
+    /// The validator answered, but nothing of the answer is applied (the
+    /// guard holds it): the data `meta` names is as recent as this answer,
+    /// and as fresh as the validator calls it. A hold must not age the data
+    /// it keeps serving into the failure policy while the validator is
+    /// reachable and fresh.
+    pub fn refresh(
+        &mut self,
+        store: &mut dyn SharedData,
+        now_ms: u64,
+        fresh: bool,
+    ) -> Result<(), StoreError> {
+        let Some(meta) = View::new(&*store).meta() else {
+            return Ok(());
+        };
+        let meta = Meta {
+            synced_ms: now_ms,
+            fresh,
+            ..meta
+        };
+        store.set(META_KEY, &meta.encode(), None)
     }
 }
 
@@ -335,7 +356,7 @@ fn write_bucket(
 
 /// One change to a bucket.
 enum Edit<'a> {
-    Put(&'a IpRecord),
+    Put(&'a CompactRecord),
     Remove(&'a IpAddr),
 }
 
@@ -343,18 +364,18 @@ enum Edit<'a> {
 mod tests {
     use super::*;
     use crate::store::MemoryStore;
-    use staleguard_core::{Freshness, PodHolder};
+    use staleguard_core::{Freshness, IpRecord, PodHolder};
 
     fn cart() -> ServiceKey {
         ServiceKey::new("shop", "cart")
     }
 
     /// `n` pods of shop/cart on 10.x.y.z.
-    fn snapshot(generation: u64, n: u32) -> Snapshot {
+    fn snapshot(generation: u64, n: u32) -> Snapshot<CompactRecord> {
         let records = (1..=n)
             .map(|i| {
                 let ip: IpAddr = std::net::Ipv4Addr::from(0x0a00_0000 + i).into();
-                IpRecord::held_by(
+                CompactRecord::of(&IpRecord::held_by(
                     ip,
                     vec![PodHolder::ready_member(
                         "shop",
@@ -362,7 +383,7 @@ mod tests {
                         ip.to_string(),
                         cart(),
                     )],
-                )
+                ))
             })
             .collect();
         Snapshot {

@@ -31,7 +31,7 @@ pub use bootstrap::{
 };
 pub use shipped::{
     plugin_configs_in, shipped_gateway, shipped_plugin, shipped_plugin_config,
-    shipped_route_retry_policy,
+    shipped_route_retry_policy, shipped_validator_tls,
 };
 pub use stats::Stats;
 

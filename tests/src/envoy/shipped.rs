@@ -140,8 +140,8 @@ pub fn shipped_twin_lb_policy() -> Value {
 /// and paths change. The gateway listens on `listener`, its admin on
 /// `admin`; the guarded cluster `shop-cart` and its twin have the static
 /// endpoints `cart` (instead of DNS; one port for all, which the steering
-/// role then names); the validator is `validator`; every Wasm filter runs
-/// the module `wasm`. Routes, retry policies, circuit
+/// role then names); the validator is `validator`, reached over plain HTTP;
+/// every Wasm filter runs the module `wasm`. Routes, retry policies, circuit
 /// breakers and the plugin configuration are the shipped ones.
 pub fn shipped_gateway(
     wasm: &std::path::Path,
@@ -180,7 +180,33 @@ pub fn shipped_gateway(
             let fixed = static_cluster(&name, hosts);
             c["type"] = fixed["type"].clone();
             c["load_assignment"] = fixed["load_assignment"].clone();
+            if name == "staleguard-validator" {
+                // The fake validator speaks plain HTTP (the shipped TLS to
+                // it has a test of its own: `shipped_validator_tls`).
+                if let Some(o) = c.as_object_mut() {
+                    o.remove("transport_socket");
+                }
+            }
         }
     }
     doc
+}
+
+/// The `transport_socket` of the validator cluster `deploy/envoy/envoy.yaml`
+/// ships (TLS verifying the validator's name), with its `trusted_ca` file
+/// replaced by `ca_file` (a test CA's certificate).
+pub fn shipped_validator_tls(ca_file: &std::path::Path) -> Value {
+    let mut socket = shipped_envoy_doc()["static_resources"]["clusters"]
+        .as_array()
+        .and_then(|clusters| {
+            clusters
+                .iter()
+                .find(|c| c["name"] == "staleguard-validator")
+        })
+        .map(|c| c["transport_socket"].clone())
+        .filter(|s| !s.is_null())
+        .unwrap_or_else(|| panic!("no transport_socket on staleguard-validator in {PATH}"));
+    socket["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"] =
+        serde_json::json!({"filename": ca_file});
+    socket
 }

@@ -17,6 +17,14 @@
 //! lock only to copy what it needs, a chunk of records at a time (watch events
 //! are applied between chunks): slimming and JSON encoding happen after the
 //! lock is released.
+//!
+//! A reset is a reset whatever brought the client to it: no epoch or another
+//! one, a `since` the change log no longer covers, or a `since` ahead of the
+//! index. All of them share the snapshot's slot, so a client cannot make the
+//! validator build one snapshot per `since` value it makes up. Builds of
+//! distinct documents (deltas from distinct covered generations) still each
+//! build, so at most [`super::Limits::max_builds`] run at once; the others
+//! wait their turn. Every build is counted by the reason that started it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -135,9 +143,11 @@ impl Slot {
 }
 
 /// The answers being built and recently built.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Answers {
     slots: Mutex<HashMap<(Document, View), Slot>>,
+    /// One permit per build allowed to run at once.
+    builds: tokio::sync::Semaphore,
 }
 
 /// A build that could not finish (it panicked); the caller answers 500.
@@ -146,6 +156,16 @@ pub(crate) struct Answers {
 pub(crate) struct BuildFailed(String);
 
 impl Answers {
+    /// No answer yet; at most `max_builds` builds at once (at least one).
+    pub(crate) fn new(max_builds: usize) -> Self {
+        Self {
+            slots: Mutex::default(),
+            builds: tokio::sync::Semaphore::new(
+                max_builds.clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+            ),
+        }
+    }
+
     /// The answer for a client at `position`: the one being built or recently
     /// built for it, or a new build that others asking meanwhile will share.
     pub(crate) async fn get(
@@ -157,6 +177,7 @@ impl Answers {
     ) -> Result<Encoded, BuildFailed> {
         let fresh = index.freshness().fresh;
         let generation = index.generation();
+        let (position, reason) = served_as(index, position);
         let document = position.document();
         let cell = {
             let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
@@ -185,6 +206,12 @@ impl Answers {
         };
         let built = cell
             .get_or_try_init(|| async {
+                let _permit = self
+                    .builds
+                    .acquire()
+                    .await
+                    .map_err(|e| BuildFailed(e.to_string()))?;
+                let _running = metrics.answer_build_running(reason);
                 let index = index.clone();
                 let started = Instant::now();
                 let built = tokio::task::spawn_blocking(move || build(&index, document, view))
@@ -195,6 +222,20 @@ impl Answers {
             })
             .await?;
         Ok(built.answer(position))
+    }
+}
+
+/// Where a client at `position` is served from, and the reason a build for it
+/// is counted under: a `since` the change log cannot answer (older than it
+/// remembers, or ahead of the index) is a reset, served from the snapshot's
+/// slot like every other reset.
+fn served_as(index: &SharedIndex, position: Position) -> (Position, &'static str) {
+    match position {
+        Position::Snapshot => (position, "snapshot"),
+        Position::Reset => (position, "epoch"),
+        Position::Since(since) if index.has_changes_since(since) => (position, "delta"),
+        Position::Since(since) if since > index.generation() => (Position::Reset, "ahead"),
+        Position::Since(_) => (Position::Reset, "compacted"),
     }
 }
 

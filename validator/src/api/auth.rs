@@ -20,6 +20,7 @@ use axum::response::Response;
 use subtle::ConstantTimeEq;
 
 use super::error::ApiError;
+use crate::metrics::Metrics;
 
 /// Why the token file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -129,9 +130,10 @@ impl Token {
     }
 
     /// Re-reads the file every `period` when its modification time changed. A
-    /// file that became unreadable, empty or invalid keeps the old tokens and
-    /// logs why.
-    pub async fn watch(self, period: Duration) {
+    /// file that became unreadable, empty or invalid keeps the old tokens,
+    /// logs why, counts the failure and marks the file refused in `metrics`
+    /// until a reload succeeds (`StaleguardValidatorTokenReloadFailing`).
+    pub async fn watch(self, period: Duration, metrics: Arc<Metrics>) {
         let mut tick = tokio::time::interval(period);
         loop {
             tick.tick().await;
@@ -143,7 +145,11 @@ impl Token {
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .modified;
-            if modified.is_none() || modified == current {
+            let changed = modified != current;
+            let refused = metrics.token_file_refused();
+            // A refused file is tried again on every tick (it may come back
+            // as it was), but counted again only when it changes.
+            if !changed && !refused {
                 continue;
             }
             match load(&self.path) {
@@ -154,9 +160,17 @@ impl Token {
                         "reloaded the API token"
                     );
                     *self.inner.write().unwrap_or_else(|e| e.into_inner()) = loaded;
+                    metrics.token_reloaded(true);
                 }
                 Err(error) => {
-                    tracing::warn!(%error, "keeping the previous API token");
+                    self.inner
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .modified = modified;
+                    if changed || !refused {
+                        metrics.token_reloaded(false);
+                        tracing::warn!(%error, "keeping the previous API token");
+                    }
                 }
             }
         }
@@ -359,7 +373,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_reload_that_drops_the_old_token_ends_the_rotation() {
+    async fn a_reload_that_drops_the_old_token_ends_the_rotation_and_a_failed_one_is_counted() {
         let path = temp_dir("reload").join("token");
         std::fs::write(&path, A).unwrap();
         let token = Token::from_file(&path).unwrap();
@@ -372,7 +386,12 @@ mod tests {
                 .with_ansi(false)
                 .finish(),
         );
-        let watcher = tokio::spawn(token.clone().watch(Duration::from_millis(10)));
+        let metrics = Arc::new(Metrics::new());
+        let watcher = tokio::spawn(
+            token
+                .clone()
+                .watch(Duration::from_millis(10), metrics.clone()),
+        );
         // Make sure the modification time moves even on coarse clocks.
         let bump = |content: String| {
             let before = std::fs::metadata(&path).unwrap().modified().unwrap();
@@ -413,6 +432,16 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert!(token.verify(B.as_bytes()));
+        assert_eq!(metrics.token_reload_failures(), 1, "counted once");
+        assert!(metrics.token_file_refused());
+        // A valid file again clears the alarm's gauge.
+        bump(format!("{B}\n"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while metrics.token_file_refused() {
+            assert!(std::time::Instant::now() < deadline, "still refused");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(metrics.token_reload_failures(), 1);
         watcher.abort();
     }
 

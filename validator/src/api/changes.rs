@@ -1,12 +1,14 @@
 //! `GET /v1/changes`: the long poll that keeps gateways in sync.
 
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use serde::Deserialize;
 
 use super::answers::{self, Encoded, View};
@@ -56,6 +58,7 @@ impl FanOut {
 
 pub(crate) async fn changes(
     State(state): State<ApiState>,
+    client: Option<Extension<ConnectInfo<SocketAddr>>>,
     query: Result<Query<ChangesQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
@@ -74,11 +77,27 @@ pub(crate) async fn changes(
         return Ok(encoded(first));
     }
 
-    let _permit = state
-        .long_polls
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| ApiError::TooManyLongPolls(state.limits.max_long_polls))?;
+    // One client (a source address) may hold only so many of the waiting
+    // long polls, so one client cannot take the whole budget. Requests that
+    // did not come through a listener (tests) have no address.
+    let client = client.map(|Extension(ConnectInfo(peer))| peer.ip().to_canonical());
+    let _per_client = match client {
+        Some(ip) => Some(
+            state
+                .long_poll_clients
+                .clone()
+                .enter(ip, state.limits.max_long_polls_per_client)
+                .ok_or_else(|| {
+                    state.metrics.long_poll_refused(client, "max_per_client");
+                    ApiError::TooManyLongPolls(state.limits.max_long_polls_per_client)
+                })?,
+        ),
+        None => None,
+    };
+    let _permit = state.long_polls.clone().try_acquire_owned().map_err(|_| {
+        state.metrics.long_poll_refused(client, "max_long_polls");
+        ApiError::TooManyLongPolls(state.limits.max_long_polls)
+    })?;
     let _waiting = state.metrics.long_poll_waiting();
     let deadline = tokio::time::sleep(wait);
     tokio::pin!(deadline);

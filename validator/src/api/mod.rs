@@ -11,13 +11,15 @@
 //!
 //! The admin listener ([`admin_router`]) serves `/healthz`, `/readyz` and
 //! `/metrics` on a separate port, so probes and scrapes never share limits or
-//! auth with gateways.
+//! auth with gateways. Every listener bounds its connections ([`ConnectionLimits`]).
 
 mod answers;
 mod auth;
 mod changes;
+mod connections;
 mod error;
 mod serve;
+mod tls;
 mod verdicts;
 
 use std::net::IpAddr;
@@ -39,8 +41,11 @@ use tokio::sync::Semaphore;
 
 pub use auth::{Token, TokenError, MIN_TOKEN_BYTES, PLACEHOLDER};
 pub use changes::FanOut;
+pub(crate) use connections::serve_bounded;
+pub use connections::{fit_api_cap, raise_file_limit, ConnectionLimits, RESERVED_FILES};
 pub use error::ApiError;
 pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};
+pub use tls::{ServerTls, TlsError, TlsFiles};
 pub use verdicts::judge_all;
 
 use crate::metrics::Metrics;
@@ -53,10 +58,16 @@ pub struct Limits {
     pub max_wait: Duration,
     /// How many long polls may wait at once; more get 429.
     pub max_long_polls: usize,
+    /// How many of them one client (source address) may hold; more get 429.
+    pub max_long_polls_per_client: usize,
     /// How long any request may take, on top of its `wait`.
     pub request_timeout: Duration,
     /// The longest query string accepted.
     pub max_query_bytes: usize,
+    /// How many answers (snapshots, deltas) may be built at once; more wait.
+    pub max_builds: usize,
+    /// How many `POST /v1/verdicts` may be read and judged at once; more wait.
+    pub max_verdict_batches: usize,
 }
 
 impl Default for Limits {
@@ -64,8 +75,11 @@ impl Default for Limits {
         Self {
             max_wait: Duration::from_secs(60),
             max_long_polls: 4096,
+            max_long_polls_per_client: 64,
             request_timeout: Duration::from_secs(10),
             max_query_bytes: 1024,
+            max_builds: 2,
+            max_verdict_batches: 2,
         }
     }
 }
@@ -77,6 +91,8 @@ pub struct ApiState {
     metrics: Arc<Metrics>,
     limits: Limits,
     long_polls: Arc<Semaphore>,
+    verdict_batches: Arc<Semaphore>,
+    long_poll_clients: Arc<connections::Sources>,
     fan_out: FanOut,
     answers: Arc<answers::Answers>,
     shutdown: tokio::sync::watch::Receiver<bool>,
@@ -94,11 +110,15 @@ impl ApiState {
         let fan_out = FanOut::new(*index.subscribe().borrow());
         Self {
             long_polls: Arc::new(Semaphore::new(limits.max_long_polls)),
+            long_poll_clients: Arc::default(),
+            verdict_batches: Arc::new(Semaphore::new(
+                limits.max_verdict_batches.clamp(1, Semaphore::MAX_PERMITS),
+            )),
             index,
             metrics,
             limits,
             fan_out,
-            answers: Arc::default(),
+            answers: Arc::new(answers::Answers::new(limits.max_builds)),
             shutdown,
         }
     }
@@ -112,12 +132,7 @@ pub fn router(state: ApiState, token: Option<Token>) -> Router {
         .route("/v1/changes", get(changes::changes))
         .route("/v1/ips/{ip}", get(ip_record))
         .route("/v1/verdict", get(verdict))
-        .route(
-            "/v1/verdicts",
-            post(verdicts::verdicts).layer(axum::extract::DefaultBodyLimit::max(
-                verdicts::MAX_BODY_BYTES,
-            )),
-        );
+        .route("/v1/verdicts", post(verdicts::verdicts));
     if let Some(token) = token {
         v1 = v1.layer(middleware::from_fn_with_state(token, auth::require_token));
     }

@@ -7,12 +7,18 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use super::connections::{self, ConnectionLimits};
+use super::tls::{ServerTls, TlsError, TlsFiles};
 use super::{admin_router, router, ApiState, Limits, Token, TokenError};
 use crate::metrics::Metrics;
 use crate::shared::SharedIndex;
 
 /// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
-/// `--max-wait`, `--max-long-polls`, `--request-timeout`, `--shutdown-grace`).
+/// `--max-wait`, `--max-long-polls`, `--max-long-polls-per-client`,
+/// `--request-timeout`, `--max-builds`,
+/// `--max-verdict-batches`, `--shutdown-grace`,
+/// `--max-connections`, `--max-connections-per-source`, `--header-read-timeout`,
+/// `--idle-timeout`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiConfig {
     /// Address of the public listener (`/v1`).
@@ -25,10 +31,23 @@ pub struct ApiConfig {
     pub max_wait: Duration,
     /// Long polls that may wait at once; more are answered 429.
     pub max_long_polls: usize,
+    /// Of those, how many one client (source address) may hold.
+    pub max_long_polls_per_client: usize,
     /// Time any request may take on top of its `wait`.
     pub request_timeout: Duration,
+    /// Answers (snapshots, deltas) built at once; more wait their turn.
+    pub max_builds: usize,
+    /// `POST /v1/verdicts` read and judged at once; more wait their turn.
+    pub max_verdict_batches: usize,
     /// After SIGTERM, how long open connections may take to finish.
     pub shutdown_grace: Duration,
+    /// The public listener's connection bounds.
+    pub connections: ConnectionLimits,
+    /// The admin listener's connection bounds, apart from the public one's so
+    /// that gateways cannot starve the probes.
+    pub admin_connections: ConnectionLimits,
+    /// TLS for the public listener; plain HTTP without it.
+    pub tls: Option<TlsFiles>,
 }
 
 impl Default for ApiConfig {
@@ -40,8 +59,14 @@ impl Default for ApiConfig {
             token_file: None,
             max_wait: limits.max_wait,
             max_long_polls: limits.max_long_polls,
+            max_long_polls_per_client: limits.max_long_polls_per_client,
             request_timeout: limits.request_timeout,
+            max_builds: limits.max_builds,
+            max_verdict_batches: limits.max_verdict_batches,
             shutdown_grace: Duration::from_secs(10),
+            connections: ConnectionLimits::API,
+            admin_connections: ConnectionLimits::ADMIN,
+            tls: None,
         }
     }
 }
@@ -61,6 +86,9 @@ pub enum ServeError {
     /// The token file is unusable.
     #[error(transparent)]
     Token(#[from] TokenError),
+    /// The TLS certificate or key is unusable.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
     /// A listener failed while serving.
     #[error("serving failed: {0}")]
     Io(#[from] std::io::Error),
@@ -72,7 +100,10 @@ impl ApiConfig {
         Limits {
             max_wait: self.max_wait,
             max_long_polls: self.max_long_polls,
+            max_long_polls_per_client: self.max_long_polls_per_client,
             request_timeout: self.request_timeout,
+            max_builds: self.max_builds,
+            max_verdict_batches: self.max_verdict_batches,
             ..Limits::default()
         }
     }
@@ -89,20 +120,54 @@ impl ApiConfig {
 pub struct Listeners {
     public: TcpListener,
     admin: TcpListener,
+    public_limits: ConnectionLimits,
+    admin_limits: ConnectionLimits,
+    tls: Option<ServerTls>,
 }
 
 impl Listeners {
-    /// Binds both listeners.
+    /// Binds both listeners. The public listener's connection cap shrinks, with
+    /// a warning, when the open file limit has no room for it beside the
+    /// admin listener's ([`connections::fit_api_cap`]).
     pub async fn bind(config: &ApiConfig) -> Result<Self, ServeError> {
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
                 .await
                 .map_err(|source| ServeError::Bind { addr, source })
         };
+        let admin_limits = config.admin_connections;
+        let mut public_limits = config.connections;
+        let file_limit = rlimit::getrlimit(rlimit::Resource::NOFILE)
+            .ok()
+            .map(|(soft, _)| soft);
+        let fitted = connections::fit_api_cap(
+            public_limits.max_connections,
+            admin_limits.max_connections,
+            file_limit,
+        );
+        if fitted < public_limits.max_connections {
+            tracing::warn!(
+                asked = public_limits.max_connections,
+                allowed = fitted,
+                file_limit,
+                "the open file limit leaves room for fewer API connections than \
+                 --max-connections; raise the limit (ulimit -n) to allow more"
+            );
+            public_limits.max_connections = fitted;
+        }
+        let tls = config.tls.as_ref().map(ServerTls::from_files).transpose()?;
         Ok(Self {
             public: bind(config.listen).await?,
             admin: bind(config.admin_listen).await?,
+            public_limits,
+            admin_limits,
+            tls,
         })
+    }
+
+    /// True when the public listener serves TLS.
+    pub fn tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     /// The public listener's address.
@@ -127,7 +192,14 @@ pub async fn serve(
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     if let Some(token) = &token {
-        tokio::spawn(token.clone().watch(Duration::from_secs(10)));
+        tokio::spawn(
+            token
+                .clone()
+                .watch(Duration::from_secs(10), state.metrics.clone()),
+        );
+    }
+    if let Some(tls) = &listeners.tls {
+        tokio::spawn(tls.clone().watch(Duration::from_secs(10)));
     }
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -137,14 +209,28 @@ pub async fn serve(
     let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let public = axum::serve(listeners.public, router(state.clone(), token))
-        .with_graceful_shutdown(until_stopped(stopped_rx.clone()));
-    let admin = axum::serve(listeners.admin, admin_router(state))
-        .with_graceful_shutdown(until_stopped(stopped_rx.clone()));
-    let both = async { tokio::try_join!(public, admin) };
-    tokio::pin!(both);
+    let connections = state.metrics.connections();
+    let public = connections::serve_bounded(
+        listeners.public,
+        router(state.clone(), token),
+        listeners.public_limits,
+        connections.clone(),
+        "api",
+        stopped_rx.clone(),
+        listeners.tls.as_ref().map(|tls| tls.acceptor().clone()),
+    );
+    let admin = connections::serve_bounded(
+        listeners.admin,
+        admin_router(state),
+        listeners.admin_limits,
+        connections,
+        "admin",
+        stopped_rx.clone(),
+        None,
+    );
+    let both = async { tokio::join!(public, admin) };
     tokio::select! {
-        result = &mut both => { result?; }
+        _ = both => {}
         _ = async {
             until_stopped(stopped_rx).await;
             tokio::time::sleep(grace).await;

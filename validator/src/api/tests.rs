@@ -377,6 +377,89 @@ async fn fifty_gateways_resetting_at_once_cost_one_build() {
     assert_eq!(f.metrics.answer_builds("reset"), 0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_resets_from_distinct_since_values_share_one_snapshot_build() {
+    // A change log of one entry: every generation but the latest is compacted.
+    let f = fixture_with(synced_index(1), Limits::default(), None);
+    for i in 0..12 {
+        let ip = format!("10.0.1.{i}");
+        let p = pod("shop", &ip).ip(&ip).labels(&[("app", "cart")]).build();
+        f.index.apply_pod(Event::Apply(p), SystemTime::now());
+    }
+    let generation = f.index.read().generation();
+    let floor = f.index.read().change_log_floor();
+    assert!(floor >= 10, "{floor}");
+    // The builds are stuck behind a writer while all twenty arrive.
+    let released = hold_the_write_lock(&f.index, Duration::from_millis(300));
+    let mut polls = Vec::new();
+    for i in 0..20u64 {
+        let app = f.app.clone();
+        // Half of them compacted away, half ahead of the index: made up.
+        let since = if i % 2 == 0 {
+            i / 2
+        } else {
+            generation + 1_000 + i
+        };
+        let uri = format!("/v1/changes?epoch={EPOCH}&since={since}");
+        polls.push(tokio::spawn(async move { get(&app, &uri).await }));
+    }
+    for poll in polls {
+        let (status, body) = poll.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert!(matches!(changes(body), Changes::Reset(_)));
+    }
+    assert!(released.load(std::sync::atomic::Ordering::SeqCst));
+    let builds = f.metrics.answer_builds("snapshot") + f.metrics.answer_builds("reset");
+    assert_eq!(
+        builds, 1,
+        "one snapshot for every reset, whatever the since"
+    );
+    let started =
+        f.metrics.answer_build_reasons("compacted") + f.metrics.answer_build_reasons("ahead");
+    assert_eq!(started, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_builds_bounds_the_builds_running_at_once() {
+    let limits = Limits {
+        max_builds: 2,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    for ip in [
+        "10.0.0.21",
+        "10.0.0.22",
+        "10.0.0.23",
+        "10.0.0.24",
+        "10.0.0.25",
+    ] {
+        let p = pod("shop", ip).ip(ip).labels(&[("app", "cart")]).build();
+        f.index.apply_pod(Event::Apply(p), SystemTime::now());
+    }
+    let generation = f.index.read().generation();
+    // Each poll asks a distinct delta the log covers: a build each, but held
+    // behind a writer, so they would all run at once without the cap.
+    let released = hold_the_write_lock(&f.index, Duration::from_millis(600));
+    let mut polls = Vec::new();
+    for since in generation - 5..generation {
+        let app = f.app.clone();
+        let uri = format!("/v1/changes?epoch={EPOCH}&since={since}");
+        polls.push(tokio::spawn(async move { get(&app, &uri).await }));
+    }
+    let mut most = 0;
+    while !released.load(std::sync::atomic::Ordering::SeqCst) {
+        most = most.max(f.metrics.answer_builds_running());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(most, 2, "builds running at once while five waited");
+    for poll in polls {
+        let (status, body) = poll.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert!(matches!(changes(body), Changes::Delta(_)));
+    }
+    assert_eq!(f.metrics.answer_build_reasons("delta"), 5);
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_snapshot_build_never_blocks_the_async_workers() {
     let f = fixture();
@@ -408,6 +491,86 @@ async fn long_polls_beyond_the_limit_get_429() {
     let (status, body) = get(&f.app, &long_poll_uri(&f)).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(body["error"]["code"], "too_many_long_polls");
+    f.shutdown.send(true).unwrap();
+    assert_eq!(first.await.unwrap().0, StatusCode::OK);
+}
+
+/// A long poll from `client`, as the listener marks a request it accepted.
+fn long_poll_from(f: &Fixture, client: [u8; 4]) -> Request<Body> {
+    let mut request = Request::get(long_poll_uri(f)).body(Body::empty()).unwrap();
+    request
+        .extensions_mut()
+        .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+            client, 40000,
+        ))));
+    request
+}
+
+#[tokio::test]
+async fn max_long_polls_per_client_leaves_room_for_the_other_clients() {
+    let limits = Limits {
+        max_long_polls_per_client: 2,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    let mut waiting = Vec::new();
+    for n in 1..=2 {
+        let (app, request) = (f.app.clone(), long_poll_from(&f, [10, 1, 1, 1]));
+        waiting.push(tokio::spawn(async move { get_with(&app, request).await }));
+        until_long_polls_waiting(&f, n).await;
+    }
+    let (status, body) = get_with(&f.app, long_poll_from(&f, [10, 1, 1, 1])).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("limit 2"),
+        "{body}"
+    );
+    // Another client still gets in.
+    let (app, request) = (f.app.clone(), long_poll_from(&f, [10, 1, 1, 2]));
+    waiting.push(tokio::spawn(async move { get_with(&app, request).await }));
+    until_long_polls_waiting(&f, 3).await;
+    assert_eq!(
+        f.metrics.long_polls_refused("10.1.1.1", "max_per_client"),
+        1
+    );
+    assert_eq!(
+        f.metrics.long_polls_refused("10.1.1.2", "max_per_client"),
+        0
+    );
+    f.shutdown.send(true).unwrap();
+    for poll in waiting {
+        assert_eq!(poll.await.unwrap().0, StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn long_poll_refusals_are_counted_per_client_with_bounded_labels() {
+    let limits = Limits {
+        max_long_polls: 1,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    let first = waiting_long_poll(&f).await;
+    let clients = crate::metrics::MAX_CLIENT_LABELS as u8 + 8;
+    for last in 1..=clients {
+        let (status, _) = get_with(&f.app, long_poll_from(&f, [10, 2, 0, last])).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    }
+    assert_eq!(
+        f.metrics.long_polls_refused("10.2.0.1", "max_long_polls"),
+        1
+    );
+    assert_eq!(f.metrics.long_polls_refused("other", "max_long_polls"), 8);
+    let (_, metrics) = get(&f.admin, "/metrics").await;
+    let text = metrics.as_str().unwrap_or_default().to_owned();
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with("staleguard_validator_long_polls_refused_total{"))
+        .count();
+    assert_eq!(series, crate::metrics::MAX_CLIENT_LABELS + 1, "{text}");
     f.shutdown.send(true).unwrap();
     assert_eq!(first.await.unwrap().0, StatusCode::OK);
 }
@@ -734,4 +897,101 @@ async fn batch_verdicts_refuse_bad_bodies_and_need_the_token() {
     .await;
     assert_eq!(status, StatusCode::OK, "{answer}");
     assert_eq!(answer["items"][0]["verdict"]["reason"], "member");
+}
+
+/// A body that yields `chunk`-byte pieces of JSON-ish filler for ever,
+/// counting the bytes the server pulled from it.
+fn endless_body(chunk: usize, pulled: Arc<std::sync::atomic::AtomicUsize>) -> Body {
+    let stream = futures::stream::unfold(pulled, move |pulled| async move {
+        pulled.fetch_add(chunk, std::sync::atomic::Ordering::SeqCst);
+        let piece = axum::body::Bytes::from(vec![b' '; chunk]);
+        Some((Ok::<_, std::io::Error>(piece), pulled))
+    });
+    Body::from_stream(stream)
+}
+
+#[tokio::test]
+async fn an_oversized_verdicts_body_is_refused_before_it_is_read_whole() {
+    let f = fixture();
+    let limit = verdicts::MAX_BODY_BYTES;
+    // Declared too large: refused before a byte is read.
+    let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let request = Request::post("/v1/verdicts")
+        .header("content-type", "application/json")
+        .header("content-length", (limit + 1).to_string())
+        .body(endless_body(64 * 1024, pulled.clone()))
+        .unwrap();
+    let (status, answer) = get_with(&f.app, request).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{answer}");
+    assert_eq!(answer["error"]["code"], "too_large");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains(&limit.to_string()), "{message}");
+    assert_eq!(pulled.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // Undeclared (chunked) and endless: reading stops at the limit.
+    let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let request = Request::post("/v1/verdicts")
+        .header("content-type", "application/json")
+        .body(endless_body(64 * 1024, pulled.clone()))
+        .unwrap();
+    let (status, answer) = get_with(&f.app, request).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{answer}");
+    let read = pulled.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(read <= limit + 2 * 64 * 1024, "read {read} bytes");
+}
+
+#[tokio::test]
+async fn verdicts_past_max_items_are_refused_with_the_limit_named() {
+    let f = fixture();
+    let item = r#"{"service":"shop/cart","ip":"10.0.0.1"}"#;
+    let n = staleguard_core::batch::MAX_ITEMS + 1;
+    let body = format!(r#"{{"items":[{}]}}"#, vec![item; n].join(","));
+    let (status, answer) = get_with(&f.app, post_json("/v1/verdicts", &body, None)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains("more than 200000 items"), "{message}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn max_verdict_batches_holds_further_bodies_unread_and_judging_leaves_the_workers_free() {
+    let limits = Limits {
+        max_verdict_batches: 1,
+        ..Limits::default()
+    };
+    let f = fixture_with(synced_index(1000), limits, None);
+    // The first batch's judging waits for a writer, on the blocking pool.
+    let released = hold_the_write_lock(&f.index, Duration::from_millis(400));
+    let body = r#"{"items":[{"service":"shop/cart","ip":"10.0.0.1"}]}"#;
+    let app = f.app.clone();
+    let first =
+        tokio::spawn(async move { get_with(&app, post_json("/v1/verdicts", body, None)).await });
+    // A second batch waits for the permit before reading its body.
+    let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let request = Request::post("/v1/verdicts")
+        .header("content-type", "application/json")
+        .body(endless_body(1024, pulled.clone()))
+        .unwrap();
+    let app = f.app.clone();
+    let second = tokio::spawn(async move { get_with(&app, request).await });
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    // The only async worker is free while the first batch is judged.
+    let (status, _) = get(&f.admin, "/healthz").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        !released.load(std::sync::atomic::Ordering::SeqCst),
+        "the probe waited for the batch"
+    );
+    assert_eq!(
+        pulled.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the second body was read while the first batch held the only permit"
+    );
+    let (status, answer) = first.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["items"][0]["verdict"]["reason"], "member");
+    // Once its turn came, the endless second body was read up to the limit.
+    let (status, _) = second.await.unwrap();
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(pulled.load(std::sync::atomic::Ordering::SeqCst) > 0);
 }

@@ -44,45 +44,85 @@ pub enum FetchError {
 
 /// Why a base URL is not usable.
 #[derive(Debug, thiserror::Error)]
-#[error("{0:?} is not an http://HOST:PORT address")]
-pub struct BadUrl(pub String);
+#[error("{0:?} is not an {1}://HOST:PORT address")]
+pub struct BadUrl(pub String, pub &'static str);
 
-/// `http://host:port` from `host:port` or `http://host:port[/]`.
+/// `http://host:port` from `host:port` or `http://host:port[/]`: a gateway's
+/// admin port, which speaks plain HTTP.
 pub fn base_url(text: &str) -> Result<String, BadUrl> {
-    let bad = || BadUrl(text.to_owned());
+    parse_base(text, &["http"], "http")
+}
+
+/// The validator's base URL: `https://host:port` (verified against
+/// `--validator-ca-file`), or `http://host:port` when plain HTTP is chosen;
+/// `host:port` alone is plain HTTP.
+pub fn validator_url(text: &str) -> Result<String, BadUrl> {
+    parse_base(text, &["https", "http"], "http(s)")
+}
+
+fn parse_base(text: &str, schemes: &[&str], says: &'static str) -> Result<String, BadUrl> {
+    let bad = || BadUrl(text.to_owned(), says);
     let with_scheme = if text.contains("://") {
         text.to_owned()
     } else {
         format!("http://{text}")
     };
     let uri: Uri = with_scheme.parse().map_err(|_| bad())?;
-    if uri.scheme_str() != Some("http") || uri.port_u16().is_none() {
-        return Err(bad());
-    }
-    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+    let scheme = uri
+        .scheme_str()
+        .filter(|s| schemes.contains(s))
+        .ok_or_else(bad)?;
+    if uri.port_u16().is_none() || !matches!(uri.path(), "" | "/") || uri.query().is_some() {
         return Err(bad());
     }
     let authority = uri.authority().ok_or_else(bad)?;
-    Ok(format!("http://{authority}"))
+    Ok(format!("{scheme}://{authority}"))
 }
+
+type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 
 /// The client; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Client {
-    inner: HyperClient<HttpConnector, Full<Bytes>>,
+    inner: HyperClient<Connector, Full<Bytes>>,
     timeout: Duration,
 }
 
 impl Client {
     /// A client whose every request (answer included) takes at most `timeout`.
-    pub fn new(timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(timeout));
-        connector.set_nodelay(true);
-        Self {
+    /// `https://` URLs are verified against the PEM certificates of `ca` (the
+    /// validator's CA, `--validator-ca-file`); without one they fail.
+    pub fn new(timeout: Duration, ca: Option<&std::path::Path>) -> Result<Self, String> {
+        use rustls::pki_types::pem::PemObject;
+        let mut roots = rustls::RootCertStore::empty();
+        if let Some(ca) = ca {
+            let at = |e: &dyn std::fmt::Display| format!("{}: {e}", ca.display());
+            for cert in rustls::pki_types::CertificateDer::pem_file_iter(ca).map_err(|e| at(&e))? {
+                roots.add(cert.map_err(|e| at(&e))?).map_err(|e| at(&e))?;
+            }
+            if roots.is_empty() {
+                return Err(at(&"holds no PEM certificate"));
+            }
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS configuration: {e}"))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let mut http = HttpConnector::new();
+        http.set_connect_timeout(Some(timeout));
+        http.set_nodelay(true);
+        http.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        Ok(Self {
             inner: HyperClient::builder(TokioExecutor::new()).build(connector),
             timeout,
-        }
+        })
     }
 
     /// `GET url`, the whole body of a 200 answer.
@@ -190,6 +230,12 @@ mod tests {
             "http://validator.sg.svc:8080"
         );
         assert_eq!(base_url("[::1]:9901").unwrap(), "http://[::1]:9901");
+        assert_eq!(
+            validator_url("https://validator.sg.svc:8443").unwrap(),
+            "https://validator.sg.svc:8443"
+        );
+        assert_eq!(validator_url("v:8080").unwrap(), "http://v:8080");
+        assert!(validator_url("ftp://v:21").is_err());
         for bad in [
             "localhost",
             "https://v:8080",
@@ -208,7 +254,7 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let client = Client::new(Duration::from_secs(2));
+        let client = Client::new(Duration::from_secs(2), None).unwrap();
         let err = client
             .get(&format!("http://127.0.0.1:{port}/clusters"))
             .await

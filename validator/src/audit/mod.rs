@@ -60,9 +60,15 @@ pub struct AuditArgs {
     #[arg(long)]
     pub config_dump: Option<PathBuf>,
 
-    /// The validator's public address (`http://staleguard-validator.staleguard.svc:8080`).
+    /// The validator's public address (`https://staleguard-validator.staleguard.svc:8443`
+    /// with `--validator-ca-file`; `http://` is plain HTTP).
     #[arg(long, env = "STALEGUARD_AUDIT_VALIDATOR")]
     pub validator: Option<String>,
+
+    /// The CA certificates (PEM) that an `https://` `--validator` is verified
+    /// against: the issuer of the validator's `--tls-cert-file`.
+    #[arg(long, env = "STALEGUARD_AUDIT_VALIDATOR_CA_FILE")]
+    pub validator_ca_file: Option<PathBuf>,
 
     /// A file holding the validator's bearer token (re-read on every run; its
     /// first non-empty line).
@@ -219,7 +225,13 @@ impl Audit {
             }
         };
         let verdicts = match (&args.validator, &args.cluster_file) {
-            (Some(url), _) => match fetch::base_url(url) {
+            (Some(url), _) => match fetch::validator_url(url) {
+                Ok(url) if url.starts_with("https://") && args.validator_ca_file.is_none() => {
+                    problems.push(format!(
+                        "--validator {url}: https:// needs --validator-ca-file to verify it"
+                    ));
+                    VerdictSource::ClusterFile(PathBuf::new())
+                }
                 Ok(url) => VerdictSource::Validator {
                     url,
                     token_file: args.token_file.clone(),
@@ -289,18 +301,21 @@ impl Audit {
                 |n| n.to_string_lossy().into_owned(),
             ),
         });
-        if !problems.is_empty() {
+        let client = Client::new(timeout, args.validator_ca_file.as_deref())
+            .map_err(|e| problems.push(format!("--validator-ca-file {e}")))
+            .ok();
+        let (true, Some(client)) = (problems.is_empty(), client) else {
             return Err(AuditError::Usage(format!(
                 "invalid audit flags:\n  - {}",
                 problems.join("\n  - ")
             )));
-        }
+        };
         Ok(Self {
             gateway,
             endpoints,
             verdicts,
             plugin,
-            client: Client::new(timeout),
+            client,
             every,
             output: args.output,
             stale_only: args.stale_only,
@@ -591,6 +606,35 @@ mod tests {
         let args = AuditArgs::try_parse_from(std::iter::once("audit").chain(args.iter().copied()))
             .map_err(|e| AuditError::Usage(e.to_string()))?;
         Audit::from_args(args)
+    }
+
+    #[test]
+    fn an_https_validator_needs_validator_ca_file_to_verify_it() {
+        let https = [
+            "--admin",
+            "127.0.0.1:15000",
+            "--validator",
+            "https://v.sg.svc:8080",
+        ];
+        let err = parse(&https).unwrap_err();
+        assert_eq!(err.exit(), Exit::Usage);
+        assert!(err.to_string().contains("--validator-ca-file"), "{err}");
+        let dir = std::env::temp_dir().join(format!("sg-audit-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.crt");
+        std::fs::write(&empty, "").unwrap();
+        let with = |ca: &std::path::Path| {
+            let mut argv = https.to_vec();
+            argv.extend(["--validator-ca-file", ca.to_str().unwrap()]);
+            parse(&argv)
+        };
+        let err = with(&empty).unwrap_err();
+        assert!(
+            err.to_string().contains("holds no PEM certificate"),
+            "{err}"
+        );
+        assert!(with(&dir.join("absent.crt")).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

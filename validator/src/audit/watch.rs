@@ -59,11 +59,19 @@ pub async fn run(audit: &Audit, every: Duration, listen: SocketAddr) -> std::io:
         "auditing continuously"
     );
     let app = router(metrics.clone());
-    let server = tokio::spawn(async move {
-        if let Err(error) = axum::serve(listener, app).await {
-            tracing::error!(%error, "the metrics listener failed");
-        }
-    });
+    // Bounded like the validator's admin listener: a scraper that misbehaves
+    // cannot hold the audit's descriptors. The sender lives as long as the
+    // loop below; dropping it stops the listener.
+    let (_serving, stop) = tokio::sync::watch::channel(false);
+    let server = tokio::spawn(crate::api::serve_bounded(
+        listener,
+        app,
+        crate::api::ConnectionLimits::ADMIN,
+        metrics.connections(),
+        "audit",
+        stop,
+        None,
+    ));
     let shutdown = crate::shutdown_signal();
     tokio::pin!(shutdown);
     let mut tick = tokio::time::interval(every);

@@ -82,6 +82,12 @@ impl ChangeLog {
         )
     }
 
+    /// The oldest generation [`Self::since`] can answer for: no key changed
+    /// after it was dropped.
+    pub(crate) fn floor(&self) -> u64 {
+        self.floor
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.latest.len()
     }

@@ -315,6 +315,11 @@ impl Index {
         ips
     }
 
+    /// The oldest generation [`Self::changes_since`] can still answer from.
+    pub fn change_log_floor(&self) -> u64 {
+        self.log.floor()
+    }
+
     /// What changed after generation `since`, compacted to the latest state per
     /// IP and service. `None` when `since` is ahead of the index or older than
     /// the change log remembers: the client must reset from a snapshot.
