@@ -88,6 +88,11 @@ pub struct RetryConfig {
     /// The header the twin's load balancer reads the members from.
     #[serde(default = "default_endpoint_header")]
     pub endpoint_header: String,
+    /// The largest answer a replay gives the client: the live host's answer
+    /// is copied into the VM (whose memory never shrinks) to be sent on. A
+    /// larger one is never copied; the client gets the rejection.
+    #[serde(default = "default_max_answer_bytes")]
+    pub max_answer_bytes: u64,
 }
 
 impl Default for RetryConfig {
@@ -99,6 +104,7 @@ impl Default for RetryConfig {
             hosts_per_attempt: default_hosts_per_attempt(),
             timeout_ms: default_retry_timeout_ms(),
             endpoint_header: default_endpoint_header(),
+            max_answer_bytes: default_max_answer_bytes(),
         }
     }
 }
@@ -121,6 +127,13 @@ fn default_retry_timeout_ms() -> u64 {
 fn default_endpoint_header() -> String {
     "x-gateway-destination-endpoint".to_owned()
 }
+/// 1 MiB, Envoy's default buffer limit per request.
+fn default_max_answer_bytes() -> u64 {
+    1 << 20
+}
+
+/// The largest `retry.max_answer_bytes`: 64 MiB.
+const MAX_ANSWER_BYTES: u64 = 64 << 20;
 
 /// The plugin configuration as written (JSON in the Wasm filter's `configuration`).
 #[derive(Debug, Clone, Deserialize)]
@@ -196,7 +209,8 @@ pub struct RawConfig {
 fn default_wait_s() -> u32 {
     30
 }
-fn default_max_staleness_ms() -> u64 {
+/// 60 s: the guard's `max_staleness_ms`, also the steering role's.
+pub(crate) fn default_max_staleness_ms() -> u64 {
     60_000
 }
 fn default_tick_ms() -> u64 {
@@ -214,7 +228,9 @@ fn default_backoff_max_ms() -> u64 {
 fn default_reject_status() -> u32 {
     503
 }
-fn default_reject_header() -> String {
+/// `x-staleguard`: the guard's reject header, also what the steering role
+/// strips by default.
+pub(crate) fn default_reject_header() -> String {
     "x-staleguard".to_owned()
 }
 
@@ -648,6 +664,12 @@ fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
             retry.timeout_ms
         ));
     }
+    if !(1..=MAX_ANSWER_BYTES).contains(&retry.max_answer_bytes) {
+        problems.push(format!(
+            "retry.max_answer_bytes {} not in 1..={MAX_ANSWER_BYTES}",
+            retry.max_answer_bytes
+        ));
+    }
     if !is_header_name(&retry.endpoint_header) {
         problems.push(format!(
             "retry.endpoint_header {:?} is not a lowercase header name",
@@ -656,7 +678,8 @@ fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
     }
 }
 
-fn is_header_name(s: &str) -> bool {
+/// A lowercase header name (what every header knob must be).
+pub(crate) fn is_header_name(s: &str) -> bool {
     !s.is_empty()
         && s.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')

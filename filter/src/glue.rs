@@ -86,6 +86,14 @@ impl Host for HostCalls {
         let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
     }
 
+    fn set_request_header(&mut self, name: &str, value: &str) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
+    }
+
+    fn remove_response_header(&mut self, name: &str) {
+        let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, name);
+    }
+
     fn dispatch_call(
         &mut self,
         cluster: &str,
@@ -224,5 +232,9 @@ impl Context for FilterGlue {
 impl HttpContext for FilterGlue {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         self.0.request_headers(&mut HostCalls, end_of_stream)
+    }
+
+    fn on_http_response_headers(&mut self, _: usize, _: bool) -> Action {
+        self.0.response_headers(&mut HostCalls)
     }
 }

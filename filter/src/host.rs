@@ -50,6 +50,12 @@ pub trait Host: SharedData {
     /// Removes a request header before it goes upstream.
     fn remove_request_header(&mut self, name: &str);
 
+    /// Sets a request header (replacing it) before it goes upstream.
+    fn set_request_header(&mut self, name: &str, value: &str);
+
+    /// Removes a header from the upstream's answer.
+    fn remove_response_header(&mut self, name: &str);
+
     /// Sends a call to `cluster`; the token names its answer.
     fn dispatch_call(
         &mut self,
@@ -194,6 +200,7 @@ pub(crate) mod fake {
         pub(crate) properties: HashMap<String, String>,
         pub(crate) request_headers: Vec<(String, String)>,
         pub(crate) removed_headers: Vec<String>,
+        pub(crate) removed_response_headers: Vec<String>,
         /// Set: `dispatch_call` fails.
         pub(crate) refuse_calls: bool,
         pub(crate) calls: Vec<Call>,
@@ -258,6 +265,16 @@ pub(crate) mod fake {
 
         fn remove_request_header(&mut self, name: &str) {
             self.removed_headers.push(name.to_owned());
+        }
+
+        fn set_request_header(&mut self, name: &str, value: &str) {
+            self.request_headers.retain(|(k, _)| k != name);
+            self.request_headers
+                .push((name.to_owned(), value.to_owned()));
+        }
+
+        fn remove_response_header(&mut self, name: &str) {
+            self.removed_response_headers.push(name.to_owned());
         }
 
         fn dispatch_call(

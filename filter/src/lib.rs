@@ -27,6 +27,7 @@ pub mod replay;
 pub mod request;
 pub mod root;
 pub mod secret;
+pub mod steer;
 pub mod store;
 pub mod sync;
 pub mod throttle;

@@ -18,9 +18,13 @@
 //! the control plane vouches for.
 //!
 //! Only requests without a body are replayed (once the filter pauses on the
-//! request headers the body never reaches it), and not upgrades, CONNECT or
-//! gRPC (the answer is buffered: no streaming, no trailers). The rest get the
-//! normal rejection. Everything here is plain Rust; `glue` only adapts.
+//! request headers the body never reaches it: Envoy turns a pause on the
+//! headers into StopAllIterationAndWatermark, proxy-wasm/spec#63), and not
+//! upgrades, CONNECT or gRPC (the answer is buffered: no streaming, no
+//! trailers). The live host's answer is copied into the VM only up to
+//! `retry.max_answer_bytes`; a larger one is left in Envoy and the client
+//! gets the rejection ([`Outcome::AnswerTooLarge`]). The rest get the normal
+//! rejection. Everything here is plain Rust; `glue` only adapts.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -91,16 +95,20 @@ pub enum Outcome {
     Exhausted,
     /// The timeout passed: the client got a 504.
     Timeout,
+    /// The live host's answer was larger than `retry.max_answer_bytes`:
+    /// rejected, the answer never copied into the VM.
+    AnswerTooLarge,
     /// Not replayed: rejected.
     NotEligible(Ineligible),
 }
 
 impl Outcome {
     /// Every outcome, for metrics.
-    pub const ALL: [Outcome; 10] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Answered,
         Outcome::Exhausted,
         Outcome::Timeout,
+        Outcome::AnswerTooLarge,
         Outcome::NotEligible(Ineligible::Body),
         Outcome::NotEligible(Ineligible::Method),
         Outcome::NotEligible(Ineligible::Upgrade),
@@ -110,12 +118,14 @@ impl Outcome {
         Outcome::NotEligible(Ineligible::Stale),
     ];
 
-    /// `answered`, `exhausted`, `timeout`, `not_eligible_<cause>`.
+    /// `answered`, `exhausted`, `timeout`, `answer_too_large`,
+    /// `not_eligible_<cause>`.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Answered => "answered",
             Outcome::Exhausted => "exhausted",
             Outcome::Timeout => "timeout",
+            Outcome::AnswerTooLarge => "answer_too_large",
             Outcome::NotEligible(Ineligible::Body) => "not_eligible_body",
             Outcome::NotEligible(Ineligible::Method) => "not_eligible_method",
             Outcome::NotEligible(Ineligible::Upgrade) => "not_eligible_upgrade",
@@ -323,6 +333,9 @@ pub fn timeout_ms(retry: &RetryConfig, headers: &[(String, String)]) -> u64 {
 pub enum CallResult {
     /// An answer from a named live host.
     Answer,
+    /// An answer from a named live host, larger than
+    /// `retry.max_answer_bytes`.
+    TooLarge,
     /// The twin's pick was not a named host: nothing was sent.
     TwinMiss,
     /// No host's answer: a reset, a refused connection.
@@ -335,9 +348,14 @@ pub enum CallResult {
 /// not to its own replies: a timeout, a refused connection, no host).
 pub const UPSTREAM_TIME_HEADER: &str = "x-envoy-upstream-service-time";
 
-/// What a twin call's answer headers say (`None`: the call failed with no
-/// answer at all).
-pub fn classify(answer: Option<&[(String, String)]>) -> CallResult {
+/// What a twin call's answer says: its headers (`None`: the call failed
+/// with no answer at all) and its body's size against
+/// `retry.max_answer_bytes`.
+pub fn classify(
+    retry: &RetryConfig,
+    answer: Option<&[(String, String)]>,
+    body_size: usize,
+) -> CallResult {
     let Some(headers) = answer else {
         return CallResult::Failed;
     };
@@ -351,6 +369,8 @@ pub fn classify(answer: Option<&[(String, String)]>) -> CallResult {
         } else {
             CallResult::Failed
         }
+    } else if u64::try_from(body_size).map_or(true, |n| n > retry.max_answer_bytes) {
+        CallResult::TooLarge
     } else {
         CallResult::Answer
     }
@@ -403,6 +423,7 @@ impl Replay {
     pub fn on_result(&mut self, now_ms: u64, result: CallResult) -> Step {
         match result {
             CallResult::Answer => Step::Deliver,
+            CallResult::TooLarge => Step::Fail(Outcome::AnswerTooLarge),
             CallResult::TimedOut => Step::Fail(Outcome::Timeout),
             // A call that failed at its deadline is the timeout; one that
             // failed sooner (a member that died since the index said live,
@@ -456,28 +477,37 @@ impl TwinConfig {
     /// The twin configuration, if `bytes` is one (`Ok(None)`: it is not a
     /// twin configuration, parse it as the guard's).
     pub fn parse(bytes: &[u8]) -> Result<Option<Self>, String> {
-        let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        let Some(twin) = role::<TwinDocument>(bytes, "replay_twin", "a replay twin")? else {
             return Ok(None);
         };
-        if value.get("replay_twin").is_none() {
-            return Ok(None);
-        }
-        let doc: TwinDocument = serde_json::from_value(value)
-            .map_err(|e| format!("plugin configuration of a replay twin refused: {e}"))?;
-        if doc.replay_twin.endpoint_header.is_empty()
-            || !doc
-                .replay_twin
-                .endpoint_header
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        {
+        let twin = twin.replay_twin;
+        if !crate::config::is_header_name(&twin.endpoint_header) {
             return Err(format!(
                 "replay_twin.endpoint_header {:?} is not a lowercase header name",
-                doc.replay_twin.endpoint_header
+                twin.endpoint_header
             ));
         }
-        Ok(Some(doc.replay_twin))
+        Ok(Some(twin))
     }
+}
+
+/// A role's plugin configuration (`{"<key>": {...}}`, parsed as `D`), if
+/// `bytes` is one: `Ok(None)` when it is not (parse it as another role's),
+/// an error naming `what` when it is but does not parse.
+pub(crate) fn role<D: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    key: &str,
+    what: &str,
+) -> Result<Option<D>, String> {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        return Ok(None);
+    };
+    if value.get(key).is_none() {
+        return Ok(None);
+    }
+    serde_json::from_value(value)
+        .map(Some)
+        .map_err(|e| format!("plugin configuration of {what} refused: {e}"))
 }
 
 /// The twin's check: is the host its load balancer picked (`address`, as
@@ -742,15 +772,33 @@ mod tests {
 
     #[test]
     fn only_a_hosts_answer_is_an_answer() {
-        assert_eq!(classify(None), CallResult::Failed);
+        let r = RetryConfig::default();
+        assert_eq!(classify(&r, None, 0), CallResult::Failed);
         let host = h(&[(":status", "500"), (UPSTREAM_TIME_HEADER, "3")]);
-        assert_eq!(classify(Some(&host)), CallResult::Answer);
+        assert_eq!(classify(&r, Some(&host), 5), CallResult::Answer);
         let envoy_timeout = h(&[(":status", "504"), ("content-type", "text/plain")]);
-        assert_eq!(classify(Some(&envoy_timeout)), CallResult::TimedOut);
+        assert_eq!(classify(&r, Some(&envoy_timeout), 0), CallResult::TimedOut);
         let refused = h(&[(":status", "503"), ("content-type", "text/plain")]);
-        assert_eq!(classify(Some(&refused)), CallResult::Failed);
+        assert_eq!(classify(&r, Some(&refused), 0), CallResult::Failed);
         let miss = h(&[(":status", "503"), (TWIN_MISS_HEADER, "1")]);
-        assert_eq!(classify(Some(&miss)), CallResult::TwinMiss);
+        assert_eq!(classify(&r, Some(&miss), 0), CallResult::TwinMiss);
+    }
+
+    #[test]
+    fn retry_max_answer_bytes_refuses_a_larger_answer() {
+        let r = RetryConfig {
+            max_answer_bytes: 100,
+            ..RetryConfig::default()
+        };
+        let host = h(&[(":status", "200"), (UPSTREAM_TIME_HEADER, "3")]);
+        assert_eq!(classify(&r, Some(&host), 100), CallResult::Answer);
+        assert_eq!(classify(&r, Some(&host), 101), CallResult::TooLarge);
+        assert_eq!(RetryConfig::default().max_answer_bytes, 1 << 20);
+        let (mut replay, _) = Replay::start(vec![vec![sa("10.0.0.2:80")]], 0, 500);
+        assert_eq!(
+            replay.on_result(10, CallResult::TooLarge),
+            Step::Fail(Outcome::AnswerTooLarge)
+        );
     }
 
     #[test]

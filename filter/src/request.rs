@@ -19,6 +19,7 @@ use crate::replay::{
     self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
 };
 use crate::root::VmState;
+use crate::steer::SteerConfig;
 use crate::store::View;
 
 /// The HTTP context of one request.
@@ -27,8 +28,13 @@ pub struct Filter {
     vm: VmState,
     /// Set in a twin cluster's VM: this instance only checks its pick.
     twin: Option<Rc<TwinConfig>>,
+    /// Set on the body path's hop: this instance only names live members.
+    steer: Option<Rc<SteerConfig>>,
     /// A replay in flight (see `crate::replay`).
     replay: Option<Pending>,
+    /// The header to take out of the upstream's answer (see
+    /// `response_headers`).
+    strip_answer: Option<String>,
 }
 
 impl fmt::Debug for Filter {
@@ -57,12 +63,19 @@ struct Pending {
 
 impl Filter {
     /// A request's context over its VM's shared state (see `Root::filter`).
-    pub(crate) fn new(id: u32, vm: VmState, twin: Option<Rc<TwinConfig>>) -> Self {
+    pub(crate) fn new(
+        id: u32,
+        vm: VmState,
+        twin: Option<Rc<TwinConfig>>,
+        steer: Option<Rc<SteerConfig>>,
+    ) -> Self {
         Self {
             id,
             vm,
             twin,
+            steer,
             replay: None,
+            strip_answer: None,
         }
     }
 
@@ -76,6 +89,9 @@ impl Filter {
     pub fn request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         if let Some(twin) = self.twin.clone() {
             return self.twin_request(host, &twin);
+        }
+        if let Some(steer) = self.steer.clone() {
+            return self.steer_request(host, &steer);
         }
         let Some(config) = self.vm.config.clone() else {
             return self.vm.unconfigured(host);
@@ -178,12 +194,29 @@ impl Filter {
             return Action::Pause;
         }
         match effect {
-            Effect::Allow | Effect::Audit => Action::Continue,
+            Effect::Allow | Effect::Audit => {
+                if !end_of_stream {
+                    self.strip_answer = Some(config.raw.reject_header.clone());
+                }
+                Action::Continue
+            }
             Effect::Reject { status } => {
                 reject(host, &config, status, verdict.reason);
                 Action::Pause
             }
         }
+    }
+
+    /// The upstream's answer headers arrived. For a request with a body the
+    /// filter let through (or steered), the reject header goes: the body
+    /// path's route retries an answer that carries it (docs/filter.md,
+    /// "Requests with a body"), and only the filter's own rejection may,
+    /// never a backend's.
+    pub fn response_headers<H: Host>(&mut self, host: &mut H) -> Action {
+        if let Some(header) = self.strip_answer.take() {
+            host.remove_response_header(&header);
+        }
+        Action::Continue
     }
 
     /// The answer to a replay's call arrived (or the call failed).
@@ -194,6 +227,12 @@ impl Filter {
         headers: usize,
         body_size: usize,
     ) {
+        let Some(config) = self.vm.config.clone() else {
+            return;
+        };
+        let Some(retry) = config.replay() else {
+            return;
+        };
         let Some(pending) = self.replay.as_mut() else {
             return;
         };
@@ -209,7 +248,7 @@ impl Filter {
                 .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
                 .collect::<Vec<_>>()
         });
-        let result = replay::classify(answer.as_deref());
+        let result = replay::classify(retry, answer.as_deref(), body_size);
         pending.answer = answer.unwrap_or_default();
         let step = pending.replay.on_result(host.now_ms(), result);
         self.drive(host, step);
@@ -235,6 +274,29 @@ impl Filter {
         );
         host.send_reply(503, &[(replay::TWIN_MISS_HEADER, "1")], None);
         Action::Pause
+    }
+
+    /// The steering role's whole job (`crate::steer`): name the service's
+    /// live members in the endpoint header, or leave the request as it is
+    /// when the index names none; never pause.
+    fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Action {
+        let now_ms = host.now_ms();
+        let fresh = View::new(&*host)
+            .meta()
+            .filter(|m| m.is_fresh(now_ms, steer.max_staleness_ms));
+        let members = match (fresh, steer.key()) {
+            (Some(meta), Some(service)) => members::read(&*host, &service, meta.load),
+            _ => Vec::new(),
+        };
+        match steer.endpoint_value(&members, host.random_u64()) {
+            Some(value) => {
+                host.set_request_header(&steer.endpoint_header, &value);
+                self.strip_answer = Some(steer.reject_header.clone());
+            }
+            // Whatever a client sent must not pick the host instead.
+            None => host.remove_request_header(&steer.endpoint_header),
+        }
+        Action::Continue
     }
 
     /// Starts replaying a rejected request, or says why it cannot be.
@@ -566,5 +628,91 @@ mod tests {
             ))),
             1
         );
+    }
+
+    #[test]
+    fn a_backends_reject_header_is_stripped_from_the_answer_to_a_request_with_a_body() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+        get_to(&mut host, "10.0.0.1");
+        let mut filter = root.filter(2);
+        assert_eq!(filter.request_headers(&mut host, false), Action::Continue);
+        assert_eq!(filter.response_headers(&mut host), Action::Continue);
+        let header = Config::parse(&crate::host::fake::shipped_config("{}"))
+            .unwrap()
+            .raw
+            .reject_header;
+        assert_eq!(host.removed_response_headers, vec![header]);
+        // Without a body (no route retries on the header): untouched.
+        let mut filter = root.filter(3);
+        filter.request_headers(&mut host, true);
+        filter.response_headers(&mut host);
+        assert_eq!(host.removed_response_headers.len(), 1);
+    }
+
+    #[test]
+    fn retry_max_answer_bytes_a_larger_answer_gets_the_rejection() {
+        let extra = r#"{"retry":{"max_answer_bytes":4}}"#;
+        let (mut root, mut host) = loaded(extra, &["10.0.0.1"]);
+        get_to(&mut host, "10.0.0.9");
+        let mut filter = root.filter(2);
+        filter.request_headers(&mut host, true);
+        let call = host.calls.last().unwrap().clone();
+        host.answer = crate::host::fake::Answer {
+            headers: vec![
+                (":status".into(), "200".into()),
+                (replay::UPSTREAM_TIME_HEADER.into(), "3".into()),
+            ],
+            body: b"12345".to_vec(),
+        };
+        filter.call_response(&mut host, call.token, 2, 5);
+        assert_eq!(host.replies.len(), 1);
+        assert_eq!(host.replies[0].status, reject_status(extra));
+        assert_eq!(host.replies[0].body, b"staleguard: destroyed\n");
+        root.tick(&mut host);
+        assert_eq!(
+            host.counter(&metrics::retries(ReplayOutcome::AnswerTooLarge)),
+            1
+        );
+    }
+
+    #[test]
+    fn the_steering_role_names_live_members_and_never_pauses() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1", "10.0.0.2"]);
+        let mut steering = Root::new(7);
+        assert!(steering.configure(
+            &mut host,
+            br#"{"steer":{"service":"shop/cart","port":8080}}"#
+        ));
+        drop(root);
+        get_to(&mut host, "10.0.0.9");
+        host.request_headers
+            .push(("x-gateway-destination-endpoint".into(), "6.6.6.6:1".into()));
+        let calls = host.calls.len();
+        let mut filter = steering.filter(2);
+        assert_eq!(filter.request_headers(&mut host, false), Action::Continue);
+        let named = host
+            .request_headers
+            .iter()
+            .find(|(k, _)| k == "x-gateway-destination-endpoint")
+            .map(|(_, v)| v.clone())
+            .unwrap();
+        let mut named: Vec<&str> = named.split(',').collect();
+        named.sort_unstable();
+        assert_eq!(named, ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        assert!(host.replies.is_empty());
+        assert_eq!(host.calls.len(), calls);
+        // An index not synced for longer than max_staleness_ms names no one.
+        host.now_ms += 60_001;
+        let before = host.removed_headers.len();
+        steering.filter(4).request_headers(&mut host, false);
+        assert_eq!(host.removed_headers.len(), before + 1);
+        host.now_ms -= 60_001;
+        // A service the index has no member of: the client's header goes.
+        let mut other = Root::new(8);
+        assert!(other.configure(&mut host, br#"{"steer":{"service":"shop/none","port":80}}"#));
+        other.filter(3).request_headers(&mut host, false);
+        assert!(host
+            .removed_headers
+            .contains(&"x-gateway-destination-endpoint".to_owned()));
     }
 }

@@ -19,6 +19,7 @@ use crate::lease::{Lease, LeaseState};
 use crate::metrics::{self, VmMetrics};
 use crate::replay::TwinConfig;
 use crate::request::Filter;
+use crate::steer::SteerConfig;
 use crate::store::View;
 use crate::sync::{Applied, Poller, SyncConfig, SyncError};
 use crate::throttle::Throttle;
@@ -57,6 +58,7 @@ pub struct Root {
     /// first, the lease or the poller's next step.
     timer_ms: u64,
     twin: Option<Rc<TwinConfig>>,
+    steer: Option<Rc<SteerConfig>>,
 }
 
 impl fmt::Debug for Root {
@@ -88,12 +90,18 @@ impl Root {
             lease_due_ms: 0,
             timer_ms: 0,
             twin: None,
+            steer: None,
         }
     }
 
     /// The HTTP context of a request, sharing this VM's state.
     pub fn filter(&self, context_id: u32) -> Filter {
-        Filter::new(context_id, self.vm.clone(), self.twin.clone())
+        Filter::new(
+            context_id,
+            self.vm.clone(),
+            self.twin.clone(),
+            self.steer.clone(),
+        )
     }
 
     /// The timer period last set, in ms.
@@ -109,6 +117,24 @@ impl Root {
     pub fn configure<H: Host>(&mut self, host: &mut H, bytes: &[u8]) -> bool {
         // A twin cluster's filter (docs/filter.md, "Retry"): no index, no
         // poller; it only checks its pick against the hosts the origin named.
+        // The body path's hop (docs/filter.md, "Requests with a body"): it
+        // reads the index the guard's poller keeps, and polls nothing.
+        match SteerConfig::parse(bytes) {
+            Ok(Some(steer)) => {
+                log::info!(
+                    "[ctx {}] staleguard: configured to steer requests to live members of {}",
+                    self.id,
+                    steer.service
+                );
+                self.steer = Some(Rc::new(steer));
+                return true;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                log::error!("[ctx {}] staleguard: {e}", self.id);
+                return false;
+            }
+        }
         match TwinConfig::parse(bytes) {
             Ok(Some(twin)) => {
                 log::info!(

@@ -20,6 +20,8 @@ use std::time::Instant;
 use staleguard_filter::buckets;
 use staleguard_filter::config::Config;
 use staleguard_filter::lease::Lease;
+use staleguard_filter::replay::TwinConfig;
+use staleguard_filter::steer::SteerConfig;
 use staleguard_filter::store::{
     decode_service, MemoryStore, Meta, SharedData, View, LEASE_KEY, META_KEY,
 };
@@ -145,6 +147,8 @@ fn mutate(rng: &mut Rng, input: &mut Vec<u8>) {
 
 fn feed(input: &[u8], rng: &mut Rng) {
     let _ = Config::parse(input);
+    let _ = TwinConfig::parse(input);
+    let _ = SteerConfig::parse(input);
     let _ = Meta::decode(input);
     let ip = "10.0.0.1".parse().unwrap();
     let _ = buckets::find(input, &ip, rng.next() % 4);

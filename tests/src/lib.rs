@@ -31,6 +31,7 @@ pub mod eds;
 pub mod envoy;
 pub mod fake_validator;
 pub mod h2;
+pub mod incident;
 pub mod istio;
 pub mod kube_source;
 pub mod pods;

@@ -6,6 +6,7 @@
 use anyhow::Result;
 use staleguard_filter::config::Config;
 use staleguard_filter::replay::TwinConfig;
+use staleguard_filter::steer::SteerConfig;
 use staleguard_tests::envoy::{dependencies, plugin_configs_in, validate};
 
 fn repo(path: &str) -> String {
@@ -47,6 +48,12 @@ fn check_plugin_configs(path: &str, expected: usize) {
             Ok(None) => {}
             Err(e) => panic!("{path}: twin configuration refused: {e}\n{c}"),
         }
+        // So is the body path's steering hop (docs/filter.md).
+        match SteerConfig::parse(c.as_bytes()) {
+            Ok(Some(_)) => continue,
+            Ok(None) => {}
+            Err(e) => panic!("{path}: steering configuration refused: {e}\n{c}"),
+        }
         // The VM environment the deployment provides: deploy/istio passes
         // STALEGUARD_TOKEN from a Secret (vm_config.environment_variables).
         let env = |name: &str| (name == "STALEGUARD_TOKEN").then(|| "t0ken".to_owned());
@@ -68,8 +75,9 @@ fn check_plugin_configs(path: &str, expected: usize) {
 /// (a typo there would be refused by every gateway that applies it).
 #[test]
 fn shipped_plugin_configs_are_valid() {
-    // The guarded cluster's plugin and its retry twin's.
-    check_plugin_configs("deploy/envoy/envoy.yaml", 2);
+    // The guarded cluster's plugin, its retry twin's and the body path's
+    // steering hop's.
+    check_plugin_configs("deploy/envoy/envoy.yaml", 3);
     check_plugin_configs("deploy/istio/envoyfilter.yaml", 1);
 }
 
@@ -136,7 +144,9 @@ fn the_guarding_plugin_fails_open_in_every_shipped_configuration() {
             .iter()
             .filter(|(vm, _)| vm == "staleguard")
             .collect();
-        assert_eq!(guards.len(), 1, "{path}: {plugins:?}");
+        // The guard, and in deploy/envoy the body path's steering hop (which
+        // shares its VM, and fails open to the guarded route).
+        assert!(!guards.is_empty(), "{path}: {plugins:?}");
         for (vm, policy) in &plugins {
             let want = (vm == "staleguard").then_some("FAIL_OPEN");
             assert_eq!(policy.as_deref(), want, "{path}: vm_id {vm}");

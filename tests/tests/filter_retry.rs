@@ -387,7 +387,8 @@ fn ninety_percent_stale_endpoints_still_answer_from_live_pods() -> Result<()> {
     Ok(())
 }
 
-/// The full-fidelity option for requests with bodies (`deploy/envoy/body-path.yaml`):
+/// The body path's fallback for requests with bodies (`deploy/envoy/envoy.yaml`
+/// when its steering hop names no members):
 /// through an internal listener, a rejection is an answer the outer router
 /// retries with the body; every request is answered by a live host with its
 /// body intact, none reaches the stale host.

@@ -16,7 +16,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use super::shipped::{shipped_stats_tags, shipped_twin_lb_policy, shipped_upstream_options};
+use super::shipped::{
+    shipped_circuit_breakers, shipped_stats_tags, shipped_twin_lb_policy, shipped_upstream_options,
+};
 use super::{dependencies, Envoy, Launch};
 use crate::eds::EdsFile;
 use crate::process::free_addr;
@@ -303,6 +305,10 @@ impl Cluster {
                 },
             }),
         };
+        if self.plugin.is_some() && !shipped_circuit_breakers().is_null() {
+            // The shipped thresholds (the route's retries need them).
+            c["circuit_breakers"] = shipped_circuit_breakers();
+        }
         merge_into(&mut c, &self.extra);
         if let Some(plugin) = &self.plugin {
             c["typed_extension_protocol_options"] = upstream_filter_options(wasm, plugin);
@@ -411,19 +417,31 @@ pub fn upstream_filter_options(wasm: &Path, plugin: &Value) -> Value {
 
 /// `options` with every Wasm filter running `wasm` with `plugin`.
 fn configured(mut options: Value, wasm: &Path, plugin: &Value) -> Value {
-    let filters = options
+    for config in wasm_configs_mut(&mut options, wasm) {
+        config["configuration"]["value"] = json!(plugin.to_string());
+    }
+    options
+}
+
+/// The `config` of every Wasm filter in a cluster's
+/// `typed_extension_protocol_options`, each set to run the module `wasm`.
+pub(super) fn wasm_configs_mut<'a>(
+    options: &'a mut Value,
+    wasm: &'a Path,
+) -> impl Iterator<Item = &'a mut Value> + 'a {
+    options
         .as_object_mut()
         .into_iter()
         .flat_map(|o| o.values_mut())
         .filter_map(|hpo| hpo["http_filters"].as_array_mut())
         .flatten()
-        .filter(|f| f["name"] == "envoy.filters.http.wasm");
-    for filter in filters {
-        let config = &mut filter["typed_config"]["config"];
-        config["vm_config"]["code"] = json!({"local": {"filename": wasm.display().to_string()}});
-        config["configuration"]["value"] = json!(plugin.to_string());
-    }
-    options
+        .filter(|f| f["name"] == "envoy.filters.http.wasm")
+        .map(move |filter| {
+            let config = &mut filter["typed_config"]["config"];
+            config["vm_config"]["code"] =
+                json!({"local": {"filename": wasm.display().to_string()}});
+            config
+        })
 }
 
 /// The twin of a guarded cluster, for the replay of rejected requests
@@ -467,8 +485,9 @@ pub fn twin_cluster(cluster: &Value, wasm: &Path, plugin: &Value) -> Option<Valu
     Some(twin)
 }
 
-/// The full-fidelity path for requests with bodies, as
-/// `deploy/envoy/body-path.yaml` ships it: the outer route sends them to the
+/// The body path for requests with bodies as `deploy/envoy/envoy.yaml` has
+/// it when its hop names no members (no index yet; the steering hop itself
+/// is not built here, see `shipped_gateway`): the outer route sends them to the
 /// cluster `staleguard-body`, whose one endpoint is the internal listener
 /// `staleguard-body`, whose route (`inner_route`) leads to the guarded
 /// cluster. A rejection there (a 503 with `reject_header`) is an answer the

@@ -118,6 +118,12 @@ pub fn shipped_upstream_options(twin: bool) -> Value {
     options
 }
 
+/// The `circuit_breakers` of the shipped guarded cluster (`Null` when it
+/// sets none): every guarded test cluster gets them.
+pub fn shipped_circuit_breakers() -> Value {
+    shipped_cluster(false)["circuit_breakers"].clone()
+}
+
 /// The `load_balancing_policy` of the shipped retry twin: the override-host
 /// balancer reading the members the filter names, round robin as its
 /// fallback.
@@ -128,6 +134,62 @@ pub fn shipped_twin_lb_policy() -> Value {
         "the shipped twin has no load_balancing_policy"
     );
     policy
+}
+
+/// `deploy/envoy/envoy.yaml` itself, made to run on loopback: only addresses
+/// and paths change. The gateway listens on `listener`, its admin on
+/// `admin`; the guarded cluster `shop-cart` and its twin have the static
+/// endpoints `cart` (instead of DNS; one port for all, which the steering
+/// role then names); the validator is `validator`, reached over plain HTTP;
+/// every Wasm filter runs the module `wasm`. Routes, retry policies, circuit
+/// breakers and the plugin configuration are the shipped ones.
+pub fn shipped_gateway(
+    wasm: &std::path::Path,
+    listener: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    validator: std::net::SocketAddr,
+    cart: &[std::net::SocketAddr],
+) -> Value {
+    use super::bootstrap::{static_cluster, wasm_configs_mut};
+    let mut doc = shipped_envoy_doc().clone();
+    doc["admin"]["address"]["socket_address"] =
+        serde_json::json!({"address": "127.0.0.1", "port_value": admin.port()});
+    doc["static_resources"]["listeners"][0]["address"]["socket_address"] = serde_json::json!(
+        {"address": listener.ip().to_string(), "port_value": listener.port()}
+    );
+    if let Some(clusters) = doc["static_resources"]["clusters"].as_array_mut() {
+        for c in clusters {
+            for config in wasm_configs_mut(&mut c["typed_extension_protocol_options"], wasm) {
+                // The steering role names members on the pods' port.
+                let value = config["configuration"]["value"]
+                    .as_str()
+                    .unwrap_or_default();
+                if let Ok(mut plugin) = serde_json::from_str::<Value>(value) {
+                    if let (Some(steer), Some(first)) = (plugin.get_mut("steer"), cart.first()) {
+                        steer["port"] = serde_json::json!(first.port());
+                        config["configuration"]["value"] = serde_json::json!(plugin.to_string());
+                    }
+                }
+            }
+            let name = c["name"].as_str().unwrap_or_default().to_owned();
+            let hosts = match name.as_str() {
+                "shop-cart" | "shop-cart|staleguard-twin" => cart,
+                "staleguard-validator" => std::slice::from_ref(&validator),
+                _ => continue,
+            };
+            let fixed = static_cluster(&name, hosts);
+            c["type"] = fixed["type"].clone();
+            c["load_assignment"] = fixed["load_assignment"].clone();
+            if name == "staleguard-validator" {
+                // The fake validator speaks plain HTTP (the shipped TLS to
+                // it has a test of its own: `shipped_validator_tls`).
+                if let Some(o) = c.as_object_mut() {
+                    o.remove("transport_socket");
+                }
+            }
+        }
+    }
+    doc
 }
 
 /// The `transport_socket` of the validator cluster `deploy/envoy/envoy.yaml`

@@ -1,0 +1,191 @@
+//! Steering requests with a body to live members: the body path's hop.
+//!
+//! A rejected request with a body cannot be replayed by the filter (Envoy
+//! holds the body back from a filter that paused on the headers,
+//! proxy-wasm/spec#63), and re-picks by the load balancer land on a stale
+//! host as often as the first pick did (at 23 stale endpoints of 25, four
+//! picks in a row are all stale 72% of the time). So the body path names
+//! live members *before* the request goes anywhere: the filter runs in its
+//! steering role as an upstream filter of the body path's hop (the cluster
+//! that leads to the internal listener), puts the service's live members
+//! from the index in the endpoint header, and lets the request and its body
+//! stream on. The internal listener's route sends a request that carries the
+//! header to the guarded cluster's twin, whose override-host balancer picks
+//! a named member and whose filter lets through only a named pick. Without
+//! a fresh index (none loaded yet, no sync for `max_staleness_ms`, or the
+//! validator's data not fresh) or a live member, no header: the request
+//! takes the guarded cluster and the normal verdict (docs/filter.md,
+//! "Requests with a body").
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use serde::Deserialize;
+use staleguard_core::ServiceKey;
+
+use crate::config::RetryConfig;
+use crate::members::Member;
+use crate::replay;
+
+/// The plugin configuration of the steering role:
+/// `{"steer": {"service": "ns/name", "port": 8080}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SteerConfig {
+    /// The service whose live members are named (`namespace/name`).
+    pub service: String,
+    /// The members' port, when the index does not list their ports.
+    pub port: u16,
+    /// The header the twin's load balancer reads (as `retry.endpoint_header`).
+    #[serde(default = "default_endpoint_header")]
+    pub endpoint_header: String,
+    /// Members named per request (the twin takes the first that is one of
+    /// its endpoints).
+    #[serde(default = "default_hosts")]
+    pub hosts: u32,
+    /// The guard's `reject_header`: taken out of the answers to steered
+    /// requests, since the body path's route retries an answer carrying it.
+    #[serde(default = "crate::config::default_reject_header")]
+    pub reject_header: String,
+    /// No successful sync for longer than this: the index names no one (as
+    /// the guard's `max_staleness_ms`; its members may have died since).
+    #[serde(default = "crate::config::default_max_staleness_ms")]
+    pub max_staleness_ms: u64,
+}
+
+fn default_endpoint_header() -> String {
+    RetryConfig::default().endpoint_header
+}
+
+fn default_hosts() -> u32 {
+    RetryConfig::default().hosts_per_attempt
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SteerDocument {
+    steer: SteerConfig,
+}
+
+impl SteerConfig {
+    /// The steering configuration, if `bytes` is one (`Ok(None)`: it is
+    /// not; parse it as another role's).
+    pub fn parse(bytes: &[u8]) -> Result<Option<Self>, String> {
+        let Some(SteerDocument { steer }) =
+            replay::role::<SteerDocument>(bytes, "steer", "the steering role")?
+        else {
+            return Ok(None);
+        };
+        let mut problems = Vec::new();
+        if steer.key().is_none() {
+            problems.push(format!(
+                "steer.service {:?} is not namespace/name",
+                steer.service
+            ));
+        }
+        if steer.port == 0 {
+            problems.push("steer.port must not be 0".to_owned());
+        }
+        if !(1..=64).contains(&steer.hosts) {
+            problems.push(format!("steer.hosts {} not in 1..=64", steer.hosts));
+        }
+        if !crate::config::is_header_name(&steer.endpoint_header) {
+            problems.push(format!(
+                "steer.endpoint_header {:?} is not a lowercase header name",
+                steer.endpoint_header
+            ));
+        }
+        if problems.is_empty() {
+            Ok(Some(steer))
+        } else {
+            Err(problems.join("; "))
+        }
+    }
+
+    /// The service, as the index keys it.
+    pub fn key(&self) -> Option<ServiceKey> {
+        let (namespace, name) = self.service.split_once('/')?;
+        (!namespace.is_empty() && !name.is_empty() && !name.contains('/'))
+            .then(|| ServiceKey::new(namespace, name))
+    }
+
+    /// The endpoint header's value naming up to `hosts` of `members`,
+    /// rotated by `seed` so requests spread over all of them; `None` when
+    /// there is none to name. The port rule is the replay's
+    /// ([`replay::member_port`]).
+    pub fn endpoint_value(&self, members: &[Member], seed: u64) -> Option<String> {
+        let retry = RetryConfig {
+            attempts: 1,
+            hosts_per_attempt: self.hosts,
+            ..RetryConfig::default()
+        };
+        // No member holds the unspecified address: none is left out.
+        let nobody = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), self.port);
+        let batch = replay::plan(&retry, members, nobody, seed)
+            .into_iter()
+            .next()?;
+        Some(replay::endpoint_value(&batch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(ip: &str, ports: &[u16]) -> Member {
+        Member {
+            ip: ip.parse().unwrap(),
+            ports: ports.to_vec(),
+        }
+    }
+
+    #[test]
+    fn steering_configurations_are_recognised_and_checked() {
+        assert_eq!(
+            SteerConfig::parse(br#"{"validator_cluster":"sg"}"#),
+            Ok(None)
+        );
+        assert_eq!(SteerConfig::parse(b"not json"), Ok(None));
+        let ok = SteerConfig::parse(br#"{"steer":{"service":"shop/cart","port":8080}}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(ok.key(), Some(ServiceKey::new("shop", "cart")));
+        assert_eq!(ok.endpoint_header, "x-gateway-destination-endpoint");
+        assert_eq!(ok.hosts, 8);
+        assert_eq!(ok.reject_header, "x-staleguard");
+        let bad = SteerConfig::parse(
+            br#"{"steer":{"service":"cart","port":0,"hosts":0,"endpoint_header":"X"}}"#,
+        )
+        .unwrap_err();
+        for problem in [
+            "steer.service",
+            "steer.port",
+            "steer.hosts",
+            "steer.endpoint_header",
+        ] {
+            assert!(bad.contains(problem), "{bad}");
+        }
+        assert!(SteerConfig::parse(br#"{"steer":{"service":"a/b","port":1,"x":1}}"#).is_err());
+    }
+
+    #[test]
+    fn live_members_are_named_on_the_port_spread_by_the_seed() {
+        let steer =
+            SteerConfig::parse(br#"{"steer":{"service":"shop/cart","port":8080,"hosts":2}}"#)
+                .unwrap()
+                .unwrap();
+        let members = [
+            member("10.0.0.1", &[]),
+            member("10.0.0.2", &[]),
+            member("10.0.0.3", &[9090]),
+        ];
+        assert_eq!(
+            steer.endpoint_value(&members, 0).as_deref(),
+            Some("10.0.0.1:8080,10.0.0.2:8080")
+        );
+        assert_eq!(
+            steer.endpoint_value(&members, 2).as_deref(),
+            Some("10.0.0.3:9090,10.0.0.1:8080")
+        );
+        assert_eq!(steer.endpoint_value(&[], 0), None);
+    }
+}
