@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Checks deploy/ against the images scripts/images built (it calls this with
+--check): every container of deploy/ that names one of them must run it the
+way the image says, so a mistake shows here rather than at a user's first
+`kubectl apply -k`.
+
+For each such container:
+- the reference is REGISTRY/NAME:TAG with the layout's tag, or
+  REGISTRY/NAME@DIGEST with the manifest's digest;
+- no `command` (the image's Entrypoint runs);
+- every `--flag` of `args` is one the image's binary lists in its `--help`
+  (that of the subcommand, when args start with one);
+- runAsUser and runAsGroup (the container's, else the pod's) are the image's
+  User, runAsNonRoot and readOnlyRootFilesystem are set;
+- every containerPort is one the image exposes, and the port of every
+  `--*listen=` flag is a containerPort.
+Also: the module image holds plugin.wasm, marked as Istio's compat variant, and
+the EnvoyFilter fetches the module of the image's version.
+"""
+
+import argparse
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+problems = []
+
+
+def problem(where, what):
+    problems.append(f"{where}: {what}")
+
+
+def blob(layout, digest):
+    algo, hexa = digest.split(":", 1)
+    return json.loads((layout / "blobs" / algo / hexa).read_text())
+
+
+class Image:
+    """One OCI layout written by scripts/images, and its unpacked root."""
+
+    def __init__(self, name, layout, rootfs):
+        self.name = name
+        self.layout = pathlib.Path(layout)
+        self.rootfs = pathlib.Path(rootfs)
+        (desc,) = json.loads((self.layout / "index.json").read_text())["manifests"]
+        self.digest = desc["digest"]
+        self.tag = desc["annotations"]["org.opencontainers.image.ref.name"]
+        self.manifest = blob(self.layout, self.digest)
+        self.config = blob(self.layout, self.manifest["config"]["digest"]).get("config", {})
+        self._help = {}
+
+    def flags(self, subcommand):
+        """The flags the entrypoint's `--help` lists (a subcommand's, if given)."""
+        if subcommand not in self._help:
+            entry = self.config["Entrypoint"]
+            binary = self.rootfs / entry[0].lstrip("/")
+            argv = [str(binary), *entry[1:], *([subcommand] if subcommand else []), "--help"]
+            out = subprocess.run(argv, capture_output=True, text=True, check=False, env={})
+            if out.returncode != 0:
+                problem(self.name, f"`{' '.join(argv[1:])}` exits {out.returncode}: {out.stderr.strip()}")
+            self._help[subcommand] = set(re.findall(r"--[a-z0-9][a-z0-9-]*", out.stdout))
+        return self._help[subcommand]
+
+
+def pod_specs(obj):
+    """Pod specs in a manifest or a strategic-merge patch of one."""
+    spec = obj.get("spec") or {}
+    template = spec.get("template") or {}
+    if isinstance(template.get("spec"), dict):
+        yield template["spec"]
+    elif obj.get("kind") == "Pod":
+        yield spec
+
+
+def check_container(where, pod, c, image):
+    ref = c["image"]
+    tail = ref.split("/")[-1]
+    if "@" in tail:
+        if tail.split("@", 1)[1] != image.digest:
+            problem(where, f"{ref}: the image scripts/images builds is {image.digest}")
+    elif tail != f"{image.name}:{image.tag}":
+        problem(where, f"{ref}: scripts/images builds {image.name}:{image.tag}")
+    if "command" in c:
+        problem(where, f"sets command {c['command']}: the image's entrypoint is {image.config.get('Entrypoint')}")
+
+    args = c.get("args", [])
+    sub = args[0] if args and not args[0].startswith("-") else None
+    known = image.flags(sub)
+    for a in args[1 if sub else 0 :]:
+        flag = a.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            problem(where, f"arg {a}: `{image.name} {sub or ''} --help` lists no {flag}")
+
+    uid, _, gid = image.config.get("User", "").partition(":")
+    psc, csc = pod.get("securityContext") or {}, c.get("securityContext") or {}
+    for field, want in (("runAsUser", uid), ("runAsGroup", gid)):
+        have = csc.get(field, psc.get(field))
+        if str(have) != want:
+            problem(where, f"{field} is {have}, the image's user is {image.config.get('User')}")
+    if not csc.get("runAsNonRoot", psc.get("runAsNonRoot")):
+        problem(where, "runAsNonRoot is not set (the image's user is not root)")
+    if not csc.get("readOnlyRootFilesystem"):
+        problem(where, "readOnlyRootFilesystem is not set (scripts/images --check runs the image read-only)")
+
+    exposed = set(image.config.get("ExposedPorts", {}))
+    ports = {p["containerPort"] for p in c.get("ports", [])}
+    for p in sorted(ports):
+        if f"{p}/tcp" not in exposed:
+            problem(where, f"containerPort {p} is not exposed by the image ({', '.join(sorted(exposed))})")
+    for a in args:
+        m = re.fullmatch(r"--[a-z-]*listen=.*:(\d+)", a)
+        if m and int(m.group(1)) not in ports:
+            problem(where, f"{a} listens on a port that is no containerPort ({sorted(ports)})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--registry", required=True)
+    ap.add_argument("--image", action="append", required=True, help="NAME=LAYOUT:ROOTFS")
+    args = ap.parse_args()
+    images = {}
+    for spec in args.image:
+        name, _, rest = spec.partition("=")
+        layout, _, rootfs = rest.partition(":")
+        images[name] = Image(name, layout, rootfs)
+
+    seen = {name: 0 for name in images}
+    for path in sorted(ROOT.glob("deploy/**/*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for n, obj in enumerate(yaml.safe_load_all(path.read_text())):
+            if not isinstance(obj, dict):
+                continue
+            for pod in pod_specs(obj):
+                for c in pod.get("initContainers", []) + pod.get("containers", []):
+                    ref = c.get("image", "")
+                    if not ref.startswith(args.registry + "/"):
+                        continue
+                    name = re.split(r"[:@]", ref[len(args.registry) + 1 :])[0]
+                    where = f"{path.relative_to(ROOT)}#{n} container {c.get('name')}"
+                    if name not in images:
+                        problem(where, f"{ref}: scripts/images builds no image {name}")
+                        continue
+                    seen[name] += 1
+                    check_container(where, pod, c, images[name])
+                    print(f"  {where}: {ref}, user {images[name].config.get('User')}, {len(c.get('args', []))} args: agree")
+
+    if not seen.get("staleguard-validator"):
+        problem("deploy/", "no container runs the staleguard-validator image")
+    module = images.get("staleguard-filter")
+    if module:
+        if not (module.rootfs / "plugin.wasm").is_file():
+            problem(module.name, "has no /plugin.wasm")
+        if module.manifest.get("annotations", {}).get("module.wasm.image/variant") != "compat":
+            problem(module.name, "lacks the annotation module.wasm.image/variant=compat")
+        uri = re.search(r"uri: (\S+)", (ROOT / "deploy/istio/envoyfilter.yaml").read_text())
+        if not uri or not uri.group(1).endswith(f"/staleguard_filter-{module.tag}.wasm"):
+            problem("deploy/istio/envoyfilter.yaml", f"does not fetch the module of {module.name}:{module.tag}")
+
+    if problems:
+        print(f"{len(problems)} problem(s):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
