@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Checks deploy/ against the images scripts/images built (it calls this with
---check): every container of deploy/ that names one of them must run it the
-way the image says, so a mistake shows here rather than at a user's first
-`kubectl apply -k`.
+"""Checks the manifests `kubectl kustomize` rendered from deploy/ against the
+images scripts/images built into target/images (scripts/check-deploy calls
+this): every container that names one of them must run it the way the image
+says, so a mistake shows here rather than at a user's first `kubectl apply -k`.
+Reads the OCI layouts alone (no container engine, no unpacking as root).
 
 For each such container:
 - the reference is REGISTRY/NAME:TAG with the layout's tag, or
@@ -21,14 +22,16 @@ scripts/check_deploy.py checks that).
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
+import tarfile
+import tempfile
 
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 problems = []
 
 
@@ -42,12 +45,12 @@ def blob(layout, digest):
 
 
 class Image:
-    """One OCI layout written by scripts/images, and its unpacked root."""
+    """One OCI layout written by scripts/images."""
 
-    def __init__(self, name, layout, rootfs):
+    def __init__(self, name, layout, scratch):
         self.name = name
         self.layout = pathlib.Path(layout)
-        self.rootfs = pathlib.Path(rootfs)
+        self.scratch = scratch
         (desc,) = json.loads((self.layout / "index.json").read_text())["manifests"]
         self.digest = desc["digest"]
         self.tag = desc["annotations"]["org.opencontainers.image.ref.name"]
@@ -55,11 +58,29 @@ class Image:
         self.config = blob(self.layout, self.manifest["config"]["digest"]).get("config", {})
         self._help = {}
 
+    def file(self, path):
+        """The bytes of PATH in the image's layers (the last layer that has it), or None."""
+        found = None
+        for layer in self.manifest["layers"]:
+            algo, hexa = layer["digest"].split(":", 1)
+            with tarfile.open(self.layout / "blobs" / algo / hexa) as tar:
+                for m in tar:
+                    if m.isfile() and m.name.lstrip("./") == path.lstrip("/"):
+                        found = tar.extractfile(m).read()
+        return found
+
     def flags(self, subcommand):
         """The flags the entrypoint's `--help` lists (a subcommand's, if given)."""
         if subcommand not in self._help:
             entry = self.config["Entrypoint"]
-            binary = self.rootfs / entry[0].lstrip("/")
+            binary = pathlib.Path(self.scratch) / self.name
+            if not binary.exists():
+                data = self.file(entry[0])
+                if data is None:
+                    problem(self.name, f"its entrypoint {entry[0]} is not in the image")
+                    data = b""
+                binary.write_bytes(data)
+                os.chmod(binary, 0o755)
             argv = [str(binary), *entry[1:], *([subcommand] if subcommand else []), "--help"]
             out = subprocess.run(argv, capture_output=True, text=True, check=False, env={})
             if out.returncode != 0:
@@ -121,19 +142,20 @@ def check_container(where, pod, c, image):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--registry", required=True)
-    ap.add_argument("--image", action="append", required=True, help="NAME=LAYOUT:ROOTFS")
+    ap.add_argument("--registry", required=True, help="the images' registry and path, as deploy/ names it")
+    ap.add_argument("--images", required=True, help="the directory of scripts/images's OCI layouts")
+    ap.add_argument("rendered", nargs="+")
     args = ap.parse_args()
+    scratch = tempfile.TemporaryDirectory()
     images = {}
-    for spec in args.image:
-        name, _, rest = spec.partition("=")
-        layout, _, rootfs = rest.partition(":")
-        images[name] = Image(name, layout, rootfs)
+    for layout in sorted(pathlib.Path(args.images).glob("*/index.json")):
+        image = Image(layout.parent.name, layout.parent, scratch.name)
+        labels = blob(image.layout, image.manifest["config"]["digest"]).get("config", {}).get("Labels", {})
+        print(f"  {image.name}:{image.tag} {image.digest} (revision {labels.get('org.opencontainers.image.revision')})")
+        images[image.name] = image
 
     seen = {name: 0 for name in images}
-    for path in sorted(ROOT.glob("deploy/**/*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
+    for path in map(pathlib.Path, args.rendered):
         for n, obj in enumerate(yaml.safe_load_all(path.read_text())):
             if not isinstance(obj, dict):
                 continue
@@ -143,7 +165,7 @@ def main():
                     if not ref.startswith(args.registry + "/"):
                         continue
                     name = re.split(r"[:@]", ref[len(args.registry) + 1 :])[0]
-                    where = f"{path.relative_to(ROOT)}#{n} container {c.get('name')}"
+                    where = f"{path.name}#{n} {obj.get('kind')}/{obj.get('metadata', {}).get('name')} container {c.get('name')}"
                     if name not in images:
                         problem(where, f"{ref}: scripts/images builds no image {name}")
                         continue
@@ -156,12 +178,17 @@ def main():
     if not seen.get("staleguard-validator"):
         problem("deploy/", "no container runs the staleguard-validator image")
     module = images.get("staleguard-filter")
-    if module:
-        if not (module.rootfs / "plugin.wasm").is_file():
+    if module is None:
+        problem(args.images, "has no staleguard-filter image")
+    else:
+        if module.file("/plugin.wasm") is None:
             problem(module.name, "has no /plugin.wasm")
         if module.manifest.get("annotations", {}).get("module.wasm.image/variant") != "compat":
             problem(module.name, "lacks the annotation module.wasm.image/variant=compat")
+    return report()
 
+
+def report():
     if problems:
         print(f"{len(problems)} problem(s):", *problems, sep="\n  ", file=sys.stderr)
     return 1 if problems else 0
