@@ -10,10 +10,12 @@
 # writes out/staleguard_filter.wasm and out/staleguard_filter.wasm.sha256 for
 # deploy/module and the sha256 in deploy/istio/envoyfilter.yaml.
 #
-# Not built in this repository's CI (no container engine there); what it
-# relies on is: a static musl binary (kube uses rustls with ring, no OpenSSL),
-# a distroless static base, and the non-root user 65532 the Deployment's
-# securityContext requires.
+# For users who build from source with a container engine. CI does not build
+# this file (it pulls base images): it builds and runs the images of
+# scripts/images, the same static musl binary (kube uses rustls with ring, no
+# OpenSSL) on an empty base, user 65532, which deploy/ is checked against
+# (docs/operations.md, "Images"). This one puts the binary on distroless
+# static, whose "nonroot" user is that same 65532; its digests differ.
 
 ARG RUST_VERSION=1.95
 ARG DEBIAN_RELEASE=bookworm
@@ -48,5 +50,5 @@ LABEL org.opencontainers.image.title="staleguard-validator" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /out/staleguard-validator /usr/local/bin/staleguard-validator
 USER 65532:65532
-EXPOSE 8080 9090
+EXPOSE 8080 9090 9095
 ENTRYPOINT ["/usr/local/bin/staleguard-validator"]
