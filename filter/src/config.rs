@@ -11,8 +11,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use staleguard_core::cluster::ClusterMap;
 pub use staleguard_core::cluster::ClusterRule;
-use staleguard_core::verdict::FailurePolicy;
 use staleguard_core::ip::Cidr;
+use staleguard_core::verdict::FailurePolicy;
 use staleguard_core::Policy;
 
 use crate::guard::GuardConfig;
