@@ -118,13 +118,13 @@ fn default_retry_methods() -> Vec<String> {
 fn default_retry_attempts() -> u32 {
     3
 }
-fn default_hosts_per_attempt() -> u32 {
+pub(crate) fn default_hosts_per_attempt() -> u32 {
     8
 }
 fn default_retry_timeout_ms() -> u64 {
     15_000
 }
-fn default_endpoint_header() -> String {
+pub(crate) fn default_endpoint_header() -> String {
     "x-gateway-destination-endpoint".to_owned()
 }
 /// 1 MiB, Envoy's default buffer limit per request.

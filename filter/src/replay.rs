@@ -459,12 +459,8 @@ impl Replay {
 #[serde(deny_unknown_fields)]
 pub struct TwinConfig {
     /// The header carrying the named hosts (as `retry.endpoint_header`).
-    #[serde(default = "default_endpoint_header")]
+    #[serde(default = "crate::config::default_endpoint_header")]
     pub endpoint_header: String,
-}
-
-fn default_endpoint_header() -> String {
-    RetryConfig::default().endpoint_header
 }
 
 #[derive(Deserialize)]

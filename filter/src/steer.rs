@@ -36,11 +36,11 @@ pub struct SteerConfig {
     /// The members' port, when the index does not list their ports.
     pub port: u16,
     /// The header the twin's load balancer reads (as `retry.endpoint_header`).
-    #[serde(default = "default_endpoint_header")]
+    #[serde(default = "crate::config::default_endpoint_header")]
     pub endpoint_header: String,
     /// Members named per request (the twin takes the first that is one of
     /// its endpoints).
-    #[serde(default = "default_hosts")]
+    #[serde(default = "crate::config::default_hosts_per_attempt")]
     pub hosts: u32,
     /// The guard's `reject_header`: taken out of the answers to steered
     /// requests, since the body path's route retries an answer carrying it.
@@ -50,14 +50,6 @@ pub struct SteerConfig {
     /// the guard's `max_staleness_ms`; its members may have died since).
     #[serde(default = "crate::config::default_max_staleness_ms")]
     pub max_staleness_ms: u64,
-}
-
-fn default_endpoint_header() -> String {
-    RetryConfig::default().endpoint_header
-}
-
-fn default_hosts() -> u32 {
-    RetryConfig::default().hosts_per_attempt
 }
 
 #[derive(Deserialize)]
