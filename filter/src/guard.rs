@@ -54,7 +54,7 @@ use serde::Deserialize;
 use staleguard_core::wire::Delta;
 use staleguard_core::{decide, Action, IpRecord, Policy, ServiceKey, Snapshot};
 
-use crate::buckets::{placeholder, service_id, CompactRecord};
+use crate::buckets::{placeholder, service_id, CompactRecord, Holders};
 
 /// The guard's knobs (`guard` in the plugin configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -261,20 +261,27 @@ pub enum Answer<'a> {
     Delta(&'a Delta<CompactRecord>),
 }
 
-/// What an answer's record says, for the guard: the services it allows the
-/// IP for, and whether a pod holds it.
+/// What an answer's record says, for the guard: the line it decodes to, and
+/// the record a verdict reads (services as [`placeholder`]s of their ids).
 struct Judged {
+    holders: Option<Holders>,
     record: Option<IpRecord>,
-    has_pods: bool,
 }
 
 impl Judged {
     fn of(record: Option<&CompactRecord>) -> Self {
-        let holders = record.and_then(|r| r.holders().map(|h| (r.ip, h)));
+        let holders = record.and_then(CompactRecord::holders);
         Self {
-            has_pods: holders.as_ref().is_some_and(|(_, h)| !h.pods.is_empty()),
-            record: holders.map(|(ip, h)| h.record_by_ids(ip)),
+            record: record
+                .zip(holders.as_ref())
+                .map(|(r, h)| h.record_by_ids(r.ip)),
+            holders,
         }
+    }
+
+    /// True when a pod holds the IP.
+    fn has_pods(&self) -> bool {
+        self.holders.as_ref().is_some_and(|h| !h.pods.is_empty())
     }
 
     /// True when the verdict for service `id` on fresh data allows. The
@@ -286,18 +293,11 @@ impl Judged {
 
     /// Every service the record allows the IP for.
     fn allowed(&self, policy: &Policy) -> Vec<u64> {
-        let Some(record) = &self.record else {
-            return Vec::new();
-        };
-        let mut ids: Vec<u64> = record
-            .pods
-            .iter()
-            .flat_map(|p| p.services.iter().map(|m| &m.service))
-            .chain(record.bare_services.iter())
-            .filter_map(placeholder_id)
-            .collect();
-        ids.sort_unstable();
-        ids.dedup();
+        let mut ids = self
+            .holders
+            .as_ref()
+            .map(Holders::service_ids)
+            .unwrap_or_default();
         ids.retain(|id| self.allows(policy, *id));
         ids
     }
@@ -595,7 +595,7 @@ impl Baseline {
     fn insert(&mut self, policy: &Policy, record: &CompactRecord, confirm_at_ms: u64) -> bool {
         let judged = Judged::of(Some(record));
         let allowed = judged.allowed(policy);
-        if allowed.is_empty() && !judged.has_pods {
+        if allowed.is_empty() && !judged.has_pods() {
             // Destroyed or vacant: nothing to lose, nothing to remember.
             return false;
         }
@@ -659,11 +659,6 @@ impl Counts {
     }
 }
 
-/// The id a [`placeholder`] key stands for.
-fn placeholder_id(key: &ServiceKey) -> Option<u64> {
-    u64::from_str_radix(&key.name, 16).ok()
-}
-
 fn has_evidence(
     id: u64,
     old: &IpFacts,
@@ -677,7 +672,7 @@ fn has_evidence(
     if new.tombstone.contains(&id) {
         return true;
     }
-    in_delta && judged.has_pods && new.fingerprint != old.fingerprint
+    in_delta && judged.has_pods() && new.fingerprint != old.fingerprint
 }
 
 #[cfg(test)]

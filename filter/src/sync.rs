@@ -211,7 +211,8 @@ pub struct Poller {
     guard: Guard,
     /// The held answer being watched, while the guard holds one.
     held: Option<HeldAt>,
-    /// The request in flight watches the held answer.
+    /// The request in flight watches the held answer (set with the request,
+    /// taken with its answer).
     watching: bool,
     /// A hold wrote additions into the index: if a delta ends the hold, the
     /// next request is a snapshot, which replaces them with the truth.
@@ -394,8 +395,8 @@ impl Poller {
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
         let request = self.in_flight.take();
-        let result = self.apply(now_ms, request, status, body, store);
-        self.watching = false;
+        let watching = std::mem::take(&mut self.watching);
+        let result = self.apply(now_ms, request, watching, status, body, store);
         match &result {
             // Ask again soon: the answer may be corrected, replaced by another
             // validator's, or persist until the guard confirms it. The next
@@ -425,7 +426,6 @@ impl Poller {
     }
 
     fn fail(&mut self, now_ms: u64, error: &SyncError) {
-        self.watching = false;
         if matches!(error, SyncError::Sequence { .. } | SyncError::Decode(_)) {
             // We may be out of step: the next attempt starts over.
             self.cursor = None;
@@ -438,6 +438,7 @@ impl Poller {
         &mut self,
         now_ms: u64,
         request: Option<Request>,
+        watching: bool,
         status: u32,
         body: &mut dyn std::io::Read,
         store: &mut dyn SharedData,
@@ -456,9 +457,7 @@ impl Poller {
             Some(Request::Changes { .. }) => {
                 match Changes::decode_from(body).map_err(SyncError::Decode)? {
                     Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
-                    Changes::Delta(delta) if self.watching => {
-                        self.watch_delta(now_ms, &delta, store)
-                    }
+                    Changes::Delta(delta) if watching => self.watch_delta(now_ms, &delta, store),
                     Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
                 }
             }
@@ -479,11 +478,7 @@ impl Poller {
         let continues = self
             .held
             .is_some_and(|h| delta.epoch == h.epoch && delta.since == h.generation);
-        let unchanged = delta.upserts.is_empty()
-            && delta.removed.is_empty()
-            && delta.services_added.is_empty()
-            && delta.services_removed.is_empty();
-        if continues && unchanged && !self.guard.confirm_due(now_ms) {
+        if continues && delta.is_empty() && !self.guard.confirm_due(now_ms) {
             self.held = Some(HeldAt {
                 epoch: delta.epoch,
                 generation: delta.generation,
@@ -505,16 +500,13 @@ impl Poller {
         // (up to half of it) to what applying builds next, the guard's baseline
         // and the member lists, instead of growing the VM further.
         snapshot.records.shrink_to_fit();
-        if !self.guard.admit(now_ms, Answer::Reset(&snapshot)) {
-            let gains = self.guard.gains(Answer::Reset(&snapshot));
-            self.writer
-                .write_hold(store, now_ms, snapshot.freshness.fresh, &gains)?;
-            self.gains_written |= !gains.is_empty();
-            self.held = Some(HeldAt {
+        let answer = Answer::Reset(&snapshot);
+        if !self.guard.admit(now_ms, answer) {
+            let at = HeldAt {
                 epoch: snapshot.epoch,
                 generation: snapshot.generation,
-            });
-            return Ok(Applied::Held);
+            };
+            return self.hold(now_ms, answer, at, snapshot.freshness.fresh, store);
         }
         self.held = None;
         self.gains_written = false;
@@ -528,6 +520,24 @@ impl Poller {
         Ok(Applied::Reset {
             entries: meta.entries,
         })
+    }
+
+    /// The guard held `answer` (at `at`): its additions are written, the data
+    /// it keeps serving is marked synced (fresh as the validator calls it),
+    /// and the next request watches it.
+    fn hold(
+        &mut self,
+        now_ms: u64,
+        answer: Answer<'_>,
+        at: HeldAt,
+        fresh: bool,
+        store: &mut dyn SharedData,
+    ) -> Result<Applied, SyncError> {
+        let gains = self.guard.gains(answer);
+        self.writer.write_hold(store, now_ms, fresh, &gains)?;
+        self.gains_written |= !gains.is_empty();
+        self.held = Some(at);
+        Ok(Applied::Held)
     }
 
     fn apply_delta(
@@ -546,13 +556,10 @@ impl Poller {
                 ours: cursor.generation,
             });
         }
-        if !self.guard.admit(now_ms, Answer::Delta(&delta)) {
-            let gains = self.guard.gains(Answer::Delta(&delta));
-            self.writer
-                .write_hold(store, now_ms, delta.freshness.fresh, &gains)?;
-            self.gains_written |= !gains.is_empty();
-            self.held = Some(HeldAt { epoch, generation });
-            return Ok(Applied::Held);
+        let answer = Answer::Delta(&delta);
+        if !self.guard.admit(now_ms, answer) {
+            let at = HeldAt { epoch, generation };
+            return self.hold(now_ms, answer, at, delta.freshness.fresh, store);
         }
         self.held = None;
         let changed = self
