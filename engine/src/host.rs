@@ -21,6 +21,18 @@ pub enum MetricKind {
     Gauge,
 }
 
+/// What the host does with a request after the engine has seen its headers:
+/// the engine's own word, which each adapter maps to its host's (proxy-wasm's
+/// `Action`, a dynamic module's header status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Send the request on (upstream, or to the reply already sent).
+    Continue,
+    /// Hold the request until the engine resumes or answers it (a replay's
+    /// call in flight, a fail-closed reply).
+    Pause,
+}
+
 /// A header list as the host gives it: names as text, values as bytes.
 pub type RawHeaders = Vec<(String, Vec<u8>)>;
 

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::types::Action;
+use crate::host::Next;
 
 use crate::check::{header_value, judge, Effect, Outcome, Upstream};
 use crate::config::{Config, RetryConfig};
@@ -86,7 +86,7 @@ impl Filter {
 
     /// The request's headers arrived: judge the host Envoy chose, and let the
     /// request through, reject it, or start replaying it.
-    pub fn request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
+    pub fn request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Next {
         if let Some(twin) = self.twin.clone() {
             return self.twin_request(host, &twin);
         }
@@ -111,15 +111,15 @@ impl Filter {
         let (service, ip, verdict, effect) = match outcome {
             Outcome::Unmapped => {
                 m.count(host, Count::Unmapped);
-                return Action::Continue;
+                return Next::Continue;
             }
             Outcome::NoAddress => {
                 m.count(host, Count::NoAddress);
-                return Action::Continue;
+                return Next::Continue;
             }
             Outcome::OutOfScope => {
                 m.count(host, Count::OutOfScope);
-                return Action::Continue;
+                return Next::Continue;
             }
             Outcome::Judged {
                 service,
@@ -191,18 +191,18 @@ impl Filter {
         }
         if let Some(step) = replay_step {
             self.drive(host, step);
-            return Action::Pause;
+            return Next::Pause;
         }
         match effect {
             Effect::Allow | Effect::Audit => {
                 if !end_of_stream {
                     self.strip_answer = Some(config.raw.reject_header.clone());
                 }
-                Action::Continue
+                Next::Continue
             }
             Effect::Reject { status } => {
                 reject(host, &config, status, verdict.reason);
-                Action::Pause
+                Next::Pause
             }
         }
     }
@@ -212,11 +212,11 @@ impl Filter {
     /// path's route retries an answer that carries it (docs/filter.md,
     /// "Requests with a body"), and only the filter's own rejection may,
     /// never a backend's.
-    pub fn response_headers<H: Host>(&mut self, host: &mut H) -> Action {
+    pub fn response_headers<H: Host>(&mut self, host: &mut H) -> Next {
         if let Some(header) = self.strip_answer.take() {
             host.remove_response_header(&header);
         }
-        Action::Continue
+        Next::Continue
     }
 
     /// The answer to a replay's call arrived (or the call failed).
@@ -256,7 +256,7 @@ impl Filter {
 
     /// The twin's whole job: let through a pick the origin named (without the
     /// endpoint header), fail any other at once.
-    fn twin_request<H: Host>(&mut self, host: &mut H, twin: &TwinConfig) -> Action {
+    fn twin_request<H: Host>(&mut self, host: &mut H, twin: &TwinConfig) -> Next {
         let named = host.request_header(&twin.endpoint_header);
         let address = host.property(&["upstream", "address"]);
         let ok = replay::twin_pick_is_named(named.as_deref(), address.as_deref());
@@ -266,20 +266,20 @@ impl Filter {
             .inc(host, &metrics::twin_picks(ok), 1);
         if ok {
             host.remove_request_header(&twin.endpoint_header);
-            return Action::Continue;
+            return Next::Continue;
         }
         log::debug!(
             "[ctx {}] staleguard twin: pick {address:?} not among {named:?}",
             self.id
         );
         host.send_reply(503, &[(replay::TWIN_MISS_HEADER, "1")], None);
-        Action::Pause
+        Next::Pause
     }
 
     /// The steering role's whole job (`crate::steer`): name the service's
     /// live members in the endpoint header, or leave the request as it is
     /// when the index names none; never pause.
-    fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Action {
+    fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Next {
         let now_ms = host.now_ms();
         let fresh = View::new(&*host)
             .meta()
@@ -296,7 +296,7 @@ impl Filter {
             // Whatever a client sent must not pick the host instead.
             None => host.remove_request_header(&steer.endpoint_header),
         }
-        Action::Continue
+        Next::Continue
     }
 
     /// Starts replaying a rejected request, or says why it cannot be.
@@ -515,7 +515,7 @@ mod tests {
         let root = Root::new(3);
         assert_eq!(
             root.filter(2).request_headers(&mut host, true),
-            Action::Continue
+            Next::Continue
         );
         assert!(host.replies.is_empty());
     }
@@ -526,7 +526,7 @@ mod tests {
         let calls = host.calls.len();
         get_to(&mut host, "10.0.0.1");
         let mut filter = root.filter(2);
-        assert_eq!(filter.request_headers(&mut host, true), Action::Continue);
+        assert_eq!(filter.request_headers(&mut host, true), Next::Continue);
         assert!(host.replies.is_empty());
         assert_eq!(host.calls.len(), calls);
         assert!(!filter.replaying());
@@ -537,7 +537,7 @@ mod tests {
         let (root, mut host) = loaded(ON_REJECT_REJECT, &["10.0.0.1"]);
         get_to(&mut host, "10.0.0.9");
         let mut filter = root.filter(2);
-        assert_eq!(filter.request_headers(&mut host, true), Action::Pause);
+        assert_eq!(filter.request_headers(&mut host, true), Next::Pause);
         assert_eq!(host.replies.len(), 1);
         let reply = &host.replies[0];
         assert_eq!(reply.status, reject_status(ON_REJECT_REJECT));
@@ -578,7 +578,7 @@ mod tests {
         let calls = host.calls.len();
         get_to(&mut host, "10.0.0.9");
         let mut filter = root.filter(2);
-        assert_eq!(filter.request_headers(&mut host, true), Action::Pause);
+        assert_eq!(filter.request_headers(&mut host, true), Next::Pause);
         assert!(host.replies.is_empty(), "no reply while the replay is out");
         assert!(filter.replaying());
         assert_eq!(host.calls.len(), calls + 1);
@@ -617,7 +617,7 @@ mod tests {
         get_to(&mut host, "10.0.0.9");
         assert_eq!(
             root.filter(2).request_headers(&mut host, false),
-            Action::Pause
+            Next::Pause
         );
         assert_eq!(host.calls.len(), calls, "no replay");
         assert_eq!(host.replies.len(), 1);
@@ -635,8 +635,8 @@ mod tests {
         let (root, mut host) = loaded("{}", &["10.0.0.1"]);
         get_to(&mut host, "10.0.0.1");
         let mut filter = root.filter(2);
-        assert_eq!(filter.request_headers(&mut host, false), Action::Continue);
-        assert_eq!(filter.response_headers(&mut host), Action::Continue);
+        assert_eq!(filter.request_headers(&mut host, false), Next::Continue);
+        assert_eq!(filter.response_headers(&mut host), Next::Continue);
         let header = Config::parse(&crate::host::fake::shipped_config("{}"))
             .unwrap()
             .raw
@@ -689,7 +689,7 @@ mod tests {
             .push(("x-gateway-destination-endpoint".into(), "6.6.6.6:1".into()));
         let calls = host.calls.len();
         let mut filter = steering.filter(2);
-        assert_eq!(filter.request_headers(&mut host, false), Action::Continue);
+        assert_eq!(filter.request_headers(&mut host, false), Next::Continue);
         let named = host
             .request_headers
             .iter()

@@ -8,7 +8,7 @@ use std::fmt;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::types::Action;
+use crate::host::Next;
 use staleguard_core::verdict::FailurePolicy;
 
 use crate::cache::Cache;
@@ -619,20 +619,20 @@ impl VmState {
     /// A request while the VM has no configuration: through untouched when
     /// none was ever given, else what the refused configuration's failure
     /// policy says, counted.
-    pub(crate) fn unconfigured<H: Host>(&self, host: &mut H) -> Action {
+    pub(crate) fn unconfigured<H: Host>(&self, host: &mut H) -> Next {
         let Some(fallback) = &self.fallback else {
-            return Action::Continue;
+            return Next::Continue;
         };
         self.metrics
             .borrow_mut()
             .inc(host, metrics::REQUESTS_UNCONFIGURED, 1);
         match fallback.failure_policy {
-            FailurePolicy::Open => Action::Continue,
+            FailurePolicy::Open => Next::Continue,
             FailurePolicy::Closed => {
                 let headers = [(fallback.reject_header.as_str(), CONFIG_REFUSED)];
                 let body = format!("staleguard: {CONFIG_REFUSED}\n");
                 host.send_reply(fallback.reject_status, &headers, Some(body.as_bytes()));
-                Action::Pause
+                Next::Pause
             }
         }
     }
@@ -905,7 +905,7 @@ pub(crate) mod tests {
         for _ in 0..3 {
             assert_eq!(
                 root.filter(2).request_headers(&mut host, true),
-                Action::Continue
+                Next::Continue
             );
         }
         assert!(host.replies.is_empty());
@@ -929,7 +929,7 @@ pub(crate) mod tests {
         request_to_nowhere(&mut host);
         assert_eq!(
             root.filter(2).request_headers(&mut host, true),
-            Action::Pause
+            Next::Pause
         );
         let reply = &host.replies[0];
         assert_eq!(reply.status, 503);

@@ -11,7 +11,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
-use crate::host::{Host, MetricKind, RawHeaders};
+use crate::host::{Host, MetricKind, Next, RawHeaders};
 use crate::request::Filter;
 use crate::root::Root;
 use crate::store::{SharedData, StoreError};
@@ -231,10 +231,18 @@ impl Context for FilterGlue {
 
 impl HttpContext for FilterGlue {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        self.0.request_headers(&mut HostCalls, end_of_stream)
+        action(self.0.request_headers(&mut HostCalls, end_of_stream))
     }
 
     fn on_http_response_headers(&mut self, _: usize, _: bool) -> Action {
-        self.0.response_headers(&mut HostCalls)
+        action(self.0.response_headers(&mut HostCalls))
+    }
+}
+
+/// The engine's word for what happens to a request, in proxy-wasm's.
+fn action(next: Next) -> Action {
+    match next {
+        Next::Continue => Action::Continue,
+        Next::Pause => Action::Pause,
     }
 }
