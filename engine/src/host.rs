@@ -1,44 +1,44 @@
-//! What the filter asks of its host (Envoy), as one small trait.
+//! What the engine asks of its host (Envoy, through proxy-wasm or a native
+//! dynamic module): a few small traits, the bottom of the engine.
 //!
 //! [`crate::root`] and [`crate::request`] make every decision against a
-//! [`Host`]; `glue` (wasm32 only) implements it over `proxy_wasm::hostcalls`
-//! and forwards callbacks, and the tests implement it with a double that
-//! records what the filter did. Logging stays on the `log` facade, which the
-//! SDK already routes to the host.
+//! [`Host`], which is the sum of these traits; an adapter implements each of
+//! them over its host's calls and forwards the host's callbacks, and the tests
+//! implement them with a double that records what the engine did. None of
+//! them names a host's types, and none fails by panicking: a host's errors are
+//! folded into `None`/`false`/`Err(..)`. Logging is not a trait: the engine
+//! logs through the `log` facade, which an adapter routes to its host.
 
 use std::io::Read;
 use std::time::Duration;
 
-use crate::check::Lazy;
-use crate::store::SharedData;
+// === the index store ===
 
-/// The two kinds of metric the filter defines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum MetricKind {
-    /// Only ever incremented.
-    Counter,
-    /// Set to a value.
-    Gauge,
+/// Why a shared-data operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// Someone else wrote the key since it was read.
+    #[error("compare-and-swap mismatch")]
+    CasMismatch,
+    /// The host refused the operation.
+    #[error("host refused shared-data access: {0}")]
+    Host(String),
 }
 
-/// What the host does with a request after the engine has seen its headers:
-/// the engine's own word, which each adapter maps to its host's (proxy-wasm's
-/// `Action`, a dynamic module's header status).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Next {
-    /// Send the request on (upstream, or to the reply already sent).
-    Continue,
-    /// Hold the request until the engine resumes or answers it (a replay's
-    /// call in flight, a fail-closed reply).
-    Pause,
+/// Shared data as the host offers it, one key-value store for every VM (or
+/// worker) of one Envoy process: values with a compare-and-swap token. The
+/// index lives here (layout in [`crate::store`]).
+pub trait SharedData {
+    /// Reads a key: its value (if any) and its cas token (0 if unknown).
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError>;
+    /// Writes a key; with `cas` set, only if the key is unchanged since read.
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
 }
 
-/// A header list as the host gives it: names as text, values as bytes.
-pub type RawHeaders = Vec<(String, Vec<u8>)>;
+// === time and chance ===
 
-/// The host operations of the root and HTTP contexts. Errors of the host are
-/// folded into `None`/`false`/`Err(text)`: the filter never panics on them.
-pub trait Host: SharedData {
+/// The wall clock and a source of randomness.
+pub trait Clock {
     /// The wall clock, µs since the Unix epoch (0 if the host cannot say).
     fn now_us(&self) -> u64;
 
@@ -49,8 +49,30 @@ pub trait Host: SharedData {
 
     /// A random number: owner ids and jitter seeds.
     fn random_u64(&self) -> u64;
+}
 
-    /// A property of the stream as text (`["upstream", "address"]`).
+// === the request ===
+
+/// A header list as the host gives it: names as text, values as bytes.
+pub type RawHeaders = Vec<(String, Vec<u8>)>;
+
+/// What happens to a request after the engine has seen its headers: the
+/// engine's own word, which each adapter maps to its host's (proxy-wasm's
+/// `Action`, a dynamic module's header status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Send the request on (upstream, or to the reply already sent).
+    Continue,
+    /// Hold the request until the engine resumes or answers it (a replay's
+    /// call in flight, a fail-closed reply).
+    Pause,
+}
+
+/// The request being handled (the HTTP context's stream): its properties and
+/// headers, and the reply that answers it instead of the upstream.
+pub trait Stream {
+    /// A property of the stream as text (`["upstream", "address"]`,
+    /// `["xds", "cluster_name"]`).
     fn property(&self, path: &[&str]) -> Option<String>;
 
     /// One request header.
@@ -68,6 +90,16 @@ pub trait Host: SharedData {
     /// Removes a header from the upstream's answer.
     fn remove_response_header(&mut self, name: &str);
 
+    /// Answers the request from the filter instead of the upstream.
+    fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>);
+}
+
+// === callouts ===
+
+/// HTTP calls to a cluster (the validator's, a twin's) and their answers.
+/// An answer is delivered by the host's callback; while it runs, these read
+/// the answer being delivered.
+pub trait Callouts {
     /// Sends a call to `cluster`; the token names its answer.
     fn dispatch_call(
         &mut self,
@@ -89,10 +121,22 @@ pub trait Host: SharedData {
     /// The answer's body of `size` bytes as a reader that fetches it a piece
     /// at a time (a copy of a large snapshot would stay in the VM's memory).
     fn call_body_reader(&self, size: usize) -> Box<dyn Read>;
+}
 
-    /// Answers the request from the filter instead of the upstream.
-    fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>);
+// === metrics ===
 
+/// The two kinds of metric the engine defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MetricKind {
+    /// Only ever incremented.
+    Counter,
+    /// Set to a value.
+    Gauge,
+}
+
+/// The host's metrics: defined once by name, then updated by id (the names
+/// are in [`crate::metrics`]).
+pub trait Stats {
     /// Defines a metric; `None` if the host refuses.
     fn define_metric(&mut self, kind: MetricKind, name: &str) -> Option<u32>;
 
@@ -101,298 +145,25 @@ pub trait Host: SharedData {
 
     /// Sets a gauge.
     fn record_metric(&mut self, id: u32, value: u64);
+}
 
+// === the VM ===
+
+/// What the engine's instance (a Wasm VM, a module's per-worker state) has of
+/// its own: a periodic timer and a memory size to report.
+pub trait Vm {
     /// Sets the root context's timer period; false if the host refused.
     fn set_tick_period(&mut self, period: Duration) -> bool;
 
-    /// The linear memory of this VM, in bytes.
+    /// The memory this instance holds, in bytes (a Wasm VM's linear memory).
     fn vm_memory_bytes(&self) -> u64;
 }
 
-/// The lazy reads of `check::judge`, from a host.
-#[derive(Debug)]
-pub struct LazyReads<'a, H: ?Sized>(pub &'a H);
+// === all of it ===
 
-impl<H: Host + ?Sized> Lazy for LazyReads<'_, H> {
-    fn istio_service_host(&self) -> Option<String> {
-        // Istio lists the services a cluster serves in its metadata; the
-        // first one is the service (a cluster per service and port).
-        self.0.property(&[
-            "xds",
-            "cluster_metadata",
-            "filter_metadata",
-            "istio",
-            "services",
-            "0",
-            "host",
-        ])
-    }
+/// Everything a host offers: what [`crate::root::Root`] and
+/// [`crate::request::Filter`] are driven with. Implemented for any type
+/// that implements the traits above.
+pub trait Host: SharedData + Clock + Stream + Callouts + Stats + Vm {}
 
-    fn now_ms(&self) -> u64 {
-        self.0.now_ms()
-    }
-}
-
-/// A [`Host`] for tests: shared data in memory, a clock the test moves, and a
-/// record of what the filter did (replies, calls, metrics, timer periods).
-#[cfg(test)]
-pub(crate) mod fake {
-    use std::collections::HashMap;
-    use std::io::Read;
-    use std::time::Duration;
-
-    use super::{Host, MetricKind, RawHeaders};
-    use crate::store::{MemoryStore, SharedData, StoreError};
-
-    /// A reply the filter sent instead of the upstream's.
-    #[derive(Debug, Clone, PartialEq, Eq)]
-    pub(crate) struct Reply {
-        pub(crate) status: u32,
-        pub(crate) headers: Vec<(String, String)>,
-        pub(crate) body: Vec<u8>,
-    }
-
-    impl Reply {
-        pub(crate) fn header(&self, name: &str) -> Option<&str> {
-            find(&self.headers, name)
-        }
-    }
-
-    /// A call the filter dispatched.
-    #[derive(Debug, Clone, PartialEq, Eq)]
-    pub(crate) struct Call {
-        pub(crate) token: u32,
-        pub(crate) cluster: String,
-        pub(crate) headers: Vec<(String, String)>,
-        pub(crate) timeout: Duration,
-    }
-
-    impl Call {
-        pub(crate) fn header(&self, name: &str) -> Option<&str> {
-            find(&self.headers, name)
-        }
-    }
-
-    /// The value of header `name` in a list the double keeps.
-    fn find<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-        headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    /// A header list the filter passed, as the double keeps it.
-    fn owned(headers: &[(&str, &str)]) -> Vec<(String, String)> {
-        headers
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect()
-    }
-
-    /// A header list the double keeps, as the host gives it.
-    fn raw(headers: &[(String, String)]) -> RawHeaders {
-        headers
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone().into_bytes()))
-            .collect()
-    }
-
-    /// The answer being delivered to `call_response`.
-    #[derive(Debug, Clone, Default)]
-    pub(crate) struct Answer {
-        pub(crate) headers: Vec<(String, String)>,
-        pub(crate) body: Vec<u8>,
-    }
-
-    #[derive(Debug, Default)]
-    pub(crate) struct FakeHost {
-        pub(crate) store: MemoryStore,
-        pub(crate) now_ms: u64,
-        /// Properties by their path joined with `.`.
-        pub(crate) properties: HashMap<String, String>,
-        pub(crate) request_headers: Vec<(String, String)>,
-        pub(crate) removed_headers: Vec<String>,
-        pub(crate) removed_response_headers: Vec<String>,
-        /// Set: `dispatch_call` fails.
-        pub(crate) refuse_calls: bool,
-        pub(crate) calls: Vec<Call>,
-        pub(crate) answer: Answer,
-        pub(crate) replies: Vec<Reply>,
-        pub(crate) metric_names: Vec<(MetricKind, String)>,
-        pub(crate) counters: HashMap<String, u64>,
-        pub(crate) gauges: HashMap<String, u64>,
-        pub(crate) tick_periods: Vec<u64>,
-    }
-
-    impl FakeHost {
-        /// The counter `name`, 0 when never incremented.
-        pub(crate) fn counter(&self, name: &str) -> u64 {
-            self.counters.get(name).copied().unwrap_or(0)
-        }
-
-        /// The timer period last set, in ms.
-        pub(crate) fn timer_ms(&self) -> Option<u64> {
-            self.tick_periods.last().copied()
-        }
-
-        /// Headers of the next answer, `:status` first.
-        pub(crate) fn answer_with(&mut self, status: u32, body: Vec<u8>) {
-            self.answer = Answer {
-                headers: vec![(":status".to_owned(), status.to_string())],
-                body,
-            };
-        }
-    }
-
-    impl SharedData for FakeHost {
-        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
-            self.store.get(key)
-        }
-
-        fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            self.store.set(key, value, cas)
-        }
-    }
-
-    impl Host for FakeHost {
-        fn now_us(&self) -> u64 {
-            self.now_ms * 1000
-        }
-
-        fn random_u64(&self) -> u64 {
-            42
-        }
-
-        fn property(&self, path: &[&str]) -> Option<String> {
-            self.properties.get(&path.join(".")).cloned()
-        }
-
-        fn request_header(&self, name: &str) -> Option<String> {
-            find(&self.request_headers, name).map(str::to_owned)
-        }
-
-        fn request_headers(&self) -> RawHeaders {
-            raw(&self.request_headers)
-        }
-
-        fn remove_request_header(&mut self, name: &str) {
-            self.removed_headers.push(name.to_owned());
-        }
-
-        fn set_request_header(&mut self, name: &str, value: &str) {
-            self.request_headers.retain(|(k, _)| k != name);
-            self.request_headers
-                .push((name.to_owned(), value.to_owned()));
-        }
-
-        fn remove_response_header(&mut self, name: &str) {
-            self.removed_response_headers.push(name.to_owned());
-        }
-
-        fn dispatch_call(
-            &mut self,
-            cluster: &str,
-            headers: &[(&str, &str)],
-            timeout: Duration,
-        ) -> Result<u32, String> {
-            if self.refuse_calls {
-                return Err("BadArgument".to_owned());
-            }
-            let token = u32::try_from(self.calls.len()).unwrap() + 1;
-            self.calls.push(Call {
-                token,
-                cluster: cluster.to_owned(),
-                headers: owned(headers),
-                timeout,
-            });
-            Ok(token)
-        }
-
-        fn call_status(&self) -> Option<u32> {
-            find(&self.answer.headers, ":status")?.parse().ok()
-        }
-
-        fn call_headers(&self) -> RawHeaders {
-            raw(&self.answer.headers)
-        }
-
-        fn call_body(&self, offset: usize, len: usize) -> Result<Vec<u8>, String> {
-            let end = offset.saturating_add(len).min(self.answer.body.len());
-            Ok(self
-                .answer
-                .body
-                .get(offset.min(end)..end)
-                .unwrap_or_default()
-                .to_vec())
-        }
-
-        fn call_body_reader(&self, size: usize) -> Box<dyn Read> {
-            let body = self.answer.body.get(..size).unwrap_or_default().to_vec();
-            Box::new(std::io::Cursor::new(body))
-        }
-
-        fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>) {
-            self.replies.push(Reply {
-                status,
-                headers: owned(headers),
-                body: body.unwrap_or_default().to_vec(),
-            });
-        }
-
-        fn define_metric(&mut self, kind: MetricKind, name: &str) -> Option<u32> {
-            self.metric_names.push((kind, name.to_owned()));
-            u32::try_from(self.metric_names.len() - 1).ok()
-        }
-
-        fn increment_metric(&mut self, id: u32, by: u64) {
-            if let Some((MetricKind::Counter, name)) = self.metric_names.get(id as usize) {
-                *self.counters.entry(name.clone()).or_insert(0) += by;
-            }
-        }
-
-        fn record_metric(&mut self, id: u32, value: u64) {
-            if let Some((MetricKind::Gauge, name)) = self.metric_names.get(id as usize) {
-                self.gauges.insert(name.clone(), value);
-            }
-        }
-
-        fn set_tick_period(&mut self, period: Duration) -> bool {
-            self.tick_periods
-                .push(u64::try_from(period.as_millis()).unwrap());
-            true
-        }
-
-        fn vm_memory_bytes(&self) -> u64 {
-            1 << 20
-        }
-    }
-
-    /// The plugin configuration `deploy/envoy/envoy.yaml` ships (its first
-    /// `value: |` JSON), with `extra` fields merged on top.
-    pub(crate) fn shipped_config(extra: &str) -> Vec<u8> {
-        let yaml = include_str!("../../deploy/envoy/envoy.yaml");
-        let from = yaml.find("value: |").unwrap();
-        let start = from + yaml[from..].find('{').unwrap();
-        let mut depth = 0;
-        let mut end = start;
-        for (i, c) in yaml[start..].char_indices() {
-            match c {
-                '{' => depth += 1,
-                '}' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        end = start + i + 1;
-                        break;
-                    }
-                }
-                _ => {}
-            }
-        }
-        let mut config: serde_json::Value = serde_json::from_str(&yaml[start..end]).unwrap();
-        let extra: serde_json::Value = serde_json::from_str(extra).unwrap();
-        for (k, v) in extra.as_object().unwrap() {
-            config[k] = v.clone();
-        }
-        serde_json::to_vec(&config).unwrap()
-    }
-}
+impl<T: SharedData + Clock + Stream + Callouts + Stats + Vm + ?Sized> Host for T {}

@@ -18,6 +18,7 @@ pub mod buckets;
 pub mod cache;
 pub mod check;
 pub mod config;
+pub mod entry;
 pub mod guard;
 pub mod host;
 pub mod lease;
@@ -31,3 +32,6 @@ pub mod steer;
 pub mod store;
 pub mod sync;
 pub mod throttle;
+
+#[cfg(test)]
+mod fake;

@@ -3,24 +3,85 @@
 //! ([`crate::replay`]). Every host operation goes through [`Host`]; `glue`
 //! only forwards Envoy's HTTP callbacks here.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
-use crate::host::Next;
+use staleguard_core::verdict::FailurePolicy;
 
-use crate::check::{header_value, judge, Effect, Outcome, Upstream};
-use crate::config::{Config, RetryConfig};
-use crate::host::{Host, LazyReads};
+use crate::cache::Cache;
+use crate::check::{header_value, judge, Effect, Lazy, Outcome, Upstream};
+use crate::config::{Config, Fallback, RetryConfig, CONFIG_REFUSED};
+use crate::host::{Host, Next};
 use crate::members;
-use crate::metrics::{self, Count, Counted, LabelId};
+use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
 use crate::replay::{
     self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
 };
-use crate::root::VmState;
 use crate::steer::SteerConfig;
 use crate::store::View;
+use crate::throttle::Throttle;
+
+/// What the root context and every request of one VM share: the plugin
+/// configuration (or, when it was refused, the fallback), the metric tally,
+/// the verdict cache and the log budget.
+#[derive(Clone)]
+pub(crate) struct VmState {
+    pub(crate) config: Option<Rc<Config>>,
+    pub(crate) fallback: Option<Rc<Fallback>>,
+    pub(crate) metrics: Rc<RefCell<VmMetrics>>,
+    pub(crate) cache: Rc<RefCell<Cache>>,
+    pub(crate) log_budget: Rc<RefCell<Throttle>>,
+}
+
+impl VmState {
+    /// A request while the VM has no configuration: through untouched when
+    /// none was ever given, else what the refused configuration's failure
+    /// policy says, counted.
+    pub(crate) fn unconfigured<H: Host>(&self, host: &mut H) -> Next {
+        let Some(fallback) = &self.fallback else {
+            return Next::Continue;
+        };
+        self.metrics
+            .borrow_mut()
+            .inc(host, metrics::REQUESTS_UNCONFIGURED, 1);
+        match fallback.failure_policy {
+            FailurePolicy::Open => Next::Continue,
+            FailurePolicy::Closed => {
+                let headers = [(fallback.reject_header.as_str(), CONFIG_REFUSED)];
+                let body = format!("staleguard: {CONFIG_REFUSED}\n");
+                host.send_reply(fallback.reject_status, &headers, Some(body.as_bytes()));
+                Next::Pause
+            }
+        }
+    }
+}
+
+/// The lazy reads of `check::judge`, from a host.
+#[derive(Debug)]
+pub struct LazyReads<'a, H: ?Sized>(pub &'a H);
+
+impl<H: Host + ?Sized> Lazy for LazyReads<'_, H> {
+    fn istio_service_host(&self) -> Option<String> {
+        // Istio lists the services a cluster serves in its metadata; the
+        // first one is the service (a cluster per service and port).
+        self.0.property(&[
+            "xds",
+            "cluster_metadata",
+            "filter_metadata",
+            "istio",
+            "services",
+            "0",
+            "host",
+        ])
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.0.now_ms()
+    }
+}
 
 /// The HTTP context of one request.
 pub struct Filter {
@@ -477,7 +538,7 @@ fn reject<H: Host>(host: &mut H, config: &Config, status: u32, reason: staleguar
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::fake::FakeHost;
+    use crate::fake::FakeHost;
     use crate::root::tests::loaded;
     use crate::root::Root;
     use staleguard_core::{Reason, ServiceKey};
@@ -499,7 +560,7 @@ mod tests {
     }
 
     fn reject_status(extra: &str) -> u32 {
-        Config::parse(&crate::host::fake::shipped_config(extra))
+        Config::parse(&crate::fake::shipped_config(extra))
             .unwrap()
             .raw
             .reject_status
@@ -541,7 +602,7 @@ mod tests {
         assert_eq!(host.replies.len(), 1);
         let reply = &host.replies[0];
         assert_eq!(reply.status, reject_status(ON_REJECT_REJECT));
-        let header = Config::parse(&crate::host::fake::shipped_config(ON_REJECT_REJECT))
+        let header = Config::parse(&crate::fake::shipped_config(ON_REJECT_REJECT))
             .unwrap()
             .raw
             .reject_header;
@@ -585,11 +646,11 @@ mod tests {
         let call = host.calls.last().unwrap().clone();
         assert_eq!(call.cluster, "shop-cart|staleguard-twin");
         assert_eq!(call.header(":path"), Some("/items"));
-        let retry = Config::parse(&crate::host::fake::shipped_config("{}")).unwrap();
+        let retry = Config::parse(&crate::fake::shipped_config("{}")).unwrap();
         let endpoint = &retry.replay().unwrap().endpoint_header;
         assert_eq!(call.header(endpoint), Some("10.0.0.1:8080"));
         // The member answers: the client gets its answer.
-        host.answer = crate::host::fake::Answer {
+        host.answer = crate::fake::Answer {
             headers: vec![
                 (":status".into(), "200".into()),
                 (replay::UPSTREAM_TIME_HEADER.into(), "3".into()),
@@ -637,7 +698,7 @@ mod tests {
         let mut filter = root.filter(2);
         assert_eq!(filter.request_headers(&mut host, false), Next::Continue);
         assert_eq!(filter.response_headers(&mut host), Next::Continue);
-        let header = Config::parse(&crate::host::fake::shipped_config("{}"))
+        let header = Config::parse(&crate::fake::shipped_config("{}"))
             .unwrap()
             .raw
             .reject_header;
@@ -657,7 +718,7 @@ mod tests {
         let mut filter = root.filter(2);
         filter.request_headers(&mut host, true);
         let call = host.calls.last().unwrap().clone();
-        host.answer = crate::host::fake::Answer {
+        host.answer = crate::fake::Answer {
             headers: vec![
                 (":status".into(), "200".into()),
                 (replay::UPSTREAM_TIME_HEADER.into(), "3".into()),

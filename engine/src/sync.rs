@@ -24,8 +24,9 @@ use staleguard_core::{Changes, Policy, Snapshot};
 use crate::backoff::Backoff;
 use crate::buckets::CompactRecord;
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
+use crate::host::{SharedData, StoreError};
 use crate::store::write::Writer;
-use crate::store::{Meta, SharedData, StoreError, META_KEY};
+use crate::store::{Meta, META_KEY};
 
 /// Why an answer could not be applied.
 #[derive(Debug, thiserror::Error)]
@@ -584,7 +585,8 @@ impl Poller {
 mod tests {
     use super::*;
     use crate::buckets;
-    use crate::store::{Entry, MemoryStore, View};
+    use crate::entry::Entry;
+    use crate::store::{MemoryStore, View};
 
     use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey};
     use std::net::IpAddr;

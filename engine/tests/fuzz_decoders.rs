@@ -19,12 +19,11 @@ use std::time::Instant;
 
 use staleguard_engine::buckets;
 use staleguard_engine::config::Config;
+use staleguard_engine::host::SharedData;
 use staleguard_engine::lease::Lease;
 use staleguard_engine::replay::TwinConfig;
 use staleguard_engine::steer::SteerConfig;
-use staleguard_engine::store::{
-    decode_service, MemoryStore, Meta, SharedData, View, LEASE_KEY, META_KEY,
-};
+use staleguard_engine::store::{decode_service, MemoryStore, Meta, View, LEASE_KEY, META_KEY};
 use staleguard_engine::sync::{Poller, SyncConfig};
 
 struct Rng(u64);
