@@ -1,16 +1,46 @@
-//! The staleguard proxy-wasm filter: a verdict on every upstream host.
+//! The staleguard guard engine: what a gateway decides about every upstream
+//! host, and when, with no host in it.
 //!
-//! Runs in Envoy as an *upstream* HTTP filter (one per cluster) and checks the
-//! host Envoy chose against a local copy of the validator's index. Start with
-//! [`check`] (one request's verdict), then [`sync`] (how the index is kept in
-//! step with the validator), [`store`] (its layout in Envoy shared data, with
-//! IP entries in [`buckets`], written by [`store::write`]) and [`lease`] (why
-//! exactly one VM per Envoy process polls). [`root`] (the VM: lease, poll
-//! schedule, answers, gauges) and [`request`] (one request: verdict, reply,
-//! replay) do everything against the [`host::Host`] trait, and are tested
-//! natively with a double; `glue` (built for `wasm32` only) implements that
-//! trait over proxy-wasm hostcalls and forwards callbacks. The design and its
-//! reasons are in `docs/filter.md`.
+//! The engine keeps a local copy of the validator's index (pod IP ->
+//! identity) in step with the validator, and checks each request's chosen
+//! host against it: allow, reject, or replay the request to a live member.
+//! It runs in Envoy through an adapter: the proxy-wasm filter
+//! (`staleguard-filter`) today, a native dynamic module next.
+//!
+//! # Where a new host starts
+//!
+//! [`host`] is the whole contract: implement its small traits
+//! ([`host::SharedData`], [`host::Clock`], [`host::Stream`],
+//! [`host::Callouts`], [`host::Stats`], [`host::Vm`]; [`host::Host`] is
+//! their sum), make one [`root::Root`] per instance (a Wasm VM, a module's
+//! worker), and forward the host's events to it: the configuration
+//! ([`root::Root::configure`]), the timer ([`root::Root::tick`]), a call's
+//! answer ([`root::Root::call_response`]) and shutdown ([`root::Root::done`]).
+//! Each request gets a [`request::Filter`] from [`root::Root::filter`], fed
+//! its headers ([`request::Filter::request_headers`], which answers with a
+//! [`host::Next`]), its replay calls' answers and its response headers. The
+//! engine logs through the `log` facade.
+//!
+//! # Reading order (top to bottom; no module imports one above it)
+//!
+//! - [`root`]: one instance: configuration, the poller's lease and
+//!   schedule, applying the validator's answers, gauges.
+//! - [`request`]: one request: verdict, reply, replay or steering.
+//! - [`metrics`] (names and labels), [`steer`] (the body path's steering
+//!   role), [`check`] (one request's verdict), [`replay`] (a rejected
+//!   request's replay to a live member), [`sync`] (the poller's protocol
+//!   state machine).
+//! - [`config`] (the plugin configuration), [`cache`] (per-instance read
+//!   caches), [`lease`] (why exactly one instance per Envoy polls),
+//!   [`store::write`] (the index writer).
+//! - [`store`] (the index's layout in shared data and its reader),
+//!   [`members`] (each service's live members), [`guard`] (the
+//!   blast-radius guard on the validator's answers).
+//! - [`buckets`] (IP entries in hash buckets).
+//! - [`host`], [`entry`], [`backoff`], [`throttle`] (a log budget),
+//!   [`secret`].
+//!
+//! The design and its reasons are in `docs/filter.md`.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod backoff;

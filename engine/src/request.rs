@@ -1,7 +1,7 @@
 //! One request's path through the filter: the verdict ([`crate::check`]),
 //! counting it, the reply of a rejection, and a replay's start and steps
-//! ([`crate::replay`]). Every host operation goes through [`Host`]; `glue`
-//! only forwards Envoy's HTTP callbacks here.
+//! ([`crate::replay`]). Every host operation goes through [`Host`]; an
+//! adapter only forwards its host's HTTP callbacks here.
 
 use std::cell::RefCell;
 use std::fmt;

@@ -1,7 +1,8 @@
 //! The root context of a VM: configuration, the lease, the poller's
 //! schedule (timer arming, the watchdog), applying the validator's answers,
 //! and the gauges. Every host operation goes through [`Host`], so all of it
-//! is unit-tested with a double; `glue` only forwards Envoy's callbacks here.
+//! is unit-tested with a double; an adapter (the Wasm filter's glue) only
+//! forwards its host's callbacks here.
 
 use std::cell::RefCell;
 use std::fmt;
