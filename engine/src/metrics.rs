@@ -243,7 +243,7 @@ impl Tally {
 
 /// Per-request counter:
 /// `staleguard_filter_requests_total.service.<ns/name>.reason.<reason>.action.<action>`,
-/// with `service` from [`ServiceLabels::label`].
+/// with `service` from [`ServiceLabels::name`].
 pub fn requests(service: &str, reason: Reason, effect: Effect) -> String {
     format!(
         "staleguard_filter_requests_total.service.{service}.reason.{}.action.{}",
