@@ -109,6 +109,14 @@ impl Default for RetryConfig {
     }
 }
 
+impl RetryConfig {
+    /// The name of `cluster`'s twin: `<cluster><twin_suffix>` (the rule
+    /// `deploy/istio/twins.py` also follows; a test checks they agree).
+    pub fn twin_name(&self, cluster: &str) -> String {
+        format!("{cluster}{}", self.twin_suffix)
+    }
+}
+
 fn default_twin_suffix() -> String {
     "|staleguard-twin".to_owned()
 }
@@ -206,6 +214,34 @@ pub struct RawConfig {
     pub pod_cidrs: Vec<String>,
 }
 
+impl Default for RawConfig {
+    /// Every field's default, and no validator cluster.
+    fn default() -> Self {
+        Self {
+            validator_cluster: String::new(),
+            validator_authority: None,
+            token: None,
+            token_env: None,
+            poll_wait_s: default_wait_s(),
+            max_staleness_ms: default_max_staleness_ms(),
+            tick_ms: default_tick_ms(),
+            lease_ttl_ms: default_lease_ttl_ms(),
+            backoff_initial_ms: default_backoff_initial_ms(),
+            backoff_max_ms: default_backoff_max_ms(),
+            mode: Mode::default(),
+            reject_status: default_reject_status(),
+            reject_header: default_reject_header(),
+            policy: Policy::default(),
+            istio: staleguard_core::cluster::default_istio(),
+            clusters: Vec::new(),
+            guard: GuardConfig::default(),
+            on_reject: None,
+            retry: None,
+            pod_cidrs: Vec::new(),
+        }
+    }
+}
+
 fn default_wait_s() -> u32 {
     30
 }
@@ -234,13 +270,65 @@ pub(crate) fn default_reject_header() -> String {
     "x-staleguard".to_owned()
 }
 
-/// A checked configuration.
-#[derive(Debug, Clone)]
+/// A checked configuration: the domain values the engine runs with, parsed
+/// once (in `on_configure`) and read as fields on the request path. Built
+/// from a [`RawConfig`] field by field (see [`Config::parse`]), so a new
+/// written field that is not carried over breaks the build.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// The checked fields (same names as written).
-    pub raw: RawConfig,
-    /// `raw.pod_cidrs`, parsed.
+    /// The Envoy cluster that reaches the validator.
+    pub validator_cluster: String,
+    /// The `:authority` of validator requests (`validator_authority`, else
+    /// the cluster name).
+    pub authority: String,
+    /// Bearer token sent to the validator: `token`, or the value of the VM
+    /// environment variable `token_env` names.
+    pub token: Option<Secret>,
+    /// The environment variable the token was read from, if any.
+    pub token_env: Option<String>,
+    /// Long-poll wait in seconds (1..=60).
+    pub poll_wait_s: u32,
+    /// No successful sync for longer than this makes the data stale.
+    pub max_staleness_ms: u64,
+    /// Root-context tick period: lease renewal and poll scheduling.
+    pub tick_ms: u64,
+    /// How long a poller's lease lives without renewal.
+    pub lease_ttl_ms: u64,
+    /// First retry delay after a sync error.
+    pub backoff_initial_ms: u64,
+    /// Largest retry delay after sync errors.
+    pub backoff_max_ms: u64,
+    /// Enforce verdicts, or only count and log them.
+    pub mode: Mode,
+    /// HTTP status of a rejection.
+    pub reject_status: u32,
+    /// Response header carrying the reason code.
+    pub reject_header: String,
+    /// The verdict policy.
+    pub policy: Policy,
+    /// Derive services from Istio cluster metadata and `outbound|...` names.
+    pub istio: bool,
+    /// Mapping rules for plain Envoy, tried first, in order.
+    pub clusters: Vec<ClusterRule>,
+    /// The blast-radius guard.
+    pub guard: GuardConfig,
+    /// The replay path as configured, whether or not it is used: the twin
+    /// clusters are named from it (see [`RetryConfig::twin_name`]).
+    pub retry: Option<RetryConfig>,
+    /// This cluster's pod networks; empty: every IP is judged.
     pub pod_cidrs: Vec<Cidr>,
+    /// Rejected requests are replayed (decided once, see [`Config::replay`]).
+    replays: bool,
+    /// Why `on_reject: retry` was asked for but cannot work, if it was.
+    retry_warning: Option<&'static str>,
+}
+
+impl Default for Config {
+    /// What a gateway without the filter is judged by (the audit's
+    /// default): every written default, no validator cluster, no token.
+    fn default() -> Self {
+        Self::from_raw(RawConfig::default(), Vec::new())
+    }
 }
 
 impl Config {
@@ -347,45 +435,89 @@ impl Config {
             }
         }
         if problems.is_empty() {
-            Ok(Self { raw, pod_cidrs })
+            Ok(Self::from_raw(raw, pod_cidrs))
         } else {
             Err(ConfigError::Invalid(problems))
+        }
+    }
+
+    /// The domain values of a checked `raw` (with its `pod_cidrs` parsed):
+    /// every field carried over or decided here, once.
+    fn from_raw(raw: RawConfig, pod_cidrs: Vec<Cidr>) -> Self {
+        let RawConfig {
+            validator_cluster,
+            validator_authority,
+            token,
+            token_env,
+            poll_wait_s,
+            max_staleness_ms,
+            tick_ms,
+            lease_ttl_ms,
+            backoff_initial_ms,
+            backoff_max_ms,
+            mode,
+            reject_status,
+            reject_header,
+            policy,
+            istio,
+            clusters,
+            guard,
+            on_reject,
+            retry,
+            pod_cidrs: _,
+        } = raw;
+        // `retry` asked for, or defaulted to when a replay path is given.
+        let asked = on_reject.unwrap_or(if retry.is_some() {
+            OnReject::Retry
+        } else {
+            OnReject::Reject
+        }) == OnReject::Retry;
+        let replays = asked && retry.is_some() && mode == Mode::Enforce;
+        let retry_warning = match (asked, &retry, mode) {
+            (false, _, _) => None,
+            (true, None, _) => Some(
+                "on_reject is retry but no replay path is configured (the `retry` block naming the twin clusters): rejecting instead",
+            ),
+            (true, Some(_), Mode::Audit) => Some(
+                "on_reject is retry but mode is audit, which lets every request through: nothing is replayed",
+            ),
+            (true, Some(_), Mode::Enforce) => None,
+        };
+        Self {
+            authority: validator_authority.unwrap_or_else(|| validator_cluster.clone()),
+            validator_cluster,
+            token,
+            token_env,
+            poll_wait_s,
+            max_staleness_ms,
+            tick_ms,
+            lease_ttl_ms,
+            backoff_initial_ms,
+            backoff_max_ms,
+            mode,
+            reject_status,
+            reject_header,
+            policy,
+            istio,
+            clusters,
+            guard,
+            retry,
+            pod_cidrs,
+            replays,
+            retry_warning,
         }
     }
 
     /// The replay path, when rejected requests are to be replayed: `retry`
     /// asked for (or defaulted to), a replay path configured, and enforcing.
     pub fn replay(&self) -> Option<&RetryConfig> {
-        let wanted = self.raw.on_reject.unwrap_or(if self.raw.retry.is_some() {
-            OnReject::Retry
-        } else {
-            OnReject::Reject
-        });
-        match (wanted, self.raw.mode) {
-            (OnReject::Retry, Mode::Enforce) => self.raw.retry.as_ref(),
-            _ => None,
-        }
+        self.retry.as_ref().filter(|_| self.replays)
     }
 
     /// Why `on_reject: retry` was asked for but cannot work, if it was: the
     /// line `on_configure` logs, since the filter then rejects instead.
-    pub fn retry_warning(&self) -> Option<String> {
-        let asked = match self.raw.on_reject {
-            Some(OnReject::Retry) => true,
-            Some(OnReject::Reject) => false,
-            None => self.raw.retry.is_some(),
-        };
-        if !asked {
-            return None;
-        }
-        if self.raw.retry.is_none() {
-            return Some(
-                "on_reject is retry but no replay path is configured (the `retry` block naming the twin clusters): rejecting instead"
-                    .to_owned(),
-            );
-        }
-        (self.raw.mode == Mode::Audit)
-            .then(|| "on_reject is retry but mode is audit, which lets every request through: nothing is replayed".to_owned())
+    pub fn retry_warning(&self) -> Option<&str> {
+        self.retry_warning
     }
 
     /// True when `ip` is one this gateway judges: no `pod_cidrs`, or inside
@@ -394,21 +526,13 @@ impl Config {
         staleguard_core::ip::in_scope(&self.pod_cidrs, ip)
     }
 
-    /// The `:authority` of validator requests.
-    pub fn authority(&self) -> &str {
-        self.raw
-            .validator_authority
-            .as_deref()
-            .unwrap_or(&self.raw.validator_cluster)
-    }
-
     /// How this configuration maps clusters to services (the rule shared with
     /// `staleguard-validator audit`).
     pub fn cluster_map(&self) -> ClusterMap<'_> {
         ClusterMap {
-            validator_cluster: &self.raw.validator_cluster,
-            istio: self.raw.istio,
-            rules: &self.raw.clusters,
+            validator_cluster: &self.validator_cluster,
+            istio: self.istio,
+            rules: &self.clusters,
         }
     }
 }
@@ -693,15 +817,15 @@ mod tests {
     #[test]
     fn minimal_config_takes_defaults() {
         let c = Config::parse(br#"{"validator_cluster":"sg"}"#).unwrap();
-        assert_eq!(c.raw.poll_wait_s, 30);
-        assert_eq!(c.raw.reject_status, 503);
-        assert_eq!(c.raw.reject_header, "x-staleguard");
-        assert_eq!(c.raw.mode, Mode::Enforce);
-        assert_eq!(c.raw.policy.failure_policy, FailurePolicy::Open);
-        assert!(c.raw.istio);
-        assert_eq!(c.authority(), "sg");
-        assert_eq!(c.raw.guard, GuardConfig::default());
-        assert!(c.raw.guard.enabled);
+        assert_eq!(c.poll_wait_s, 30);
+        assert_eq!(c.reject_status, 503);
+        assert_eq!(c.reject_header, "x-staleguard");
+        assert_eq!(c.mode, Mode::Enforce);
+        assert_eq!(c.policy.failure_policy, FailurePolicy::Open);
+        assert!(c.istio);
+        assert_eq!(c.authority, "sg");
+        assert_eq!(c.guard, GuardConfig::default());
+        assert!(c.guard.enabled);
     }
 
     #[test]
@@ -710,9 +834,9 @@ mod tests {
             br#"{"validator_cluster":"sg","guard":{"max_loss_percent":80,"confirm_ms":5000}}"#,
         )
         .unwrap();
-        assert_eq!(c.raw.guard.max_loss_percent, 80);
-        assert_eq!(c.raw.guard.confirm_ms, 5_000);
-        assert_eq!(c.raw.guard.min_ips, GuardConfig::default().min_ips);
+        assert_eq!(c.guard.max_loss_percent, 80);
+        assert_eq!(c.guard.confirm_ms, 5_000);
+        assert_eq!(c.guard.min_ips, GuardConfig::default().min_ips);
         let err = Config::parse(
             br#"{"validator_cluster":"sg","guard":{"max_loss_percent":0,"min_service_ips":0}}"#,
         )
@@ -735,9 +859,9 @@ mod tests {
             "clusters":[{"name":"cart","service":"shop/cart"},{"prefix":"pay-","service":"shop/pay"}]}"#,
         )
         .unwrap();
-        assert_eq!(c.raw.mode, Mode::Audit);
-        assert_eq!(c.raw.clusters.len(), 2);
-        assert_eq!(c.authority(), "v.sg.svc");
+        assert_eq!(c.mode, Mode::Audit);
+        assert_eq!(c.clusters.len(), 2);
+        assert_eq!(c.authority, "v.sg.svc");
     }
 
     #[test]
@@ -745,11 +869,15 @@ mod tests {
         let token = "s3cret-token-0123456789abcdef0123";
         let json = format!(r#"{{"validator_cluster":"sg","token":"{token}"}}"#);
         let c = Config::parse(json.as_bytes()).unwrap();
-        for shown in [format!("{c:?}"), format!("{c:#?}"), format!("{:?}", c.raw)] {
+        for shown in [
+            format!("{c:?}"),
+            format!("{c:#?}"),
+            format!("{:?}", c.token),
+        ] {
             assert!(!shown.contains(token), "{shown}");
             assert!(shown.contains("<redacted>"), "{shown}");
         }
-        assert_eq!(c.raw.token.as_ref().map(Secret::expose), Some(token));
+        assert_eq!(c.token.as_ref().map(Secret::expose), Some(token));
         // Nor does a refusal: the message names the field, not the value.
         let bad = format!(r#"{{"validator_cluster":"","token":"{token} x"}}"#);
         let err = Config::parse(bad.as_bytes()).unwrap_err();
@@ -909,6 +1037,38 @@ mod tests {
         assert!(opted_out.replay().is_none());
     }
 
+    /// `deploy/istio/twins.py` makes the twins for Istio, in Python: its
+    /// naming rule and default suffix must be the engine's.
+    #[test]
+    fn twins_py_names_twins_as_the_engine_does_with_the_default_twin_suffix_and_endpoint_header() {
+        let script = include_str!("../../deploy/istio/twins.py");
+        let retry = RetryConfig::default();
+        let default = format!(
+            r#"p.add_argument("--suffix", default="{}""#,
+            retry.twin_suffix
+        );
+        assert!(
+            script.contains(&default),
+            "twins.py's --suffix default is not {:?}",
+            retry.twin_suffix
+        );
+        let header = format!(
+            r#"p.add_argument("--header", default="{}""#,
+            retry.endpoint_header
+        );
+        assert!(
+            script.contains(&header),
+            "twins.py's --header default is not {:?}",
+            retry.endpoint_header
+        );
+        // `<cluster><suffix>`: the name and the EDS cluster name.
+        assert!(script.contains(r#"t["name"] = name + suffix"#));
+        assert_eq!(
+            retry.twin_name("outbound|80||cart.shop.svc.cluster.local"),
+            "outbound|80||cart.shop.svc.cluster.local|staleguard-twin"
+        );
+    }
+
     #[test]
     fn retry_that_cannot_work_says_why() {
         let no_path = Config::parse(br#"{"validator_cluster":"sg","on_reject":"retry"}"#).unwrap();
@@ -950,7 +1110,7 @@ mod tests {
             Config::parse_with_env(br#"{"validator_cluster":"sg","token_env":"SG_TOKEN"}"#, env)
                 .unwrap();
         assert_eq!(
-            c.raw.token.as_ref().map(Secret::expose),
+            c.token.as_ref().map(Secret::expose),
             Some("s3cret"),
             "a Secret file's newline is cut"
         );

@@ -257,7 +257,7 @@ impl Filter {
         match effect {
             Effect::Allow | Effect::Audit => {
                 if !end_of_stream {
-                    self.strip_answer = Some(config.raw.reject_header.clone());
+                    self.strip_answer = Some(config.reject_header.clone());
                 }
                 Next::Continue
             }
@@ -387,7 +387,7 @@ impl Filter {
         self.replay = Some(Pending {
             replay: state,
             token: None,
-            twin_cluster: format!("{cluster}{}", retry.twin_suffix),
+            twin_cluster: retry.twin_name(cluster),
             headers,
             reason,
             label: LabelId::default(),
@@ -480,7 +480,7 @@ impl Filter {
                 Step::Fail(outcome) => {
                     let reason = pending.reason;
                     self.finish(host, outcome);
-                    reject(host, &config, config.raw.reject_status, reason);
+                    reject(host, &config, config.reject_status, reason);
                     return;
                 }
             }
@@ -495,11 +495,7 @@ impl Filter {
                 Counted::Replayed
             } else {
                 Counted::Effect(Effect::Reject {
-                    status: self
-                        .vm
-                        .config
-                        .as_deref()
-                        .map_or(503, |c| c.raw.reject_status),
+                    status: self.vm.config.as_deref().map_or(503, |c| c.reject_status),
                 })
             };
             self.vm.metrics.borrow_mut().count(
@@ -530,7 +526,7 @@ impl Filter {
 /// the configured header and in the body.
 fn reject<H: Host>(host: &mut H, config: &Config, status: u32, reason: staleguard_core::Reason) {
     let reason = header_value(reason);
-    let headers = [(config.raw.reject_header.as_str(), reason)];
+    let headers = [(config.reject_header.as_str(), reason)];
     let body = format!("staleguard: {reason}\n");
     host.send_reply(status, &headers, Some(body.as_bytes()));
 }
@@ -562,7 +558,6 @@ mod tests {
     fn reject_status(extra: &str) -> u32 {
         Config::parse(&crate::fake::shipped_config(extra))
             .unwrap()
-            .raw
             .reject_status
     }
 
@@ -604,7 +599,6 @@ mod tests {
         assert_eq!(reply.status, reject_status(ON_REJECT_REJECT));
         let header = Config::parse(&crate::fake::shipped_config(ON_REJECT_REJECT))
             .unwrap()
-            .raw
             .reject_header;
         assert_eq!(reply.header(&header), Some("destroyed"));
         assert_eq!(reply.body, b"staleguard: destroyed\n");
@@ -700,7 +694,6 @@ mod tests {
         assert_eq!(filter.response_headers(&mut host), Next::Continue);
         let header = Config::parse(&crate::fake::shipped_config("{}"))
             .unwrap()
-            .raw
             .reject_header;
         assert_eq!(host.removed_response_headers, vec![header]);
         // Without a body (no route retries on the header): untouched.

@@ -151,9 +151,9 @@ impl Root {
         };
         self.vm.fallback = None;
         let sync = SyncConfig {
-            wait_s: config.raw.poll_wait_s,
-            backoff_initial_ms: config.raw.backoff_initial_ms,
-            backoff_max_ms: config.raw.backoff_max_ms,
+            wait_s: config.poll_wait_s,
+            backoff_initial_ms: config.backoff_initial_ms,
+            backoff_max_ms: config.backoff_max_ms,
             min_interval_ms: MIN_POLL_INTERVAL_MS,
         };
         let owner = self
@@ -161,7 +161,7 @@ impl Root {
             .as_ref()
             .map_or_else(|| host.random_u64(), Lease::owner);
         let held = self.lease.as_ref().is_some_and(Lease::is_held);
-        let mut lease = Lease::new(owner, config.raw.lease_ttl_ms);
+        let mut lease = Lease::new(owner, config.lease_ttl_ms);
         if held {
             // Keep going: the next tick renews the lease we already have.
             let now = host.now_ms();
@@ -170,18 +170,18 @@ impl Root {
         self.lease = Some(lease);
         self.poller = Some(
             Poller::new(sync, host.random_u64())
-                .with_guard(Guard::new(config.raw.guard, config.raw.policy)),
+                .with_guard(Guard::new(config.guard, config.policy)),
         );
         self.in_flight = None;
         self.lease_due_ms = 0;
-        if host.set_tick_period(Duration::from_millis(config.raw.tick_ms)) {
-            self.timer_ms = config.raw.tick_ms;
+        if host.set_tick_period(Duration::from_millis(config.tick_ms)) {
+            self.timer_ms = config.tick_ms;
         }
         log::info!(
             "[ctx {}] staleguard: configured (mode {:?}, validator cluster {:?}, owner {owner})",
             self.id,
-            config.raw.mode,
-            config.raw.validator_cluster
+            config.mode,
+            config.validator_cluster
         );
         if let Some(warning) = config.retry_warning() {
             log::warn!("[ctx {}] staleguard: {warning}", self.id);
@@ -271,7 +271,7 @@ impl Root {
             self.arm_timer(host, now);
             return;
         }
-        let tick_ms = self.vm.config.as_ref().map_or(1_000, |c| c.raw.tick_ms);
+        let tick_ms = self.vm.config.as_ref().map_or(1_000, |c| c.tick_ms);
         self.lease_due_ms = now.saturating_add(tick_ms);
         self.lease_tick(host, now);
         self.arm_timer(host, now);
@@ -301,7 +301,7 @@ impl Root {
                 due = due.min(poller.wake_at_ms());
             }
         }
-        let period = due.saturating_sub(now).clamp(1, config.raw.tick_ms);
+        let period = due.saturating_sub(now).clamp(1, config.tick_ms);
         if period != self.timer_ms && host.set_tick_period(Duration::from_millis(period)) {
             self.timer_ms = period;
         }
@@ -328,21 +328,20 @@ impl Root {
         };
         let path = request.path();
         let bearer = config
-            .raw
             .token
             .as_ref()
             .map(|t| format!("Bearer {}", t.expose()));
         let mut headers = vec![
             (":method", "GET"),
             (":path", path.as_str()),
-            (":authority", config.authority()),
+            (":authority", config.authority.as_str()),
             ("accept", "application/json"),
         ];
         if let Some(b) = &bearer {
             headers.push(("authorization", b.as_str()));
         }
         let timeout = Duration::from_millis(poller.config().request_timeout_ms(&request));
-        match host.dispatch_call(&config.raw.validator_cluster, &headers, timeout) {
+        match host.dispatch_call(&config.validator_cluster, &headers, timeout) {
             Ok(token) => {
                 self.in_flight = Some(token);
                 self.vm
@@ -352,7 +351,7 @@ impl Root {
                 log::debug!("[ctx {}] staleguard: sync request {path}", self.id);
             }
             Err(status) => {
-                let error = dispatch_failed(&config.raw.validator_cluster, &status);
+                let error = dispatch_failed(&config.validator_cluster, &status);
                 poller.on_failure(now, &error);
                 self.sync_error(host, &error);
             }
@@ -593,7 +592,7 @@ impl Root {
                     metrics::GAUGE_DATA_AGE_S,
                     now.saturating_sub(meta.synced_ms) / 1000,
                 );
-                let fresh = meta.is_fresh(now, config.raw.max_staleness_ms);
+                let fresh = meta.is_fresh(now, config.max_staleness_ms);
                 m.gauge(host, metrics::GAUGE_FRESH, u64::from(fresh));
             }
             None => m.gauge(host, metrics::GAUGE_FRESH, 0),
@@ -778,7 +777,7 @@ pub(crate) mod tests {
             Some("/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=30")
         );
         // With the long poll out, the next thing due is the lease renewal.
-        let tick_ms = Config::parse(&shipped_config("{}")).unwrap().raw.tick_ms;
+        let tick_ms = Config::parse(&shipped_config("{}")).unwrap().tick_ms;
         assert!(root.timer_ms() > MIN_POLL_INTERVAL_MS && root.timer_ms() <= tick_ms);
         assert_eq!(host.counter(metrics::SYNC_POLLS), 2);
     }
