@@ -274,7 +274,7 @@ pub(crate) fn default_reject_header() -> String {
 /// once (in `on_configure`) and read as fields on the request path. Built
 /// from a [`RawConfig`] field by field (see [`Config::parse`]), so a new
 /// written field that is not carried over breaks the build.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     /// The Envoy cluster that reaches the validator.
     pub validator_cluster: String,

@@ -20,9 +20,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use serde::Deserialize;
 use serde_json::Value;
-use staleguard_core::cluster::{default_istio, ClusterMap, ClusterRule};
-use staleguard_core::ip::Cidr;
-use staleguard_core::{Policy, ServiceKey};
+use staleguard_core::ServiceKey;
+use staleguard_engine::config::ConfigError;
 
 /// Why admin output could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -46,86 +45,19 @@ pub enum GatewayError {
     },
 }
 
-/// The part of a staleguard plugin configuration the audit needs, read
-/// leniently (the filter checks the whole configuration strictly).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct PluginView {
-    /// The cluster that reaches the validator (never judged).
-    #[serde(default)]
-    pub validator_cluster: String,
-    /// Derive services from Istio metadata and names.
-    #[serde(default = "default_istio")]
-    pub istio: bool,
-    /// Mapping rules for plain Envoy.
-    #[serde(default)]
-    pub clusters: Vec<ClusterRule>,
-    /// The verdict policy.
-    #[serde(default)]
-    pub policy: Policy,
-    /// The replay path, if configured: its twin clusters are named
-    /// `<cluster><twin_suffix>`.
-    #[serde(default)]
-    pub retry: Option<RetryView>,
-    /// This cluster's pod networks: an IP outside them is out of scope, as
-    /// for the filter. Unparsable entries are skipped here (the filter
-    /// refuses them).
-    #[serde(default)]
-    pub pod_cidrs: Vec<String>,
-}
+/// A staleguard plugin configuration, as the filter reads it: the engine's
+/// own type, so the audit maps clusters, names twins and scopes IPs by the
+/// rules and defaults the gateway runs (named apart from the validator's own
+/// `Config`).
+pub use staleguard_engine::config::Config as PluginConfig;
 
-/// The part of the plugin's `retry` block the audit needs.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct RetryView {
-    /// The suffix that names a guarded cluster's twin.
-    #[serde(default = "default_twin_suffix")]
-    pub twin_suffix: String,
-}
-
-fn default_twin_suffix() -> String {
-    "|staleguard-twin".into()
-}
-
-impl Default for PluginView {
-    /// What a gateway without the filter is audited by: Istio names and
-    /// metadata, the default policy.
-    fn default() -> Self {
-        Self {
-            validator_cluster: String::new(),
-            istio: default_istio(),
-            clusters: Vec::new(),
-            policy: Policy::default(),
-            retry: None,
-            pod_cidrs: Vec::new(),
-        }
-    }
-}
-
-impl PluginView {
-    /// Reads a plugin configuration (the JSON text in the Wasm filter's
-    /// `configuration`).
-    pub fn parse(text: &str) -> Result<Self, serde_json::Error> {
-        serde_json::from_str(text)
-    }
-
-    /// True when the filter judges `ip` under this configuration's
-    /// `pod_cidrs`.
-    pub fn in_scope(&self, ip: IpAddr) -> bool {
-        let cidrs: Vec<Cidr> = self
-            .pod_cidrs
-            .iter()
-            .filter_map(|c| c.parse().ok())
-            .collect();
-        staleguard_core::ip::in_scope(&cidrs, ip)
-    }
-
-    /// The cluster map this configuration implies.
-    pub fn cluster_map(&self) -> ClusterMap<'_> {
-        ClusterMap {
-            validator_cluster: &self.validator_cluster,
-            istio: self.istio,
-            rules: &self.clusters,
-        }
-    }
+/// Parses a plugin configuration (the JSON text in the Wasm filter's
+/// `configuration`) with the filter's own parser, so the audit refuses
+/// exactly what a gateway would. The Wasm VM's environment is not the
+/// audit's, so `token_env` counts as set.
+pub fn parse_plugin(text: &str) -> Result<PluginConfig, ConfigError> {
+    let env = |_: &str| Some("set-in-the-gateway".to_owned());
+    PluginConfig::parse_with_env(text.as_bytes(), env)
 }
 
 /// One endpoint a cluster holds.
@@ -145,7 +77,7 @@ pub struct Cluster {
     /// `filter_metadata.istio.services[0].host`, if present.
     pub istio_service_host: Option<String>,
     /// The staleguard plugin configuration attached to this cluster.
-    pub plugin: Option<PluginView>,
+    pub plugin: Option<PluginConfig>,
     /// The endpoints.
     pub endpoints: Vec<Endpoint>,
     /// The settings a retry twin copies from its cluster ([`twin_settings`]),
@@ -159,7 +91,7 @@ pub struct Gateway {
     /// The clusters.
     pub clusters: Vec<Cluster>,
     /// The staleguard plugin configuration attached gateway-wide, if any.
-    pub plugin: Option<PluginView>,
+    pub plugin: Option<PluginConfig>,
     /// Things worth telling the operator (a plugin configuration that does
     /// not parse, several different gateway-wide ones).
     pub notes: Vec<String>,
@@ -172,9 +104,9 @@ impl Gateway {
     pub fn plugin_for<'a>(
         &'a self,
         cluster: &'a Cluster,
-        forced: Option<&'a PluginView>,
-        defaults: &'a PluginView,
-    ) -> &'a PluginView {
+        forced: Option<&'a PluginConfig>,
+        defaults: &'a PluginConfig,
+    ) -> &'a PluginConfig {
         forced
             .or(cluster.plugin.as_ref())
             .or(self.plugin.as_ref())
@@ -183,7 +115,7 @@ impl Gateway {
 
     /// Where [`Gateway::plugin_for`] takes the configuration from: `flag`,
     /// `cluster`, `gateway` or `default`.
-    pub fn plugin_source(&self, cluster: &Cluster, forced: Option<&PluginView>) -> &'static str {
+    pub fn plugin_source(&self, cluster: &Cluster, forced: Option<&PluginConfig>) -> &'static str {
         if forced.is_some() {
             "flag"
         } else if cluster.plugin.is_some() {
@@ -202,8 +134,8 @@ impl Gateway {
     /// the guarded cluster's filter named, not against the index.
     pub fn twins(
         &self,
-        forced: Option<&PluginView>,
-        defaults: &PluginView,
+        forced: Option<&PluginConfig>,
+        defaults: &PluginConfig,
     ) -> std::collections::HashMap<String, String> {
         let names: std::collections::HashSet<&str> =
             self.clusters.iter().map(|c| c.name.as_str()).collect();
@@ -211,7 +143,7 @@ impl Gateway {
             .iter()
             .filter_map(|c| {
                 let retry = self.plugin_for(c, forced, defaults).retry.as_ref()?;
-                let twin = format!("{}{}", c.name, retry.twin_suffix);
+                let twin = retry.twin_name(&c.name);
                 names
                     .contains(twin.as_str())
                     .then(|| (twin, c.name.clone()))
@@ -223,8 +155,8 @@ impl Gateway {
     pub fn service_of(
         &self,
         cluster: &Cluster,
-        forced: Option<&PluginView>,
-        defaults: &PluginView,
+        forced: Option<&PluginConfig>,
+        defaults: &PluginConfig,
     ) -> Option<ServiceKey> {
         self.plugin_for(cluster, forced, defaults)
             .cluster_map()
@@ -619,7 +551,7 @@ fn entries<'a, const N: usize>(
     })
 }
 
-fn plugin_configs(value: &Value, out: &mut Vec<Result<PluginView, String>>) {
+fn plugin_configs(value: &Value, out: &mut Vec<Result<PluginConfig, String>>) {
     match value {
         Value::Object(map) => {
             let is_wasm = map
@@ -635,7 +567,7 @@ fn plugin_configs(value: &Value, out: &mut Vec<Result<PluginView, String>>) {
                         .ok()
                         .is_some_and(|v| v.get("validator_cluster").is_some());
                     if ours {
-                        out.push(PluginView::parse(text).map_err(|e| e.to_string()));
+                        out.push(parse_plugin(text).map_err(|e| e.problems().join("; ")));
                     }
                 }
                 return;
@@ -655,11 +587,11 @@ fn plugin_configs(value: &Value, out: &mut Vec<Result<PluginView, String>>) {
 
 /// The one configuration among `found`, noting what is odd.
 fn pick(
-    found: Vec<Result<PluginView, String>>,
+    found: Vec<Result<PluginConfig, String>>,
     place: &str,
     notes: &mut Vec<String>,
-) -> Option<PluginView> {
-    let mut good: Vec<PluginView> = Vec::new();
+) -> Option<PluginConfig> {
+    let mut good: Vec<PluginConfig> = Vec::new();
     for f in found {
         match f {
             Ok(p) => {
@@ -724,10 +656,9 @@ mod tests {
 
     #[test]
     fn a_twin_is_the_suffixed_name_of_a_cluster_whose_plugin_replays() {
-        let plugin = |retry: &str| {
-            PluginView::parse(&format!(r#"{{"validator_cluster":"sg"{retry}}}"#)).unwrap()
-        };
-        let cluster = |name: &str, plugin: Option<PluginView>| Cluster {
+        let plugin =
+            |retry: &str| parse_plugin(&format!(r#"{{"validator_cluster":"sg"{retry}}}"#)).unwrap();
+        let cluster = |name: &str, plugin: Option<PluginConfig>| Cluster {
             name: name.into(),
             plugin,
             ..Cluster::default()
@@ -745,7 +676,7 @@ mod tests {
             ],
             ..Gateway::default()
         };
-        let defaults = PluginView::default();
+        let defaults = PluginConfig::default();
         let twins = gateway.twins(None, &defaults);
         let mut found: Vec<(&str, &str)> = twins
             .iter()
@@ -823,14 +754,11 @@ mod tests {
         );
         assert!(gateway.plugin.is_none() && gateway.notes.is_empty());
 
-        let defaults = PluginView::default();
+        let defaults = PluginConfig::default();
         let service = |c: &Cluster| gateway.service_of(c, None, &defaults);
         assert_eq!(service(legacy), Some(ServiceKey::new("shop", "legacy")));
         assert_eq!(service(cart), Some(ServiceKey::new("shop", "cart")));
-        let no_istio = PluginView {
-            istio: false,
-            ..PluginView::default()
-        };
+        let no_istio = parse_plugin(r#"{"validator_cluster":"sg","istio":false}"#).unwrap();
         assert_eq!(gateway.service_of(cart, Some(&no_istio), &defaults), None);
     }
 
@@ -887,9 +815,10 @@ mod tests {
         assert_eq!(eps[0].ip, Some("10.244.1.5".parse().unwrap()));
         assert_eq!(eps[1].ip, None, "no endpoint_id: no address");
 
-        let plugin = PluginView::parse(r#"{"pod_cidrs":["10.244.0.0/16","not a cidr"]}"#).unwrap();
+        let plugin =
+            parse_plugin(r#"{"validator_cluster":"sg","pod_cidrs":["10.244.0.0/16"]}"#).unwrap();
         assert!(plugin.in_scope("10.244.7.7".parse().unwrap()));
         assert!(!plugin.in_scope("10.8.0.1".parse().unwrap()));
-        assert!(PluginView::default().in_scope("10.8.0.1".parse().unwrap()));
+        assert!(PluginConfig::default().in_scope("10.8.0.1".parse().unwrap()));
     }
 }

@@ -22,9 +22,10 @@ use std::time::{Duration, SystemTime};
 use clap::{ArgGroup, Parser, ValueEnum};
 use staleguard_core::batch::{Records, VerdictQuery, VerdictsAnswer, VerdictsRequest};
 use staleguard_core::Policy;
+use staleguard_engine::config::ConfigError;
 
 use self::fetch::{Client, FetchError};
-use self::gateway::{Gateway, GatewayError, PluginView};
+use self::gateway::{parse_plugin, Gateway, GatewayError, PluginConfig};
 use self::report::{ClusterReport, Exit, Finding, Judgement, Report};
 use crate::config::parse_duration;
 use crate::index::{Index, IndexConfig, Kind};
@@ -154,7 +155,7 @@ pub struct Audit {
     /// The verdicts.
     pub verdicts: VerdictSource,
     /// `--plugin-config`, read.
-    pub plugin: Option<PluginView>,
+    pub plugin: Option<PluginConfig>,
     /// The client.
     pub client: Client,
     /// `--every`, `--metrics-listen`.
@@ -263,9 +264,7 @@ impl Audit {
         let plugin = match &args.plugin_config {
             None => None,
             Some(path) => match std::fs::read_to_string(path) {
-                Ok(text) => match refusal(&text)
-                    .map_or_else(|| PluginView::parse(&text).map_err(|e| e.to_string()), Err)
-                {
+                Ok(text) => match parse_plugin(&text).map_err(|e| refusal(&e)) {
                     Ok(p) => Some(p),
                     Err(e) => {
                         problems.push(format!("--plugin-config {}: {e}", path.display()));
@@ -333,20 +332,12 @@ impl Audit {
     }
 }
 
-/// Why the filter would refuse the plugin configuration `text`, if it would:
-/// the filter's own parser, so the audit maps clusters only by what a gateway
-/// runs. The Wasm VM's environment is not the audit's, so `token_env` counts
-/// as set.
-fn refusal(text: &str) -> Option<String> {
-    let env = |_: &str| Some("set-in-the-gateway".to_owned());
-    staleguard_engine::config::Config::parse_with_env(text.as_bytes(), env)
-        .err()
-        .map(|e| {
-            format!(
-                "the filter would refuse it, so the gateway runs unguarded:\n      - {}",
-                e.problems().join("\n      - ")
-            )
-        })
+/// What the audit says of a plugin configuration the filter refuses.
+fn refusal(error: &ConfigError) -> String {
+    format!(
+        "the filter would refuse it, so the gateway runs unguarded:\n      - {}",
+        error.problems().join("\n      - ")
+    )
 }
 
 /// Runs `staleguard-validator audit` with `argv` (after `audit`); returns the
@@ -412,7 +403,7 @@ pub async fn run(argv: impl IntoIterator<Item = String>) -> i32 {
 /// One audit: the gateway's endpoints, their services, their verdicts.
 pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     let gateway = read_gateway(audit).await?;
-    let defaults = PluginView::default();
+    let defaults = PluginConfig::default();
     let forced = audit.plugin.as_ref();
     // Resolve every cluster, and list what to ask about.
     let mut clusters = Vec::new();
