@@ -53,11 +53,9 @@ pub use staleguard_engine::config::Config as PluginConfig;
 
 /// Parses a plugin configuration (the JSON text in the Wasm filter's
 /// `configuration`) with the filter's own parser, so the audit refuses
-/// exactly what a gateway would. The Wasm VM's environment is not the
-/// audit's, so `token_env` counts as set.
+/// exactly what a gateway would (`token_env` counts as set).
 pub fn parse_plugin(text: &str) -> Result<PluginConfig, ConfigError> {
-    let env = |_: &str| Some("set-in-the-gateway".to_owned());
-    PluginConfig::parse_with_env(text.as_bytes(), env)
+    PluginConfig::parse_outside_gateway(text.as_bytes())
 }
 
 /// One endpoint a cluster holds.
