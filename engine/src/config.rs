@@ -414,12 +414,7 @@ impl Config {
                 raw.reject_status
             ));
         }
-        if !is_header_name(&raw.reject_header) {
-            problems.push(format!(
-                "reject_header {:?} is not a lowercase header name",
-                raw.reject_header
-            ));
-        }
+        problems.extend(header_problem("reject_header", &raw.reject_header));
         if let Some(token) = raw.token.as_ref().map(Secret::expose) {
             if token.is_empty() || token.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
                 problems.push("token must be non-empty printable ASCII".to_owned());
@@ -801,16 +796,20 @@ fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
             retry.max_answer_bytes
         ));
     }
-    if !is_header_name(&retry.endpoint_header) {
-        problems.push(format!(
-            "retry.endpoint_header {:?} is not a lowercase header name",
-            retry.endpoint_header
-        ));
-    }
+    problems.extend(header_problem(
+        "retry.endpoint_header",
+        &retry.endpoint_header,
+    ));
 }
 
-/// A lowercase header name (what every header knob must be).
-pub(crate) fn is_header_name(s: &str) -> bool {
+/// The problem with `value` as the header knob `field`, if it is not a
+/// lowercase header name (what every header knob must be).
+pub(crate) fn header_problem(field: &str, value: &str) -> Option<String> {
+    (!is_header_name(value)).then(|| format!("{field} {value:?} is not a lowercase header name"))
+}
+
+/// A lowercase header name.
+fn is_header_name(s: &str) -> bool {
     !s.is_empty()
         && s.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')

@@ -27,11 +27,12 @@
 //! rejection. Everything here is plain Rust; [`crate::request`] carries out
 //! its steps.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 
 use serde::Deserialize;
+use staleguard_core::ip::canonical;
 
-use crate::config::RetryConfig;
+use crate::config::{header_problem, RetryConfig};
 use crate::members::Member;
 
 /// The twin's answer header that says "my pick was not one of the named
@@ -478,11 +479,9 @@ impl TwinConfig {
             return Ok(None);
         };
         let twin = twin.replay_twin;
-        if !crate::config::is_header_name(&twin.endpoint_header) {
-            return Err(format!(
-                "replay_twin.endpoint_header {:?} is not a lowercase header name",
-                twin.endpoint_header
-            ));
+        if let Some(problem) = header_problem("replay_twin.endpoint_header", &twin.endpoint_header)
+        {
+            return Err(problem);
         }
         Ok(Some(twin))
     }
@@ -524,11 +523,7 @@ pub fn twin_pick_is_named(named: Option<&str>, address: Option<&str>) -> bool {
 fn parse_socket(s: &str) -> Option<SocketAddr> {
     let addr: SocketAddr = s.parse().ok()?;
     // One canonical form for IPv4-mapped IPv6, as the index keys it.
-    let ip = match addr.ip() {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-        v4 => v4,
-    };
-    Some(SocketAddr::new(ip, addr.port()))
+    Some(SocketAddr::new(canonical(addr.ip()), addr.port()))
 }
 
 #[cfg(test)]
