@@ -15,6 +15,7 @@ use crate::cache::Cache;
 use crate::check::{header_value, judge, Effect, Lazy, Outcome, Upstream};
 use crate::config::{Config, Fallback, RetryConfig, CONFIG_REFUSED};
 use crate::host::{Host, Next};
+use crate::log_budget::LogBudget;
 use crate::members;
 use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
 use crate::replay::{
@@ -22,7 +23,6 @@ use crate::replay::{
 };
 use crate::steer::SteerConfig;
 use crate::store::View;
-use crate::throttle::Throttle;
 
 /// What the root context and every request of one VM share: the plugin
 /// configuration (or, when it was refused, the fallback), the metric tally,
@@ -33,7 +33,7 @@ pub(crate) struct VmState {
     pub(crate) fallback: Option<Rc<Fallback>>,
     pub(crate) metrics: Rc<RefCell<VmMetrics>>,
     pub(crate) cache: Rc<RefCell<Cache>>,
-    pub(crate) log_budget: Rc<RefCell<Throttle>>,
+    pub(crate) log_budget: Rc<RefCell<LogBudget>>,
 }
 
 impl VmState {

@@ -14,13 +14,13 @@ use crate::config::{Config, ConfigError, Fallback};
 use crate::guard::{Guard, GuardEvent};
 use crate::host::Host;
 use crate::lease::{Lease, LeaseState};
+use crate::log_budget::LogBudget;
 use crate::metrics::{self, VmMetrics};
 use crate::replay::TwinConfig;
 use crate::request::{Filter, VmState};
 use crate::steer::SteerConfig;
 use crate::store::View;
 use crate::sync::{Applied, Poller, SyncConfig, SyncError};
-use crate::throttle::Throttle;
 
 /// Verdict log lines allowed per VM per second (the counters count all).
 const VERDICT_LOGS_PER_SECOND: u32 = 5;
@@ -68,7 +68,7 @@ impl Root {
                 fallback: None,
                 metrics: Rc::new(RefCell::new(VmMetrics::default())),
                 cache: Rc::new(RefCell::new(Cache::default())),
-                log_budget: Rc::new(RefCell::new(Throttle::new(1_000, VERDICT_LOGS_PER_SECOND))),
+                log_budget: Rc::new(RefCell::new(LogBudget::new(1_000, VERDICT_LOGS_PER_SECOND))),
             },
             lease: None,
             poller: None,
