@@ -350,7 +350,8 @@ fn add(a: &Outcomes, b: &Outcomes) -> Outcomes {
     sum
 }
 
-/// `(reason, action, count)` from the guarded gateway's filter counters.
+/// `(service reason, action, count)` from the guarded gateway's filter
+/// counters: `default/cart member`, `allow`, ...
 fn verdicts(scene: &Scene) -> Vec<(String, String, u64)> {
     let Ok(gateway) = scene.gateway(GUARDED) else {
         return Vec::new();
@@ -360,16 +361,15 @@ fn verdicts(scene: &Scene) -> Vec<(String, String, u64)> {
     };
     let mut out = Vec::new();
     for (name, value) in &stats {
-        let Some(rest) = name
+        let Some((service, rest)) = name
             .strip_prefix(STAT_REQUESTS_PREFIX)
             .and_then(|r| r.split_once(".reason."))
-            .map(|(_service, rest)| rest)
         else {
             continue;
         };
         if let Some((reason, action)) = rest.split_once(".action.") {
             if *value > 0 {
-                out.push((reason.to_owned(), action.to_owned(), *value));
+                out.push((format!("{service} {reason}"), action.to_owned(), *value));
             }
         }
     }
@@ -699,10 +699,15 @@ impl Ui {
 }
 
 /// One line of an audit's JSON report: stale endpoints and where they are,
-/// by service and reason.
+/// by service and reason. Each endpoint counts once: a retry twin's
+/// endpoints are its cluster's again, judged in its cluster's rows.
 fn audit_line(doc: &serde_json::Value) -> String {
     let mut parts = Vec::new();
+    let mut endpoints = 0;
     for cluster in doc["clusters"].as_array().into_iter().flatten() {
+        if cluster["twin_of"].is_null() {
+            endpoints += cluster["endpoints"].as_array().map_or(0, Vec::len);
+        }
         let reasons = &cluster["summary"]["by_reason"];
         let stale: Vec<String> = ["destroyed", "recycled"]
             .iter()
@@ -714,9 +719,8 @@ fn audit_line(doc: &serde_json::Value) -> String {
         }
     }
     format!(
-        "{} stale of {} endpoints{}{}",
+        "{} stale of {endpoints} endpoints{}{}",
         doc["summary"]["stale"],
-        doc["summary"]["endpoints"],
         if parts.is_empty() { "" } else { " · " },
         parts.join("; ")
     )
@@ -743,6 +747,26 @@ pub fn stdout_is_terminal() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_audit_line_counts_a_twins_endpoints_once() {
+        let endpoint = |reason: &str| json!({"reason": reason});
+        let doc = json!({
+            "summary": {"stale": 1, "endpoints": 5},
+            "clusters": [
+                {"service": "default/cart", "twin_of": null,
+                 "summary": {"by_reason": {"destroyed": 1, "member": 2}},
+                 "endpoints": [endpoint("destroyed"), endpoint("member"), endpoint("member")]},
+                {"service": null, "twin_of": "cart",
+                 "summary": {"by_reason": {"twin": 2}},
+                 "endpoints": [endpoint("twin"), endpoint("twin")]}
+            ]
+        });
+        assert_eq!(
+            audit_line(&doc),
+            "1 stale of 3 endpoints · default/cart: 1 destroyed"
+        );
+    }
 
     #[test]
     fn numbers_get_thousands_separators() {
