@@ -209,28 +209,34 @@ def twin(cluster, suffix, header, code):
         for k in ("explicit_http_config", "use_downstream_protocol_config", "auto_config")
     ):
         hpo["explicit_http_config"] = {"http_protocol_options": {}}
-    hpo["http_filters"] = [
+    # No failure_policy: the default, fail closed. A twin whose module did
+    # not start fails every call, so the guard rejects: nothing unchecked
+    # reaches a host.
+    vm_config = {"vm_id": "staleguard-twin", "runtime": "envoy.wasm.runtime.v8", "code": code}
+    hpo["http_filters"] = upstream_filters(
+        vm_config, {"replay_twin": {"endpoint_header": header}}, None)
+    return t
+
+
+def upstream_filters(vm_config, configuration, failure_policy):
+    """A cluster's upstream filter chain: the staleguard filter in the VM
+    `vm_config` with the plugin `configuration`, then the codec."""
+    config = {
+        "name": "staleguard",
+        "root_id": "staleguard",
+        "vm_config": vm_config,
+        "configuration": {
+            "@type": "type.googleapis.com/google.protobuf.StringValue",
+            "value": json.dumps(configuration),
+        },
+    }
+    if failure_policy:
+        config["failure_policy"] = failure_policy
+    return [
         {
             "name": "envoy.filters.http.wasm",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                "config": {
-                    "name": "staleguard",
-                    "root_id": "staleguard",
-                    # No failure_policy: the default, fail closed. A twin
-                    # whose module did not start fails every call, so the
-                    # guard rejects: nothing unchecked reaches a host.
-                    "vm_config": {
-                        "vm_id": "staleguard-twin",
-                        "runtime": "envoy.wasm.runtime.v8",
-                        "code": code,
-                    },
-                    "configuration": {
-                        "@type": "type.googleapis.com/google.protobuf.StringValue",
-                        "value": json.dumps({"replay_twin": {"endpoint_header": header}}),
-                    },
-                },
-            },
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                             "config": config},
         },
         {
             "name": "envoy.filters.http.upstream_codec",
@@ -239,7 +245,6 @@ def twin(cluster, suffix, header, code):
             },
         },
     ]
-    return t
 
 
 def guard_filters(envoyfilter):
@@ -302,30 +307,17 @@ def body_path(cluster, vhost, port, suffix, header, code, guard):
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
                          "upstream_http_filters": guard},
     }
-    steer = {
-        "name": "envoy.filters.http.wasm",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": "staleguard",
-                "root_id": "staleguard",
-                # A hop that cannot steer lets the request take the guarded
-                # cluster, judged there.
-                "failure_policy": "FAIL_OPEN",
-                # The guard's VM: the hop reads the index the guard's
-                # poller keeps, and polls nothing itself. Its vm_config is
-                # the guard's (the module aside, given as for the twins):
-                # Envoy before 1.40 starts one VM per vm_id and module, and
-                # the guard's plugin needs the VM's environment.
-                "vm_config": dict(vm_config, code=code),
-                "configuration": {
-                    "@type": "type.googleapis.com/google.protobuf.StringValue",
-                    "value": json.dumps({"steer": {"service": f"{service[1]}/{service[0]}", "port": target,
-                                                   "endpoint_header": header}}),
-                },
-            },
-        },
-    }
+    # A hop that cannot steer lets the request take the guarded cluster,
+    # judged there. The guard's VM: the hop reads the index the guard's
+    # poller keeps, and polls nothing itself. Its vm_config is the guard's
+    # (the module aside, given as for the twins): Envoy before 1.40 starts one
+    # VM per vm_id and module, and the guard's plugin needs the VM's
+    # environment.
+    steer = upstream_filters(
+        dict(vm_config, code=code),
+        {"steer": {"service": f"{service[1]}/{service[0]}", "port": target, "endpoint_header": header}},
+        "FAIL_OPEN",
+    )
     hop_cluster = {
         "name": hop,
         "type": "STATIC",
@@ -339,8 +331,7 @@ def body_path(cluster, vhost, port, suffix, header, code, guard):
         "typed_extension_protocol_options": {HPO: {
             "@type": HPO_TYPE,
             "explicit_http_config": {"http_protocol_options": {}},
-            "http_filters": [steer, {"name": "envoy.filters.http.upstream_codec", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}],
+            "http_filters": steer,
         }},
     }
     listener = {
