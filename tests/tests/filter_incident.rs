@@ -296,3 +296,73 @@ fn a_replayed_answer_above_the_shipped_max_answer_bytes_gets_the_rejection() -> 
     })?;
     Ok(())
 }
+
+/// Issue 21: outside an incident the body path keeps the guarded cluster's
+/// own load balancing (the shipped `steer.while_stale_ms`): requests with a
+/// body go through the hop to `shop-cart`, none to its twin, until the guard
+/// judges a pick stale; from then on they are steered through the twin.
+#[test]
+fn the_shipped_body_path_keeps_the_clusters_own_balancing_until_a_stale_pick_is_seen() -> Result<()>
+{
+    let mix = Mix {
+        recycled: 1,
+        ..Mix::HEALTHY
+    };
+    let endpoints = Endpoints::start(29, mix)?;
+    let validator = FakeValidator::start(2900)?;
+    // At first the index still knows the recycled IP as a live cart pod.
+    let recycled = endpoints.all[2].0.ip().to_string();
+    let (services, records) = endpoints.index();
+    let before: Vec<_> = records
+        .iter()
+        .filter(|r| r.ip.to_string() != recycled)
+        .cloned()
+        .chain([pod(&recycled, "cart-2", &[&incident::cart()], false)])
+        .collect();
+    validator.set_index(services.clone(), before);
+    let Some(envoy) = shipped("keeps-balancing", &validator, &endpoints.addrs())? else {
+        return Ok(());
+    };
+    let counts = |envoy: &Envoy| -> Result<(u64, u64)> {
+        let stats = envoy.stats()?;
+        let get = |name: &str| stats.get(name).copied().unwrap_or(0);
+        Ok((
+            get("cluster.shop-cart.upstream_rq_total"),
+            get("cluster.shop-cart|staleguard-twin.upstream_rq_total"),
+        ))
+    };
+    for i in 0..20 {
+        let r = envoy.send("-", "POST", &format!("/cart/{i}"), Some(b"order"))?;
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    assert_eq!(counts(&envoy)?, (20, 0), "steered with nothing stale");
+
+    // The IP is recycled: the guard judges its picks stale, and the body
+    // path steers from then on.
+    validator.set_index(services, records);
+    envoy.eventually("a stale pick judged", Duration::from_secs(40), |e| {
+        let r = e.send("-", "GET", "/cart/probe", None)?;
+        assert_eq!(r.status, 200, "{r:?}");
+        Ok(e.stats()?
+            .iter()
+            .any(|(k, v)| k.contains("reason.recycled") && *v > 0))
+    })?;
+    let (direct, replays) = counts(&envoy)?;
+    let reached = endpoints.hits(Kind::Recycled);
+    for i in 0..10 {
+        let r = envoy.send("-", "POST", &format!("/cart/s{i}"), Some(b"order"))?;
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    let (after, twin) = counts(&envoy)?;
+    assert_eq!(
+        (after - direct, twin - replays),
+        (0, 10),
+        "steered during the incident"
+    );
+    assert_eq!(
+        endpoints.hits(Kind::Recycled),
+        reached,
+        "a POST reached the recycled pod"
+    );
+    Ok(())
+}
