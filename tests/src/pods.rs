@@ -250,9 +250,15 @@ async fn accept(
         let occupant = lock(&state.occupant).clone();
         if matches!(occupant, Occupant::Refusing | Occupant::Blackholed) {
             if listening.take().is_some() {
-                for connection in lock(&connections).drain(..) {
-                    connection.abort();
-                }
+                // The pod drained before it died: requests in flight finish,
+                // then its connections end.
+                let open: Vec<AbortHandle> = lock(&connections).drain(..).collect();
+                tokio::spawn(async move {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    for connection in open {
+                        connection.abort();
+                    }
+                });
             }
             match occupant {
                 Occupant::Blackholed if hole.is_none() => hole = blackhole(addr).await.ok(),
