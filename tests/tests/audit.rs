@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use staleguard_tests::audit::{self, AuditRun, Broken};
 use staleguard_tests::eds::EdsFile;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway, WAIT};
-use staleguard_tests::process::{free_addr, wait_for_port, Guard};
+use staleguard_tests::process::{free_addr, wait_for_port, OwnedProcess};
 use staleguard_tests::scene::{self, Deps};
 use staleguard_tests::traffic::Http;
 use staleguard_tests::validator::Validator;
@@ -530,7 +530,7 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
         .args(["--validator", &setup.validator_url()])
         .args(["--gateway", "gw-b", "--every", "1s"])
         .args(["--metrics-listen", &listen.to_string()]);
-    let sidecar = Guard::spawn("audit-sidecar", cmd).unwrap();
+    let sidecar = OwnedProcess::spawn("audit-sidecar", cmd).unwrap();
     wait_for_port(&sidecar, listen, Duration::from_secs(30)).unwrap();
     let http = Http::new();
     let metrics = |want: Vec<String>| {

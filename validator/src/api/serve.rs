@@ -11,7 +11,7 @@ use super::connections::{self, ConnectionLimits};
 use super::tls::{ServerTls, TlsError, TlsFiles};
 use super::{admin_router, router, ApiState, Limits, Token, TokenError};
 use crate::metrics::Metrics;
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 
 /// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
 /// `--max-wait`, `--max-long-polls`, `--max-long-polls-per-client`,

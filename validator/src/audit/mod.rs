@@ -7,13 +7,13 @@
 //! verdict in one request (`POST /v1/verdicts`, or the same
 //! [`crate::api::judge_all`] over a cluster file loaded by the file source) and
 //! returns a [`report::Report`]. [`run`] prints it and picks the exit status;
-//! [`watch`] repeats it and serves the findings as metrics. docs/audit.md is
+//! [`sidecar`] repeats it and serves the findings as metrics. docs/audit.md is
 //! the operator's page.
 
 pub mod fetch;
 pub mod gateway;
 pub mod report;
-pub mod watch;
+pub mod sidecar;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -28,7 +28,7 @@ use self::gateway::{Gateway, GatewayError, PluginView};
 use self::report::{ClusterReport, Exit, Finding, Judgement, Report};
 use crate::config::parse_duration;
 use crate::index::{Index, IndexConfig, Kind};
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 
 /// How the report is printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -373,7 +373,7 @@ pub async fn run(argv: impl IntoIterator<Item = String>) -> i32 {
         }
     };
     if let Some((every, listen)) = audit.every {
-        return match watch::run(&audit, every, listen).await {
+        return match sidecar::run(&audit, every, listen).await {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("staleguard-validator audit: {e}");
