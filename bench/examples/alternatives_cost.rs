@@ -28,12 +28,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_tests::bench::{
+use staleguard_bench::{
     cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us, wrk,
 };
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{add_twin_endpoints, shipped_plugin, Cluster, Envoy, Gateway};
-use staleguard_tests::process::Guard;
+use staleguard_tests::process::OwnedProcess;
 
 const LIVE: &str = "outbound|80||live.bench.svc.cluster.local";
 const LIVE_IPS: [&str; 4] = ["127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.1.4"];
@@ -90,7 +90,7 @@ fn main() -> Result<()> {
     eprintln!("request_cost: validator with {pods} synthetic IPs (child process)");
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.env(CHILD_ENV, "1").env("PODS", pods.to_string());
-    let validator = Guard::spawn("request-cost-validator", cmd)?;
+    let validator = OwnedProcess::spawn("request-cost-validator", cmd)?;
     let started = Instant::now();
     let validator_addr: SocketAddr = loop {
         validator.check_alive()?;
@@ -432,7 +432,7 @@ fn verdict(met: bool) -> &'static str {
 fn serve_validator() -> Result<()> {
     use staleguard_validator::api::{self, ApiConfig};
     use staleguard_validator::index::{Index, IndexConfig};
-    use staleguard_validator::shared::SharedIndex;
+    use staleguard_validator::live::SharedIndex;
     use staleguard_validator::synth;
 
     let pods = env_usize("PODS", 150_000);

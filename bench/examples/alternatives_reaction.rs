@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
-use staleguard_tests::bench::{env_usize, loadavg};
+use staleguard_bench::{env_usize, loadavg};
 use staleguard_tests::envoy::shipped_route_retry_policy;
 use staleguard_tests::envoy::{Envoy, Gateway};
 use staleguard_tests::pods::via;

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use serde_json::json;
 use staleguard_tests::apiserver::{ApiServer, Cluster};
-use staleguard_tests::bench::env_usize;
+use staleguard_bench::env_usize;
 use staleguard_tests::blocking::{self, Answer, Server};
 use staleguard_tests::envoy::{self, shipped_plugin, Gateway};
 use staleguard_tests::kube_source::{parse_ip, KubeSource};

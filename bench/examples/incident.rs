@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
-use staleguard_tests::bench::env_usize;
+use staleguard_bench::env_usize;
 use staleguard_tests::envoy::{cluster_mut, dependencies, shipped_gateway, Envoy, Launch};
 use staleguard_tests::fake_validator::FakeValidator;
 use staleguard_tests::incident::{self, Endpoints, Load, Mix, ALL};

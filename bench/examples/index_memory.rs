@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use staleguard_tests::bench::{
+use staleguard_bench::{
     env_usize, index_gateway, median, rss_kib, swap_module, synthetic_index,
 };
 use staleguard_tests::envoy::Envoy;

@@ -33,7 +33,7 @@ use anyhow::{bail, Context, Result};
 use staleguard_core::Changes;
 use staleguard_validator::api::{self, ApiConfig, ConnectionLimits};
 use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::live::SharedIndex;
 use staleguard_validator::synth;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

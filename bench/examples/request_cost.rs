@@ -39,7 +39,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
-use staleguard_tests::bench::{cpu_ticks, env_usize, loadavg, median, swap_module, ticks_us, wrk};
+use staleguard_bench::{cpu_ticks, env_usize, loadavg, median, swap_module, ticks_us, wrk};
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{dependencies, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};

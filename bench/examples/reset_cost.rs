@@ -25,7 +25,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use staleguard_tests::bench::{env_usize, index_gateway, median, synthetic_index};
+use staleguard_bench::{env_usize, index_gateway, median, synthetic_index};
 use staleguard_tests::fake_validator::FakeValidator;
 
 fn main() -> Result<()> {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use staleguard_core::ServiceKey;
-use staleguard_tests::bench::{env_usize, median};
+use staleguard_bench::{env_usize, median};
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{
     add_twin_endpoints, body_path, shipped_plugin, Cluster, Envoy, Gateway,

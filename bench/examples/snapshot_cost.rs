@@ -22,10 +22,10 @@ use kube::runtime::watcher::Event;
 use staleguard_core::{Changes, Freshness, IpRecord};
 use staleguard_filter::store::MemoryStore;
 use staleguard_filter::sync::{Poller, Request, SyncConfig};
-use staleguard_tests::bench::{env_usize, index_gateway, median};
+use staleguard_bench::{env_usize, index_gateway, median};
 use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::live::SharedIndex;
 use staleguard_validator::synth;
 
 const SYNC: SyncConfig = SyncConfig {

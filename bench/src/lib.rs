@@ -1,5 +1,5 @@
-//! What the examples under `tests/examples` share to read their knobs,
-//! drive load, measure Envoy and report their runs.
+//! What the benchmarks (`bench/examples`, driven by `bench/run`) share to read
+//! their knobs, drive load, measure Envoy and report their runs.
 
 use std::cmp::Ordering;
 use std::net::SocketAddr;
@@ -12,10 +12,10 @@ use serde_json::{json, Value};
 
 use staleguard_core::{Freshness, IpRecord, ServiceKey};
 use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::live::SharedIndex;
 use staleguard_validator::synth;
 
-use crate::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
 
 /// The whole number in the environment variable `name`, or `default` when it
 /// is unset or not a number (the examples' knobs: `ROUNDS`, `PODS`, ...).
