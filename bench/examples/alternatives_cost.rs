@@ -8,7 +8,7 @@
 //! . scripts/setup.sh && sg_setup_all
 //! cargo build -p staleguard-bench-filters --target wasm32-wasip1 --profile wasm-release
 //! STALEGUARD_BENCH_WASM=target/wasm32-wasip1/wasm-release/staleguard_bench_filters.wasm \
-//!   cargo run --release -p staleguard-tests --example alternatives_cost
+//!   cargo run --release -p staleguard-bench --example alternatives_cost
 //! # PODS=150000 ROUNDS=6 SECONDS=15 CONNECTIONS=16 are the defaults
 //! ```
 //!

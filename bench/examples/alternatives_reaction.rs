@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all && sg_build_validator
-//! cargo run --release -p staleguard-tests --example alternatives_reaction
+//! cargo run --release -p staleguard-bench --example alternatives_reaction
 //! # WINDOW=30 (seconds watched after each event) is the default
 //! ```
 //!

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all && sg_setup_apiserver
-//! cargo run --release -p staleguard-tests --example freshness
+//! cargo run --release -p staleguard-bench --example freshness
 //! ```
 //!
 //! `EVENTS` (120) pods of service `fresh/app`, each on its own loopback IP with
@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use serde_json::json;
-use staleguard_tests::apiserver::{ApiServer, Cluster};
 use staleguard_bench::env_usize;
+use staleguard_tests::apiserver::{ApiServer, Cluster};
 use staleguard_tests::blocking::{self, Answer, Server};
 use staleguard_tests::envoy::{self, shipped_plugin, Gateway};
 use staleguard_tests::kube_source::{parse_ip, KubeSource};

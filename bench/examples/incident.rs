@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_envoy && sg_build_filter
-//! cargo run --release -p staleguard-tests --example incident
+//! cargo run --release -p staleguard-bench --example incident
 //! # REQUESTS=320 per client through staleguard, UNGUARDED_REQUESTS=20
 //! # through the others (where a hung pod holds a request for the route's
 //! # 15 s timeout)

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_apiserver
-//! cargo run --release -p staleguard-tests --example kube_churn
+//! cargo run --release -p staleguard-bench --example kube_churn
 //! ```
 //!
 //! Measures, per deleted gateway pod, the time from the API's response to the

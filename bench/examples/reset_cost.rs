@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all
-//! cargo run --release -p staleguard-tests --example reset_cost
+//! cargo run --release -p staleguard-bench --example reset_cost
 //! ```
 //!
 //! The index: `PODS` (150000) pods in `SERVICES` (1000) services, built by

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all
-//! cargo run --release -p staleguard-tests --example snapshot_cost
+//! cargo run --release -p staleguard-bench --example snapshot_cost
 //! ```
 //!
 //! `PODS` (150000) pods in `SERVICES` (1000) services; `CHANGES` (100) pods
@@ -19,10 +19,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use kube::runtime::watcher::Event;
+use staleguard_bench::{env_usize, index_gateway, median};
 use staleguard_core::{Changes, Freshness, IpRecord};
 use staleguard_filter::store::MemoryStore;
 use staleguard_filter::sync::{Poller, Request, SyncConfig};
-use staleguard_bench::{env_usize, index_gateway, median};
 use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::live::SharedIndex;

@@ -50,16 +50,29 @@ pub fn ticks_us(ticks: u64) -> f64 {
     ticks as f64 * 10_000.0
 }
 
+/// The `p` quantile of `v` (nearest rank: the smallest value with at least
+/// `p` of the values at or below it), sorting `v` in place. Panics on an empty
+/// slice, as [`median`].
+pub fn percentile<T: Copy + PartialOrd>(v: &mut [T], p: f64) -> T {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(Ordering::Equal));
+    v[((v.len() as f64 * p).ceil() as usize).saturating_sub(1)]
+}
+
 /// The resident memory of `pid`, in KiB.
 pub fn rss_kib(pid: u32) -> Result<u64> {
+    status_kib(pid, "VmRSS")
+}
+
+/// The field `name` (`VmRSS`, `VmHWM`, ...) of `/proc/<pid>/status`, in KiB.
+pub fn status_kib(pid: u32, name: &str) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
         .and_then(|v| v.split_whitespace().next())
-        .context("VmRSS")?
+        .with_context(|| name.to_owned())?
         .parse()
-        .context("VmRSS")
+        .with_context(|| name.to_owned())
 }
 
 /// The 1-minute load average, to state with every number.
