@@ -115,7 +115,7 @@ pub struct Args {
     /// Address of the public API listener (`/v1`). Loopback unless told
     /// otherwise: a validator started by hand serves nobody else (in a cluster,
     /// `deploy/` sets `0.0.0.0:8080` and a token).
-    #[arg(long, env = "STALEGUARD_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(long, env = "STALEGUARD_LISTEN", default_value_t = ApiConfig::DEFAULT_LISTEN.to_string())]
     pub listen: String,
 
     /// Address of the admin listener (`/healthz`, `/readyz`, `/metrics`).
@@ -123,7 +123,7 @@ pub struct Args {
     #[arg(
         long,
         env = "STALEGUARD_ADMIN_LISTEN",
-        default_value = "127.0.0.1:9090"
+        default_value_t = ApiConfig::DEFAULT_ADMIN_LISTEN.to_string()
     )]
     pub admin_listen: String,
 
@@ -537,6 +537,13 @@ mod tests {
         );
         assert_eq!(c.api.listen, "127.0.0.1:8080".parse().unwrap());
         assert_eq!(c.api.admin_listen, "127.0.0.1:9090".parse().unwrap());
+    }
+
+    #[test]
+    fn api_config_default_listens_where_no_flags_do() {
+        let (flags, default) = (parse(&[]).unwrap().api, ApiConfig::default());
+        assert_eq!(default.listen, flags.listen);
+        assert_eq!(default.admin_listen, flags.admin_listen);
     }
 
     #[test]

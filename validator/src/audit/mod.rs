@@ -116,7 +116,7 @@ pub struct AuditArgs {
     #[arg(
         long,
         env = "STALEGUARD_AUDIT_METRICS_LISTEN",
-        default_value = "0.0.0.0:9095"
+        default_value_t = sidecar::DEFAULT_METRICS_LISTEN.to_string()
     )]
     pub metrics_listen: String,
 }
@@ -695,6 +695,21 @@ mod tests {
         let args = AuditArgs::try_parse_from(std::iter::once("audit").chain(args.iter().copied()))
             .map_err(|e| AuditError::Usage(e.to_string()))?;
         Audit::from_args(args)
+    }
+
+    #[test]
+    fn metrics_listen_defaults_to_loopback() {
+        let args = AuditArgs::try_parse_from([
+            "audit",
+            "--admin",
+            "127.0.0.1:15000",
+            "--validator",
+            "http://127.0.0.1:8080",
+        ])
+        .unwrap();
+        let listen: SocketAddr = args.metrics_listen.parse().unwrap();
+        assert!(listen.ip().is_loopback(), "{listen}");
+        assert_eq!(listen, "127.0.0.1:9095".parse().unwrap());
     }
 
     #[test]
