@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_bench::{
-    cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us, wrk,
+    cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us, wait_loaded, wrk,
+    MISSING,
 };
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{add_twin_endpoints, shipped_plugin, Cluster, Envoy, Gateway};
@@ -124,12 +125,7 @@ fn main() -> Result<()> {
     };
     let start = |name: &str, g: Gateway, edit: &dyn Fn(&mut Value) -> Result<()>| {
         eprintln!("request_cost: starting gateway `{name}`");
-        match g.start_with(edit)? {
-            Some(envoy) => Ok(envoy),
-            None => bail!(
-                "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`"
-            ),
-        }
+        g.start_with(edit)?.context(MISSING)
     };
     let keep = |_: &mut Value| Ok(());
     let bench_module = |b: &mut Value| {
@@ -210,10 +206,7 @@ fn main() -> Result<()> {
 
     for v in &mut variants {
         if v.counted.is_some() && !v.name.starts_with("naive") {
-            v.envoy
-                .eventually("the first sync", Duration::from_secs(300), |e| {
-                    Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-                })?;
+            wait_loaded(&v.envoy, Duration::from_secs(300))?;
         }
     }
     let entries = variants[ALLOW]

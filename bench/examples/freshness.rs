@@ -33,9 +33,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::json;
-use staleguard_bench::env_usize;
+use staleguard_bench::{env_usize, wait_loaded, MISSING};
 use staleguard_tests::apiserver::{ApiServer, Cluster};
 use staleguard_tests::blocking::{self, Answer, Server};
 use staleguard_tests::envoy::{self, shipped_plugin, Gateway};
@@ -176,12 +176,8 @@ async fn main() -> Result<()> {
         concurrency: 2,
         ..Gateway::new(validator, clusters)
     };
-    let Some(envoy) = gateway.start()? else {
-        bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
-    };
-    envoy.eventually("the first sync", Duration::from_secs(60), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    let envoy = gateway.start()?.context(MISSING)?;
+    wait_loaded(&envoy, Duration::from_secs(60))?;
     let listener = envoy.listener;
     for i in 0..events {
         let r = send(listener, &cluster_name(i))?;

@@ -38,7 +38,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_bench::{cpu_ticks, env_usize, loadavg, median, swap_module, ticks_us, wrk};
+use staleguard_bench::{
+    cpu_ticks, env_usize, loadavg, median, swap_module, ticks_us, wrk, MISSING,
+};
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{dependencies, shipped_plugin, Cluster, Envoy, Gateway};
@@ -53,7 +55,7 @@ fn main() -> Result<()> {
     let rounds = env_usize("ROUNDS", 5).max(1);
     let seconds = env_usize("SECONDS", 5).max(1);
     let Some((_, after)) = dependencies() else {
-        bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
+        bail!(MISSING);
     };
     let noop = PathBuf::from(std::env::var("NOOP_WASM").context("NOOP_WASM: the no-op module")?);
     let before = std::env::var("BEFORE_WASM").ok().map(PathBuf::from);

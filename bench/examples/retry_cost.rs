@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::json;
-use staleguard_bench::{env_usize, median, percentile};
+use staleguard_bench::{env_usize, median, percentile, wait_loaded, MISSING};
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{
@@ -104,11 +104,9 @@ fn main() -> Result<()> {
         Ok(())
     })?
     else {
-        bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
+        bail!(MISSING);
     };
-    envoy.eventually("the first sync", Duration::from_secs(30), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    wait_loaded(&envoy, Duration::from_secs(30))?;
     let modes = [
         Mode {
             name: "no filter",

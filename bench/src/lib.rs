@@ -15,7 +15,21 @@ use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::live::SharedIndex;
 use staleguard_validator::synth;
 
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::stats::STAT_RESETS;
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+
+/// What a benchmark fails with when Envoy or the filter module is not
+/// installed (`Gateway::start` returned `None`).
+pub const MISSING: &str =
+    "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`";
+
+/// Waits up to `timeout` until `envoy`'s filter has loaded its first full
+/// snapshot (a large index takes a while).
+pub fn wait_loaded(envoy: &Envoy, timeout: Duration) -> Result<()> {
+    envoy.eventually("the first full load", timeout, |e| {
+        Ok(e.stat(STAT_RESETS)? >= 1)
+    })
+}
 
 /// The whole number in the environment variable `name`, or `default` when it
 /// is unset or not a number (the examples' knobs: `ROUNDS`, `PODS`, ...).
