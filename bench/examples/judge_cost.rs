@@ -4,7 +4,7 @@
 //! new per-VM cache for every verdict (three shared-data reads, the record
 //! decoded); `warm`: one cache, every IP seen before (`meta` read only).
 //!
-//! `cargo run --release -p staleguard-engine --example judge_cost`
+//! `cargo run --release -p staleguard-bench --example judge_cost`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::{IpAddr, Ipv4Addr};
