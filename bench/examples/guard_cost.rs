@@ -13,9 +13,9 @@
 
 use std::time::{Duration, Instant};
 
-use staleguard_bench::{env_usize, median, rss_kib};
+use staleguard_bench::{env_usize, fresh_snapshot, median, rss_kib};
 use staleguard_core::wire::{Delta, Tombstone};
-use staleguard_core::{Freshness, IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
+use staleguard_core::{IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
 use staleguard_engine::buckets::CompactRecord;
 use staleguard_engine::guard::{Answer, Guard, GuardConfig};
 
@@ -36,17 +36,7 @@ fn record(i: usize, services: usize) -> IpRecord {
 }
 
 fn snapshot(services: usize, records: Vec<IpRecord>) -> Snapshot {
-    Snapshot {
-        v: 1,
-        epoch: 1,
-        generation: 1,
-        freshness: Freshness {
-            fresh: true,
-            age_ms: None,
-        },
-        services: (0..services).map(service).collect(),
-        records,
-    }
+    fresh_snapshot((0..services).map(service).collect(), records)
 }
 
 fn time<T>(rounds: usize, mut f: impl FnMut() -> T) -> Duration {

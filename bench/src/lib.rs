@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use staleguard_core::{Freshness, IpRecord, ServiceKey};
+use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::live::SharedIndex;
 use staleguard_validator::synth;
@@ -29,6 +29,22 @@ pub fn wait_loaded(envoy: &Envoy, timeout: Duration) -> Result<()> {
     envoy.eventually("the first full load", timeout, |e| {
         Ok(e.stat(STAT_RESETS)? >= 1)
     })
+}
+
+/// A fresh snapshot of `services` and `records` (wire version 1, epoch 1,
+/// generation 1): what the natively run benchmarks feed the engine.
+pub fn fresh_snapshot(services: Vec<ServiceKey>, records: Vec<IpRecord>) -> Snapshot {
+    Snapshot {
+        v: 1,
+        epoch: 1,
+        generation: 1,
+        freshness: Freshness {
+            fresh: true,
+            age_ms: None,
+        },
+        services,
+        records,
+    }
 }
 
 /// The whole number in the environment variable `name`, or `default` when it
