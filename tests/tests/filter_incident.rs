@@ -30,7 +30,10 @@ use staleguard_tests::process::free_addr;
 /// (`STALEGUARD_INCIDENT_REQUESTS` per client to change it;
 /// `STALEGUARD_INCIDENT_ACCESS_LOG=1` prints the failures' access log lines).
 fn per_client() -> usize {
-    staleguard_tests::bench::env_usize("STALEGUARD_INCIDENT_REQUESTS", 320)
+    std::env::var("STALEGUARD_INCIDENT_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(320)
 }
 
 /// The shipped plain-Envoy gateway over `endpoints`, its filter synced.

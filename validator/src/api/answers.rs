@@ -35,8 +35,8 @@ use staleguard_core::wire::Delta;
 use staleguard_core::{Changes, Snapshot};
 use tokio::sync::OnceCell;
 
+use crate::live::SharedIndex;
 use crate::metrics::Metrics;
-use crate::shared::SharedIndex;
 
 /// How long an encoded answer is reused.
 pub(crate) const MAX_AGE: Duration = Duration::from_millis(250);

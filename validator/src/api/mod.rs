@@ -48,8 +48,8 @@ pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};
 pub use tls::{ServerTls, TlsError, TlsFiles};
 pub use verdicts::judge_all;
 
+use crate::live::SharedIndex;
 use crate::metrics::Metrics;
-use crate::shared::SharedIndex;
 
 /// Limits that keep clients from exhausting the validator.
 #[derive(Debug, Clone, Copy)]

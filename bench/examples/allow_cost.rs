@@ -15,7 +15,7 @@
 //!     --target wasm32-wasip1 --profile wasm-release)
 //! BEFORE_WASM=/tmp/before-target/wasm32-wasip1/wasm-release/staleguard_filter.wasm \
 //! BEFORE_YAML=/tmp/before/deploy/envoy/envoy.yaml \
-//!   cargo run --release -p staleguard-tests --example allow_cost
+//!   cargo run --release -p staleguard-bench --example allow_cost
 //! # ROUNDS=9 REQUESTS=400 are the defaults
 //! ```
 
@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
-use staleguard_tests::bench::{cpu_ticks, env_usize, loadavg, median, ticks_us};
+use staleguard_bench::{cpu_ticks, env_usize, loadavg, median, ticks_us};
 use staleguard_tests::blocking;
 use staleguard_tests::envoy::{dependencies, gateway_on_loopback, shipped_gateway, Envoy, Launch};
 use staleguard_tests::fake_validator::FakeValidator;

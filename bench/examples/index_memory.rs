@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all
-//! NOOP_WASM=/path/to/noop.wasm cargo run --release -p staleguard-tests --example index_memory
+//! NOOP_WASM=/path/to/noop.wasm cargo run --release -p staleguard-bench --example index_memory
 //! ```
 //!
 //! Each round starts three Envoys (`--concurrency 1`, the plugin
@@ -32,9 +32,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use staleguard_tests::bench::{
-    env_usize, index_gateway, median, rss_kib, swap_module, synthetic_index,
-};
+use staleguard_bench::{env_usize, index_gateway, median, rss_kib, swap_module, synthetic_index};
 use staleguard_tests::envoy::Envoy;
 use staleguard_tests::fake_validator::FakeValidator;
 
