@@ -105,6 +105,15 @@ pub fn fingerprint<'a>(pods: impl IntoIterator<Item = &'a PodHolder>) -> u32 {
     fold(hash)
 }
 
+/// True when `start`, the first bytes of an answer (at least the first 18),
+/// begin a packed document: a reader that asked for either form tells
+/// which it got without the `Content-Type`. JSON never starts so.
+pub fn starts_packed(start: &[u8]) -> bool {
+    start
+        .strip_prefix(MAGIC.as_bytes())
+        .is_some_and(|rest| rest.first() == Some(&b' '))
+}
+
 /// Why a packed document could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum PackedError {
@@ -1223,6 +1232,23 @@ mod tests {
             [services] 0\n[names] 0\n[records] 18446744073709551615\nend\n";
         let err = read_snapshot(text.as_bytes()).unwrap_err().to_string();
         assert!(err.contains("starts with its IP"), "{err}");
+    }
+
+    #[test]
+    fn a_packed_document_is_told_from_json_by_its_first_bytes() {
+        let bytes = encode_snapshot(&snapshot());
+        assert!(starts_packed(&bytes));
+        assert!(starts_packed(&encode_changes(&Changes::Reset(snapshot()))));
+        let json = serde_json::to_vec(&snapshot()).unwrap();
+        assert!(!starts_packed(&json));
+        for short in [
+            &b""[..],
+            b"staleguard-packed",
+            b"staleguard-packedx 1",
+            b" staleguard-packed 1",
+        ] {
+            assert!(!starts_packed(short), "{}", String::from_utf8_lossy(short));
+        }
     }
 
     #[test]
