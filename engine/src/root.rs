@@ -336,7 +336,7 @@ impl Root {
             (":method", "GET"),
             (":path", path.as_str()),
             (":authority", config.authority()),
-            ("accept", "application/json"),
+            ("accept", crate::sync::ACCEPT),
         ];
         if let Some(b) = &bearer {
             headers.push(("authorization", b.as_str()));
