@@ -160,9 +160,11 @@ fn main() -> Result<()> {
     let mut machine = format!("MACHINE ips={ips} resets={resets}");
     for (i, (label, _)) in modules.iter().enumerate() {
         if let Some(error) = &failed[i] {
+            // The first line: the harness appends Envoy's log.
+            let first = error.lines().next().unwrap_or_default();
             println!(
                 "| {label} | failed: {} | | | | | |",
-                error.replace('|', "/")
+                first.replace('|', "/")
             );
             machine.push_str(&format!(" {label}_failed=1"));
             continue;
