@@ -30,7 +30,7 @@ pub use bootstrap::{
     VirtualHost, CLUSTER_HEADER,
 };
 pub use shipped::{
-    plugin_configs_in, shipped_gateway, shipped_plugin, shipped_plugin_config,
+    gateway_on_loopback, plugin_configs_in, shipped_gateway, shipped_plugin, shipped_plugin_config,
     shipped_route_retry_policy, shipped_validator_tls,
 };
 pub use stats::Stats;
