@@ -362,15 +362,33 @@ fn memory_child() {
     let json_start = Instant::now();
     let json = serde_json::to_vec(&snapshot).unwrap_or_default();
     let json_ms = json_start.elapsed().as_secs_f64() * 1000.0;
+    // What gateways ask for: the verdict view's JSON (before issue 28) and
+    // the packed form (after), each from the copied snapshot.
+    let verdict_start = Instant::now();
+    let mut slim = snapshot.clone();
+    slim.records = slim
+        .records
+        .into_iter()
+        .map(staleguard_core::IpRecord::verdict_view)
+        .collect();
+    let verdict = serde_json::to_vec(&slim).unwrap_or_default();
+    let verdict_ms = verdict_start.elapsed().as_secs_f64() * 1000.0;
+    let packed_start = Instant::now();
+    let packed = staleguard_core::packed::encode_snapshot(&snapshot);
+    let packed_ms = packed_start.elapsed().as_secs_f64() * 1000.0;
     println!(
-        "{} {} {} {} {:.1} {:.1} {}",
+        "{} {} {} {} {:.1} {:.1} {} {:.1} {} {:.1} {}",
         before,
         after,
         peak,
         snapshot.records.len(),
         snapshot_ms,
         json_ms,
-        json.len()
+        json.len(),
+        verdict_ms,
+        verdict.len(),
+        packed_ms,
+        packed.len()
     );
     std::hint::black_box(&ix);
 }
@@ -388,7 +406,7 @@ fn memory() -> Option<f64> {
             .split_whitespace()
             .filter_map(|v| v.parse().ok())
             .collect();
-        if nums.len() != 7 {
+        if nums.len() != 11 {
             eprintln!(
                 "memory child failed: {text} {}",
                 String::from_utf8_lossy(&out.stderr)
@@ -411,6 +429,13 @@ fn memory() -> Option<f64> {
         col(4),
         col(5),
         col(6) / 1024.0 / 1024.0
+    );
+    println!(
+        "  as gateways ask for it: verdict view JSON {:.0} ms, {:.1} MB; packed {:.0} ms, {:.1} MB",
+        col(7),
+        col(8) / 1e6,
+        col(9),
+        col(10) / 1e6
     );
     Some(rss_mb)
 }

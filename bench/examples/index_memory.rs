@@ -26,6 +26,14 @@
 //! medians. `RESETS` (1): how many times the full index is applied as a
 //! reset before the measurement (the validator restarts between them), since
 //! a Wasm VM's memory never shrinks and a reset's peak could creep.
+//!
+//! `BEFORE_WASM`: another staleguard module (an older commit's) measured in
+//! the same run, each round alternating which goes first, so before and
+//! after are paired under the same load. A module that cannot load the index
+//! (an answer over Envoy's 32 MiB callout limit) is reported as failed and the
+//! run goes on. The fake validator answers each module in the form it asks
+//! for (packed or JSON). The last lines are `MACHINE` key=value lines for
+//! bench/run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
@@ -47,6 +55,7 @@ fn main() -> Result<()> {
     let resets = env_usize("RESETS", 1).max(1) as u64;
     let settle = Duration::from_millis(env_usize("SETTLE_MS", 2000) as u64);
     let noop: Option<PathBuf> = std::env::var_os("NOOP_WASM").map(PathBuf::from);
+    let before: Option<PathBuf> = std::env::var_os("BEFORE_WASM").map(PathBuf::from);
 
     let (keys, records) = synthetic_index(services, pods);
     let ips = records.len() as u64;
@@ -63,9 +72,15 @@ fn main() -> Result<()> {
         drop(envoy);
         Ok(rss)
     };
-    let ours_rss = || -> Result<[u64; 6]> {
+    // `module`: None for the one the harness runs (STALEGUARD_WASM).
+    let ours_rss = |module: Option<&Path>| -> Result<[u64; 6]> {
         let validator = FakeValidator::start(7)?;
-        let envoy = started(index_gateway(validator.addr()).start()?)?;
+        let envoy = started(index_gateway(validator.addr()).start_with(|config| {
+            if let Some(module) = module {
+                swap_module(config, module);
+            }
+            Ok(())
+        })?)?;
         envoy.eventually("the first answer", Duration::from_secs(120), |e| {
             Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
         })?;
@@ -96,61 +111,96 @@ fn main() -> Result<()> {
         Ok([empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes])
     };
 
-    let mut rows: Vec<[u64; 6]> = vec![];
+    let mut modules: Vec<(&str, Option<&Path>)> = vec![("after", None)];
+    if let Some(before) = &before {
+        modules.insert(0, ("before", Some(before.as_path())));
+    }
+    let mut rows: Vec<Vec<[u64; 6]>> = vec![vec![]; modules.len()];
+    let mut failed: Vec<Option<String>> = vec![None; modules.len()];
     let mut floors: Vec<u64> = vec![];
     for round in 0..rounds {
-        // Alternate which gateway starts first, so a drift in the machine's
-        // state does not always favour the same one.
+        // Alternate the order, so a drift in the machine's state does not
+        // always favour the same gateway.
+        let mut order: Vec<usize> = (0..modules.len()).collect();
         if round % 2 == 1 {
-            rows.push(ours_rss()?);
+            order.reverse();
         }
         if let Some(module) = &noop {
-            floors.push(noop_rss(module)?);
+            if round % 2 == 1 {
+                floors.push(noop_rss(module)?);
+            }
         }
-        if round % 2 == 0 {
-            rows.push(ours_rss()?);
+        for i in order {
+            if failed[i].is_some() {
+                continue;
+            }
+            match ours_rss(modules[i].1) {
+                Ok(row) => rows[i].push(row),
+                Err(e) => failed[i] = Some(format!("{e:#}")),
+            }
+        }
+        if let Some(module) = &noop {
+            if round % 2 == 0 {
+                floors.push(noop_rss(module)?);
+            }
         }
     }
-    let col = |i: usize| median(&mut rows.iter().map(|r| r[i]).collect::<Vec<_>>());
-    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-    let per_ip = |b: u64| b as f64 / ips as f64;
-    let (empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes) =
-        (col(0), col(1), col(2), col(3), col(4), col(5));
+    let floor = (!floors.is_empty()).then(|| median(&mut floors.clone()));
     println!(
-        "{ips} IPs, {rounds} rounds (medians), {resets} reset(s) of the full index, Envoy --concurrency 1, shipped plugin:"
+        "{ips} IPs, {rounds} round(s) (medians), {resets} reset(s) of the full index, Envoy --concurrency 1, shipped plugin:"
     );
-    if !floors.is_empty() {
-        let floor = median(&mut floors.clone());
-        println!("  noop module RSS:        {:7.1} MiB", mib(floor));
+    if let Some(floor) = floor {
+        println!("  noop module RSS: {:.1} MiB", mib(floor));
+    }
+    println!();
+    println!("| module | RSS above the no-op, per IP | poller VM (peak) | VM growth, per IP | Envoy's growth, per IP | answer | last reset applied in |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let mut machine = format!("MACHINE ips={ips} resets={resets}");
+    for (i, (label, _)) in modules.iter().enumerate() {
+        if let Some(error) = &failed[i] {
+            // The first line: the harness appends Envoy's log.
+            let first = error.lines().next().unwrap_or_default();
+            println!(
+                "| {label} | failed: {} | | | | | |",
+                first.replace('|', "/")
+            );
+            machine.push_str(&format!(" {label}_failed=1"));
+            continue;
+        }
+        let col = |c: usize| median(&mut rows[i].iter().map(|r| r[c]).collect::<Vec<_>>());
+        let (empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes) =
+            (col(0), col(1), col(2), col(3), col(4), col(5));
+        let per_ip = |b: u64| b as f64 / ips as f64;
+        let above_noop = floor.map(|f| per_ip(full_rss.saturating_sub(f)));
+        let vm_growth = full_vm.saturating_sub(empty_vm);
+        let rest = full_rss.saturating_sub(empty_rss).saturating_sub(vm_growth);
+        let answer_mb = bytes as f64 / 1e6 / resets as f64;
         println!(
-            "  staleguard, full index: {:7.1} MiB = {:.0} bytes per IP above the noop",
-            mib(full_rss),
-            per_ip(full_rss.saturating_sub(floor))
+            "| {label} | {} | {:.1} MiB | {:.0} | {:.0} | {:.1} MB | {:.2} s |",
+            above_noop.map_or("n/a".into(), |b| format!("{b:.0}")),
+            mib(full_vm),
+            per_ip(vm_growth),
+            per_ip(rest),
+            answer_mb,
+            apply_us as f64 / 1e6
+        );
+        machine.push_str(&format!(
+            " {label}_rss_per_ip={} {label}_vm_mib={:.1} {label}_vm_per_ip={:.0} {label}_answer_mb={answer_mb:.1} {label}_apply_s={:.2}",
+            above_noop.map_or("n/a".into(), |b| format!("{b:.0}")),
+            mib(full_vm),
+            per_ip(vm_growth),
+            apply_us as f64 / 1e6
+        ));
+        println!(
+            "  {label} raw [empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes]: {:?}",
+            rows[i]
         );
     }
-    println!(
-        "  staleguard, empty:      {:7.1} MiB (poller VM {:.1} MiB)",
-        mib(empty_rss),
-        mib(empty_vm)
-    );
-    println!(
-        "  staleguard, full:       {:7.1} MiB (poller VM {:.1} MiB), {:.0} bytes per IP above empty",
-        mib(full_rss),
-        mib(full_vm),
-        per_ip(full_rss.saturating_sub(empty_rss))
-    );
-    let vm_growth = full_vm.saturating_sub(empty_vm);
-    let rest = full_rss.saturating_sub(empty_rss).saturating_sub(vm_growth);
-    println!(
-        "  of which poller VM:     {:.0} bytes per IP; Envoy (shared data, buffers): {:.0} bytes per IP",
-        per_ip(vm_growth),
-        per_ip(rest)
-    );
-    println!(
-        "  answer: {:.1} MB, the last applied in {:.0} ms",
-        bytes as f64 / 1e6 / resets as f64,
-        apply_us as f64 / 1000.0
-    );
-    println!("  raw [empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes]: {rows:?}; noop rss {floors:?}");
+    println!("  noop rss {floors:?}");
+    println!("{machine}");
     Ok(())
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
 }

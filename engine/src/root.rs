@@ -336,7 +336,7 @@ impl Root {
             (":method", "GET"),
             (":path", path.as_str()),
             (":authority", config.authority()),
-            ("accept", "application/json"),
+            ("accept", crate::sync::ACCEPT),
         ];
         if let Some(b) = &bearer {
             headers.push(("authorization", b.as_str()));
@@ -751,6 +751,23 @@ pub(crate) mod tests {
         answer(&mut root, &mut host, 1, snapshot_body(ips));
         assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
         (root, host)
+    }
+
+    #[test]
+    fn the_poller_asks_for_the_packed_form_and_applies_a_packed_answer() {
+        let (mut root, mut host) = polling("{}");
+        assert_eq!(host.calls[0].header("accept"), Some(crate::sync::ACCEPT));
+        let json: staleguard_core::Snapshot =
+            serde_json::from_slice(&snapshot_body(&["10.0.0.1", "10.0.0.2"])).unwrap();
+        let size = answer(
+            &mut root,
+            &mut host,
+            1,
+            staleguard_core::packed::encode_snapshot(&json),
+        );
+        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+        assert_eq!(host.counter(metrics::SYNC_BYTES), size as u64);
+        assert_eq!(host.gauges.get(metrics::GAUGE_ENTRIES), Some(&2));
     }
 
     #[test]

@@ -11,18 +11,23 @@
 //! that has been out longer than any answer can take. The cursor (epoch,
 //! generation, load) is taken from `meta` when the poller starts, so a context
 //! that takes the lease over from a dead poller continues with deltas instead
-//! of reloading everything.
+//! of reloading everything. Answers are asked for packed
+//! ([`staleguard_core::packed`], [`ACCEPT`]) and read as either form, a record
+//! at a time straight into [`CompactRecord`]s.
 //!
 //! A reset, an epoch that is not ours (a restarted validator, or another
 //! replica behind the same Service), or a delta that does not start at our
 //! generation all lead to a full snapshot under a new load id (see
 //! [`crate::store`]).
 
+use std::io::BufRead as _;
+
+use staleguard_core::packed::{self, PackedError};
 use staleguard_core::wire::{Delta, WireError};
 use staleguard_core::{Changes, Policy, Snapshot};
 
 use crate::backoff::Backoff;
-use crate::buckets::CompactRecord;
+use crate::buckets::{service_id, CompactRecord};
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
 use crate::host::{SharedData, StoreError};
 use crate::store::write::Writer;
@@ -41,6 +46,9 @@ pub enum SyncError {
     /// The body is not a document of the expected kind or version.
     #[error("validator answer unreadable: {0}")]
     Decode(#[source] WireError),
+    /// The body is packed and not a document of the expected kind or version.
+    #[error("validator answer unreadable: {0}")]
+    DecodePacked(#[source] PackedError),
     /// A delta that does not continue from our generation.
     #[error("delta from generation {since} does not continue ours ({ours})")]
     Sequence {
@@ -65,7 +73,7 @@ impl SyncError {
         match self {
             SyncError::Status(_) => "status",
             SyncError::Transport(_) => "transport",
-            SyncError::Decode(_) => "decode",
+            SyncError::Decode(_) | SyncError::DecodePacked(_) => "decode",
             SyncError::Sequence { .. } => "sequence",
             SyncError::Store(_) => "store",
             SyncError::Timeout(_) => "timeout",
@@ -98,6 +106,12 @@ pub const SNAPSHOT_TIMEOUT_MS: u64 = 30_000;
 
 /// How much of an answer's body the poller reads at a time.
 pub const BODY_CHUNK: usize = 64 * 1024;
+
+/// The `Accept` of every request to the validator: the packed form
+/// ([`packed::MEDIA_TYPE`]: a fifth of the JSON, so a fifth of what Envoy
+/// buffers, read a record at a time into the sized `Vec`), or JSON from a
+/// validator before it.
+pub const ACCEPT: &str = "application/vnd.staleguard.packed, application/json;q=0.5";
 
 /// What the watchdog adds to the host's timeout before it gives up itself.
 pub const WATCHDOG_SLACK_MS: u64 = 2_000;
@@ -427,7 +441,10 @@ impl Poller {
     }
 
     fn fail(&mut self, now_ms: u64, error: &SyncError) {
-        if matches!(error, SyncError::Sequence { .. } | SyncError::Decode(_)) {
+        if matches!(
+            error,
+            SyncError::Sequence { .. } | SyncError::Decode(_) | SyncError::DecodePacked(_)
+        ) {
             // We may be out of step: the next attempt starts over.
             self.cursor = None;
             self.held = None;
@@ -447,21 +464,32 @@ impl Poller {
         if status != 200 {
             return Err(SyncError::Status(status));
         }
-        // serde_json reads a byte at a time; a buffer makes that a copy out
-        // of memory, and asks `body` for large pieces.
-        let body = std::io::BufReader::with_capacity(BODY_CHUNK, body);
-        match request {
-            Some(Request::Snapshot) | None => {
-                let snapshot = Snapshot::decode_from(body).map_err(SyncError::Decode)?;
-                self.load_snapshot(now_ms, snapshot, store)
+        // Both readers go a line or a byte at a time; a buffer makes that a
+        // copy out of memory, and asks `body` for large pieces.
+        let mut body = std::io::BufReader::with_capacity(BODY_CHUNK, body);
+        // What we asked for ([`ACCEPT`]), or JSON from a validator that does
+        // not serve it: the first bytes tell.
+        let is_packed = body.fill_buf().is_ok_and(packed::starts_packed);
+        let changes = match (request, is_packed) {
+            (Some(Request::Snapshot) | None, true) => Changes::Reset(
+                packed::decode_snapshot(body, service_id, CompactRecord::of_packed)
+                    .map_err(SyncError::DecodePacked)?,
+            ),
+            (Some(Request::Snapshot) | None, false) => {
+                Changes::Reset(Snapshot::decode_from(body).map_err(SyncError::Decode)?)
             }
-            Some(Request::Changes { .. }) => {
-                match Changes::decode_from(body).map_err(SyncError::Decode)? {
-                    Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
-                    Changes::Delta(delta) if watching => self.watch_delta(now_ms, &delta, store),
-                    Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
-                }
+            (Some(Request::Changes { .. }), true) => {
+                packed::decode_changes(body, service_id, CompactRecord::of_packed)
+                    .map_err(SyncError::DecodePacked)?
             }
+            (Some(Request::Changes { .. }), false) => {
+                Changes::decode_from(body).map_err(SyncError::Decode)?
+            }
+        };
+        match changes {
+            Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
+            Changes::Delta(delta) if watching => self.watch_delta(now_ms, &delta, store),
+            Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
         }
     }
 
@@ -497,9 +525,10 @@ impl Poller {
         mut snapshot: Snapshot<CompactRecord>,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
-        // The decoder grew the records by doubling: give the spare capacity
-        // (up to half of it) to what applying builds next, the guard's baseline
-        // and the member lists, instead of growing the VM further.
+        // A packed answer's reader sized the records by the count it states;
+        // JSON's grew them by doubling: give that spare capacity (up to half
+        // of it) to what applying builds next, the guard's baseline and the
+        // member lists, instead of growing the VM further.
         snapshot.records.shrink_to_fit();
         let answer = Answer::Reset(&snapshot);
         if !self.guard.admit(now_ms, answer) {
@@ -701,6 +730,80 @@ mod tests {
         let meta = View::new(&store).meta().unwrap();
         assert_eq!((meta.epoch, meta.generation, meta.synced_ms), (9, 3, 10));
         assert!(meta.fresh);
+    }
+
+    #[test]
+    fn packed_answers_apply_as_their_json_does_and_are_asked_for_first() {
+        assert!(ACCEPT.starts_with(packed::MEDIA_TYPE));
+        let mut terminating = rec("10.0.0.3");
+        terminating.pods[0].terminating = true;
+        let mut d = delta(9, 3, 5);
+        d.upserts = vec![rec("10.0.0.2"), terminating];
+        d.removed = vec!["10.0.0.1".parse().unwrap()];
+        d.services_added = vec![ServiceKey::new("shop", "pay")];
+        let answers: [(Changes, bool); 3] = [
+            (
+                Changes::Reset(snapshot(9, 3, &["10.0.0.1", "fd00::1"])),
+                true,
+            ),
+            (Changes::Delta(d), false),
+            (
+                Changes::Reset(snapshot(11, 1, &["10.0.0.2", "10.0.0.4"])),
+                false,
+            ),
+        ];
+        let ips = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "fd00::1"];
+        // What each answer leaves in shared data: meta and every IP's bucket.
+        let run = |encode: &dyn Fn(&Changes, bool) -> Vec<u8>| {
+            let mut store = MemoryStore::default();
+            let mut p = Poller::new(CFG, 7);
+            let mut seen = Vec::new();
+            for (at, (answer, first)) in answers.iter().enumerate() {
+                p.next_request(at as u64, &store).unwrap();
+                let applied = p.on_response(at as u64, 200, &encode(answer, *first), &mut store);
+                let meta = View::new(&store).meta().unwrap();
+                let buckets: Vec<_> = ips
+                    .iter()
+                    .map(|ip| {
+                        store
+                            .get(&buckets::key_of(&ip.parse().unwrap(), meta.buckets))
+                            .unwrap()
+                            .0
+                    })
+                    .collect();
+                seen.push((applied.unwrap(), store.get(META_KEY).unwrap().0, buckets));
+            }
+            seen
+        };
+        let json = run(&|answer, first| match (answer, first) {
+            (Changes::Reset(s), true) => json(s),
+            _ => json(answer),
+        });
+        let packed = run(&|answer, first| match (answer, first) {
+            (Changes::Reset(s), true) => packed::encode_snapshot(s),
+            _ => packed::encode_changes(answer),
+        });
+        assert_eq!(packed, json);
+        assert!(
+            matches!(json[1].0, Applied::Delta { changed: 3 }),
+            "{:?}",
+            json[1].0
+        );
+    }
+
+    #[test]
+    fn a_damaged_packed_answer_is_a_decode_error_and_the_data_stays() {
+        let (mut p, mut store) = loaded(&["10.0.0.1"]);
+        p.next_request(0, &store);
+        let mut d = delta(9, 3, 5);
+        d.removed = vec!["10.0.0.1".parse().unwrap()];
+        let bytes = packed::encode_changes(&Changes::Delta(d));
+        let cut = &bytes[..bytes.len() - 4];
+        let err = p.on_response(10, 200, cut, &mut store).unwrap_err();
+        assert!(matches!(err, SyncError::DecodePacked(_)), "{err}");
+        assert_eq!(err.kind(), "decode");
+        assert!(present(&store, "10.0.0.1"));
+        assert_eq!(p.next_request(10_000, &store), Some(Request::Snapshot));
     }
 
     #[test]

@@ -163,6 +163,7 @@ pub fn admin_router(state: ApiState) -> Router {
 
 async fn snapshot(
     State(state): State<ApiState>,
+    headers: axum::http::HeaderMap,
     query: Result<Query<VersionQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
@@ -173,7 +174,7 @@ async fn snapshot(
             &state.index,
             &state.metrics,
             answers::Position::Snapshot,
-            q.view,
+            answers::Form::asked(q.view, &headers),
         )
         .await?;
     Ok(changes::encoded(answer))
