@@ -19,6 +19,7 @@
 pub mod batch;
 pub mod cluster;
 pub mod ip;
+pub mod packed;
 pub mod service;
 pub mod verdict;
 pub mod wire;

@@ -19,12 +19,11 @@
 //! means no entries. Like every entry, a bucket written under a load older
 //! than `meta`'s is absent.
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 
 use serde::Deserialize;
 use staleguard_core::ip::canonical;
+use staleguard_core::packed;
 use staleguard_core::wire::{Membership, Tombstone, Via};
 use staleguard_core::{IpRecord, PodHolder, ServiceKey};
 
@@ -457,9 +456,10 @@ pub struct CompactRecord {
     pub ip: IpAddr,
     /// Its bucket line; empty for a vacant record.
     pub line: Box<[u8]>,
-    /// A fingerprint of the pods holding it (namespaces and names): a new
-    /// holder changes it. 32 bits: a collision only hides a new holder from
-    /// the guard's evidence, and the record is smaller by a word.
+    /// A fingerprint of the pods holding it ([`packed::fingerprint`], as a
+    /// packed answer carries it): a new holder changes it. 32 bits: a
+    /// collision only hides a new holder from the guard's evidence, and the
+    /// record is smaller by a word.
     pub fingerprint: u32,
     /// The services its tombstone names, by [`service_id`].
     pub tombstone: Box<[u64]>,
@@ -473,22 +473,53 @@ impl CompactRecord {
         } else {
             Holders::from_record(record).encode()
         };
-        // A fixed-key hasher: the fingerprint is compared across answers.
-        let mut h = DefaultHasher::new();
-        for pod in &record.pods {
-            pod.namespace.hash(&mut h);
-            pod.name.hash(&mut h);
-        }
-        let fingerprint = h.finish();
         Self {
             ip: canonical(record.ip),
             line: line.into_boxed_slice(),
-            fingerprint: (fingerprint ^ (fingerprint >> 32)) as u32,
+            fingerprint: packed::fingerprint(&record.pods),
             tombstone: record
                 .tombstone
                 .iter()
                 .flat_map(|t| t.services.iter().map(service_id))
                 .collect(),
+        }
+    }
+
+    /// What the poller keeps of a record of a packed answer, its services
+    /// read as [`service_id`]s: the same as [`CompactRecord::of`] keeps of
+    /// the record in JSON.
+    pub fn of_packed(record: packed::Record<u64>) -> Self {
+        let packed::Record {
+            ip,
+            fingerprint,
+            pods,
+            bare_services,
+            tombstone,
+        } = record;
+        let holders = Holders {
+            pods: pods
+                .into_iter()
+                .map(|pod| Pod {
+                    ready: pod.ready,
+                    terminating: pod.terminating,
+                    host_network: pod.host_network,
+                    services: pod
+                        .services
+                        .into_iter()
+                        .map(|id| (id, Vec::new()))
+                        .collect(),
+                })
+                .collect(),
+            bare: bare_services,
+            tombstone: tombstone.is_some(),
+        };
+        let vacant = holders.pods.is_empty() && holders.bare.is_empty() && !holders.tombstone;
+        let line = if vacant { Vec::new() } else { holders.encode() };
+        Self {
+            ip: canonical(ip),
+            line: line.into_boxed_slice(),
+            fingerprint,
+            tombstone: tombstone.unwrap_or_default().into_boxed_slice(),
         }
     }
 
@@ -719,5 +750,48 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
+    }
+
+    #[test]
+    fn a_packed_record_is_kept_as_its_json_record_is() {
+        let cart: ServiceKey = "shop/cart".parse().unwrap();
+        let gone: ServiceKey = "shop/gone".parse().unwrap();
+        let mut held = record("10.0.0.1");
+        held.pods[0].services = vec![Membership {
+            service: cart.clone(),
+            via: Via::Both,
+            ports: vec![],
+            conditions: None,
+        }];
+        held.pods.push(PodHolder {
+            terminating: true,
+            host_network: true,
+            ..record("10.0.0.1").pods[0].clone()
+        });
+        held.bare_services = vec![gone.clone()];
+        let tombstoned = IpRecord {
+            ip: "fd00::1".parse().unwrap(),
+            pods: vec![],
+            bare_services: vec![],
+            tombstone: Some(Tombstone {
+                pod: "shop/cart-0".into(),
+                uid: String::new(),
+                services: vec![gone, cart],
+                since_ms: 7,
+            }),
+        };
+        let snapshot = staleguard_core::Snapshot {
+            v: 1,
+            epoch: 1,
+            generation: 1,
+            freshness: Default::default(),
+            services: vec![],
+            records: vec![held, tombstoned],
+        };
+        let bytes = packed::encode_snapshot(&snapshot);
+        let read =
+            packed::decode_snapshot(&bytes[..], service_id, CompactRecord::of_packed).unwrap();
+        let json: Vec<CompactRecord> = snapshot.records.iter().map(CompactRecord::of).collect();
+        assert_eq!(read.records, json);
     }
 }

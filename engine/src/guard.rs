@@ -48,7 +48,7 @@
 //! is taken for the truth, like any change that persists that long.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use serde::Deserialize;
 use staleguard_core::wire::Delta;
@@ -209,10 +209,93 @@ impl Allowed {
     }
 }
 
+/// IPs to `V`, an IPv4 address keyed by its 4 bytes and an IPv6 one by its
+/// 16: an `IpAddr` key takes 17 bytes and 24 with the facts' alignment, and
+/// the baseline holds one entry per IP of the index (most of them IPv4).
+#[derive(Debug, Clone)]
+struct IpTable<V> {
+    v4: HashMap<u32, V>,
+    v6: HashMap<u128, V>,
+}
+
+impl<V> Default for IpTable<V> {
+    fn default() -> Self {
+        Self {
+            v4: HashMap::new(),
+            v6: HashMap::new(),
+        }
+    }
+}
+
+impl<V> IpTable<V> {
+    fn len(&self) -> usize {
+        self.v4.len() + self.v6.len()
+    }
+
+    fn get(&self, ip: &IpAddr) -> Option<&V> {
+        match ip {
+            IpAddr::V4(v4) => self.v4.get(&u32::from(*v4)),
+            IpAddr::V6(v6) => self.v6.get(&u128::from(*v6)),
+        }
+    }
+
+    fn get_mut(&mut self, ip: &IpAddr) -> Option<&mut V> {
+        match ip {
+            IpAddr::V4(v4) => self.v4.get_mut(&u32::from(*v4)),
+            IpAddr::V6(v6) => self.v6.get_mut(&u128::from(*v6)),
+        }
+    }
+
+    fn insert(&mut self, ip: IpAddr, value: V) -> Option<V> {
+        match ip {
+            IpAddr::V4(v4) => self.v4.insert(u32::from(v4), value),
+            IpAddr::V6(v6) => self.v6.insert(u128::from(v6), value),
+        }
+    }
+
+    fn remove(&mut self, ip: &IpAddr) -> Option<V> {
+        match ip {
+            IpAddr::V4(v4) => self.v4.remove(&u32::from(*v4)),
+            IpAddr::V6(v6) => self.v6.remove(&u128::from(*v6)),
+        }
+    }
+
+    /// Room for `ips` more of their families, at once rather than by
+    /// doubling as the table fills.
+    fn reserve<'a>(&mut self, ips: impl Iterator<Item = &'a IpAddr>) {
+        let (mut v4, mut v6) = (0usize, 0usize);
+        for ip in ips {
+            match ip {
+                IpAddr::V4(_) => v4 += 1,
+                IpAddr::V6(_) => v6 += 1,
+            }
+        }
+        self.v4.reserve(v4.saturating_sub(self.v4.len()));
+        self.v6.reserve(v6.saturating_sub(self.v6.len()));
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (IpAddr, &V)> {
+        let v4 = self
+            .v4
+            .iter()
+            .map(|(ip, v)| (IpAddr::from(Ipv4Addr::from(*ip)), v));
+        let v6 = self
+            .v6
+            .iter()
+            .map(|(ip, v)| (IpAddr::from(Ipv6Addr::from(*ip)), v));
+        v4.chain(v6)
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&mut V) -> bool) {
+        self.v4.retain(|_, v| keep(v));
+        self.v6.retain(|_, v| keep(v));
+    }
+}
+
 /// What the poller last applied, reduced to what the guard compares.
 #[derive(Debug, Default, Clone)]
 pub struct Baseline {
-    ips: HashMap<IpAddr, IpFacts>,
+    ips: IpTable<IpFacts>,
     counts: Counts,
     /// When each unconfirmed IP counts, in order (an entry whose IP has
     /// been removed or re-added since is skipped).
@@ -394,8 +477,7 @@ impl Guard {
                 }
                 // At once, not by doubling as it fills: the table is the
                 // largest thing the guard keeps.
-                b.ips
-                    .reserve(snapshot.records.len().saturating_sub(b.ips.len()));
+                b.ips.reserve(snapshot.records.iter().map(|r| &r.ip));
                 for record in &snapshot.records {
                     let at = match b.remove(&record.ip) {
                         _ if first => 0,
@@ -410,7 +492,7 @@ impl Guard {
                 let Baseline {
                     ips, counts, mark, ..
                 } = b;
-                ips.retain(|_, facts| {
+                ips.retain(|facts| {
                     let listed = facts.mark == *mark;
                     if !listed {
                         counts.add(facts, -1);
@@ -520,8 +602,8 @@ impl Guard {
                 if seen < b.ips.len() {
                     // Only when the reset lacks some IPs: which ones.
                     let present: HashSet<IpAddr> = snapshot.records.iter().map(|r| r.ip).collect();
-                    for (ip, old) in &b.ips {
-                        if !present.contains(ip) {
+                    for (ip, old) in b.ips.iter() {
+                        if !present.contains(&ip) {
                             judge(old, None, &known);
                         }
                     }

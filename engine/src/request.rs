@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
-use staleguard_core::verdict::FailurePolicy;
+use staleguard_core::verdict::{FailurePolicy, Reason};
 
 use crate::cache::Cache;
 use crate::check::{header_value, judge, Effect, Lazy, Outcome, Upstream};
@@ -21,7 +21,7 @@ use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
 use crate::replay::{
     self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
 };
-use crate::steer::SteerConfig;
+use crate::steer::{self, SteerConfig};
 use crate::store::View;
 
 /// What the root context and every request of one VM share: the plugin
@@ -191,6 +191,11 @@ impl Filter {
         };
         let label = m.services.id(&service);
         drop(m);
+        // The body path steers while stale picks are seen (`crate::steer`).
+        if matches!(verdict.reason, Reason::Destroyed | Reason::Recycled) {
+            let now_ms = host.now_ms();
+            steer::record_stale_pick(host, &service, now_ms);
+        }
         // A rejection becomes a replay where one is configured and the
         // request is eligible; the decision is `crate::replay`'s.
         let mut replay_step = None;
@@ -337,16 +342,19 @@ impl Filter {
         Next::Pause
     }
 
-    /// The steering role's whole job (`crate::steer`): name the service's
-    /// live members in the endpoint header, or leave the request as it is
-    /// when the index names none; never pause.
+    /// The steering role's whole job (`crate::steer`): while the guard saw
+    /// stale picks of the service recently, name its live members in the
+    /// endpoint header; otherwise, or when the index names none, leave the
+    /// request to the guarded cluster; never pause.
     fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Next {
         let now_ms = host.now_ms();
         let fresh = View::new(&*host)
             .meta()
             .filter(|m| m.is_fresh(now_ms, steer.max_staleness_ms));
         let members = match (fresh, steer.key()) {
-            (Some(meta), Some(service)) => members::read(&*host, &service, meta.load),
+            (Some(meta), Some(service)) if steer.during_incident(&*host, &service, now_ms) => {
+                members::read(&*host, &service, meta.load)
+            }
             _ => Vec::new(),
         };
         match steer.endpoint_value(&members, host.random_u64()) {
@@ -737,6 +745,9 @@ mod tests {
             &mut host,
             br#"{"steer":{"service":"shop/cart","port":8080}}"#
         ));
+        // The guard judged a pick stale: the body path steers.
+        get_to(&mut host, "10.0.0.9");
+        root.filter(1).request_headers(&mut host, true);
         drop(root);
         get_to(&mut host, "10.0.0.9");
         host.request_headers
@@ -768,5 +779,50 @@ mod tests {
         assert!(host
             .removed_headers
             .contains(&"x-gateway-destination-endpoint".to_owned()));
+    }
+
+    /// `steer.while_stale_ms`: the body path keeps the cluster's own load
+    /// balancing until the guard judges a pick of the service stale, steers
+    /// from then on, and stops once no stale pick was seen for that long.
+    #[test]
+    fn steer_while_stale_ms_steers_only_after_a_stale_pick_and_for_that_long() {
+        let (root, mut host) = loaded("{}", &["10.0.0.1", "10.0.0.2"]);
+        let mut steering = Root::new(7);
+        assert!(steering.configure(
+            &mut host,
+            br#"{"steer":{"service":"shop/cart","port":8080,"while_stale_ms":1000}}"#
+        ));
+        let named = |host: &FakeHost| {
+            host.request_headers
+                .iter()
+                .any(|(k, _)| k == "x-gateway-destination-endpoint")
+        };
+        get_to(&mut host, "10.0.0.1");
+        root.filter(1).request_headers(&mut host, true);
+        get_to(&mut host, "10.0.0.1");
+        steering.filter(2).request_headers(&mut host, false);
+        assert!(!named(&host), "only live picks seen: no steering");
+
+        get_to(&mut host, "10.0.0.9");
+        root.filter(3).request_headers(&mut host, true);
+        host.now_ms += 1_000;
+        get_to(&mut host, "10.0.0.1");
+        steering.filter(4).request_headers(&mut host, false);
+        assert!(named(&host), "a stale pick 1 s ago: steered");
+
+        host.now_ms += 1;
+        get_to(&mut host, "10.0.0.1");
+        steering.filter(5).request_headers(&mut host, false);
+        assert!(!named(&host), "no stale pick for longer: no steering");
+
+        // 0: always.
+        let mut always = Root::new(8);
+        assert!(always.configure(
+            &mut host,
+            br#"{"steer":{"service":"shop/cart","port":8080,"while_stale_ms":0}}"#
+        ));
+        get_to(&mut host, "10.0.0.1");
+        always.filter(6).request_headers(&mut host, false);
+        assert!(named(&host), "while_stale_ms 0 steers always");
     }
 }

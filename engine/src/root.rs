@@ -335,7 +335,7 @@ impl Root {
             (":method", "GET"),
             (":path", path.as_str()),
             (":authority", config.authority.as_str()),
-            ("accept", "application/json"),
+            ("accept", crate::sync::ACCEPT),
         ];
         if let Some(b) = &bearer {
             headers.push(("authorization", b.as_str()));

@@ -23,11 +23,13 @@ use serde::Deserialize;
 use staleguard_core::ServiceKey;
 
 use crate::config::{header_problem, RetryConfig};
+use crate::host::SharedData;
 use crate::members::Member;
 use crate::replay;
 
 /// The plugin configuration of the steering role:
-/// `{"steer": {"service": "ns/name", "port": 8080}}`.
+/// `{"steer": {"service": "ns/name", "port": 8080}}`; it steers only while
+/// stale picks of the service were seen recently (`while_stale_ms`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SteerConfig {
@@ -50,6 +52,30 @@ pub struct SteerConfig {
     /// the guard's `max_staleness_ms`; its members may have died since).
     #[serde(default = "crate::config::default_max_staleness_ms")]
     pub max_staleness_ms: u64,
+    /// Steer only while the guard judged a pick of the service stale
+    /// (destroyed or recycled) within this long; otherwise the request keeps
+    /// the guarded cluster and its own load balancing. `0`: always steer.
+    #[serde(default = "default_while_stale_ms")]
+    pub while_stale_ms: u64,
+}
+
+/// 60 s: the body path steers for a minute after the guard last judged a
+/// pick of the service stale.
+pub fn default_while_stale_ms() -> u64 {
+    60_000
+}
+
+/// Where the guard records when it last judged a pick of `service` stale,
+/// for the steering role (same VM id, so the same shared data).
+fn stale_seen_key(service: &ServiceKey) -> String {
+    format!("staleguard/stale-seen/{service}")
+}
+
+/// Records that the guard judged a pick of `service` stale at `now_ms`. A
+/// failed write only delays steering: the body path's route retries the
+/// rejection, and the next stale pick writes again.
+pub fn record_stale_pick(store: &mut dyn SharedData, service: &ServiceKey, now_ms: u64) {
+    let _ = store.set(&stale_seen_key(service), &now_ms.to_le_bytes(), None);
 }
 
 #[derive(Deserialize)]
@@ -96,6 +122,25 @@ impl SteerConfig {
         let (namespace, name) = self.service.split_once('/')?;
         (!namespace.is_empty() && !name.is_empty() && !name.contains('/'))
             .then(|| ServiceKey::new(namespace, name))
+    }
+
+    /// Whether the body path steers now: the guard judged a pick of the
+    /// service stale within `while_stale_ms` (or that is 0).
+    pub fn during_incident(
+        &self,
+        store: &dyn SharedData,
+        service: &ServiceKey,
+        now_ms: u64,
+    ) -> bool {
+        if self.while_stale_ms == 0 {
+            return true;
+        }
+        match store.get(&stale_seen_key(service)) {
+            Ok((Some(value), _)) => <[u8; 8]>::try_from(value.as_slice())
+                .map(u64::from_le_bytes)
+                .is_ok_and(|seen| now_ms.saturating_sub(seen) <= self.while_stale_ms),
+            _ => false,
+        }
     }
 
     /// The endpoint header's value naming up to `hosts` of `members`,

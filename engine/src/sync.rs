@@ -11,18 +11,23 @@
 //! that has been out longer than any answer can take. The cursor (epoch,
 //! generation, load) is taken from `meta` when the poller starts, so a context
 //! that takes the lease over from a dead poller continues with deltas instead
-//! of reloading everything.
+//! of reloading everything. Answers are asked for packed
+//! ([`staleguard_core::packed`], [`ACCEPT`]) and read as either form, a record
+//! at a time straight into [`CompactRecord`]s.
 //!
 //! A reset, an epoch that is not ours (a restarted validator, or another
 //! replica behind the same Service), or a delta that does not start at our
 //! generation all lead to a full snapshot under a new load id (see
 //! [`crate::store`]).
 
+use std::io::BufRead as _;
+
+use staleguard_core::packed::{self, PackedError};
 use staleguard_core::wire::{Delta, WireError};
 use staleguard_core::{Changes, Policy, Snapshot};
 
 use crate::backoff::Backoff;
-use crate::buckets::CompactRecord;
+use crate::buckets::{service_id, CompactRecord};
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
 use crate::host::{SharedData, StoreError};
 use crate::store::write::Writer;
@@ -41,6 +46,9 @@ pub enum SyncError {
     /// The body is not a document of the expected kind or version.
     #[error("validator answer unreadable: {0}")]
     Decode(#[source] WireError),
+    /// The body is packed and not a document of the expected kind or version.
+    #[error("validator answer unreadable: {0}")]
+    DecodePacked(#[source] PackedError),
     /// A delta that does not continue from our generation.
     #[error("delta from generation {since} does not continue ours ({ours})")]
     Sequence {
@@ -65,7 +73,7 @@ impl SyncError {
         match self {
             SyncError::Status(_) => "status",
             SyncError::Transport(_) => "transport",
-            SyncError::Decode(_) => "decode",
+            SyncError::Decode(_) | SyncError::DecodePacked(_) => "decode",
             SyncError::Sequence { .. } => "sequence",
             SyncError::Store(_) => "store",
             SyncError::Timeout(_) => "timeout",
@@ -98,6 +106,12 @@ pub const SNAPSHOT_TIMEOUT_MS: u64 = 30_000;
 
 /// How much of an answer's body the poller reads at a time.
 pub const BODY_CHUNK: usize = 64 * 1024;
+
+/// The `Accept` of every request to the validator: the packed form
+/// ([`packed::MEDIA_TYPE`]: a fifth of the JSON, so a fifth of what Envoy
+/// buffers, read a record at a time into the sized `Vec`), or JSON from a
+/// validator before it.
+pub const ACCEPT: &str = "application/vnd.staleguard.packed, application/json;q=0.5";
 
 /// What the watchdog adds to the host's timeout before it gives up itself.
 pub const WATCHDOG_SLACK_MS: u64 = 2_000;
@@ -427,7 +441,10 @@ impl Poller {
     }
 
     fn fail(&mut self, now_ms: u64, error: &SyncError) {
-        if matches!(error, SyncError::Sequence { .. } | SyncError::Decode(_)) {
+        if matches!(
+            error,
+            SyncError::Sequence { .. } | SyncError::Decode(_) | SyncError::DecodePacked(_)
+        ) {
             // We may be out of step: the next attempt starts over.
             self.cursor = None;
             self.held = None;
@@ -447,21 +464,32 @@ impl Poller {
         if status != 200 {
             return Err(SyncError::Status(status));
         }
-        // serde_json reads a byte at a time; a buffer makes that a copy out
-        // of memory, and asks `body` for large pieces.
-        let body = std::io::BufReader::with_capacity(BODY_CHUNK, body);
-        match request {
-            Some(Request::Snapshot) | None => {
-                let snapshot = Snapshot::decode_from(body).map_err(SyncError::Decode)?;
-                self.load_snapshot(now_ms, snapshot, store)
+        // Both readers go a line or a byte at a time; a buffer makes that a
+        // copy out of memory, and asks `body` for large pieces.
+        let mut body = std::io::BufReader::with_capacity(BODY_CHUNK, body);
+        // What we asked for ([`ACCEPT`]), or JSON from a validator that does
+        // not serve it: the first bytes tell.
+        let is_packed = body.fill_buf().is_ok_and(packed::starts_packed);
+        let changes = match (request, is_packed) {
+            (Some(Request::Snapshot) | None, true) => Changes::Reset(
+                packed::decode_snapshot(body, service_id, CompactRecord::of_packed)
+                    .map_err(SyncError::DecodePacked)?,
+            ),
+            (Some(Request::Snapshot) | None, false) => {
+                Changes::Reset(Snapshot::decode_from(body).map_err(SyncError::Decode)?)
             }
-            Some(Request::Changes { .. }) => {
-                match Changes::decode_from(body).map_err(SyncError::Decode)? {
-                    Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
-                    Changes::Delta(delta) if watching => self.watch_delta(now_ms, &delta, store),
-                    Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
-                }
+            (Some(Request::Changes { .. }), true) => {
+                packed::decode_changes(body, service_id, CompactRecord::of_packed)
+                    .map_err(SyncError::DecodePacked)?
             }
+            (Some(Request::Changes { .. }), false) => {
+                Changes::decode_from(body).map_err(SyncError::Decode)?
+            }
+        };
+        match changes {
+            Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
+            Changes::Delta(delta) if watching => self.watch_delta(now_ms, &delta, store),
+            Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
         }
     }
 
@@ -497,9 +525,10 @@ impl Poller {
         mut snapshot: Snapshot<CompactRecord>,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
-        // The decoder grew the records by doubling: give the spare capacity
-        // (up to half of it) to what applying builds next, the guard's baseline
-        // and the member lists, instead of growing the VM further.
+        // A packed answer's reader sized the records by the count it states;
+        // JSON's grew them by doubling: give that spare capacity (up to half
+        // of it) to what applying builds next, the guard's baseline and the
+        // member lists, instead of growing the VM further.
         snapshot.records.shrink_to_fit();
         let answer = Answer::Reset(&snapshot);
         if !self.guard.admit(now_ms, answer) {

@@ -52,6 +52,9 @@ const SEEDS: &[&str] = &[
     // Epochs and generations as decimal strings (what writers move to).
     r#"{"kind":"delta","v":1,"epoch":"9271046301922839485","since":"3","generation":"5","freshness":{"fresh":true},"removed":["10.0.0.1"]}"#,
     r#"{"v":1,"epoch":"18446744073709551615","generation":"1","freshness":{"fresh":true},"services":[],"records":[]}"#,
+    // Packed answers (what the poller asks for first).
+    "staleguard-packed 1 reset\nepoch 8\ngeneration 2\nfresh 1\nage_ms 4\n[services] 2\nshop/cart\nshop/pay\n[names] 1\nshop/gone\n[records] 3\n10.0.0.1 f41c56bca pr s0 pt s0 s1\nfd00::2 b1 t2,0\n192.168.0.4 f00000001 prh\nend\n",
+    "staleguard-packed 1 delta\nepoch 7\ngeneration 5\nsince 3\nfresh 0\n[services_added] 1\na/b\n[services_removed] 0\n[names] 1\na/b\n[upserts] 1\n10.0.0.9 f12345678 ptx s0 q9\n[removed] 2\n10.0.0.1\n::ffff:10.0.0.2\nend\n",
     // A plugin configuration with wrong types and unknown fields at every
     // level (checked field by field).
     r#"{"validator_cluster":1,"poll_wait_s":"30","mdoe":1,"policy":{"fail":1},"clusters":[{"name":2},{"service":"a/b","x":1}],"retry":{"methods":["GET",7]},"guard":[]}"#,
@@ -332,4 +335,22 @@ fn the_string_form_seeds_decode() {
         Snapshot::from_json(snapshot.as_bytes()).unwrap().epoch,
         u64::MAX
     );
+}
+
+#[test]
+fn the_packed_seeds_decode() {
+    use staleguard_core::{packed, Changes};
+    let packed_seeds: Vec<&str> = SEEDS
+        .iter()
+        .copied()
+        .filter(|s| packed::starts_packed(s.as_bytes()))
+        .collect();
+    assert_eq!(packed_seeds.len(), 2);
+    for seed in packed_seeds {
+        let read = packed::decode_changes(seed.as_bytes(), buckets::service_id, |r| r);
+        assert!(
+            matches!(read, Ok(Changes::Reset(_) | Changes::Delta(_))),
+            "{seed}: {read:?}"
+        );
+    }
 }

@@ -27,7 +27,7 @@ use kube::Client;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::process::{free_port, require, Guard};
+use crate::process::{free_port, require, OwnedProcess};
 
 /// The node every "scheduled" pod is bound to. No kubelet runs it: a bound pod
 /// deleted gracefully stays terminating until it is force-deleted.
@@ -38,7 +38,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A running test API server; killed and its data removed when dropped.
 pub struct ApiServer {
-    guard: Guard,
+    guard: OwnedProcess,
     bin: PathBuf,
     dir: PathBuf,
     port: u16,
@@ -211,18 +211,18 @@ impl Drop for ApiServer {
     }
 }
 
-fn spawn(bin: &Path, dir: &Path, port: u16, extra: &[String]) -> Result<Guard> {
+fn spawn(bin: &Path, dir: &Path, port: u16, extra: &[String]) -> Result<OwnedProcess> {
     let mut cmd = Command::new(bin);
     cmd.arg("--data-dir")
         .arg(dir)
         .arg("--port")
         .arg(port.to_string())
         .args(extra);
-    Guard::spawn("apiserver", cmd)
+    OwnedProcess::spawn("apiserver", cmd)
 }
 
 /// Waits until the server answers `/readyz`, then returns a client for it.
-async fn wait_ready(guard: &mut Guard, dir: &Path) -> Result<Client> {
+async fn wait_ready(guard: &mut OwnedProcess, dir: &Path) -> Result<Client> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let kubeconfig = dir.join("certs").join("kubeconfig");
     loop {

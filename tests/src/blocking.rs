@@ -344,8 +344,12 @@ pub fn request(
     let mut builder = hyper::Request::builder()
         .method(method)
         .uri(target)
-        .header("host", "test")
         .header("connection", "close");
+    // `test` unless the caller names a host (a gateway that routes by
+    // virtual host).
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        builder = builder.header("host", "test");
+    }
     for (k, v) in headers {
         builder = builder.header(*k, *v);
     }

@@ -2,8 +2,10 @@
 //! Envoy with and without staleguard, and a live table of where requests went.
 //!
 //! Two gateways read the same frozen EDS files; one runs the filter (enforce),
-//! the other does not. Traffic flows through both while the demo destroys pods,
-//! gives their IPs to another service and drains others. Every change goes
+//! the other does not. Traffic flows through both while the demo destroys pods
+//! at the incident's proportions (25 -> 2 by default), leaves their addresses
+//! blackholed, refusing or hung, gives some to another service and drains
+//! others. Every change goes
 //! through [`Scene::sync`]: the validator and the filter see it before anything
 //! new answers on an address, as in a real cluster where an IP is reused well
 //! after the deletion is visible (see [`crate::world`]).
@@ -25,8 +27,8 @@ use anyhow::Result;
 use serde_json::json;
 
 use crate::envoy::stats::{STAT_FRESH, STAT_REQUESTS_PREFIX};
-use crate::envoy::Gateway;
-use crate::pods::Tally;
+use crate::envoy::{shipped_route_retry_policy, Gateway};
+use crate::pods::{Occupant, Tally};
 use crate::scene::{Deps, Expect, Scene};
 use crate::traffic::{Load, Outcomes};
 use crate::world::World;
@@ -63,6 +65,9 @@ pub struct Summary {
 }
 
 const CART_PODS: usize = 6;
+/// Freed `checkout` IPs given to `payments` at the recycle step (6 of the
+/// incident's 23 stale IPs).
+const RECYCLED: usize = 6;
 const SERVICES: [(&str, usize); 3] = [("cart", CART_PODS), ("payments", 4), ("search", 6)];
 
 /// A step of the story, at an offset from the start of its cycle.
@@ -110,9 +115,15 @@ pub async fn run(deps: &Deps, options: &Options) -> Result<Summary> {
     let start = async {
         let world = setup.await?;
         // Retry on, as deploy/ ships it: a rejected request without a body is
-        // replayed to a live pod of its service (docs/filter.md, "Retry").
-        let gateways = [world.guarded(GUARDED, json!({})), world.unguarded(PLAIN)]
-            .map(|g| Gateway { detach: true, ..g });
+        // replayed to a live pod of its service (docs/filter.md, "Retry"),
+        // and both gateways' routes re-pick after a refused connection as
+        // the shipped routes do.
+        let gateways =
+            [world.guarded(GUARDED, json!({})), world.unguarded(PLAIN)].map(|g| Gateway {
+                detach: true,
+                route_extra: json!({"retry_policy": shipped_route_retry_policy()}),
+                ..g
+            });
         Scene::start(deps, world, &["--file-poll", "100ms"], &gateways).await
     };
     // A signal while starting drops the half-built scene, which stops what
@@ -204,22 +215,39 @@ async fn play(
         }
         Step::ScaleDown => {
             let gone = scene.world.scale_down("checkout", options.checkout_keep)?;
+            // The four kinds of stale IP (issue 21): the first freed IPs go
+            // to payments at the recycle step; the others hang, refuse or
+            // drop SYNs, in turn.
+            let recycled: Vec<_> = scene.world.free_ips().into_iter().take(RECYCLED).collect();
+            let mut kinds = [0usize; 3];
+            for (i, ip) in gone.iter().filter(|ip| !recycled.contains(ip)).enumerate() {
+                let kind = i % 3;
+                kinds[kind] += 1;
+                let occupant =
+                    [Occupant::Blackholed, Occupant::Refusing, Occupant::Hung][kind].clone();
+                scene.world.leave_as(*ip, occupant)?;
+            }
             let expect: Vec<Expect> = gone
                 .iter()
                 .map(|ip| (World::key("checkout"), *ip, "destroyed"))
                 .collect();
             scene.sync(&expect).await?;
             ui.event(&format!(
-                "checkout -> {} pods: {} destroyed (guard in sync after {:.2}s)",
+                "checkout -> {} pods: {} destroyed (guard in sync after {:.2}s): \
+                 {} blackholed, {} refusing, {} hung, {} to be recycled",
                 options.checkout_keep,
                 gone.len(),
-                t0.elapsed().as_secs_f64()
+                t0.elapsed().as_secs_f64(),
+                kinds[0],
+                kinds[1],
+                kinds[2],
+                gone.len() - kinds.iter().sum::<usize>(),
             ));
         }
         Step::Recycle => {
             let free = scene.world.free_ips();
             let mut expect = Vec::new();
-            for ip in free.iter().take(4) {
+            for ip in free.iter().take(RECYCLED) {
                 scene.world.recycle(*ip, "payments")?;
                 expect.push((World::key("checkout"), *ip, "recycled"));
             }
@@ -350,7 +378,8 @@ fn add(a: &Outcomes, b: &Outcomes) -> Outcomes {
     sum
 }
 
-/// `(reason, action, count)` from the guarded gateway's filter counters.
+/// `(service reason, action, count)` from the guarded gateway's filter
+/// counters: `default/cart member`, `allow`, ...
 fn verdicts(scene: &Scene) -> Vec<(String, String, u64)> {
     let Ok(gateway) = scene.gateway(GUARDED) else {
         return Vec::new();
@@ -360,16 +389,15 @@ fn verdicts(scene: &Scene) -> Vec<(String, String, u64)> {
     };
     let mut out = Vec::new();
     for (name, value) in &stats {
-        let Some(rest) = name
+        let Some((service, rest)) = name
             .strip_prefix(STAT_REQUESTS_PREFIX)
             .and_then(|r| r.split_once(".reason."))
-            .map(|(_service, rest)| rest)
         else {
             continue;
         };
         if let Some((reason, action)) = rest.split_once(".action.") {
             if *value > 0 {
-                out.push((reason.to_owned(), action.to_owned(), *value));
+                out.push((format!("{service} {reason}"), action.to_owned(), *value));
             }
         }
     }
@@ -699,10 +727,15 @@ impl Ui {
 }
 
 /// One line of an audit's JSON report: stale endpoints and where they are,
-/// by service and reason.
+/// by service and reason. Each endpoint counts once: a retry twin's
+/// endpoints are its cluster's again, judged in its cluster's rows.
 fn audit_line(doc: &serde_json::Value) -> String {
     let mut parts = Vec::new();
+    let mut endpoints = 0;
     for cluster in doc["clusters"].as_array().into_iter().flatten() {
+        if cluster["twin_of"].is_null() {
+            endpoints += cluster["endpoints"].as_array().map_or(0, Vec::len);
+        }
         let reasons = &cluster["summary"]["by_reason"];
         let stale: Vec<String> = ["destroyed", "recycled"]
             .iter()
@@ -714,9 +747,8 @@ fn audit_line(doc: &serde_json::Value) -> String {
         }
     }
     format!(
-        "{} stale of {} endpoints{}{}",
+        "{} stale of {endpoints} endpoints{}{}",
         doc["summary"]["stale"],
-        doc["summary"]["endpoints"],
         if parts.is_empty() { "" } else { " · " },
         parts.join("; ")
     )
@@ -743,6 +775,26 @@ pub fn stdout_is_terminal() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_audit_line_counts_a_twins_endpoints_once() {
+        let endpoint = |reason: &str| json!({"reason": reason});
+        let doc = json!({
+            "summary": {"stale": 1, "endpoints": 5},
+            "clusters": [
+                {"service": "default/cart", "twin_of": null,
+                 "summary": {"by_reason": {"destroyed": 1, "member": 2}},
+                 "endpoints": [endpoint("destroyed"), endpoint("member"), endpoint("member")]},
+                {"service": null, "twin_of": "cart",
+                 "summary": {"by_reason": {"twin": 2}},
+                 "endpoints": [endpoint("twin"), endpoint("twin")]}
+            ]
+        });
+        assert_eq!(
+            audit_line(&doc),
+            "1 stale of 3 endpoints · default/cart: 1 destroyed"
+        );
+    }
 
     #[test]
     fn numbers_get_thousands_separators() {

@@ -6,7 +6,9 @@
 //! reset for a foreign epoch or a generation it has no history for, the
 //! compacted delta when it has one, and otherwise holds the request until
 //! something changes or `wait` seconds pass (then an empty delta), like the
-//! real one. Every request is recorded, with how many were open at once.
+//! real one. Every request is recorded, with how many were open at once. A
+//! request whose `Accept` names the packed form gets its answer packed, as
+//! from the real validator.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -243,6 +245,32 @@ fn json<T: serde::Serialize>(t: &T) -> Answer {
     Answer::json(serde_json::to_vec(t).unwrap_or_default())
 }
 
+/// True when `req` accepts the packed form.
+fn packed(req: &Request) -> bool {
+    req.headers
+        .get("accept")
+        .is_some_and(|accept| accept.contains(staleguard_core::packed::MEDIA_TYPE))
+}
+
+fn packed_answer(body: Vec<u8>) -> Answer {
+    Answer::Respond {
+        status: 200,
+        headers: vec![(
+            "content-type".into(),
+            staleguard_core::packed::MEDIA_TYPE.into(),
+        )],
+        body,
+    }
+}
+
+/// `changes` as `req` accepts it.
+fn changes(req: &Request, changes: &Changes) -> Answer {
+    if !packed(req) {
+        return json(changes);
+    }
+    packed_answer(staleguard_core::packed::encode_changes(changes))
+}
+
 fn handle(shared: &Shared, req: &Request) -> Answer {
     let mut s = lock(shared);
     s.log.push(req.target.clone());
@@ -281,6 +309,9 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
         }
     }
     match req.path() {
+        "/v1/snapshot" if packed(req) => {
+            packed_answer(staleguard_core::packed::encode_snapshot(&snapshot(&s)))
+        }
         "/v1/snapshot" => json(&snapshot(&s)),
         "/v1/changes" => {
             let num = |k: &str| req.query(k).and_then(|v| v.parse::<u64>().ok());
@@ -294,14 +325,14 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
                     return Answer::Hangup;
                 }
                 if epoch != s.epoch {
-                    return json(&Changes::Reset(snapshot(&s)));
+                    return changes(req, &Changes::Reset(snapshot(&s)));
                 }
                 let Some(d) = delta(&s, since) else {
-                    return json(&Changes::Reset(snapshot(&s)));
+                    return changes(req, &Changes::Reset(snapshot(&s)));
                 };
                 let now = Instant::now();
                 if s.generation != since || now >= deadline {
-                    return json(&Changes::Delta(d));
+                    return changes(req, &Changes::Delta(d));
                 }
                 s = shared
                     .1

@@ -23,13 +23,18 @@
 //! listener_patch.go mergeHTTPFilter: MERGE of a filter's typed_config through
 //! pilot/pkg/networking/util/util.go MergeAnyWithAny and pkg/proto/merge's
 //! rules: lists append, map entries and Durations replace, messages merge,
-//! an embedded Any is replaced whole). A patch it does not model is an error,
+//! an embedded Any is replaced whole; listener_patch.go patchListeners: a
+//! LISTENER ADD appends after every other patch ran, so no patch reaches an
+//! added listener; rc_patch.go: an HTTP_ROUTE MERGE merges into the routes
+//! of the matched virtual hosts, INSERT_FIRST puts its route first). A
+//! patch it does not model is an error,
 //! never silently skipped. [`apply_envoyfilters`] applies several matching
 //! EnvoyFilters in Istio's order (by `spec.priority`, then as listed: the root
 //! namespace's before the workload's, older before newer).
 //!
 //! [`validate_bootstrap`] wraps the result in an Istio-like bootstrap
-//! (`xds-grpc` and `sds-grpc` clusters, ADS) for `envoy --mode validate`;
+//! (`xds-grpc` and `sds-grpc` clusters, ADS, internal listeners) for
+//! `envoy --mode validate`;
 //! [`runnable`] turns it into a configuration that runs on loopback (static
 //! endpoints; no SDS, which needs istio-agent).
 
@@ -404,6 +409,38 @@ pub fn apply_envoyfilter(output: &mut Value, envoyfilter: &Value) -> Result<Appl
                 }
                 n
             }
+            ("LISTENER", "ADD") => {
+                // patchListeners: added after every other patch ran, so the
+                // HTTP_FILTER patches never reach an added listener (see
+                // `matched_http_filters`).
+                output["listeners"]
+                    .as_array_mut()
+                    .context("no listeners")?
+                    .push(value.clone());
+                1
+            }
+            ("HTTP_ROUTE", "MERGE") => route_patch(output, &p["match"], |routes| {
+                let mut n = 0;
+                for r in routes.iter_mut().filter(|r| route_matches(r, &p["match"])) {
+                    proto_merge(r, value);
+                    n += 1;
+                }
+                n
+            })
+            .with_context(|| format!("patch {i}"))?,
+            ("HTTP_ROUTE", "INSERT_FIRST") => {
+                if p["match"]["routeConfiguration"]["vhost"]
+                    .get("route")
+                    .is_some()
+                {
+                    bail!("patch {i}: INSERT_FIRST with a route match is not modelled");
+                }
+                route_patch(output, &p["match"], |routes| {
+                    routes.insert(0, value.clone());
+                    1
+                })
+                .with_context(|| format!("patch {i}"))?
+            }
             ("HTTP_FILTER", "MERGE") => merge_http_filter(output, &p["match"], value)
                 .with_context(|| format!("patch {i}"))?,
             ("HTTP_FILTER", "REPLACE") => replace_http_filter(output, &p["match"], value)
@@ -427,6 +464,55 @@ pub fn apply_envoyfilters(output: &mut Value, envoyfilters: &[&Value]) -> Result
         .collect()
 }
 
+/// Applies `patch` to the routes of every virtual host an HTTP_ROUTE
+/// patch's `match` names (rc_patch.go: by `vhost.name`; the gateway's route
+/// configurations are inline here, one per listener), with how many routes
+/// it changed or added.
+fn route_patch(
+    output: &mut Value,
+    matcher: &Value,
+    mut patch: impl FnMut(&mut Vec<Value>) -> usize,
+) -> Result<usize> {
+    let rc = &matcher["routeConfiguration"];
+    for field in ["portNumber", "portName", "gateway", "name"] {
+        if rc.get(field).is_some() {
+            bail!("routeConfiguration.{field} matches are not modelled");
+        }
+    }
+    let vhost = rc["vhost"]["name"].as_str();
+    let mut n = 0;
+    for l in output["listeners"].as_array_mut().into_iter().flatten() {
+        if l.get("internal_listener").is_some() {
+            continue;
+        }
+        for chain in l["filter_chains"].as_array_mut().into_iter().flatten() {
+            for f in chain["filters"].as_array_mut().into_iter().flatten() {
+                let hosts = f["typed_config"]["route_config"]["virtual_hosts"].as_array_mut();
+                for vh in hosts.into_iter().flatten() {
+                    if vhost.is_some_and(|name| vh["name"] != name) {
+                        continue;
+                    }
+                    if let Some(routes) = vh["routes"].as_array_mut() {
+                        n += patch(routes);
+                    }
+                }
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// rc_patch.go routeMatch: a route `action` of ROUTE matches routes that
+/// forward to a cluster (not redirects, not direct responses).
+fn route_matches(route: &Value, matcher: &Value) -> bool {
+    match matcher["routeConfiguration"]["vhost"]["route"]["action"].as_str() {
+        Some("ROUTE") => route.get("route").is_some(),
+        Some("REDIRECT") => route.get("redirect").is_some(),
+        Some("DIRECT_RESPONSE") => route.get("direct_response").is_some(),
+        _ => true,
+    }
+}
+
 /// The HTTP filters an HTTP_FILTER patch's `match` names: every
 /// `http_filters` entry of a matching network filter whose name is the
 /// `subFilter`'s.
@@ -442,6 +528,11 @@ fn matched_http_filters<'a>(output: &'a mut Value, matcher: &Value) -> Result<Ve
     }
     let mut found = vec![];
     for l in output["listeners"].as_array_mut().into_iter().flatten() {
+        // Istio's gateway listeners are never internal; one here was added
+        // by a LISTENER ADD, which istiod applies after every patch.
+        if l.get("internal_listener").is_some() {
+            continue;
+        }
         for chain in l["filter_chains"].as_array_mut().into_iter().flatten() {
             for f in chain["filters"].as_array_mut().into_iter().flatten() {
                 if f["name"] != network {
@@ -486,6 +577,36 @@ fn merge_http_filter(output: &mut Value, matcher: &Value, value: &Value) -> Resu
         }
     }
     Ok(n)
+}
+
+/// Runs `deploy/istio/twins.py` with `args` on `input` (its stdin).
+pub fn twins_py(input: &Value, args: &[&str]) -> Result<std::process::Output> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let script = repo().join("deploy/istio/twins.py");
+    let mut child = Command::new("python3")
+        .arg(script)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("python3 (needed by deploy/istio/twins.py)")?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(input.to_string().as_bytes())?;
+    Ok(child.wait_with_output()?)
+}
+
+/// The EnvoyFilter `deploy/istio/twins.py` writes for `input` with `args`.
+pub fn generated_twins(input: &Value, args: &[&str]) -> Result<Value> {
+    let out = twins_py(input, args)?;
+    if !out.status.success() {
+        bail!("twins.py: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
 }
 
 // === Bootstraps ===
@@ -568,6 +689,38 @@ pub fn set_plugin_config(output: &mut Value, plugin: &Value) {
     }
 }
 
+/// The bootstrap extension every Istio proxy's bootstrap enables
+/// (tools/packaging/common/envoy_bootstrap.json): internal listeners.
+fn internal_listener_extension() -> Value {
+    json!([{
+        "name": "envoy.bootstrap.internal_listener",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener",
+            "buffer_size_kb": 64
+        }
+    }])
+}
+
+/// A gateway's clusters as istiod builds them for services without a
+/// DestinationRule: Istio's default circuit breakers (cluster_builder.go
+/// getDefaultCircuitBreakerThresholds: every threshold 2^32-1) and no
+/// outlier detection, instead of [`gateway_output`]'s DestinationRule.
+pub fn without_destination_rules(output: &mut Value) {
+    let max = u64::from(u32::MAX);
+    for c in output["clusters"].as_array_mut().into_iter().flatten() {
+        if c.get("eds_cluster_config").is_none() {
+            continue;
+        }
+        c["circuit_breakers"] = json!({"thresholds": [{
+            "max_connections": max, "max_pending_requests": max,
+            "max_requests": max, "max_retries": max, "track_remaining": true
+        }]});
+        if let Some(o) = c.as_object_mut() {
+            o.remove("outlier_detection");
+        }
+    }
+}
+
 /// An Istio-like bootstrap around `output` for `envoy --mode validate`: the
 /// `xds-grpc` and `sds-grpc` clusters of Istio's bootstrap, ADS, and the
 /// gateway's resources as static resources. No `stats_tags` for the filter:
@@ -592,6 +745,7 @@ pub fn validate_bootstrap(output: &Value) -> Value {
         "./var/run/secrets/workload-spiffe-uds/socket",
     ));
     json!({
+        "bootstrap_extensions": internal_listener_extension(),
         "node": {"id": "router~10.0.0.1~istio-ingressgateway-1.istio-ingress~istio-ingress.svc.cluster.local",
                  "cluster": "istio-ingressgateway.istio-ingress"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
@@ -650,7 +804,9 @@ pub fn runnable(
     let (listen, admin) = (free_addr()?, free_addr()?);
     let mut out = output.clone();
     for l in out["listeners"].as_array_mut().into_iter().flatten() {
-        l["address"] = json!({"socket_address": {"address": listen.ip().to_string(), "port_value": listen.port()}});
+        if l.get("internal_listener").is_none() {
+            l["address"] = json!({"socket_address": {"address": listen.ip().to_string(), "port_value": listen.port()}});
+        }
     }
     let endpoints = |hosts: &[SocketAddr]| -> Value {
         let eps: Vec<Value> = hosts.iter().map(lb_endpoint).collect();
@@ -658,8 +814,16 @@ pub fn runnable(
     };
     for c in out["clusters"].as_array_mut().context("no clusters")? {
         let name = c["name"].as_str().unwrap_or("").to_owned();
+        // A twin reads its guarded cluster's EDS resource.
+        let eds = c["eds_cluster_config"]["service_name"]
+            .as_str()
+            .unwrap_or(&name)
+            .to_owned();
         let o: &mut Map<String, Value> = c.as_object_mut().context("cluster")?;
-        if let Some(s) = services.iter().find(|s| s.cluster_name() == name) {
+        if let Some(s) = services
+            .iter()
+            .find(|s| s.cluster_name() == name || s.cluster_name() == eds)
+        {
             o.remove("eds_cluster_config");
             o.remove("transport_socket_matches");
             o.insert("type".into(), json!("STATIC"));
@@ -686,6 +850,7 @@ pub fn runnable(
     }
     Ok(json!({
         "node": {"id": "staleguard-istio-test", "cluster": "staleguard-istio-test"},
+        "bootstrap_extensions": internal_listener_extension(),
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
         "static_resources": {"listeners": out["listeners"], "clusters": out["clusters"]}
     }))

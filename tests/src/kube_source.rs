@@ -11,8 +11,8 @@ use anyhow::{bail, Result};
 use staleguard_core::wire::Via;
 use staleguard_core::{decide, IpRecord, Policy, ServiceKey, Verdict};
 use staleguard_validator::index::{Index, IndexConfig};
+use staleguard_validator::live::SharedIndex;
 use staleguard_validator::scope::{PodScope, Selector};
-use staleguard_validator::shared::SharedIndex;
 use staleguard_validator::source::kube::{start, Scope};
 use tokio::task::JoinHandle;
 

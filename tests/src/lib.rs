@@ -24,7 +24,6 @@
 
 pub mod apiserver;
 pub mod audit;
-pub mod bench;
 pub mod blocking;
 pub mod demo;
 pub mod eds;

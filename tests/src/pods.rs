@@ -5,7 +5,8 @@
 //! switches as the simulated cluster changes: the pod the gateway was told
 //! about, a pod of another service after the IP was recycled, or a [`Ghost`]
 //! (whatever answers on a dead pod's address: in the incident, 200s from
-//! someone else). Keeping the listener bound across those switches is what lets
+//! someone else), or a dead pod's address that hangs, refuses or drops
+//! connections. Keeping the listener bound across those switches is what lets
 //! the server count the requests that reached an address the gateway should no
 //! longer have used.
 //!
@@ -27,6 +28,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use tokio::sync::Notify;
 use tokio::task::{AbortHandle, JoinHandle};
 
 /// The response header a health check's `service_name_matcher` reads.
@@ -54,6 +56,13 @@ pub enum Occupant {
     /// Nothing the cluster knows: the address of a destroyed pod, still
     /// answering 200 as whatever took it over.
     Ghost,
+    /// A destroyed pod's address that accepts connections and never answers.
+    Hung,
+    /// A destroyed pod's address that refuses connections: nothing listens.
+    Refusing,
+    /// A destroyed pod's address whose SYNs vanish, as on a pod network (on
+    /// loopback: a listener with a backlog of 0 whose accept queue is full).
+    Blackholed,
 }
 
 impl Occupant {
@@ -124,6 +133,9 @@ struct PodState {
 pub struct PodServer {
     addr: SocketAddr,
     state: Arc<PodState>,
+    /// Wakes the accept loop when the occupant changes: a refusing or
+    /// blackholed address closes its listener, a pod's opens it again.
+    changed: Arc<Notify>,
     task: JoinHandle<()>,
     /// The open connections' tasks, so [`PodServer::stop`] can close them.
     connections: Arc<Mutex<Vec<AbortHandle>>>,
@@ -140,10 +152,18 @@ impl PodServer {
             tallies: Mutex::new(Tallies::new()),
         });
         let connections = Arc::new(Mutex::new(Vec::new()));
-        let task = tokio::spawn(accept(listener, state.clone(), connections.clone()));
+        let changed = Arc::new(Notify::new());
+        let task = tokio::spawn(accept(
+            addr,
+            listener,
+            state.clone(),
+            connections.clone(),
+            changed.clone(),
+        ));
         Ok(Self {
             addr,
             state,
+            changed,
             task,
             connections,
         })
@@ -171,6 +191,7 @@ impl PodServer {
     /// Switches who answers; requests already in flight finish as the old one.
     pub fn set_occupant(&self, occupant: Occupant) {
         *lock(&self.state.occupant) = occupant;
+        self.changed.notify_one();
     }
 
     /// What reached this address so far, by gateway path.
@@ -185,19 +206,90 @@ impl Drop for PodServer {
     }
 }
 
+/// A listener on `addr` that may take over an address just closed.
+fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
+}
+
+/// A listener on `addr` with a backlog of 0 and its accept queue filled, so
+/// the kernel drops every further SYN (no RST), and the connections that
+/// fill it.
+async fn blackhole(
+    addr: SocketAddr,
+) -> std::io::Result<(tokio::net::TcpListener, Vec<tokio::net::TcpStream>)> {
+    let listener = bind(addr, 0)?;
+    let mut held = Vec::new();
+    while held.len() < 8 {
+        let connect = tokio::net::TcpStream::connect(addr);
+        match tokio::time::timeout(std::time::Duration::from_millis(200), connect).await {
+            Ok(Ok(s)) => held.push(s),
+            _ => break,
+        }
+    }
+    Ok((listener, held))
+}
+
 /// Serves HTTP/1.1 on every accepted connection, each in a task of its own
-/// (kept in `connections`, so [`PodServer::stop`] can end them).
+/// (kept in `connections`, so [`PodServer::stop`] can end them), while the
+/// occupant answers; closes the listener while the address refuses or drops
+/// connections, and binds it again when a pod takes the address.
 async fn accept(
+    addr: SocketAddr,
     listener: tokio::net::TcpListener,
     state: Arc<PodState>,
     connections: Arc<Mutex<Vec<AbortHandle>>>,
+    changed: Arc<Notify>,
 ) {
+    let mut listening = Some(listener);
+    let mut hole: Option<(tokio::net::TcpListener, Vec<tokio::net::TcpStream>)> = None;
+    let pause = || tokio::time::sleep(std::time::Duration::from_millis(10));
     loop {
-        let stream = match listener.accept().await {
+        let occupant = lock(&state.occupant).clone();
+        if matches!(occupant, Occupant::Refusing | Occupant::Blackholed) {
+            if listening.take().is_some() {
+                // The pod drained before it died: requests in flight finish,
+                // then its connections end.
+                let open: Vec<AbortHandle> = lock(&connections).drain(..).collect();
+                tokio::spawn(async move {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    for connection in open {
+                        connection.abort();
+                    }
+                });
+            }
+            match occupant {
+                Occupant::Blackholed if hole.is_none() => hole = blackhole(addr).await.ok(),
+                Occupant::Blackholed => {}
+                _ => hole = None,
+            }
+            changed.notified().await;
+            continue;
+        }
+        hole = None;
+        if listening.is_none() {
+            match bind(addr, 1024) {
+                Ok(l) => listening = Some(l),
+                Err(_) => {
+                    pause().await;
+                    continue;
+                }
+            }
+        }
+        let Some(listener) = &listening else {
+            continue;
+        };
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = changed.notified() => continue,
+        };
+        let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(_) => {
                 // Out of descriptors, most likely: wait instead of spinning.
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                pause().await;
                 continue;
             }
         };
@@ -235,7 +327,10 @@ async fn answer(State(state): State<Arc<PodState>>, headers: HeaderMap) -> Respo
         let tally = tallies.entry(via).or_default();
         match (&occupant, intended) {
             (_, None) => tally.untagged += 1,
-            (Occupant::Ghost, Some(_)) => tally.dead += 1,
+            (
+                Occupant::Ghost | Occupant::Hung | Occupant::Refusing | Occupant::Blackholed,
+                Some(_),
+            ) => tally.dead += 1,
             (Occupant::Pod { service, .. }, Some(want)) if service == want => tally.right += 1,
             (Occupant::Pod { .. }, Some(_)) => tally.wrong_service += 1,
         }
@@ -244,7 +339,14 @@ async fn answer(State(state): State<Arc<PodState>>, headers: HeaderMap) -> Respo
         Occupant::Pod { service, pod } => {
             (service.clone(), pod.clone(), format!("{service} {pod}\n"))
         }
-        Occupant::Ghost => ("ghost".into(), "-".into(), "ghost\n".into()),
+        Occupant::Hung => {
+            // Accepted, read, never answered: the gateway's timeout ends it.
+            std::future::pending::<()>().await;
+            return Response::new(Body::empty());
+        }
+        Occupant::Ghost | Occupant::Refusing | Occupant::Blackholed => {
+            ("ghost".into(), "-".into(), "ghost\n".into())
+        }
     };
     let mut response = Response::new(Body::from(body));
     // What a sidecar's health check answer names (Envoy's

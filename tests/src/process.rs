@@ -36,15 +36,15 @@ pub fn require(var: &str, what: &str, hint: &str) -> Option<PathBuf> {
 
 /// A child process that is killed (and reaped) when dropped.
 #[derive(Debug)]
-pub struct Guard {
+pub struct OwnedProcess {
     name: String,
-    /// Behind a lock so that [`Guard::check_alive`] (which reaps an exited
+    /// Behind a lock so that [`OwnedProcess::check_alive`] (which reaps an exited
     /// child) works through a shared reference.
     child: Mutex<Option<Child>>,
     log: PathBuf,
 }
 
-impl Guard {
+impl OwnedProcess {
     /// Spawns `cmd` with its stdout and stderr sent to a log file named after
     /// `name`, so a failing test can show what the process said.
     pub fn spawn(name: &str, mut cmd: Command) -> Result<Self> {
@@ -107,7 +107,7 @@ impl Guard {
     }
 }
 
-impl Drop for Guard {
+impl Drop for OwnedProcess {
     fn drop(&mut self) {
         self.kill();
     }
@@ -115,7 +115,7 @@ impl Drop for Guard {
 
 /// Waits until something accepts TCP connections on `addr`, failing with the
 /// guard's output if the process dies first.
-pub fn wait_for_port(guard: &Guard, addr: SocketAddr, timeout: Duration) -> Result<()> {
+pub fn wait_for_port(guard: &OwnedProcess, addr: SocketAddr, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         guard.check_alive()?;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use crate::process::{free_addr, require, Guard};
+use crate::process::{free_addr, require, OwnedProcess};
 use crate::traffic::Http;
 
 /// The validator binary (`STALEGUARD_VALIDATOR`, exported by
@@ -39,7 +39,7 @@ pub struct Validator {
     binary: PathBuf,
     source: Source,
     extra: Vec<String>,
-    guard: Option<Guard>,
+    guard: Option<OwnedProcess>,
     detach: bool,
     /// The public listener (`/v1/...`).
     pub listen: SocketAddr,
@@ -103,7 +103,7 @@ impl Validator {
         if self.detach {
             crate::envoy::detach(&mut cmd);
         }
-        self.guard = Some(Guard::spawn("validator", cmd)?);
+        self.guard = Some(OwnedProcess::spawn("validator", cmd)?);
         self.wait_ready(http, Duration::from_secs(30)).await
     }
 
@@ -116,7 +116,10 @@ impl Validator {
 
     /// The process's output so far.
     pub fn output(&self) -> String {
-        self.guard.as_ref().map(Guard::output).unwrap_or_default()
+        self.guard
+            .as_ref()
+            .map(OwnedProcess::output)
+            .unwrap_or_default()
     }
 
     /// Waits until `/readyz` answers 200.

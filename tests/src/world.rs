@@ -251,6 +251,19 @@ impl World {
         Ok(gone.ip)
     }
 
+    /// How the address of a pod just destroyed behaves once settled:
+    /// [`Occupant::Hung`], [`Occupant::Refusing`] or [`Occupant::Blackholed`]
+    /// instead of a ghost that answers 200.
+    pub fn leave_as(&mut self, ip: IpAddr, occupant: Occupant) -> Result<()> {
+        match self.pending.get_mut(&ip) {
+            Some(queued) if *queued == Occupant::Ghost => {
+                *queued = occupant;
+                Ok(())
+            }
+            _ => bail!("{ip} is not the address of a pod just destroyed"),
+        }
+    }
+
     /// Gives `ip` to a new pod of `service`, deleting the pod that held it if
     /// any. The address answers as the new pod at the next settle.
     pub fn recycle(&mut self, ip: IpAddr, service: &str) -> Result<String> {
@@ -552,5 +565,53 @@ mod tests {
             world.servers[&gone[0]].occupant(),
             Occupant::pod("shop/pay", new_pod)
         );
+    }
+
+    /// A destroyed pod's address left refusing, blackholed or hung behaves
+    /// so once settled, and answers again when a pod takes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_destroyed_address_left_refusing_blackholed_or_hung_does_so_until_reused() {
+        use std::time::Duration;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut world = World::new().unwrap();
+        world.add_service("cart", 4).await.unwrap();
+        let gone = world.scale_down("cart", 1).unwrap();
+        for (ip, kind) in
+            gone.iter()
+                .zip([Occupant::Refusing, Occupant::Blackholed, Occupant::Hung])
+        {
+            world.leave_as(*ip, kind).unwrap();
+        }
+        let live = world.pods_of("cart")[0].ip;
+        assert!(world.leave_as(live, Occupant::Hung).is_err(), "a live pod");
+        world.settle();
+        let addrs: Vec<SocketAddr> = gone.iter().map(|ip| world.addr(*ip)).collect();
+        let connect = |addr: SocketAddr| async move {
+            tokio::time::timeout(
+                Duration::from_millis(300),
+                tokio::net::TcpStream::connect(addr),
+            )
+            .await
+        };
+        // Give the accept loops a moment to close their listeners.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(matches!(connect(addrs[0]).await, Ok(Err(_))), "refused");
+        assert!(connect(addrs[1]).await.is_err(), "the SYN vanished");
+        let mut hung = connect(addrs[2]).await.unwrap().unwrap();
+        hung.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nx-sg-intended: shop/cart\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 16];
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), hung.read(&mut buf))
+                .await
+                .is_err(),
+            "the hung address answered"
+        );
+        // Reused: the refusing address answers as its new pod.
+        world.recycle(gone[0], "cart").unwrap();
+        world.settle();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(matches!(connect(addrs[0]).await, Ok(Ok(_))), "reused");
     }
 }

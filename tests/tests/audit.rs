@@ -6,19 +6,16 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use staleguard_tests::audit::{self, AuditRun, Broken};
+use staleguard_tests::audit::{self, AuditRun, Broken, FileValidator, Pod, Truth};
 use staleguard_tests::eds::EdsFile;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway, WAIT};
-use staleguard_tests::process::{free_addr, wait_for_port, Guard};
+use staleguard_tests::process::{free_addr, wait_for_port, OwnedProcess};
 use staleguard_tests::scene::{self, Deps};
 use staleguard_tests::traffic::Http;
-use staleguard_tests::validator::Validator;
-use staleguard_tests::world::write_atomically;
 
 const CART: &str = "outbound|80||cart.shop.svc.cluster.local";
 const PAY: &str = "outbound|80||pay.shop.svc.cluster.local";
@@ -34,57 +31,33 @@ const HOST_NETWORK: &str = "127.0.3.4";
 const DESTROYED: &str = "127.0.3.5";
 const UNMAPPED: &str = "127.0.3.9";
 
-fn pod(name: &str, app: &str, ip: &str, terminating: bool, host_network: bool) -> Value {
-    let mut metadata = json!({"name": name, "namespace": "shop", "uid": format!("uid-{name}"),
-        "labels": {"app": app}});
-    if terminating {
-        metadata["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
-    }
-    json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
-        "spec": {"hostNetwork": host_network, "containers": [{"name": "app", "image": "x"}]},
-        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
-                   "conditions": [{"type": "Ready", "status": "True"}]}})
-}
-
-fn service(name: &str) -> Value {
-    json!({"apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name, "namespace": "shop", "uid": format!("svc-{name}")},
-        "spec": {"selector": {"app": name}, "ports": [{"name": "http", "port": 80}]}})
-}
-
 /// The cluster's truth; `with_doomed` keeps the pod whose deletion the test
 /// then shows (so the validator remembers it with a tombstone).
-fn truth(with_doomed: bool) -> Value {
-    let mut items = vec![
-        service("cart"),
-        service("pay"),
-        service("agent"),
-        pod("cart-0", "cart", MEMBER, false, false),
-        pod("cart-1", "cart", TERMINATING, true, false),
-        pod("pay-0", "pay", RECYCLED, false, false),
-        pod("agent-node-1", "agent", HOST_NETWORK, false, true),
-    ];
+fn cluster(with_doomed: bool) -> Truth {
+    let truth = Truth::default()
+        .service("cart", 80)
+        .service("pay", 80)
+        .service("agent", 80)
+        .pod(Pod::new("cart-0", "cart", MEMBER))
+        .pod(Pod::new("cart-1", "cart", TERMINATING).terminating())
+        .pod(Pod::new("pay-0", "pay", RECYCLED))
+        .pod(Pod::new("agent-node-1", "agent", HOST_NETWORK).host_network());
     if with_doomed {
-        items.push(pod("cart-2", "cart", DESTROYED, false, false));
+        truth.pod(Pod::new("cart-2", "cart", DESTROYED))
+    } else {
+        truth
     }
-    json!({"apiVersion": "v1", "kind": "List", "items": items})
 }
 
 /// A validator on the truth, and an Envoy whose stuck EDS still lists the
 /// pods of before.
 struct Setup {
-    _one_at_a_time: tokio::sync::MutexGuard<'static, ()>,
-    dir: PathBuf,
     deps: Deps,
-    validator: Validator,
+    truth: FileValidator,
     _envoy: Envoy,
     admin: SocketAddr,
-}
-
-impl Drop for Setup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+    /// Dropped last, once Envoy and the validator are gone.
+    _one_at_a_time: tokio::sync::MutexGuard<'static, ()>,
 }
 
 impl Setup {
@@ -94,32 +67,22 @@ impl Setup {
         // by concurrent setups could collide.
         static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
         let guard = ONE_AT_A_TIME.lock().await;
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "staleguard-audit-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let http = Http::new();
-        let truth_path = dir.join("cluster.json");
-        write_atomically(&truth_path, truth(true).to_string().as_bytes()).unwrap();
-        let validator = Validator::start(
-            &http,
+        let truth = FileValidator::start(
             &deps.validator,
-            &truth_path,
+            &cluster(true),
+            None,
             &["--file-poll", "100ms"],
-            false,
         )
         .await
         .unwrap();
         // cart-2 goes away: its IP keeps a tombstone, and the gateway's
         // (frozen) EDS still lists it.
-        write_atomically(&truth_path, truth(false).to_string().as_bytes()).unwrap();
+        truth.write_truth(&cluster(false)).unwrap();
         let destroyed = DESTROYED.parse().unwrap();
-        validator
+        truth
+            .validator
             .wait_verdicts(
-                &http,
+                &Http::new(),
                 &[("shop/cart".into(), destroyed, "destroyed")],
                 Duration::from_secs(30),
             )
@@ -128,9 +91,9 @@ impl Setup {
 
         let port = 8080;
         let addr = |ip: &str| SocketAddr::new(ip.parse().unwrap(), port);
-        let mut cart_eds = EdsFile::new(dir.join("eds-cart.json"), "cart");
+        let mut cart_eds = EdsFile::new(truth.dir.join("eds-cart.json"), "cart");
         cart_eds.write(&CART_IPS.map(addr)).unwrap();
-        let mut pay_eds = EdsFile::new(dir.join("eds-pay.json"), "pay");
+        let mut pay_eds = EdsFile::new(truth.dir.join("eds-pay.json"), "pay");
         pay_eds.write(&[addr(RECYCLED)]).unwrap();
 
         let plugin = shipped_plugin(json!({
@@ -142,7 +105,7 @@ impl Setup {
         let gateway = Gateway {
             name: "audit".into(),
             ..Gateway::new(
-                validator.listen,
+                truth.validator.listen,
                 vec![
                     Cluster::eds(CART, &cart_eds, guarded()),
                     Cluster::eds(CART_PLAIN, &cart_eds, guarded()),
@@ -162,12 +125,11 @@ impl Setup {
             .unwrap();
         let admin = envoy.admin;
         Some(Self {
-            _one_at_a_time: guard,
-            dir,
             deps,
-            validator,
+            truth,
             _envoy: envoy,
             admin,
+            _one_at_a_time: guard,
         })
     }
 
@@ -177,7 +139,7 @@ impl Setup {
     }
 
     fn validator_url(&self) -> String {
-        format!("http://{}", self.validator.listen)
+        self.truth.url()
     }
 }
 
@@ -265,7 +227,7 @@ async fn the_audit_of_a_live_gateway_names_every_stale_endpoint_and_exits_1() {
     let report = run.json().unwrap();
     assert_eq!(
         rows(&report),
-        expected(setup.validator.listen),
+        expected(setup.truth.validator.listen),
         "{report:#}"
     );
     assert_eq!(
@@ -326,7 +288,7 @@ async fn a_saved_config_dump_audits_like_the_live_gateway() {
         .await
         .unwrap();
     assert_eq!(dump.status, 200);
-    let path = setup.dir.join("config_dump.json");
+    let path = setup.truth.dir.join("config_dump.json");
     std::fs::write(&path, &dump.body).unwrap();
     let path = path.display().to_string();
     let url = setup.validator_url();
@@ -344,13 +306,13 @@ async fn a_saved_config_dump_audits_like_the_live_gateway() {
     let report = run.json().unwrap();
     assert_eq!(
         rows(&report),
-        expected(setup.validator.listen),
+        expected(setup.truth.validator.listen),
         "{report:#}"
     );
     assert_eq!(report["gateway"], "config_dump.json");
 
     // And judged by a cluster dump through the file source, no validator.
-    let truth = setup.dir.join("cluster.json").display().to_string();
+    let truth = setup.truth.truth_path().display().to_string();
     let run = setup
         .audit(&[
             "--config-dump",
@@ -362,7 +324,10 @@ async fn a_saved_config_dump_audits_like_the_live_gateway() {
         ])
         .await;
     assert_eq!(run.code, 1, "{}\n{}", run.stdout, run.stderr);
-    assert_eq!(rows(&run.json().unwrap()), expected(setup.validator.listen));
+    assert_eq!(
+        rows(&run.json().unwrap()),
+        expected(setup.truth.validator.listen)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -372,7 +337,7 @@ async fn a_plugin_config_the_filter_refuses_or_that_maps_nothing_exits_non_zero_
     };
     let admin = setup.admin.to_string();
     let url = setup.validator_url();
-    let path = setup.dir.join("plugin.json");
+    let path = setup.truth.dir.join("plugin.json");
     let config = path.display().to_string();
     let args = [
         "--admin",
@@ -477,7 +442,12 @@ async fn broken_admin_output_an_unreachable_admin_and_an_unreachable_validator_e
     assert_eq!(doc["error"]["kind"], "validator_unreachable");
     assert_eq!(doc["exit_status"], 5);
 
-    let missing = setup.dir.join("no-such-dump.json").display().to_string();
+    let missing = setup
+        .truth
+        .dir
+        .join("no-such-dump.json")
+        .display()
+        .to_string();
     let run = setup
         .audit(&["--config-dump", &missing, "--validator", &url])
         .await;
@@ -530,7 +500,7 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
         .args(["--validator", &setup.validator_url()])
         .args(["--gateway", "gw-b", "--every", "1s"])
         .args(["--metrics-listen", &listen.to_string()]);
-    let sidecar = Guard::spawn("audit-sidecar", cmd).unwrap();
+    let sidecar = OwnedProcess::spawn("audit-sidecar", cmd).unwrap();
     wait_for_port(&sidecar, listen, Duration::from_secs(30)).unwrap();
     let http = Http::new();
     let metrics = |want: Vec<String>| {
@@ -575,7 +545,7 @@ async fn the_continuous_audit_with_every_1s_serves_stale_endpoints_by_gateway_cl
 
     // The validator goes away: runs fail and are counted, and the last
     // findings stay for the alert.
-    setup.validator.kill();
+    setup.truth.validator.kill();
     let text = metrics(vec![
         "staleguard_validator_audit_runs_total{gateway=\"gw-b\",outcome=\"validator_unreachable\"}"
             .into(),

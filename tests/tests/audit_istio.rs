@@ -6,56 +6,30 @@
 
 use std::net::SocketAddr;
 
-use serde_json::{json, Value};
-use staleguard_tests::audit;
+use staleguard_tests::audit::{self, FileValidator, Pod, Truth};
 use staleguard_tests::envoy::dependencies;
 use staleguard_tests::istio::{
     self, apply_envoyfilter, gateway_output, set_module, shipped_envoyfilter, Protocol, Service,
 };
-use staleguard_tests::traffic::Http;
-use staleguard_tests::validator::{self, Validator};
+use staleguard_tests::validator;
 
 const TOKEN: &str = "gateway-token-from-a-kubernetes-secret-0123456789";
-
-fn pod(name: &str, app: &str, ip: &str) -> Value {
-    json!({"apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "shop", "uid": format!("uid-{name}"), "labels": {"app": app}},
-        "spec": {"containers": [{"name": "app", "image": "x"}]},
-        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
-                   "conditions": [{"type": "Ready", "status": "True"}]}})
-}
-
-fn service(name: &str) -> Value {
-    json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "shop"},
-        "spec": {"selector": {"app": name}, "ports": [{"name": "http", "port": 8080}]}})
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() {
     let (Some((_, wasm)), Some(binary)) = (dependencies(), validator::binary()) else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("staleguard-audit-istio-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let truth = dir.join("cluster.json");
-    let items = vec![
-        service("cart"),
-        service("pay"),
-        pod("cart-1", "cart", "127.0.3.41"),
-        pod("pay-1", "pay", "127.0.3.43"),
-    ];
-    std::fs::write(
-        &truth,
-        json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string(),
-    )
-    .unwrap();
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, TOKEN).unwrap();
-    let http = Http::new();
-    let token_arg = format!("--token-file={}", token_file.display());
-    let validator = Validator::start(&http, &binary, &truth, &[&token_arg], false)
+    let truth = Truth::default()
+        .service("cart", 8080)
+        .service("pay", 8080)
+        .pod(Pod::new("cart-1", "cart", "127.0.3.41"))
+        .pod(Pod::new("pay-1", "pay", "127.0.3.43"));
+    let truth = FileValidator::start(&binary, &truth, Some(TOKEN), &[])
         .await
         .unwrap();
+    let validator = &truth.validator;
+    let token_file = truth.token_file().expect("started with a token");
 
     // Istio still lists cart-1, a destroyed pod's IP and pay-1's (recycled).
     let eps: Vec<SocketAddr> = ["127.0.3.41:8080", "127.0.3.42:8080", "127.0.3.43:8080"]
@@ -89,7 +63,7 @@ async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() 
         "--admin",
         &gateway.admin.to_string(),
         "--validator",
-        &format!("http://{}", validator.listen),
+        &truth.url(),
         "--token-file",
         &token_file.display().to_string(),
         "--output",
@@ -123,5 +97,4 @@ async fn the_audit_maps_an_istio_gateway_with_the_plugin_config_on_its_router() 
     let own = find("staleguard-validator");
     assert_eq!(own["summary"]["by_reason"]["unmapped"], 1, "{own:#}");
     gateway.check_alive().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,5 +1,7 @@
 //! Issue 21: the incident staleguard exists for, at its proportions, through
-//! the gateway configuration the project ships. 25 endpoints of `shop/cart`,
+//! the gateway configurations the project ships: the plain-Envoy example
+//! (`deploy/envoy/envoy.yaml`) and an Istio-shaped gateway with the shipped
+//! EnvoyFilter and what `deploy/istio/twins.py` generates. 25 endpoints of `shop/cart`,
 //! 2 live, the rest recycled (answering 200 as `shop/other`), blackholed
 //! (SYNs dropped), refusing and hung ([`staleguard_tests::incident`]); 16
 //! concurrent clients; GET, HEAD, POST, PUT, PATCH with bodies up to 1 MiB.
@@ -11,17 +13,27 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Result;
+use serde_json::json;
 use staleguard_tests::blocking::{Answer, Server};
-use staleguard_tests::envoy::{dependencies, shipped_gateway, Envoy, Launch};
+use staleguard_tests::envoy::{
+    dependencies, shipped_gateway, shipped_plugin_config, Envoy, Launch,
+};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::incident::{self, Endpoints, Kind, Load, Mix, Reports, ALL};
+use staleguard_tests::istio::{
+    self, apply_envoyfilter, gateway_output, generated_twins, plugin_config, set_module,
+    set_plugin_config, shipped_envoyfilter, without_destination_rules, Protocol, Service,
+};
 use staleguard_tests::process::free_addr;
 
 /// Requests per client: 16 clients, about 1,000 requests of each method
 /// (`STALEGUARD_INCIDENT_REQUESTS` per client to change it;
 /// `STALEGUARD_INCIDENT_ACCESS_LOG=1` prints the failures' access log lines).
 fn per_client() -> usize {
-    staleguard_tests::bench::env_usize("STALEGUARD_INCIDENT_REQUESTS", 320)
+    std::env::var("STALEGUARD_INCIDENT_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(320)
 }
 
 /// The shipped plain-Envoy gateway over `endpoints`, its filter synced.
@@ -52,19 +64,24 @@ fn print(what: &str, reports: &Reports) {
     }
 }
 
-#[test]
-fn the_shipped_envoy_gateway_answers_every_request_from_a_live_pod_at_92_percent_stale(
-) -> Result<()> {
-    let endpoints = Endpoints::start(21, Mix::INCIDENT)?;
-    let validator = FakeValidator::start(2100)?;
+/// A gateway started over some endpoints: `(name, validator, endpoints)`.
+type Start<'a> = &'a dyn Fn(&str, &FakeValidator, &[SocketAddr]) -> Result<Option<Envoy>>;
+
+/// Issue 21's scenario through the gateway `start` gives, on `127.0.<net>.*`
+/// (and `net + 1` for the baseline with no stale endpoint), then its bar:
+/// nothing at a stale endpoint; at least 99.9% of each method answered by a
+/// live cart pod, none by another service, bodies intact; the p99 within
+/// 50 ms of the same gateway's with no stale endpoint.
+fn incident_through(what: &str, net: u8, start: Start<'_>, load: &Load) -> Result<()> {
+    let endpoints = Endpoints::start(net, Mix::INCIDENT)?;
+    let validator = FakeValidator::start(u64::from(net) * 100)?;
     let (services, records) = endpoints.index();
     validator.set_index(services, records);
-    let Some(envoy) = shipped("incident", &validator, &endpoints.addrs())? else {
+    let Some(envoy) = start(&format!("{what}-incident"), &validator, &endpoints.addrs())? else {
         return Ok(());
     };
-    let load = Load::incident(per_client());
-    let reports = incident::run(envoy.listener, &load)?;
-    print("incident", &reports);
+    let reports = incident::run(envoy.listener, load)?;
+    print(&format!("{what} incident"), &reports);
     let stale_hits: Vec<(Kind, u64)> = [Kind::Recycled, Kind::Hung]
         .into_iter()
         .map(|k| (k, endpoints.hits(k)))
@@ -82,19 +99,20 @@ fn the_shipped_envoy_gateway_answers_every_request_from_a_live_pod_at_92_percent
     drop(envoy);
 
     // The same gateway with no stale endpoint: the latency baseline.
-    let healthy = Endpoints::start(22, Mix::HEALTHY)?;
-    let validator_ok = FakeValidator::start(2200)?;
+    let healthy = Endpoints::start(net + 1, Mix::HEALTHY)?;
+    let validator_ok = FakeValidator::start((u64::from(net) + 1) * 100)?;
     let (services, records) = healthy.index();
     validator_ok.set_index(services, records);
-    let Some(baseline_envoy) = shipped("healthy", &validator_ok, &healthy.addrs())? else {
+    let Some(baseline_envoy) = start(&format!("{what}-healthy"), &validator_ok, &healthy.addrs())?
+    else {
         return Ok(());
     };
-    let baseline = incident::run(baseline_envoy.listener, &load)?;
-    print("healthy ", &baseline);
+    let baseline = incident::run(baseline_envoy.listener, load)?;
+    print(&format!("{what} healthy "), &baseline);
     drop(baseline_envoy);
 
-    for (kind, hits) in stale_hits {
-        assert_eq!(hits, 0, "requests reached {} endpoints", kind.as_str());
+    for (kind, hits) in &stale_hits {
+        assert_eq!(*hits, 0, "requests reached {} endpoints", kind.as_str());
     }
     for (method, r) in &reports {
         assert!(r.answered * 1000 >= r.sent * 999, "{method}: {}", r.line());
@@ -114,6 +132,86 @@ fn the_shipped_envoy_gateway_answers_every_request_from_a_live_pod_at_92_percent
         "p99 {p99:?} against {base:?} with no stale endpoint"
     );
     Ok(())
+}
+
+#[test]
+fn the_shipped_envoy_gateway_answers_every_request_from_a_live_pod_at_92_percent_stale(
+) -> Result<()> {
+    incident_through("plain", 21, &shipped, &Load::incident(per_client()))
+}
+
+/// The token the Istio gateway presents (from its environment, as shipped).
+const TOKEN: &str = "incident-token";
+
+/// The Istio-shaped gateway over `cart`: the listener and clusters istiod
+/// generates for `cart.example.com` routed to `shop/cart` with Istio's
+/// defaults (its retry policy, its circuit breakers: no DestinationRule), the
+/// shipped EnvoyFilter of deploy/istio applied, then what `deploy/istio/twins.py`
+/// generates for the service: its twin and, with `--body`, its body path.
+/// The knobs: the guard in enforce mode (shipped: audit, the first step of
+/// docs/operations.md) with the `retry` block of the plain-Envoy example.
+fn istio_gateway(
+    name: &str,
+    validator: &FakeValidator,
+    cart: &[SocketAddr],
+) -> Result<Option<Envoy>> {
+    let Some((_, wasm)) = dependencies() else {
+        return Ok(None);
+    };
+    let services = vec![Service {
+        name: "cart".into(),
+        namespace: "shop".into(),
+        port: 8080,
+        protocol: Protocol::Http,
+        route_host: "cart.example.com".into(),
+        endpoints: cart.to_vec(),
+    }];
+    let mut output = gateway_output(&services, 8080);
+    without_destination_rules(&mut output);
+    let shipped = shipped_envoyfilter()?;
+    apply_envoyfilter(&mut output, &shipped)?;
+    let guard = std::env::temp_dir().join(format!(
+        "staleguard-incident-envoyfilter-{}-{name}.json",
+        std::process::id()
+    ));
+    std::fs::write(&guard, shipped.to_string())?;
+    let port = cart.first().map_or(8080, SocketAddr::port).to_string();
+    let twins = generated_twins(
+        &output["clusters"],
+        &[
+            "--service",
+            "cart.shop.svc.cluster.local",
+            "--wasm",
+            &wasm.display().to_string(),
+            "--body",
+            "cart.shop.svc.cluster.local=cart.example.com:8080",
+            "--guard",
+            &guard.display().to_string(),
+            "--target-port",
+            &port,
+        ],
+    );
+    let _ = std::fs::remove_file(&guard);
+    apply_envoyfilter(&mut output, &twins?)?;
+    let mut plugin = plugin_config(&output)?;
+    plugin["mode"] = json!("enforce");
+    plugin["retry"] = shipped_plugin_config()["retry"].clone();
+    set_plugin_config(&mut output, &plugin);
+    set_module(&mut output, Some(&wasm), None);
+    validator.set_token(Some(TOKEN));
+    let Some(envoy) = istio::run(name, &output, &services, validator.addr(), None, TOKEN)? else {
+        return Ok(None);
+    };
+    envoy.wait_first_sync()?;
+    Ok(Some(envoy))
+}
+
+#[test]
+fn the_istio_gateway_in_enforce_mode_with_retry_and_the_generated_body_path_answers_every_request_from_a_live_pod_at_92_percent_stale(
+) -> Result<()> {
+    let mut load = Load::incident(per_client());
+    load.host = Some("cart.example.com".into());
+    incident_through("istio", 25, &istio_gateway, &load)
 }
 
 /// Issue 24: the body path's route retries an answer that carries the
@@ -199,5 +297,75 @@ fn a_replayed_answer_above_the_shipped_max_answer_bytes_gets_the_rejection() -> 
             .unwrap_or(0)
             == refused
     })?;
+    Ok(())
+}
+
+/// Issue 21: outside an incident the body path keeps the guarded cluster's
+/// own load balancing (the shipped `steer.while_stale_ms`): requests with a
+/// body go through the hop to `shop-cart`, none to its twin, until the guard
+/// judges a pick stale; from then on they are steered through the twin.
+#[test]
+fn the_shipped_body_path_keeps_the_clusters_own_balancing_until_a_stale_pick_is_seen() -> Result<()>
+{
+    let mix = Mix {
+        recycled: 1,
+        ..Mix::HEALTHY
+    };
+    let endpoints = Endpoints::start(29, mix)?;
+    let validator = FakeValidator::start(2900)?;
+    // At first the index still knows the recycled IP as a live cart pod.
+    let recycled = endpoints.all[2].0.ip().to_string();
+    let (services, records) = endpoints.index();
+    let before: Vec<_> = records
+        .iter()
+        .filter(|r| r.ip.to_string() != recycled)
+        .cloned()
+        .chain([pod(&recycled, "cart-2", &[&incident::cart()], false)])
+        .collect();
+    validator.set_index(services.clone(), before);
+    let Some(envoy) = shipped("keeps-balancing", &validator, &endpoints.addrs())? else {
+        return Ok(());
+    };
+    let counts = |envoy: &Envoy| -> Result<(u64, u64)> {
+        let stats = envoy.stats()?;
+        let get = |name: &str| stats.get(name).copied().unwrap_or(0);
+        Ok((
+            get("cluster.shop-cart.upstream_rq_total"),
+            get("cluster.shop-cart|staleguard-twin.upstream_rq_total"),
+        ))
+    };
+    for i in 0..20 {
+        let r = envoy.send("-", "POST", &format!("/cart/{i}"), Some(b"order"))?;
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    assert_eq!(counts(&envoy)?, (20, 0), "steered with nothing stale");
+
+    // The IP is recycled: the guard judges its picks stale, and the body
+    // path steers from then on.
+    validator.set_index(services, records);
+    envoy.eventually("a stale pick judged", Duration::from_secs(40), |e| {
+        let r = e.send("-", "GET", "/cart/probe", None)?;
+        assert_eq!(r.status, 200, "{r:?}");
+        Ok(e.stats()?
+            .iter()
+            .any(|(k, v)| k.contains("reason.recycled") && *v > 0))
+    })?;
+    let (direct, replays) = counts(&envoy)?;
+    let reached = endpoints.hits(Kind::Recycled);
+    for i in 0..10 {
+        let r = envoy.send("-", "POST", &format!("/cart/s{i}"), Some(b"order"))?;
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    let (after, twin) = counts(&envoy)?;
+    assert_eq!(
+        (after - direct, twin - replays),
+        (0, 10),
+        "steered during the incident"
+    );
+    assert_eq!(
+        endpoints.hits(Kind::Recycled),
+        reached,
+        "a POST reached the recycled pod"
+    );
     Ok(())
 }

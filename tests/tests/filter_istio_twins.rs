@@ -4,43 +4,17 @@
 //! the harness's own in real Envoy, and the replay still answers every stale
 //! pick from a live pod with nothing at the stale host.
 
-use std::io::Write;
 use std::process::{Command, Stdio};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::{named_host, named_host_on};
 use staleguard_tests::envoy::{cluster_mut, clusters_mut, shipped_plugin, tail, Cluster, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
+use staleguard_tests::istio::{generated_twins as generated, twins_py};
 
 const CLUSTER: &str = "outbound|8080||cart.shop.svc.cluster.local";
-
-fn twins_py(input: &Value, args: &[&str]) -> Result<std::process::Output> {
-    let script = format!("{}/../deploy/istio/twins.py", env!("CARGO_MANIFEST_DIR"));
-    let mut child = Command::new("python3")
-        .arg(script)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("python3 (needed by deploy/istio/twins.py)")?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(input.to_string().as_bytes())?;
-    Ok(child.wait_with_output()?)
-}
-
-fn generated(input: &Value, args: &[&str]) -> Result<Value> {
-    let out = twins_py(input, args)?;
-    if !out.status.success() {
-        bail!("twins.py: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(serde_json::from_slice(&out.stdout)?)
-}
 
 /// What Istio adds to an outbound cluster that the twin must keep.
 fn istio_shape(cluster: &mut Value) {
@@ -488,5 +462,105 @@ fn the_audit_reports_a_twin_that_drifted_from_its_cluster() -> Result<()> {
     guarded["connect_timeout"] = json!("2s");
     let changed = parse_config_dump(dump(&guarded).to_string().as_bytes(), "dump")?;
     assert_eq!(drift(&changed)?, ["circuit_breakers", "connect_timeout"]);
+    Ok(())
+}
+
+/// `--body` adds the service's body path to the twins' EnvoyFilter: the hop
+/// cluster in the guard's VM (its vm_config, the module aside), the internal
+/// listener whose router carries the guard of `--guard`, the vhost's routes
+/// re-picking ten times, and the body route inserted first; it refuses to
+/// run without the guard or for a service it does not guard.
+#[test]
+fn twins_py_body_writes_the_body_path_with_the_guard_of_the_shipped_envoyfilter() -> Result<()> {
+    let eds = json!([{"name": CLUSTER, "type": "EDS", "eds_cluster_config": {"eds_config": {"ads": {}}}}]);
+    let shipped = staleguard_tests::istio::shipped_envoyfilter()?;
+    let guard = std::env::temp_dir().join(format!(
+        "staleguard-twins-guard-{}.json",
+        std::process::id()
+    ));
+    std::fs::write(&guard, shipped.to_string())?;
+    let guard_arg = guard.display().to_string();
+    let body = "cart.shop.svc.cluster.local=cart.example.com:80";
+    let doc = generated(&eds, &["--body", body, "--guard", &guard_arg]);
+    let no_guard = twins_py(&eds, &["--body", body])?;
+    let unguarded = twins_py(
+        &eds,
+        &[
+            "--body",
+            "other.shop.svc.cluster.local=x:80",
+            "--guard",
+            &guard_arg,
+        ],
+    )?;
+    let _ = std::fs::remove_file(&guard);
+    let doc = doc?;
+    assert!(String::from_utf8_lossy(&no_guard.stderr).contains("--body needs --guard"));
+    assert!(String::from_utf8_lossy(&unguarded.stderr).contains("names no guarded cluster"));
+
+    let patches = doc["spec"]["configPatches"].as_array().context("patches")?;
+    let kinds: Vec<(String, String)> = patches
+        .iter()
+        .map(|p| {
+            (
+                p["applyTo"].as_str().unwrap_or_default().to_owned(),
+                p["patch"]["operation"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, String)> = [
+        ("CLUSTER", "ADD"),
+        ("CLUSTER", "ADD"),
+        ("LISTENER", "ADD"),
+        ("HTTP_ROUTE", "MERGE"),
+        ("HTTP_ROUTE", "INSERT_FIRST"),
+    ]
+    .iter()
+    .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+    .collect();
+    assert_eq!(kinds, want);
+    let hop = &patches[1]["patch"]["value"];
+    assert_eq!(hop["name"], format!("{CLUSTER}|staleguard-body"));
+    let steer = &hop["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["http_filters"][0]
+        ["typed_config"]["config"];
+    let guard_vm = &shipped["spec"]["configPatches"][2]["patch"]["value"]["typed_config"]
+        ["upstream_http_filters"][0]["typed_config"]["config"]["vm_config"];
+    assert_eq!(steer["vm_config"]["vm_id"], guard_vm["vm_id"]);
+    assert_eq!(
+        steer["vm_config"]["environment_variables"],
+        guard_vm["environment_variables"]
+    );
+    let steer_config: Value = serde_json::from_str(
+        steer["configuration"]["value"]
+            .as_str()
+            .context("steer configuration")?,
+    )?;
+    assert_eq!(steer_config["steer"]["service"], "shop/cart");
+    assert_eq!(steer_config["steer"]["port"], 8080);
+    let listener = &patches[2]["patch"]["value"];
+    let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(
+        hcm["http_filters"][0]["typed_config"]["upstream_http_filters"][0]["typed_config"]
+            ["config"]["configuration"],
+        shipped["spec"]["configPatches"][2]["patch"]["value"]["typed_config"]
+            ["upstream_http_filters"][0]["typed_config"]["config"]["configuration"]
+    );
+    let inner = &hcm["route_config"]["virtual_hosts"][0]["routes"];
+    assert_eq!(
+        inner[0]["route"]["cluster"],
+        format!("{CLUSTER}|staleguard-twin")
+    );
+    assert_eq!(inner[1]["route"]["cluster"], CLUSTER);
+    assert_eq!(
+        patches[3]["patch"]["value"]["route"]["retry_policy"]["num_retries"],
+        10
+    );
+    assert_eq!(
+        patches[4]["patch"]["value"]["route"]["cluster"],
+        format!("{CLUSTER}|staleguard-body")
+    );
     Ok(())
 }

@@ -115,7 +115,7 @@ pub struct Args {
     /// Address of the public API listener (`/v1`). Loopback unless told
     /// otherwise: a validator started by hand serves nobody else (in a cluster,
     /// `deploy/` sets `0.0.0.0:8080` and a token).
-    #[arg(long, env = "STALEGUARD_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(long, env = "STALEGUARD_LISTEN", default_value_t = ApiConfig::DEFAULT_LISTEN.to_string())]
     pub listen: String,
 
     /// Address of the admin listener (`/healthz`, `/readyz`, `/metrics`).
@@ -123,7 +123,7 @@ pub struct Args {
     #[arg(
         long,
         env = "STALEGUARD_ADMIN_LISTEN",
-        default_value = "127.0.0.1:9090"
+        default_value_t = ApiConfig::DEFAULT_ADMIN_LISTEN.to_string()
     )]
     pub admin_listen: String,
 
@@ -157,11 +157,11 @@ pub struct Args {
     pub allow_no_token: bool,
 
     /// The longest `wait` a long poll may ask for.
-    #[arg(long, env = "STALEGUARD_MAX_WAIT", default_value = "60s")]
+    #[arg(long, env = "STALEGUARD_MAX_WAIT", default_value_t = flag(ApiConfig::default().max_wait))]
     pub max_wait: String,
 
     /// How many long polls may wait at once; more are answered 429.
-    #[arg(long, env = "STALEGUARD_MAX_LONG_POLLS", default_value_t = 4096)]
+    #[arg(long, env = "STALEGUARD_MAX_LONG_POLLS", default_value_t = ApiConfig::default().max_long_polls)]
     pub max_long_polls: usize,
 
     /// How many of the waiting long polls one client (source address) may
@@ -169,51 +169,51 @@ pub struct Args {
     #[arg(
         long,
         env = "STALEGUARD_MAX_LONG_POLLS_PER_CLIENT",
-        default_value_t = 64
+        default_value_t = ApiConfig::default().max_long_polls_per_client
     )]
     pub max_long_polls_per_client: usize,
 
     /// How long any request may take on top of its `wait`.
-    #[arg(long, env = "STALEGUARD_REQUEST_TIMEOUT", default_value = "10s")]
+    #[arg(long, env = "STALEGUARD_REQUEST_TIMEOUT", default_value_t = flag(ApiConfig::default().request_timeout))]
     pub request_timeout: String,
 
     /// How many answers (snapshots, deltas) may be built at once; more wait
     /// their turn. Every reset, whatever its `since`, shares one snapshot build.
-    #[arg(long, env = "STALEGUARD_MAX_BUILDS", default_value_t = 2)]
+    #[arg(long, env = "STALEGUARD_MAX_BUILDS", default_value_t = ApiConfig::default().max_builds)]
     pub max_builds: usize,
 
     /// How many `POST /v1/verdicts` may be read and judged at once; more wait
     /// their turn (each holds a body of up to 20 MiB while judged).
-    #[arg(long, env = "STALEGUARD_MAX_VERDICT_BATCHES", default_value_t = 2)]
+    #[arg(long, env = "STALEGUARD_MAX_VERDICT_BATCHES", default_value_t = ApiConfig::default().max_verdict_batches)]
     pub max_verdict_batches: usize,
 
     /// After SIGTERM, how long open connections may take before the process
     /// exits anyway.
-    #[arg(long, env = "STALEGUARD_SHUTDOWN_GRACE", default_value = "10s")]
+    #[arg(long, env = "STALEGUARD_SHUTDOWN_GRACE", default_value_t = flag(ApiConfig::default().shutdown_grace))]
     pub shutdown_grace: String,
 
     /// Connections the public listener holds at once; more are closed as soon
     /// as accepted. Lowered at start, with a warning, when the open file limit
     /// has no room for it beside the admin listener's 128.
-    #[arg(long, env = "STALEGUARD_MAX_CONNECTIONS", default_value_t = 8192)]
+    #[arg(long, env = "STALEGUARD_MAX_CONNECTIONS", default_value_t = ConnectionLimits::API.max_connections)]
     pub max_connections: usize,
 
     /// Connections the public listener holds at once from one source address.
     #[arg(
         long,
         env = "STALEGUARD_MAX_CONNECTIONS_PER_SOURCE",
-        default_value_t = 256
+        default_value_t = ConnectionLimits::API.max_per_source
     )]
     pub max_connections_per_source: usize,
 
     /// Time a client has to send a complete request head, on a new connection
     /// or between two requests of a kept-alive one (both listeners).
-    #[arg(long, env = "STALEGUARD_HEADER_READ_TIMEOUT", default_value = "10s")]
+    #[arg(long, env = "STALEGUARD_HEADER_READ_TIMEOUT", default_value_t = flag(ConnectionLimits::API.header_read_timeout))]
     pub header_read_timeout: String,
 
     /// A connection on which no byte moved for this long while no request of
     /// it is being handled is closed (both listeners).
-    #[arg(long, env = "STALEGUARD_IDLE_TIMEOUT", default_value = "30s")]
+    #[arg(long, env = "STALEGUARD_IDLE_TIMEOUT", default_value_t = flag(ConnectionLimits::API.idle_timeout))]
     pub idle_timeout: String,
 }
 
@@ -474,6 +474,11 @@ impl Config {
     }
 }
 
+/// `d` as a flag's default is shown and parsed (`1m`, `10s`, `500ms`).
+fn flag(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
 /// Parses a duration such as `500ms`, `1.5s`, `10m`, `1h` or `1m30s` (humantime's
 /// syntax: numbers with a unit each, summed). A bare number has no unit and is
 /// refused rather than guessed.
@@ -516,6 +521,11 @@ mod tests {
         );
         assert_eq!(c.api.listen, "127.0.0.1:8080".parse().unwrap());
         assert_eq!(c.api.admin_listen, "127.0.0.1:9090".parse().unwrap());
+    }
+
+    #[test]
+    fn api_config_default_is_what_no_flags_give() {
+        assert_eq!(parse(&[]).unwrap().api, ApiConfig::default());
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! a fresh pod IP -> identity index.
 //!
 //! Where to start: [`index`] is the pure state machine that turns watch events
-//! into per-IP records (its rules are in `docs/index.md`); [`shared`] puts it
+//! into per-IP records (its rules are in `docs/index.md`); [`live`] puts it
 //! behind a lock with freshness and watch health; [`source`] feeds it from the
 //! Kubernetes API or a file; [`config`] reads flags and environment; [`run`]
 //! wires them together. [`audit`] is the `audit` subcommand: what a gateway
@@ -13,9 +13,9 @@ pub mod api;
 pub mod audit;
 pub mod config;
 pub mod index;
+pub mod live;
 pub mod metrics;
 pub mod scope;
-pub mod shared;
 pub mod source;
 pub mod summary;
 pub mod synth;
@@ -26,7 +26,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::Config;
 use crate::index::Index;
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 use crate::source::SourceError;
 
 /// Why the validator stopped.

@@ -6,7 +6,7 @@ use std::fmt;
 use staleguard_core::{Freshness, ServiceKey};
 
 use crate::index::IndexStats;
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 
 /// What the index holds at one moment.
 #[derive(Debug, Clone)]

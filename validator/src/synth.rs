@@ -13,7 +13,7 @@ use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
 use crate::index::{Index, IndexConfig};
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 
 /// The label every synthetic pod carries, matched by its service's selector.
 pub const APP_LABEL: &str = "app";

@@ -18,7 +18,7 @@ async fn validator(connections: ConnectionLimits) -> (SocketAddr, SocketAddr) {
 }
 
 async fn validator_of(
-    index: staleguard_validator::shared::SharedIndex,
+    index: staleguard_validator::live::SharedIndex,
     connections: ConnectionLimits,
 ) -> (SocketAddr, SocketAddr) {
     let config = ApiConfig {

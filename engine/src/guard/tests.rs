@@ -226,6 +226,35 @@ fn a_hold_is_released_by_a_sane_answer_and_confirmed_by_persistence() {
 }
 
 #[test]
+fn the_ip_table_keeps_both_families_apart_and_whole() {
+    let mut t: IpTable<u32> = IpTable::default();
+    let ips: Vec<IpAddr> = ["10.0.0.1", "0.0.0.10", "fd00::1", "::a", "255.255.255.255"]
+        .iter()
+        .map(|ip| ip.parse().unwrap())
+        .collect();
+    t.reserve(ips.iter());
+    for (n, ip) in ips.iter().enumerate() {
+        assert_eq!(t.insert(*ip, n as u32), None);
+    }
+    assert_eq!(t.len(), 5);
+    assert_eq!((t.v4.len(), t.v6.len()), (3, 2));
+    // `::a` is not `0.0.0.10`: each family has its own keys.
+    assert_eq!(t.get(&ips[1]), Some(&1));
+    assert_eq!(t.get(&ips[3]), Some(&3));
+    *t.get_mut(&ips[2]).unwrap() = 20;
+    let mut listed: Vec<(IpAddr, u32)> = t.iter().map(|(ip, n)| (ip, *n)).collect();
+    listed.sort();
+    let mut want: Vec<(IpAddr, u32)> = ips.iter().copied().zip([0, 1, 20, 3, 4]).collect();
+    want.sort();
+    assert_eq!(listed, want);
+    assert_eq!(t.remove(&ips[0]), Some(0));
+    assert_eq!(t.remove(&ips[0]), None);
+    t.retain(|n| *n % 2 == 0);
+    assert_eq!(t.len(), 2, "20 and 4 stay");
+    assert_eq!(t.get(&ips[4]), Some(&4));
+}
+
+#[test]
 fn deltas_keep_the_baseline_in_step() {
     let mut g = armed(20);
     // Twelve api IPs change hands one delta at a time: each is evidenced.

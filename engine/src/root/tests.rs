@@ -93,6 +93,23 @@ pub(crate) fn loaded(extra: &str, ips: &[&str]) -> (Root, FakeHost) {
 }
 
 #[test]
+fn the_poller_asks_for_the_packed_form_and_applies_a_packed_answer() {
+    let (mut root, mut host) = polling("{}");
+    assert_eq!(host.calls[0].header("accept"), Some(crate::sync::ACCEPT));
+    let json: staleguard_core::Snapshot =
+        serde_json::from_slice(&snapshot_body(&["10.0.0.1", "10.0.0.2"])).unwrap();
+    let size = answer(
+        &mut root,
+        &mut host,
+        1,
+        staleguard_core::packed::encode_snapshot(&json),
+    );
+    assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+    assert_eq!(host.counter(metrics::SYNC_BYTES), size as u64);
+    assert_eq!(host.gauges.get(metrics::GAUGE_ENTRIES), Some(&2));
+}
+
+#[test]
 fn the_timer_follows_the_pollers_next_step_no_sooner_than_the_least_interval() {
     let (mut root, mut host) = polling("{}");
     let snapshot = &host.calls[0];

@@ -119,6 +119,80 @@ fn starts_with_a_snapshot_then_long_polls() {
 }
 
 #[test]
+fn packed_answers_apply_as_their_json_does_and_are_asked_for_first() {
+    assert!(ACCEPT.starts_with(packed::MEDIA_TYPE));
+    let mut terminating = rec("10.0.0.3");
+    terminating.pods[0].terminating = true;
+    let mut d = delta(9, 3, 5);
+    d.upserts = vec![rec("10.0.0.2"), terminating];
+    d.removed = vec!["10.0.0.1".parse().unwrap()];
+    d.services_added = vec![ServiceKey::new("shop", "pay")];
+    let answers: [(Changes, bool); 3] = [
+        (
+            Changes::Reset(snapshot(9, 3, &["10.0.0.1", "fd00::1"])),
+            true,
+        ),
+        (Changes::Delta(d), false),
+        (
+            Changes::Reset(snapshot(11, 1, &["10.0.0.2", "10.0.0.4"])),
+            false,
+        ),
+    ];
+    let ips = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "fd00::1"];
+    // What each answer leaves in shared data: meta and every IP's bucket.
+    let run = |encode: &dyn Fn(&Changes, bool) -> Vec<u8>| {
+        let mut store = MemoryStore::default();
+        let mut p = Poller::new(CFG, 7);
+        let mut seen = Vec::new();
+        for (at, (answer, first)) in answers.iter().enumerate() {
+            p.next_request(at as u64, &store).unwrap();
+            let applied = p.on_response(at as u64, 200, &encode(answer, *first), &mut store);
+            let meta = View::new(&store).meta().unwrap();
+            let buckets: Vec<_> = ips
+                .iter()
+                .map(|ip| {
+                    store
+                        .get(&buckets::key_of(&ip.parse().unwrap(), meta.buckets))
+                        .unwrap()
+                        .0
+                })
+                .collect();
+            seen.push((applied.unwrap(), store.get(META_KEY).unwrap().0, buckets));
+        }
+        seen
+    };
+    let json = run(&|answer, first| match (answer, first) {
+        (Changes::Reset(s), true) => json(s),
+        _ => json(answer),
+    });
+    let packed = run(&|answer, first| match (answer, first) {
+        (Changes::Reset(s), true) => packed::encode_snapshot(s),
+        _ => packed::encode_changes(answer),
+    });
+    assert_eq!(packed, json);
+    assert!(
+        matches!(json[1].0, Applied::Delta { changed: 3 }),
+        "{:?}",
+        json[1].0
+    );
+}
+
+#[test]
+fn a_damaged_packed_answer_is_a_decode_error_and_the_data_stays() {
+    let (mut p, mut store) = loaded(&["10.0.0.1"]);
+    p.next_request(0, &store);
+    let mut d = delta(9, 3, 5);
+    d.removed = vec!["10.0.0.1".parse().unwrap()];
+    let bytes = packed::encode_changes(&Changes::Delta(d));
+    let cut = &bytes[..bytes.len() - 4];
+    let err = p.on_response(10, 200, cut, &mut store).unwrap_err();
+    assert!(matches!(err, SyncError::DecodePacked(_)), "{err}");
+    assert_eq!(err.kind(), "decode");
+    assert!(present(&store, "10.0.0.1"));
+    assert_eq!(p.next_request(10_000, &store), Some(Request::Snapshot));
+}
+
+#[test]
 fn deltas_upsert_and_remove() {
     let (mut p, mut store) = loaded(&["10.0.0.1"]);
     p.next_request(0, &store);

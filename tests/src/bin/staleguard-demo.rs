@@ -19,11 +19,12 @@ struct Args {
     /// Ctrl-C).
     #[arg(long, value_parser = parse_duration)]
     duration: Option<Duration>,
-    /// Pods of the `checkout` service before each scale-down.
-    #[arg(long, default_value_t = 60)]
+    /// Pods of the `checkout` service before each scale-down (the
+    /// incident's proportions: 25, of which 2 stay).
+    #[arg(long, default_value_t = 25)]
     pods: usize,
     /// Pods `checkout` keeps after a scale-down.
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 2)]
     keep: usize,
     /// Print events as lines instead of a live table (the default when stdout
     /// is not a terminal).

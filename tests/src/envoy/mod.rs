@@ -30,13 +30,13 @@ pub use bootstrap::{
     VirtualHost, CLUSTER_HEADER,
 };
 pub use shipped::{
-    plugin_configs_in, shipped_gateway, shipped_plugin, shipped_plugin_config,
+    gateway_on_loopback, plugin_configs_in, shipped_gateway, shipped_plugin, shipped_plugin_config,
     shipped_route_retry_policy, shipped_validator_tls,
 };
 pub use stats::Stats;
 
 use crate::blocking::{self, off_runtime, Response};
-use crate::process::{free_port, require, wait_for_port, Guard};
+use crate::process::{free_port, require, wait_for_port, OwnedProcess};
 use crate::traffic::Target;
 use crate::world::World;
 
@@ -75,7 +75,7 @@ pub struct Launch {
 /// A running Envoy, killed when dropped.
 #[derive(Debug)]
 pub struct Envoy {
-    guard: Guard,
+    guard: OwnedProcess,
     /// The gateway's name (the [`Launch`]'s).
     pub name: String,
     /// True when the filter runs on any of its clusters (set by
@@ -131,7 +131,7 @@ impl Envoy {
         if launch.detach {
             detach(&mut cmd);
         }
-        let guard = Guard::spawn(&format!("envoy-{}", launch.name), cmd)?;
+        let guard = OwnedProcess::spawn(&format!("envoy-{}", launch.name), cmd)?;
         wait_for_port(&guard, listener, Duration::from_secs(60))?;
         Ok(Self {
             guard,

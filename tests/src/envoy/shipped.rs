@@ -150,8 +150,22 @@ pub fn shipped_gateway(
     validator: std::net::SocketAddr,
     cart: &[std::net::SocketAddr],
 ) -> Value {
+    gateway_on_loopback(shipped_envoy_doc(), wasm, listener, admin, validator, cart)
+}
+
+/// What [`shipped_gateway`] does, to another version of
+/// `deploy/envoy/envoy.yaml` (`doc`, parsed): a benchmark against the file an
+/// earlier commit shipped.
+pub fn gateway_on_loopback(
+    doc: &Value,
+    wasm: &std::path::Path,
+    listener: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    validator: std::net::SocketAddr,
+    cart: &[std::net::SocketAddr],
+) -> Value {
     use super::bootstrap::{static_cluster, wasm_configs_mut};
-    let mut doc = shipped_envoy_doc().clone();
+    let mut doc = doc.clone();
     doc["admin"]["address"]["socket_address"] =
         serde_json::json!({"address": "127.0.0.1", "port_value": admin.port()});
     doc["static_resources"]["listeners"][0]["address"]["socket_address"] = serde_json::json!(

@@ -25,18 +25,23 @@
 //! distinct documents (deltas from distinct covered generations) still each
 //! build, so at most [`super::Limits::max_builds`] run at once; the others
 //! wait their turn. Every build is counted by the reason that started it.
+//!
+//! An answer is written in the [`Form`] its client asked for: JSON of a view,
+//! or packed ([`staleguard_core::packed`]); each form is built once and shared
+//! like the rest.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
+use axum::http::{header, HeaderMap};
 use staleguard_core::wire::Delta;
-use staleguard_core::{Changes, Snapshot};
+use staleguard_core::{packed, Changes, Snapshot};
 use tokio::sync::OnceCell;
 
+use crate::live::SharedIndex;
 use crate::metrics::Metrics;
-use crate::shared::SharedIndex;
 
 /// How long an encoded answer is reused.
 pub(crate) const MAX_AGE: Duration = Duration::from_millis(250);
@@ -64,10 +69,49 @@ pub(crate) enum View {
     Verdict,
 }
 
+/// How an answer is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Form {
+    /// JSON of this view: the default, for people, the audit and any client.
+    Json(View),
+    /// The packed form ([`packed::MEDIA_TYPE`]): what gateways ask for.
+    Packed,
+}
+
+impl Form {
+    /// What a request asks for: packed when its `Accept` names
+    /// [`packed::MEDIA_TYPE`] (whatever the view: the packed form carries
+    /// what a gateway keeps of the verdict view), else JSON of `view`.
+    pub(crate) fn asked(view: View, headers: &HeaderMap) -> Self {
+        let packed = headers
+            .get_all(header::ACCEPT)
+            .iter()
+            .filter_map(|value| value.to_str().ok())
+            .flat_map(|value| value.split(','))
+            .filter_map(|range| range.split(';').next())
+            .any(|media| media.trim().eq_ignore_ascii_case(packed::MEDIA_TYPE));
+        if packed {
+            Form::Packed
+        } else {
+            Form::Json(view)
+        }
+    }
+
+    /// The `Content-Type` of an answer in this form.
+    pub(crate) fn content_type(self) -> &'static str {
+        match self {
+            Form::Json(_) => "application/json",
+            Form::Packed => packed::MEDIA_TYPE,
+        }
+    }
+}
+
 /// One encoded answer and what the long poll needs to know about it.
 #[derive(Debug, Clone)]
 pub(crate) struct Encoded {
     pub(crate) body: Bytes,
+    /// How `body` is written.
+    pub(crate) form: Form,
     /// An empty delta: nothing to tell yet.
     pub(crate) empty: bool,
     /// The freshness the answer carries.
@@ -109,7 +153,10 @@ impl Built {
             Position::Reset => Encoded {
                 body: self
                     .reset
-                    .get_or_init(|| reset_of(&self.encoded.body))
+                    .get_or_init(|| match self.encoded.form {
+                        Form::Json(_) => reset_of(&self.encoded.body),
+                        Form::Packed => Bytes::from(packed::reset_of(&self.encoded.body)),
+                    })
                     .clone(),
                 ..self.encoded.clone()
             },
@@ -145,7 +192,7 @@ impl Slot {
 /// The answers being built and recently built.
 #[derive(Debug)]
 pub(crate) struct Answers {
-    slots: Mutex<HashMap<(Document, View), Slot>>,
+    slots: Mutex<HashMap<(Document, Form), Slot>>,
     /// One permit per build allowed to run at once.
     builds: tokio::sync::Semaphore,
 }
@@ -173,7 +220,7 @@ impl Answers {
         index: &SharedIndex,
         metrics: &Metrics,
         position: Position,
-        view: View,
+        form: Form,
     ) -> Result<Encoded, BuildFailed> {
         let fresh = index.freshness().fresh;
         let generation = index.generation();
@@ -182,7 +229,7 @@ impl Answers {
         let cell = {
             let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
             let reusable = slots
-                .get(&(document, view))
+                .get(&(document, form))
                 .is_some_and(|slot| slot.serves(document, generation, fresh));
             if !reusable {
                 slots.retain(|_, slot| {
@@ -191,7 +238,7 @@ impl Answers {
                     })
                 });
                 slots.insert(
-                    (document, view),
+                    (document, form),
                     Slot {
                         generation,
                         fresh,
@@ -199,7 +246,7 @@ impl Answers {
                     },
                 );
             }
-            match slots.get(&(document, view)) {
+            match slots.get(&(document, form)) {
                 Some(slot) => slot.cell.clone(),
                 None => Arc::default(),
             }
@@ -214,7 +261,7 @@ impl Answers {
                 let _running = metrics.answer_build_running(reason);
                 let index = index.clone();
                 let started = Instant::now();
-                let built = tokio::task::spawn_blocking(move || build(&index, document, view))
+                let built = tokio::task::spawn_blocking(move || build(&index, document, form))
                     .await
                     .map_err(|e| BuildFailed(e.to_string()))?;
                 metrics.observe_answer_build(built.1, started.elapsed());
@@ -256,7 +303,7 @@ enum Copied {
 
 /// Builds `document` (on the blocking pool). Returns it with the kind of
 /// document it turned out to be, for the build counter.
-fn build(index: &SharedIndex, document: Document, view: View) -> (Built, &'static str) {
+fn build(index: &SharedIndex, document: Document, form: Form) -> (Built, &'static str) {
     // Snapshots are copied a chunk at a time (SharedIndex::snapshot), so a
     // watch event never waits for more than a chunk.
     let copied = match document {
@@ -275,6 +322,10 @@ fn build(index: &SharedIndex, document: Document, view: View) -> (Built, &'stati
         }
     };
     // The lock is released: the rest costs the index's writers nothing.
+    let view = match form {
+        Form::Json(view) => view,
+        Form::Packed => return packed_build(copied),
+    };
     let slim = |records: Vec<staleguard_core::IpRecord>| match view {
         View::Full => records,
         View::Verdict => records
@@ -317,17 +368,48 @@ fn build(index: &SharedIndex, document: Document, view: View) -> (Built, &'stati
         tracing::error!(%error, "cannot serialize an answer");
         b"{}".to_vec()
     });
-    let built = Built {
+    (built(body, form, empty, fresh, generation), kind)
+}
+
+/// [`build`]'s packed form: the encoder writes only what the form carries.
+fn packed_build(copied: Copied) -> (Built, &'static str) {
+    let (body, kind, empty, fresh, generation) = match copied {
+        Copied::Snapshot(s) => {
+            let meta = (s.freshness.fresh, s.generation);
+            (
+                packed::encode_snapshot(&s),
+                "snapshot",
+                false,
+                meta.0,
+                meta.1,
+            )
+        }
+        Copied::Reset(s) => {
+            let meta = (s.freshness.fresh, s.generation);
+            let body = packed::encode_changes(&Changes::Reset(s));
+            (body, "reset", false, meta.0, meta.1)
+        }
+        Copied::Delta(d) => {
+            let meta = (d.is_empty(), d.freshness.fresh, d.generation);
+            let body = packed::encode_changes(&Changes::Delta(d));
+            (body, "delta", meta.0, meta.1, meta.2)
+        }
+    };
+    (built(body, Form::Packed, empty, fresh, generation), kind)
+}
+
+fn built(body: Vec<u8>, form: Form, empty: bool, fresh: bool, generation: u64) -> Built {
+    Built {
         at: Instant::now(),
         encoded: Encoded {
             body: Bytes::from(body),
+            form,
             empty,
             fresh,
             generation,
         },
         reset: OnceLock::new(),
-    };
-    (built, kind)
+    }
 }
 
 /// A snapshot document as a `Changes::Reset`: serde writes an internally

@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{ConnectInfo, Query, State};
-use axum::http::{header, HeaderValue};
+use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use serde::Deserialize;
 
-use super::answers::{self, Encoded, View};
+use super::answers::{self, Encoded, Form, View};
 use super::{check_version, ApiError, ApiState};
 use crate::metrics::Metrics;
 
@@ -60,10 +60,12 @@ impl FanOut {
 pub(crate) async fn changes(
     State(state): State<ApiState>,
     client: Option<Extension<ConnectInfo<SocketAddr>>>,
+    headers: HeaderMap,
     query: Result<Query<ChangesQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
     check_version(q.v)?;
+    let form = Form::asked(q.view, &headers);
     let wait = parse_wait(q.wait, state.limits.max_wait)?;
 
     // Subscribe before the first read, so a change between the two is not lost.
@@ -72,7 +74,7 @@ pub(crate) async fn changes(
     let position = answers::position(state.index.epoch(), q.epoch, q.since);
     let first = state
         .answers
-        .get(&state.index, &state.metrics, position, q.view)
+        .get(&state.index, &state.metrics, position, form)
         .await?;
     if wait.is_zero() || !first.empty || *state.shutdown.borrow() {
         return Ok(encoded(first));
@@ -113,7 +115,7 @@ pub(crate) async fn changes(
                 }
                 let next = state
                     .answers
-                    .get(&state.index, &state.metrics, position, q.view)
+                    .get(&state.index, &state.metrics, position, form)
                     .await?;
                 if !next.empty {
                     state.fan_out.observe(&state.metrics, next.generation);
@@ -137,17 +139,22 @@ pub(crate) async fn changes(
     Ok(encoded(
         state
             .answers
-            .get(&state.index, &state.metrics, position, q.view)
+            .get(&state.index, &state.metrics, position, form)
             .await?,
     ))
 }
 
+/// An answer in the form it was built in; `Vary: Accept`, as the form
+/// follows the request's `Accept`.
 pub(crate) fn encoded(answer: Encoded) -> Response {
     (
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        )],
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(answer.form.content_type()),
+            ),
+            (header::VARY, HeaderValue::from_static("accept")),
+        ],
         answer.body,
     )
         .into_response()

@@ -67,9 +67,11 @@ impl ConnectionLimits {
     };
 
     /// The admin listener's defaults: probes and scrapes, a handful at a time.
+    /// Its timeouts are the public listener's (`--header-read-timeout` and
+    /// `--idle-timeout` set both).
     pub const ADMIN: Self = Self {
-        header_read_timeout: Duration::from_secs(5),
-        idle_timeout: Duration::from_secs(30),
+        header_read_timeout: Self::API.header_read_timeout,
+        idle_timeout: Self::API.idle_timeout,
         max_connections: 128,
         max_per_source: 32,
     };

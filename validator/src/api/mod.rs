@@ -48,8 +48,8 @@ pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};
 pub use tls::{ServerTls, TlsError, TlsFiles};
 pub use verdicts::judge_all;
 
+use crate::live::SharedIndex;
 use crate::metrics::Metrics;
-use crate::shared::SharedIndex;
 
 /// Limits that keep clients from exhausting the validator.
 #[derive(Debug, Clone, Copy)]
@@ -163,6 +163,7 @@ pub fn admin_router(state: ApiState) -> Router {
 
 async fn snapshot(
     State(state): State<ApiState>,
+    headers: axum::http::HeaderMap,
     query: Result<Query<VersionQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
@@ -173,7 +174,7 @@ async fn snapshot(
             &state.index,
             &state.metrics,
             answers::Position::Snapshot,
-            q.view,
+            answers::Form::asked(q.view, &headers),
         )
         .await?;
     Ok(changes::encoded(answer))

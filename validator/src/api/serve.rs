@@ -1,7 +1,7 @@
 //! Running the two listeners, and stopping them cleanly.
 
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,8 +10,8 @@ use tokio::net::TcpListener;
 use super::connections::{self, ConnectionLimits};
 use super::tls::{ServerTls, TlsError, TlsFiles};
 use super::{admin_router, router, ApiState, Limits, Token, TokenError};
+use crate::live::SharedIndex;
 use crate::metrics::Metrics;
-use crate::shared::SharedIndex;
 
 /// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
 /// `--max-wait`, `--max-long-polls`, `--max-long-polls-per-client`,
@@ -54,8 +54,8 @@ impl Default for ApiConfig {
     fn default() -> Self {
         let limits = Limits::default();
         Self {
-            listen: SocketAddr::from(([0, 0, 0, 0], 8080)),
-            admin_listen: SocketAddr::from(([0, 0, 0, 0], 9090)),
+            listen: Self::DEFAULT_LISTEN,
+            admin_listen: Self::DEFAULT_ADMIN_LISTEN,
             token_file: None,
             max_wait: limits.max_wait,
             max_long_polls: limits.max_long_polls,
@@ -95,6 +95,15 @@ pub enum ServeError {
 }
 
 impl ApiConfig {
+    /// Where the public listener binds unless told otherwise (`--listen`):
+    /// loopback, so a validator started by hand serves nobody else (in a
+    /// cluster, `deploy/` sets `0.0.0.0:8080` and a token).
+    pub const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8080);
+    /// Where the admin listener binds unless told otherwise (`--admin-listen`):
+    /// loopback, as [`Self::DEFAULT_LISTEN`].
+    pub const DEFAULT_ADMIN_LISTEN: SocketAddr =
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9090);
+
     /// The limits this configuration sets.
     pub fn limits(&self) -> Limits {
         Limits {

@@ -181,6 +181,127 @@ async fn the_verdict_view_drops_what_a_verdict_does_not_need() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
 
+/// `uri` asked with `Accept: accept`: the status, `Content-Type`, `Vary` and body.
+async fn get_accepting(
+    app: &Router,
+    uri: &str,
+    accept: &str,
+) -> (StatusCode, String, String, Vec<u8>) {
+    let request = Request::get(uri)
+        .header("accept", accept)
+        .body(Body::empty())
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let header = |name| {
+        response
+            .headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    };
+    let (status, content_type, vary) = (response.status(), header("content-type"), header("vary"));
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, content_type, vary, bytes.to_vec())
+}
+
+const PACKED: &str = staleguard_core::packed::MEDIA_TYPE;
+
+#[tokio::test]
+async fn a_client_accepting_the_packed_form_gets_it_and_json_stays_the_default() {
+    use staleguard_core::packed::{self, Record};
+    let f = fixture();
+    let (_, json) = get(&f.app, "/v1/snapshot?view=verdict").await;
+    let json = staleguard_core::Snapshot::from_json(json.to_string().as_bytes()).unwrap();
+    // Among other media types, with parameters, in any case: packed.
+    for accept in [
+        PACKED.to_owned(),
+        format!("application/json;q=0.5, {}; q=1", PACKED.to_uppercase()),
+    ] {
+        let (status, content_type, vary, body) =
+            get_accepting(&f.app, "/v1/snapshot", &accept).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!((content_type.as_str(), vary.as_str()), (PACKED, "accept"));
+        let read =
+            packed::decode_snapshot(&body[..], ServiceKey::clone, Record::into_ip_record).unwrap();
+        assert_eq!((read.epoch, read.generation), (json.epoch, json.generation));
+        assert_eq!(read.services, json.services);
+        // The same records, as far as any verdict can tell.
+        assert_eq!(read.records.len(), json.records.len());
+        for (packed, json) in read.records.iter().zip(&json.records) {
+            assert_eq!(packed.ip, json.ip);
+            for service in ["shop/cart", "shop/pay", "shop/other"] {
+                let service: ServiceKey = service.parse().unwrap();
+                let known = read.services.contains(&service);
+                assert_eq!(
+                    decide(&Policy::default(), true, &service, known, Some(packed)),
+                    decide(&Policy::default(), true, &service, known, Some(json)),
+                );
+            }
+        }
+        assert!(body.len() * 2 < serde_json::to_vec(&json).unwrap().len());
+    }
+    // Without it, or asking for JSON: JSON, as before.
+    for accept in [
+        "application/json",
+        "*/*",
+        "application/vnd.staleguard.packedx",
+    ] {
+        let (_, content_type, vary, body) = get_accepting(&f.app, "/v1/snapshot", accept).await;
+        assert_eq!(
+            (content_type.as_str(), vary.as_str()),
+            ("application/json", "accept")
+        );
+        assert!(
+            staleguard_core::Snapshot::from_json(&body).is_ok(),
+            "{accept}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn resets_and_deltas_come_packed_to_a_client_that_accepts_it() {
+    use staleguard_core::packed::{self, Record};
+    let f = fixture();
+    let read = |body: Vec<u8>| {
+        packed::decode_changes(&body[..], ServiceKey::clone, Record::into_ip_record).unwrap()
+    };
+    let (_, content_type, _, body) = get_accepting(&f.app, "/v1/changes", PACKED).await;
+    assert_eq!(content_type, PACKED);
+    let Changes::Reset(reset) = read(body) else {
+        panic!("no position: a reset")
+    };
+    assert_eq!((reset.epoch, reset.records.len()), (EPOCH, 3));
+    // A JSON reset built meanwhile is its own answer, not the packed one.
+    let (_, json) = get(&f.app, "/v1/changes").await;
+    assert!(matches!(changes(json), Changes::Reset(_)));
+
+    let g = f.index.read().generation();
+    delete_cart_2(&f.index);
+    let uri = format!("/v1/changes?epoch={EPOCH}&since={g}&wait=5");
+    let (_, content_type, _, body) = get_accepting(&f.app, &uri, PACKED).await;
+    assert_eq!(content_type, PACKED);
+    let Changes::Delta(delta) = read(body) else {
+        panic!("from a covered generation: a delta")
+    };
+    assert!(delta.generation > g);
+    assert_eq!(delta.since, g);
+    let upsert = &delta.upserts[0];
+    assert_eq!(upsert.ip.to_string(), "10.0.0.2");
+    assert!(upsert.pods.is_empty());
+    assert_eq!(
+        upsert.tombstone.as_ref().unwrap().services,
+        vec!["shop/cart".parse::<ServiceKey>().unwrap()]
+    );
+    // A long poll from the current generation: an empty packed delta.
+    let now = f.index.read().generation();
+    let uri = format!("/v1/changes?epoch={EPOCH}&since={now}&wait=0");
+    let (_, _, _, body) = get_accepting(&f.app, &uri, PACKED).await;
+    let Changes::Delta(delta) = read(body) else {
+        panic!("an empty delta")
+    };
+    assert!(delta.is_empty() && delta.generation == now);
+}
+
 #[tokio::test]
 async fn changes_from_the_current_generation_are_an_empty_delta() {
     let f = fixture();

@@ -11,7 +11,7 @@ use staleguard_core::{decide, Reason};
 
 use super::error::ApiError;
 use super::{check_version, ApiState};
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 
 /// The largest request body accepted: [`staleguard_core::batch::MAX_ITEMS`]
 /// items of ~80 bytes.

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
-use super::objects::SERVICE_NAME_LABEL;
+use super::facts::SERVICE_NAME_LABEL;
 
 fn meta(namespace: &str, name: &str) -> ObjectMeta {
     ObjectMeta {

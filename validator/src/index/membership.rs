@@ -14,7 +14,7 @@ use smallvec::{smallvec, SmallVec};
 use staleguard_core::wire::{EndpointConditions, EndpointPort, Membership, Via};
 use staleguard_core::ServiceKey;
 
-use super::objects::Target;
+use super::facts::Target;
 use super::pods::PodState;
 use super::slices::IpEntry;
 use super::Index;

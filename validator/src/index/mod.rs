@@ -18,7 +18,7 @@
 //! - an entry without `targetRef` makes the IP a bare member of the service;
 //! - an IP that loses its last holder keeps a tombstone for a while.
 //!
-//! Internally the index keeps compact facts per object (see [`objects`]): pods
+//! Internally the index keeps compact facts per object (see [`facts`]): pods
 //! and slices in [`table`]s, by id, and one map from IP to the ids of the pods
 //! holding it and the slice entries listing it (each entry is stored there
 //! only). An event changes facts, marks the IPs it touched, and only those IPs
@@ -29,7 +29,7 @@
 //!
 //! | module | owns |
 //! | --- | --- |
-//! | [`objects`] | Kubernetes objects reduced to facts |
+//! | [`facts`] | Kubernetes objects reduced to facts |
 //! | [`pods`] | pods, by name, uid and namespace |
 //! | [`services`] | services, in or out of scope, and which pods they select |
 //! | [`slices`] | slice entries, kept under the IPs they list |
@@ -39,9 +39,9 @@
 //! | [`tombstones`] | what an IP remembers once nobody holds it |
 //! | [`log`] | the change log |
 
+mod facts;
 mod log;
 mod membership;
-mod objects;
 mod pods;
 mod records;
 mod relist;
@@ -60,7 +60,7 @@ type HashSet<K> = std::collections::HashSet<K, ahash::RandomState>;
 #[cfg(test)]
 pub(crate) mod fixtures;
 #[cfg(test)]
-mod model;
+mod reference_model;
 #[cfg(test)]
 mod tests;
 
@@ -77,10 +77,10 @@ use smallvec::SmallVec;
 use staleguard_core::wire::{Delta, WIRE_VERSION};
 use staleguard_core::{Freshness, ServiceKey, Snapshot};
 
+pub(crate) use self::facts::SERVICE_NAME_LABEL;
+use self::facts::{Interner, ServiceFacts, Uid};
+pub use self::facts::{Kind, Skip};
 use self::log::{ChangeKey, ChangeLog};
-pub(crate) use self::objects::SERVICE_NAME_LABEL;
-use self::objects::{Interner, ServiceFacts, Uid};
-pub use self::objects::{Kind, Skip};
 use self::pods::PodState;
 use self::records::IpState;
 use self::relist::Relists;
@@ -303,7 +303,7 @@ impl Index {
     }
 
     /// The IPs [`Index::snapshot`] would list, sorted: what a copy made in
-    /// chunks walks ([`crate::shared::SharedIndex::snapshot`]).
+    /// chunks walks ([`crate::live::SharedIndex::snapshot`]).
     pub fn record_ips(&self) -> Vec<IpAddr> {
         let mut ips: Vec<IpAddr> = self
             .ips

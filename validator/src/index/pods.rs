@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use smallvec::SmallVec;
 use staleguard_core::ServiceKey;
 
-use super::objects::{
+use super::facts::{
     name_parts, obj_name, pod_facts, skip, Ips, Kind, ObjName, PodFacts, Skip, Uid,
 };
 use super::relist::{Relist, Relists, Watched};

@@ -15,8 +15,8 @@ use smallvec::SmallVec;
 use staleguard_core::wire::{PodHolder, Tombstone};
 use staleguard_core::{IpRecord, ServiceKey};
 
+use super::facts::{canonical, Kind, Target};
 use super::log::ChangeKey;
-use super::objects::{canonical, Kind, Target};
 use super::slices::IpEntry;
 use super::table::Id;
 use super::tombstones::TombState;

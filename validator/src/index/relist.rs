@@ -14,7 +14,7 @@ use std::time::SystemTime;
 
 use kube::runtime::watcher::Event;
 
-use super::objects::{Kind, ObjName, PodFacts, ServiceFacts, SliceFacts};
+use super::facts::{Kind, ObjName, PodFacts, ServiceFacts, SliceFacts};
 use super::{HashSet, Index};
 
 /// Objects of one kind listed since the last `Init`, waiting for `InitDone`.

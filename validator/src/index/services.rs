@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Service;
 use smallvec::SmallVec;
 use staleguard_core::ServiceKey;
 
-use super::objects::{obj_name, service_facts, skip, Kind, Labels, ServiceFacts, Skip};
+use super::facts::{obj_name, service_facts, skip, Kind, Labels, ServiceFacts, Skip};
 use super::relist::{Relist, Relists, Watched};
 use super::Index;
 

@@ -14,7 +14,7 @@ use smallvec::SmallVec;
 use staleguard_core::wire::{EndpointConditions, EndpointPort};
 use staleguard_core::ServiceKey;
 
-use super::objects::{
+use super::facts::{
     obj_name, skip, slice_facts, EntryFacts, Kind, ObjName, Skip, SliceFacts, Target, Uid,
 };
 use super::relist::{Relist, Relists, Watched};

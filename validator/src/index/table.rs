@@ -10,7 +10,7 @@ use std::hash::{BuildHasher, Hasher};
 use ahash::RandomState;
 use hashbrown::HashTable;
 
-use super::objects::ObjName;
+use super::facts::ObjName;
 
 /// An object's place in a [`Table`]. Ids of removed objects are reused.
 pub(crate) type Id = usize;

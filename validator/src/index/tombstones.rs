@@ -11,7 +11,7 @@ use std::time::SystemTime;
 
 use staleguard_core::ServiceKey;
 
-use super::objects::{Kind, ObjName, Uid};
+use super::facts::{Kind, ObjName, Uid};
 use super::table::Id;
 use super::{unix_ms, Index};
 

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use tokio::task::JoinHandle;
 
 use crate::index::Kind;
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 
 /// The demo sample built into the binary (`validator/samples/demo.yaml`).
 pub const DEMO: &str = include_str!("../../samples/demo.yaml");

@@ -34,7 +34,7 @@ use serde::de::DeserializeOwned;
 use tokio::task::JoinHandle;
 
 use crate::index::Kind;
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 
 /// What to watch.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

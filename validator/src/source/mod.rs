@@ -8,7 +8,7 @@ pub mod kube;
 use tokio::task::JoinHandle;
 
 use crate::config::SourceConfig;
-use crate::shared::SharedIndex;
+use crate::live::SharedIndex;
 
 /// Why a source could not start.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,6 @@
 //! Benchmarks of the identity index (not timed tests: they print numbers).
 //!
-//! `cargo bench -p staleguard-validator --bench index`
+//! `cargo run --release -p staleguard-bench --example index`
 //!
 //! - apply throughput: pod lifecycle events, slice updates, and a mix, applied
 //!   to an index already holding 10,000 pods in 100 services;
@@ -17,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime};
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher::Event;
+use staleguard_bench::{median, status_kib};
 use staleguard_validator::index::{Index, IndexConfig};
 use staleguard_validator::synth::{self, SynthPod};
 
@@ -124,11 +125,6 @@ fn world(ix: &mut Index, first: u32, count: u32, per: u32, first_pod: u32, now: 
 /// scheduler ticks, too coarse for a batch of a hundred events.)
 fn cpu_ns() -> u64 {
     u64::try_from(cpu_time::ThreadTime::now().as_duration().as_nanos()).unwrap_or(u64::MAX)
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    xs[xs.len() / 2]
 }
 
 fn fresh_index() -> Index {
@@ -253,8 +249,8 @@ fn throughput(name: &str, total: u32, make: impl Fn(u32, u32) -> Bench) -> f64 {
         let runs: Vec<String> = cpu_rates.iter().map(|r| format!("{r:.0}")).collect();
         println!("  {name}, per run: {}", runs.join(" "));
     }
-    let rate = median(rates);
-    let cpu_rate = median(cpu_rates);
+    let rate = median(&mut rates);
+    let cpu_rate = median(&mut cpu_rates);
     println!(
         "apply throughput, {name}: {cpu_rate:.0} events per CPU-second, {rate:.0} events/s wall (median of {RUNS})"
     );
@@ -335,51 +331,64 @@ fn incident() -> f64 {
             println!("incident replay: {events} events");
         }
     }
-    let ms = median(times);
-    let cpu_ms = median(cpu_times);
+    let ms = median(&mut times);
+    let cpu_ms = median(&mut cpu_times);
     println!(
         "incident replay (250 -> 20 amid 1,000 pods in 100 services): {ms:.2} ms wall, {cpu_ms:.2} ms CPU (median of {RUNS})"
     );
     ms
 }
 
-fn rss_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+/// The field `name` of this process's status, in KiB (0 when unreadable).
+fn rss_kib(name: &str) -> u64 {
+    status_kib(std::process::id(), name).unwrap_or(0)
 }
 
 /// Runs in a child process: index 150k pods and 150k slice entries, one object
 /// at a time (so no event buffer inflates the number), and print RSS.
 fn memory_child() {
     let now = SystemTime::now();
-    let before = rss_kib("VmRSS:");
+    let before = rss_kib("VmRSS");
     let mut ix = fresh_index();
     world(&mut ix, 0, 1500, 100, 0, now);
     let stats = ix.stats();
     assert_eq!(stats.pods, 150_000);
     assert_eq!(stats.slice_entries, 150_000);
-    let after = rss_kib("VmRSS:");
-    let peak = rss_kib("VmHWM:");
+    let after = rss_kib("VmRSS");
+    let peak = rss_kib("VmHWM");
     let snapshot_start = Instant::now();
     let snapshot = ix.snapshot(Default::default());
     let snapshot_ms = snapshot_start.elapsed().as_secs_f64() * 1000.0;
     let json_start = Instant::now();
     let json = serde_json::to_vec(&snapshot).unwrap_or_default();
     let json_ms = json_start.elapsed().as_secs_f64() * 1000.0;
+    // What gateways ask for: the verdict view's JSON (before issue 28) and
+    // the packed form (after), each from the copied snapshot.
+    let verdict_start = Instant::now();
+    let mut slim = snapshot.clone();
+    slim.records = slim
+        .records
+        .into_iter()
+        .map(staleguard_core::IpRecord::verdict_view)
+        .collect();
+    let verdict = serde_json::to_vec(&slim).unwrap_or_default();
+    let verdict_ms = verdict_start.elapsed().as_secs_f64() * 1000.0;
+    let packed_start = Instant::now();
+    let packed = staleguard_core::packed::encode_snapshot(&snapshot);
+    let packed_ms = packed_start.elapsed().as_secs_f64() * 1000.0;
     println!(
-        "{} {} {} {} {:.1} {:.1} {}",
+        "{} {} {} {} {:.1} {:.1} {} {:.1} {} {:.1} {}",
         before,
         after,
         peak,
         snapshot.records.len(),
         snapshot_ms,
         json_ms,
-        json.len()
+        json.len(),
+        verdict_ms,
+        verdict.len(),
+        packed_ms,
+        packed.len()
     );
     std::hint::black_box(&ix);
 }
@@ -397,7 +406,7 @@ fn memory() -> Option<f64> {
             .split_whitespace()
             .filter_map(|v| v.parse().ok())
             .collect();
-        if nums.len() != 7 {
+        if nums.len() != 11 {
             eprintln!(
                 "memory child failed: {text} {}",
                 String::from_utf8_lossy(&out.stderr)
@@ -406,7 +415,7 @@ fn memory() -> Option<f64> {
         }
         samples.push(nums);
     }
-    let col = |i: usize| median(samples.iter().map(|s| s[i]).collect());
+    let col = |i: usize| median(&mut samples.iter().map(|s| s[i]).collect::<Vec<f64>>());
     let rss_mb = col(1) / 1024.0;
     println!(
         "memory at 150k pods + 150k slice entries: RSS {:.1} MiB (baseline {:.1} MiB, peak {:.1} MiB; median of 3 processes)",
@@ -421,6 +430,13 @@ fn memory() -> Option<f64> {
         col(5),
         col(6) / 1024.0 / 1024.0
     );
+    println!(
+        "  as gateways ask for it: verdict view JSON {:.0} ms, {:.1} MB; packed {:.0} ms, {:.1} MB",
+        col(7),
+        col(8) / 1e6,
+        col(9),
+        col(10) / 1e6
+    );
     Some(rss_mb)
 }
 
@@ -429,7 +445,8 @@ fn main() {
         memory_child();
         return;
     }
-    // `cargo bench ... -- pod incident` runs only those parts.
+    // `cargo run --release -p staleguard-bench --example index -- pod incident`
+    // runs only those parts.
     let only: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all
-//! cargo run --release -p staleguard-tests --example retry_cost
+//! cargo run --release -p staleguard-bench --example retry_cost
 //! # ROUNDS=7 REQUESTS=2000 are the defaults
 //! ```
 
@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::json;
+use staleguard_bench::{env_usize, median, percentile, wait_loaded, MISSING};
 use staleguard_core::ServiceKey;
-use staleguard_tests::bench::{env_usize, median};
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{
     add_twin_endpoints, body_path, shipped_plugin, Cluster, Envoy, Gateway,
@@ -41,11 +41,6 @@ fn cpu_ns(pid: u32) -> Result<u64> {
             .context("schedstat")?;
     }
     Ok(total)
-}
-
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
 }
 
 struct Mode {
@@ -109,11 +104,9 @@ fn main() -> Result<()> {
         Ok(())
     })?
     else {
-        bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
+        bail!(MISSING);
     };
-    envoy.eventually("the first sync", Duration::from_secs(30), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    wait_loaded(&envoy, Duration::from_secs(30))?;
     let modes = [
         Mode {
             name: "no filter",

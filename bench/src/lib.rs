@@ -1,5 +1,5 @@
-//! What the examples under `tests/examples` share to read their knobs,
-//! drive load, measure Envoy and report their runs.
+//! What the benchmarks (`bench/examples`, driven by `bench/run`) share to read
+//! their knobs, drive load, measure Envoy and report their runs.
 
 use std::cmp::Ordering;
 use std::net::SocketAddr;
@@ -10,12 +10,42 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-use staleguard_core::{Freshness, IpRecord, ServiceKey};
+use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
 use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::live::SharedIndex;
 use staleguard_validator::synth;
 
-use crate::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_tests::envoy::stats::STAT_RESETS;
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+
+/// What a benchmark fails with when Envoy or the filter module is not
+/// installed (`Gateway::start` returned `None`).
+pub const MISSING: &str =
+    "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`";
+
+/// Waits up to `timeout` until `envoy`'s filter has loaded its first full
+/// snapshot (a large index takes a while).
+pub fn wait_loaded(envoy: &Envoy, timeout: Duration) -> Result<()> {
+    envoy.eventually("the first full load", timeout, |e| {
+        Ok(e.stat(STAT_RESETS)? >= 1)
+    })
+}
+
+/// A fresh snapshot of `services` and `records` (wire version 1, epoch 1,
+/// generation 1): what the natively run benchmarks feed the engine.
+pub fn fresh_snapshot(services: Vec<ServiceKey>, records: Vec<IpRecord>) -> Snapshot {
+    Snapshot {
+        v: 1,
+        epoch: 1,
+        generation: 1,
+        freshness: Freshness {
+            fresh: true,
+            age_ms: None,
+        },
+        services,
+        records,
+    }
+}
 
 /// The whole number in the environment variable `name`, or `default` when it
 /// is unset or not a number (the examples' knobs: `ROUNDS`, `PODS`, ...).
@@ -50,16 +80,29 @@ pub fn ticks_us(ticks: u64) -> f64 {
     ticks as f64 * 10_000.0
 }
 
+/// The `p` quantile of `v` (nearest rank: the smallest value with at least
+/// `p` of the values at or below it), sorting `v` in place. Panics on an empty
+/// slice, as [`median`].
+pub fn percentile<T: Copy + PartialOrd>(v: &mut [T], p: f64) -> T {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(Ordering::Equal));
+    v[((v.len() as f64 * p).ceil() as usize).saturating_sub(1)]
+}
+
 /// The resident memory of `pid`, in KiB.
 pub fn rss_kib(pid: u32) -> Result<u64> {
+    status_kib(pid, "VmRSS")
+}
+
+/// The field `name` (`VmRSS`, `VmHWM`, ...) of `/proc/<pid>/status`, in KiB.
+pub fn status_kib(pid: u32, name: &str) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
         .and_then(|v| v.split_whitespace().next())
-        .context("VmRSS")?
+        .with_context(|| name.to_owned())?
         .parse()
-        .context("VmRSS")
+        .with_context(|| name.to_owned())
 }
 
 /// The 1-minute load average, to state with every number.

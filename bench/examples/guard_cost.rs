@@ -2,7 +2,7 @@
 //! poller pays anyway for the same answer (decoding its JSON).
 //!
 //! ```text
-//! cargo run --release -p staleguard-engine --example guard_cost
+//! cargo run --release -p staleguard-bench --example guard_cost
 //! ```
 //!
 //! `IPS` (150000) IPs in `SERVICES` (1000) services, `ROUNDS` (7), medians.
@@ -13,22 +13,11 @@
 
 use std::time::{Duration, Instant};
 
+use staleguard_bench::{env_usize, fresh_snapshot, median, rss_kib};
 use staleguard_core::wire::{Delta, Tombstone};
-use staleguard_core::{Freshness, IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
+use staleguard_core::{IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
 use staleguard_engine::buckets::CompactRecord;
 use staleguard_engine::guard::{Answer, Guard, GuardConfig};
-
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
 
 fn service(i: usize) -> ServiceKey {
     ServiceKey::new("shop", format!("svc-{i}"))
@@ -47,50 +36,31 @@ fn record(i: usize, services: usize) -> IpRecord {
 }
 
 fn snapshot(services: usize, records: Vec<IpRecord>) -> Snapshot {
-    Snapshot {
-        v: 1,
-        epoch: 1,
-        generation: 1,
-        freshness: Freshness {
-            fresh: true,
-            age_ms: None,
-        },
-        services: (0..services).map(service).collect(),
-        records,
-    }
+    fresh_snapshot((0..services).map(service).collect(), records)
 }
 
 fn time<T>(rounds: usize, mut f: impl FnMut() -> T) -> Duration {
     median(
-        (0..rounds)
+        &mut (0..rounds)
             .map(|_| {
                 let started = Instant::now();
                 std::hint::black_box(f());
                 started.elapsed()
             })
-            .collect(),
+            .collect::<Vec<_>>(),
     )
 }
 
 /// Resident memory of this process, from /proc (Linux).
 fn rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches(" kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kb * 1024)
+    rss_kib(std::process::id()).ok().map(|kib| kib * 1024)
 }
 
 fn main() {
-    let ips = env("IPS", 150_000);
-    let services = env("SERVICES", 1000);
-    let changes = env("CHANGES", 100);
-    let rounds = env("ROUNDS", 7).max(1);
+    let ips = env_usize("IPS", 150_000);
+    let services = env_usize("SERVICES", 1000);
+    let changes = env_usize("CHANGES", 100);
+    let rounds = env_usize("ROUNDS", 7).max(1);
 
     let full = snapshot(services, (0..ips).map(|i| record(i, services)).collect());
     let json = serde_json::to_vec(&full).unwrap();

@@ -2,7 +2,7 @@
 //! serving its findings as metrics, so an alert fires before traffic is hurt.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -15,6 +15,12 @@ use axum::Router;
 use super::report::{Exit, Report};
 use super::{audit_once, Audit};
 use crate::metrics::{AuditFindings, AuditMetrics};
+
+/// Where `--every` serves its metrics unless told otherwise
+/// (`--metrics-listen`): loopback, as the validator's own listeners; the
+/// sidecar in `deploy/audit` sets `0.0.0.0:9095` for Prometheus.
+pub const DEFAULT_METRICS_LISTEN: SocketAddr =
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9095);
 
 /// What the metrics show of a report: stale endpoints by cluster and reason,
 /// every endpoint by reason.

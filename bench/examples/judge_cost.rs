@@ -4,13 +4,14 @@
 //! new per-VM cache for every verdict (three shared-data reads, the record
 //! decoded); `warm`: one cache, every IP seen before (`meta` read only).
 //!
-//! `cargo run --release -p staleguard-engine --example judge_cost`
+//! `cargo run --release -p staleguard-bench --example judge_cost`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
-use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
+use staleguard_bench::fresh_snapshot;
+use staleguard_core::{IpRecord, PodHolder, ServiceKey};
 use staleguard_engine::cache::Cache;
 use staleguard_engine::check::{judge, Lazy, Upstream};
 use staleguard_engine::config::Config;
@@ -36,17 +37,7 @@ fn index(entries: u32) -> MemoryStore {
             )
         })
         .collect();
-    let snapshot = Snapshot {
-        v: 1,
-        epoch: 1,
-        generation: 1,
-        freshness: Freshness {
-            fresh: true,
-            age_ms: None,
-        },
-        services: vec![cart],
-        records,
-    };
+    let snapshot = fresh_snapshot(vec![cart], records);
     let mut store = MemoryStore::default();
     let mut poller = Poller::new(
         SyncConfig {

@@ -8,7 +8,7 @@
 //! . scripts/setup.sh && sg_setup_all
 //! cargo build -p staleguard-bench-filters --target wasm32-wasip1 --profile wasm-release
 //! STALEGUARD_BENCH_WASM=target/wasm32-wasip1/wasm-release/staleguard_bench_filters.wasm \
-//!   cargo run --release -p staleguard-tests --example alternatives_cost
+//!   cargo run --release -p staleguard-bench --example alternatives_cost
 //! # PODS=150000 ROUNDS=6 SECONDS=15 CONNECTIONS=16 are the defaults
 //! ```
 //!
@@ -28,12 +28,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_tests::bench::{
-    cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us, wrk,
+use staleguard_bench::{
+    cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us, wait_loaded, wrk,
+    MISSING,
 };
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{add_twin_endpoints, shipped_plugin, Cluster, Envoy, Gateway};
-use staleguard_tests::process::Guard;
+use staleguard_tests::process::OwnedProcess;
 
 const LIVE: &str = "outbound|80||live.bench.svc.cluster.local";
 const LIVE_IPS: [&str; 4] = ["127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.1.4"];
@@ -90,7 +91,7 @@ fn main() -> Result<()> {
     eprintln!("request_cost: validator with {pods} synthetic IPs (child process)");
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.env(CHILD_ENV, "1").env("PODS", pods.to_string());
-    let validator = Guard::spawn("request-cost-validator", cmd)?;
+    let validator = OwnedProcess::spawn("request-cost-validator", cmd)?;
     let started = Instant::now();
     let validator_addr: SocketAddr = loop {
         validator.check_alive()?;
@@ -124,12 +125,7 @@ fn main() -> Result<()> {
     };
     let start = |name: &str, g: Gateway, edit: &dyn Fn(&mut Value) -> Result<()>| {
         eprintln!("request_cost: starting gateway `{name}`");
-        match g.start_with(edit)? {
-            Some(envoy) => Ok(envoy),
-            None => bail!(
-                "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`"
-            ),
-        }
+        g.start_with(edit)?.context(MISSING)
     };
     let keep = |_: &mut Value| Ok(());
     let bench_module = |b: &mut Value| {
@@ -210,10 +206,7 @@ fn main() -> Result<()> {
 
     for v in &mut variants {
         if v.counted.is_some() && !v.name.starts_with("naive") {
-            v.envoy
-                .eventually("the first sync", Duration::from_secs(300), |e| {
-                    Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-                })?;
+            wait_loaded(&v.envoy, Duration::from_secs(300))?;
         }
     }
     let entries = variants[ALLOW]
@@ -432,7 +425,7 @@ fn verdict(met: bool) -> &'static str {
 fn serve_validator() -> Result<()> {
     use staleguard_validator::api::{self, ApiConfig};
     use staleguard_validator::index::{Index, IndexConfig};
-    use staleguard_validator::shared::SharedIndex;
+    use staleguard_validator::live::SharedIndex;
     use staleguard_validator::synth;
 
     let pods = env_usize("PODS", 150_000);

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all && sg_setup_apiserver
-//! cargo run --release -p staleguard-tests --example freshness
+//! cargo run --release -p staleguard-bench --example freshness
 //! ```
 //!
 //! `EVENTS` (120) pods of service `fresh/app`, each on its own loopback IP with
@@ -33,10 +33,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::json;
+use staleguard_bench::{env_usize, wait_loaded, MISSING};
 use staleguard_tests::apiserver::{ApiServer, Cluster};
-use staleguard_tests::bench::env_usize;
 use staleguard_tests::blocking::{self, Answer, Server};
 use staleguard_tests::envoy::{self, shipped_plugin, Gateway};
 use staleguard_tests::kube_source::{parse_ip, KubeSource};
@@ -176,12 +176,8 @@ async fn main() -> Result<()> {
         concurrency: 2,
         ..Gateway::new(validator, clusters)
     };
-    let Some(envoy) = gateway.start()? else {
-        bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
-    };
-    envoy.eventually("the first sync", Duration::from_secs(60), |e| {
-        Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-    })?;
+    let envoy = gateway.start()?.context(MISSING)?;
+    wait_loaded(&envoy, Duration::from_secs(60))?;
     let listener = envoy.listener;
     for i in 0..events {
         let r = send(listener, &cluster_name(i))?;

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_apiserver
-//! cargo run --release -p staleguard-tests --example kube_churn
+//! cargo run --release -p staleguard-bench --example kube_churn
 //! ```
 //!
 //! Measures, per deleted gateway pod, the time from the API's response to the
@@ -367,7 +367,7 @@ async fn replace_other(cluster: &Cluster, n: usize) -> Result<()> {
 
 /// Notes when each IP first shows terminating and then gone in the index.
 async fn observe(
-    shared: staleguard_validator::shared::SharedIndex,
+    shared: staleguard_validator::live::SharedIndex,
     ips: Vec<String>,
     graceful: Arc<Mutex<Times>>,
     forced: Arc<Mutex<Times>>,

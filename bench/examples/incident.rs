@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_envoy && sg_build_filter
-//! cargo run --release -p staleguard-tests --example incident
+//! cargo run --release -p staleguard-bench --example incident
 //! # REQUESTS=320 per client through staleguard, UNGUARDED_REQUESTS=20
 //! # through the others (where a hung pod holds a request for the route's
 //! # 15 s timeout)
@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
-use staleguard_tests::bench::env_usize;
+use staleguard_bench::env_usize;
 use staleguard_tests::envoy::{cluster_mut, dependencies, shipped_gateway, Envoy, Launch};
 use staleguard_tests::fake_validator::FakeValidator;
 use staleguard_tests::incident::{self, Endpoints, Load, Mix, ALL};

@@ -1,7 +1,7 @@
 //! Fan-out benchmark: how long after an index change do 1,000 long-polling
 //! gateways all have it, and what does the validator pay for that?
 //!
-//! `cargo bench -p staleguard-validator --bench long_poll` (options through the
+//! `cargo run --release -p staleguard-bench --example long_poll` (options through the
 //! environment: `CLIENTS` (1000), `ROUNDS` (30), `SERVICES` (100), `PODS` (150
 //! per service)). The validator runs in a child process (this binary again,
 //! with `SG_BENCH_ROLE=server`) so its CPU time and memory are its own; the
@@ -30,21 +30,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
+use staleguard_bench::{env_usize, median, percentile};
 use staleguard_core::Changes;
 use staleguard_validator::api::{self, ApiConfig, ConnectionLimits};
 use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::live::SharedIndex;
 use staleguard_validator::synth;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
-
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn unix_nanos() -> u128 {
     SystemTime::now()
@@ -70,7 +64,7 @@ fn server() -> Result<()> {
             Index::new(rand_epoch(), IndexConfig::default()),
             Duration::from_secs(3600),
         );
-        let cluster = synth::cluster(env("SERVICES", 100), env("PODS", 150));
+        let cluster = synth::cluster(env_usize("SERVICES", 100), env_usize("PODS", 150));
         let victim = cluster.pods[0].clone();
         synth::feed(&shared, cluster);
         let config = ApiConfig {
@@ -200,14 +194,9 @@ fn change_and_wait(
     Ok((generation, latencies))
 }
 
-/// The `p` quantile of `sorted` (nearest rank).
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 * p).ceil() as usize).saturating_sub(1)]
-}
-
 fn driver() -> Result<()> {
-    let clients = env("CLIENTS", 1000);
-    let rounds = env("ROUNDS", 30);
+    let clients = env_usize("CLIENTS", 1000);
+    let rounds = env_usize("ROUNDS", 30);
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
         .env("SG_BENCH_ROLE", "server")
@@ -272,8 +261,8 @@ fn driver() -> Result<()> {
         generation = new_generation;
         latencies.sort();
         let (p50, p99, max) = (
-            percentile(&latencies, 0.50),
-            percentile(&latencies, 0.99),
+            percentile(&mut latencies, 0.50),
+            percentile(&mut latencies, 0.99),
             latencies[latencies.len() - 1],
         );
         eprintln!("round {round:>2}: generation {generation}: p50 {p50:?} p99 {p99:?} max {max:?}");
@@ -281,9 +270,13 @@ fn driver() -> Result<()> {
         p99s.push(p99);
         maxes.push(max);
     }
-    let burst = env("BURST", 0);
+    let burst = env_usize("BURST", 0);
     let mut burst_report = Vec::new();
-    for round in 0..if burst > 0 { env("BURST_ROUNDS", 5) } else { 0 } {
+    for round in 0..if burst > 0 {
+        env_usize("BURST_ROUNDS", 5)
+    } else {
+        0
+    } {
         runtime.block_on(wait_for_waiting(admin, clients))?;
         let builds_before = runtime.block_on(snapshot_builds(admin))?;
         writeln!(to_server, "reset_peak")?;
@@ -348,10 +341,10 @@ fn driver() -> Result<()> {
             cpu: Duration::from_millis(ticks * 10),
             wall,
             peak_kib: after[2].parse()?,
-            reset_p50: percentile(&reset_times, 0.5),
+            reset_p50: percentile(&mut reset_times, 0.5),
             reset_max: reset_times[reset_times.len() - 1],
-            p50: percentile(&latencies, 0.5),
-            p99: percentile(&latencies, 0.99),
+            p50: percentile(&mut latencies, 0.5),
+            p99: percentile(&mut latencies, 0.99),
             max: latencies[latencies.len() - 1],
             bytes,
         };
@@ -369,13 +362,9 @@ fn driver() -> Result<()> {
     drop(to_server);
     let _ = child.wait();
 
-    let median = |v: &mut Vec<Duration>| {
-        v.sort();
-        v[v.len() / 2]
-    };
     println!(
         "long-poll fan-out: {clients} clients, {rounds} rounds, index of {} pods",
-        env("SERVICES", 100) * env("PODS", 150)
+        env_usize("SERVICES", 100) * env_usize("PODS", 150)
     );
     if rounds > 0 {
         println!(

@@ -2,7 +2,7 @@
 //! `POST /v1/verdicts`, against the naive way (one `GET /v1/verdict` per
 //! endpoint), over loopback HTTP against a real validator API.
 //!
-//! `cargo bench -p staleguard-validator --bench audit` (options through the
+//! `cargo run --release -p staleguard-bench --example audit` (options through the
 //! environment: `CLUSTERS` (1000), `ENDPOINTS` (20 per cluster), `STALE`
 //! (every `STALE`th endpoint's pod is gone, 10), `ROUNDS` (5)). The validator
 //! API and a fake Envoy admin port serving a synthetic `/clusters?format=json`
@@ -18,22 +18,11 @@ use axum::routing::get;
 use axum::Router;
 use clap::Parser;
 use serde_json::json;
+use staleguard_bench::{env_usize, median};
 use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::audit::fetch::Client;
 use staleguard_validator::audit::{audit_once, Audit, AuditArgs};
 use staleguard_validator::synth;
-
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
 
 fn main() -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -43,10 +32,10 @@ fn main() -> Result<()> {
 }
 
 async fn run() -> Result<()> {
-    let clusters = env("CLUSTERS", 1000);
-    let per = env("ENDPOINTS", 20);
-    let stale_every = env("STALE", 10).max(1);
-    let rounds = env("ROUNDS", 5).max(1);
+    let clusters = env_usize("CLUSTERS", 1000);
+    let per = env_usize("ENDPOINTS", 20);
+    let stale_every = env_usize("STALE", 10).max(1);
+    let rounds = env_usize("ROUNDS", 5).max(1);
 
     // The truth: every endpoint's pod, except every `stale_every`th.
     let mut truth = synth::cluster(clusters, per);
@@ -189,7 +178,7 @@ async fn run() -> Result<()> {
             naive[round].as_secs_f64() * 1e3
         );
     }
-    let (b, n) = (median(batch), median(naive));
+    let (b, n) = (median(&mut batch), median(&mut naive));
     println!(
         "median: audit (one POST /v1/verdicts) {:.1} ms; one GET /v1/verdict per endpoint {:.1} ms; ratio {:.1}x",
         b.as_secs_f64() * 1e3,

@@ -5,7 +5,7 @@
 //! ```text
 //! . scripts/setup.sh && sg_setup_all
 //! NOOP_WASM=/path/noop.wasm BEFORE_WASM=/path/old/staleguard_filter.wasm \
-//!   cargo run --release -p staleguard-tests --example request_cost
+//!   cargo run --release -p staleguard-bench --example request_cost
 //! ```
 //!
 //! Gateways (Envoy 1.40, `--concurrency 1`, each its own process, all
@@ -38,8 +38,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
+use staleguard_bench::{
+    cpu_ticks, env_usize, loadavg, median, swap_module, ticks_us, wrk, MISSING,
+};
 use staleguard_core::ServiceKey;
-use staleguard_tests::bench::{cpu_ticks, env_usize, loadavg, median, swap_module, ticks_us, wrk};
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{dependencies, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
@@ -53,7 +55,7 @@ fn main() -> Result<()> {
     let rounds = env_usize("ROUNDS", 5).max(1);
     let seconds = env_usize("SECONDS", 5).max(1);
     let Some((_, after)) = dependencies() else {
-        bail!("Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`");
+        bail!(MISSING);
     };
     let noop = PathBuf::from(std::env::var("NOOP_WASM").context("NOOP_WASM: the no-op module")?);
     let before = std::env::var("BEFORE_WASM").ok().map(PathBuf::from);

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all
-//! cargo run --release -p staleguard-tests --example reset_cost
+//! cargo run --release -p staleguard-bench --example reset_cost
 //! ```
 //!
 //! The index: `PODS` (150000) pods in `SERVICES` (1000) services, built by
@@ -24,8 +24,8 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Result};
-use staleguard_tests::bench::{env_usize, index_gateway, median, synthetic_index};
+use anyhow::{bail, Context, Result};
+use staleguard_bench::{env_usize, index_gateway, median, synthetic_index, wait_loaded, MISSING};
 use staleguard_tests::fake_validator::FakeValidator;
 
 fn main() -> Result<()> {
@@ -41,14 +41,8 @@ fn main() -> Result<()> {
             validator.set_index(keys.clone(), records.clone());
         }
         let gateway = index_gateway(validator.addr());
-        let Some(envoy) = gateway.start()? else {
-            bail!(
-                "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`"
-            );
-        };
-        envoy.eventually("the first answer", Duration::from_secs(120), |e| {
-            Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-        })?;
+        let envoy = gateway.start()?.context(MISSING)?;
+        wait_loaded(&envoy, Duration::from_secs(120))?;
         if !full_at_start {
             // The long poll is out; the whole index replaces the empty one.
             std::thread::sleep(Duration::from_millis(300));

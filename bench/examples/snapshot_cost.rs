@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all
-//! cargo run --release -p staleguard-tests --example snapshot_cost
+//! cargo run --release -p staleguard-bench --example snapshot_cost
 //! ```
 //!
 //! `PODS` (150000) pods in `SERVICES` (1000) services; `CHANGES` (100) pods
@@ -17,15 +17,15 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use kube::runtime::watcher::Event;
+use staleguard_bench::{env_usize, index_gateway, median, wait_loaded, MISSING};
 use staleguard_core::{Changes, Freshness, IpRecord};
 use staleguard_engine::store::MemoryStore;
 use staleguard_engine::sync::{Poller, Request, SyncConfig};
-use staleguard_tests::bench::{env_usize, index_gateway, median};
 use staleguard_validator::api::{self, ApiConfig};
 use staleguard_validator::index::{Index, IndexConfig};
-use staleguard_validator::shared::SharedIndex;
+use staleguard_validator::live::SharedIndex;
 use staleguard_validator::synth;
 
 const SYNC: SyncConfig = SyncConfig {
@@ -154,14 +154,8 @@ fn main() -> Result<()> {
     let mut v8_snapshot = Vec::new();
     let mut v8_delta = Vec::new();
     for round in 0..rounds {
-        let Some(envoy) = gateway.start()? else {
-            bail!(
-                "Envoy or the filter module is missing: run `. scripts/setup.sh && sg_setup_all`"
-            );
-        };
-        envoy.eventually("the snapshot is loaded", Duration::from_secs(120), |e| {
-            Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 1)
-        })?;
+        let envoy = gateway.start()?.context(MISSING)?;
+        wait_loaded(&envoy, Duration::from_secs(120))?;
         v8_snapshot.push(Duration::from_micros(
             envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?,
         ));

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! . scripts/setup.sh && sg_setup_all && sg_build_validator
-//! cargo run --release -p staleguard-tests --example alternatives_reaction
+//! cargo run --release -p staleguard-bench --example alternatives_reaction
 //! # WINDOW=30 (seconds watched after each event) is the default
 //! ```
 //!
@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
-use staleguard_tests::bench::{env_usize, loadavg};
+use staleguard_bench::{env_usize, loadavg};
 use staleguard_tests::envoy::shipped_route_retry_policy;
 use staleguard_tests::envoy::{Envoy, Gateway};
 use staleguard_tests::pods::via;
