@@ -13,6 +13,7 @@
 //! async scenes call them too, while their pods and load keep running.
 
 pub mod bootstrap;
+pub mod native;
 pub mod shipped;
 pub mod stats;
 

@@ -1,0 +1,77 @@
+//! The native build (`native/`, an Envoy dynamic module) in real Envoy: where
+//! the module is, how Envoy finds it, and the upstream filter chain that runs
+//! it in place of the Wasm filter.
+//!
+//! Envoy loads a dynamic module by name, `lib<name>.so`, from the directory
+//! in `ENVOY_DYNAMIC_MODULES_SEARCH_PATH` ([`search_path`]); the module is
+//! built for one Envoy's ABI (`scripts/setup.sh`'s `sg_build_native` builds
+//! the one for `STALEGUARD_ENVOY_VERSION`).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use crate::process::require;
+
+/// The module's name in Envoy's `dynamic_module_config`: the file is
+/// `libstaleguard_native.so`.
+pub const MODULE_NAME: &str = "staleguard_native";
+
+/// The filter's name in the module (its `filter_name`).
+pub const FILTER_NAME: &str = "staleguard";
+
+/// The built module, or `None` (after a SKIP line) outside CI when it is
+/// missing.
+pub fn module() -> Option<PathBuf> {
+    require(
+        "STALEGUARD_NATIVE",
+        "the staleguard native module",
+        "run `. scripts/setup.sh && sg_build_native` (builds it for STALEGUARD_ENVOY_VERSION)",
+    )
+}
+
+/// The environment variable that lets Envoy find `module`.
+pub fn search_path(module: &Path) -> (String, String) {
+    let dir = module.parent().unwrap_or(Path::new("."));
+    (
+        "ENVOY_DYNAMIC_MODULES_SEARCH_PATH".to_owned(),
+        dir.display().to_string(),
+    )
+}
+
+/// The upstream HTTP filter entry that runs the module with `plugin` (the
+/// same configuration document as the Wasm filter's).
+pub fn upstream_filter(plugin: &Value) -> Value {
+    json!({
+        "name": "envoy.filters.http.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": MODULE_NAME},
+            "filter_name": FILTER_NAME,
+            "filter_config": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": plugin.to_string(),
+            },
+        },
+    })
+}
+
+/// A cluster's `typed_extension_protocol_options` that run the module as an
+/// upstream filter with `plugin`, then the codec.
+pub fn upstream_filter_options(plugin: &Value) -> Value {
+    json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http_protocol_options": {}},
+            "http_filters": [
+                upstream_filter(plugin),
+                {
+                    "name": "envoy.filters.http.upstream_codec",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"
+                    },
+                },
+            ],
+        }
+    })
+}
