@@ -116,6 +116,19 @@ pub fn judge(config: &Config, cluster: &str, ip: &IpAddr) -> Judgement {
     )
 }
 
+/// [`judge`] for a host as Envoy names it, `IP:port` (`[v6]:port`, or an
+/// internal `envoy://` address), without building the address text.
+pub fn judge_address(config: &Config, cluster: &str, address: &str) -> Judgement {
+    judge_upstream(
+        config,
+        &Upstream {
+            cluster: Some(cluster.to_owned()),
+            address: Some(address.to_owned()),
+        },
+        &Clock,
+    )
+}
+
 /// [`judge`] for a request: the upstream as the host reports it, with the
 /// request's lazy reads.
 pub fn judge_upstream(config: &Config, upstream: &Upstream, lazy: &dyn Lazy) -> Judgement {

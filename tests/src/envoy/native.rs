@@ -75,3 +75,47 @@ pub fn upstream_filter_options(plugin: &Value) -> Value {
         }
     })
 }
+
+/// The environment variable that picks the build every real-Envoy test
+/// runs: `STALEGUARD_BUILD=native` runs the native module where a test
+/// configures the Wasm filter (`.ci/run` runs the filter tests both ways).
+pub const BUILD_VAR: &str = "STALEGUARD_BUILD";
+
+/// True when the tests run the native build.
+pub fn selected() -> bool {
+    std::env::var(BUILD_VAR).is_ok_and(|b| b == "native")
+}
+
+/// Makes `bootstrap` run the native module wherever it runs the Wasm filter
+/// (each upstream Wasm filter becomes the module's filter with the same
+/// plugin configuration), and adds what Envoy needs to find the module to
+/// `env`. One harness, the build as a parameter: [`super::Envoy::spawn`]
+/// calls this for every gateway when [`selected`].
+pub fn swap_in(bootstrap: &mut Value, env: &mut Vec<(String, String)>) -> anyhow::Result<()> {
+    let module =
+        module().ok_or_else(|| anyhow::anyhow!("{BUILD_VAR}=native needs STALEGUARD_NATIVE"))?;
+    let clusters = bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .into_iter()
+        .flatten();
+    for cluster in clusters {
+        let filters = cluster["typed_extension_protocol_options"]
+            .as_object_mut()
+            .into_iter()
+            .flat_map(|o| o.values_mut())
+            .filter_map(|options| options["http_filters"].as_array_mut())
+            .flatten();
+        for filter in filters {
+            if filter["name"] != "envoy.filters.http.wasm" {
+                continue;
+            }
+            let plugin = filter["typed_config"]["config"]["configuration"]["value"]
+                .as_str()
+                .and_then(|text| serde_json::from_str::<Value>(text).ok())
+                .unwrap_or(Value::Null);
+            *filter = upstream_filter(&plugin);
+        }
+    }
+    env.push(search_path(&module));
+    Ok(())
+}
