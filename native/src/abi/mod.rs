@@ -16,6 +16,8 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, UnwindSafe};
 
+pub mod bootstrap;
+mod host;
 pub mod http;
 pub mod lb;
 
@@ -163,6 +165,8 @@ pub fn required() -> impl Iterator<Item = &'static CStr> {
     COMMON_CALLBACKS
         .iter()
         .chain(http::CALLBACKS.iter())
+        .chain(host::CALLBACKS.iter())
+        .chain(bootstrap::CALLBACKS.iter())
         .chain(lb::CALLBACKS.iter())
         .copied()
 }
