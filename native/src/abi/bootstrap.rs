@@ -314,16 +314,6 @@ extern "C" fn envoy_dynamic_module_on_bootstrap_extension_admin_request() -> u32
     404
 }
 
-/// The notifications the extension has no use for (their arguments are
-/// ignored, so they take none).
-macro_rules! ignored {
-    ($($hook:ident),* $(,)?) => {$(
-        /// Not used by the guard.
-        #[no_mangle]
-        extern "C" fn $hook() {}
-    )*};
-}
-
 ignored!(
     envoy_dynamic_module_on_bootstrap_extension_server_initialized,
     envoy_dynamic_module_on_bootstrap_extension_worker_thread_initialized,

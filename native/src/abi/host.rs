@@ -215,6 +215,13 @@ impl Metrics {
     ) {
         let applied = match filter {
             Some(filter) => self.apply(filter, id, update, false),
+            // A gauge from a config on the main thread describes the one
+            // index of the process: it goes to the sink's root-scope gauge
+            // when there is one, so the process shows one value, not one
+            // per filter config.
+            None if matches!(update, Update::Set(_)) && !self.is_sink(config) => {
+                self.apply_via_sink(id, update) || self.apply(config, id, update, true)
+            }
             None => self.apply(config, id, update, true),
         };
         if !applied {
@@ -226,6 +233,26 @@ impl Metrics {
         for (id, update) in std::mem::take(&mut self.pending) {
             self.apply(filter, id, update, false);
         }
+    }
+
+    /// Whether `config` is the sink's own config.
+    fn is_sink(&self, config: *mut c_void) -> bool {
+        let sink = SINK.lock().unwrap_or_else(PoisonError::into_inner);
+        sink.as_ref()
+            .is_some_and(|s| std::ptr::eq(s.config, config))
+    }
+
+    /// Applies an update of metric `id` through the sink, if there is one.
+    fn apply_via_sink(&self, id: u32, update: Update) -> bool {
+        let Some(resolved) = self.resolved.get(id as usize) else {
+            return true;
+        };
+        let values: Vec<ModuleBuffer> = resolved
+            .values
+            .iter()
+            .map(|v| ModuleBuffer::of(v.as_bytes()))
+            .collect();
+        apply_on_sink(resolved.family, &values, update)
     }
 
     /// True when the update reached Envoy (or can never: an unknown id).
@@ -377,32 +404,31 @@ impl<'a> EnvoyHost<'a> {
     /// The request's cluster (the attribute `xds.cluster_name` is not
     /// served as text before ABI v0.2.0; this callback is, in both).
     fn cluster_name(&self) -> Option<String> {
-        let filter = self.filter?;
-        let mut out = EnvoyBuffer {
-            ptr: std::ptr::null(),
-            len: 0,
-        };
-        // SAFETY: `filter` is the request's live handle; `out` is a valid
-        // out slot Envoy fills with a buffer valid during this hook.
-        let found =
-            unsafe { envoy_dynamic_module_callback_http_get_cluster_name(filter, &mut out) };
-        // SAFETY: Envoy filled `out` for the duration of this hook.
-        let bytes = unsafe { out.as_bytes() };
-        (found && !bytes.is_empty()).then(|| String::from_utf8_lossy(bytes).into_owned())
+        // SAFETY: the request's live handle and a valid out slot.
+        self.read(|filter, out| unsafe {
+            envoy_dynamic_module_callback_http_get_cluster_name(filter, out)
+        })
     }
 
     fn attribute(&self, id: u32) -> Option<String> {
+        // SAFETY: the request's live handle and a valid out slot.
+        self.read(|filter, out| unsafe {
+            envoy_dynamic_module_callback_http_filter_get_attribute_string(filter, id, out)
+        })
+    }
+
+    /// A text Envoy lends for this hook through `call`, which fills an
+    /// out buffer from the request's handle; `None` without a request or
+    /// when Envoy has none.
+    fn read(&self, call: impl FnOnce(*mut c_void, *mut EnvoyBuffer) -> bool) -> Option<String> {
         let filter = self.filter?;
         let mut out = EnvoyBuffer {
             ptr: std::ptr::null(),
             len: 0,
         };
-        // SAFETY: `filter` is the request's live handle; `out` is a valid
-        // out slot Envoy fills with a buffer valid during this hook.
-        let found = unsafe {
-            envoy_dynamic_module_callback_http_filter_get_attribute_string(filter, id, &mut out)
-        };
-        // SAFETY: Envoy filled `out` for the duration of this hook.
+        let found = call(filter, &mut out);
+        // SAFETY: Envoy filled `out` (or left it empty) for the duration of
+        // this hook.
         let bytes = unsafe { out.as_bytes() };
         (found && !bytes.is_empty()).then(|| String::from_utf8_lossy(bytes).into_owned())
     }

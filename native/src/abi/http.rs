@@ -391,6 +391,9 @@ fn with_request(
     request: *const c_void,
     step: impl FnOnce(&mut Filter, &mut EnvoyHost<'_>) -> Action,
 ) -> Option<Action> {
+    if is_noop(request) {
+        return None;
+    }
     // SAFETY: callers pass null or a RequestFilter made by filter_new and
     // alive until filter_destroy (the no-op marker is filtered out first).
     let request = unsafe { request.cast_mut().cast::<RequestFilter>().as_mut() }?;
@@ -431,9 +434,6 @@ extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     contain("http_filter_request_headers", CONTINUE, || {
-        if is_noop(request) {
-            return CONTINUE;
-        }
         status_of(with_request(filter_envoy, request, |f, host| {
             f.request_headers(host, end_of_stream)
         }))
@@ -448,9 +448,6 @@ extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     _end_of_stream: bool,
 ) -> u32 {
     contain("http_filter_response_headers", CONTINUE, || {
-        if is_noop(request) {
-            return CONTINUE;
-        }
         status_of(with_request(filter_envoy, request, |f, host| {
             f.response_headers(host)
         }))
@@ -509,17 +506,6 @@ pass_through!(
     envoy_dynamic_module_on_http_filter_response_body,
     envoy_dynamic_module_on_http_filter_response_trailers,
 );
-
-/// The notifications the filter has no use for. Their arguments are
-/// ignored, so they take none (the C calling convention lets the caller
-/// pass any).
-macro_rules! ignored {
-    ($($hook:ident),* $(,)?) => {$(
-        /// Not used by the guard.
-        #[no_mangle]
-        extern "C" fn $hook() {}
-    )*};
-}
 
 ignored!(
     envoy_dynamic_module_on_http_filter_stream_complete,

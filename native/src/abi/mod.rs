@@ -16,6 +16,17 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, UnwindSafe};
 
+/// Exports hooks the guard has no use for, as functions that do nothing.
+/// Their arguments are ignored, so they take none (the C calling convention
+/// lets the caller pass any).
+macro_rules! ignored {
+    ($($hook:ident),* $(,)?) => {$(
+        /// Not used by the guard.
+        #[no_mangle]
+        extern "C" fn $hook() {}
+    )*};
+}
+
 pub mod bootstrap;
 mod host;
 pub mod http;

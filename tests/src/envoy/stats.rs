@@ -119,6 +119,32 @@ pub fn requests_counted(stats: &Stats) -> u64 {
         .sum()
 }
 
+/// The Prometheus name of the filter's unlabelled metric `metric` in the
+/// root scope, for the build under test: the Wasm filter's `stats_tags` give
+/// it its own name; the native module's poller (the bootstrap extension)
+/// keeps it under Envoy's prefix and the dynamic modules' namespace
+/// (docs/native.md, "Metrics").
+pub fn prom_name(metric: &str) -> String {
+    if super::native::selected() {
+        format!("envoy_{NATIVE_NAMESPACE}_{metric}")
+    } else {
+        metric.to_owned()
+    }
+}
+
+/// The Prometheus label `label` (a `stats_tags` name of the Wasm filter's,
+/// `staleguard_error_kind`) for the build under test: the native module
+/// labels its stats itself, with the keys of the dotted name (`kind`).
+pub fn prom_label(label: &str) -> &str {
+    if !super::native::selected() {
+        return label;
+    }
+    match label {
+        "staleguard_error_kind" => "kind",
+        other => other.strip_prefix("staleguard_").unwrap_or(other),
+    }
+}
+
 /// The sum of the series `name{labels}` in Prometheus text, if any is present.
 /// `labels` are `(key, value)` pairs that must all match; series with more
 /// labels (the filter's `staleguard_service`) are summed.
