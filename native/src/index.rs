@@ -107,14 +107,7 @@ pub fn now_ms() -> u64 {
 /// configuration, same schema as the Wasm filter's), as the Wasm filter would
 /// judge a request sent to it. Callable from any thread.
 pub fn judge(config: &Config, cluster: &str, ip: &IpAddr) -> Judgement {
-    judge_upstream(
-        config,
-        &Upstream {
-            cluster: Some(cluster.to_owned()),
-            address: Some(ip.to_string()),
-        },
-        &Clock,
-    )
+    judge_address(config, cluster, &ip.to_string())
 }
 
 /// [`judge`] for a host as Envoy names it, `IP:port` (`[v6]:port`, or an

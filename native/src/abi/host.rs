@@ -29,6 +29,20 @@ pub(super) struct ModuleHeader {
     value_len: usize,
 }
 
+impl ModuleHeader {
+    /// Lends `headers` to Envoy (they must outlive the call they go to).
+    fn lend<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<Self> {
+        headers
+            .map(|(k, v)| Self {
+                key: k.as_ptr(),
+                key_len: k.len(),
+                value: v.as_ptr(),
+                value_len: v.len(),
+            })
+            .collect()
+    }
+}
+
 /// A header Envoy lends the module.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -507,15 +521,7 @@ impl Callouts for EnvoyHost<'_> {
         if self.filter.is_some() {
             return Err("the native build makes no callout from a request".into());
         }
-        let module_headers: Vec<ModuleHeader> = headers
-            .iter()
-            .map(|(k, v)| ModuleHeader {
-                key: k.as_ptr(),
-                key_len: k.len(),
-                value: v.as_ptr(),
-                value_len: v.len(),
-            })
-            .collect();
+        let module_headers = ModuleHeader::lend(headers.iter().map(|(k, v)| (*k, *v)));
         let mut callout_id = 0u64;
         // SAFETY: `config` is the live config handle on the main thread (a
         // tick or a callout's answer); every buffer outlives the call.
@@ -598,16 +604,7 @@ impl Vm for EnvoyHost<'_> {
 
 /// Sends a reply kept by [`EnvoyHost::send_reply`].
 pub(super) fn send(filter: *mut c_void, reply: &Reply) {
-    let headers: Vec<ModuleHeader> = reply
-        .headers
-        .iter()
-        .map(|(k, v)| ModuleHeader {
-            key: k.as_ptr(),
-            key_len: k.len(),
-            value: v.as_ptr(),
-            value_len: v.len(),
-        })
-        .collect();
+    let headers = ModuleHeader::lend(reply.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     // SAFETY: `filter` is the request's live handle; the headers and body
     // outlive the call.
     unsafe {
