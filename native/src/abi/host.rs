@@ -55,6 +55,10 @@ pub(super) struct EnvoyHeader {
 
 /// `envoy_dynamic_module_type_attribute_id_UpstreamAddress`.
 pub(super) const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
+/// `envoy_dynamic_module_type_http_header_type_RequestHeader`.
+const REQUEST_HEADERS: u32 = 0;
+/// `envoy_dynamic_module_type_http_header_type_ResponseHeader`.
+const RESPONSE_HEADERS: u32 = 2;
 /// `envoy_dynamic_module_type_metrics_result_Success`.
 pub(super) const METRICS_SUCCESS: u32 = 0;
 /// `envoy_dynamic_module_type_http_callout_init_result_Success`.
@@ -66,6 +70,11 @@ pub(super) const CALLOUT_SUCCESS: u32 = 0;
 pub(super) const CALLBACKS: &[&std::ffi::CStr] = &[
     c"envoy_dynamic_module_callback_http_filter_get_attribute_string",
     c"envoy_dynamic_module_callback_http_get_cluster_name",
+    c"envoy_dynamic_module_callback_http_get_header",
+    c"envoy_dynamic_module_callback_http_get_headers_size",
+    c"envoy_dynamic_module_callback_http_get_headers",
+    c"envoy_dynamic_module_callback_http_set_header",
+    c"envoy_dynamic_module_callback_http_filter_http_callout",
     c"envoy_dynamic_module_callback_http_send_response",
     c"envoy_dynamic_module_callback_http_filter_increment_counter",
     c"envoy_dynamic_module_callback_http_filter_set_gauge",
@@ -106,6 +115,38 @@ pub(super) struct Surface {
 }
 
 extern "C" {
+    fn envoy_dynamic_module_callback_http_get_header(
+        filter: *mut c_void,
+        header_type: u32,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
+        index: usize,
+        count: *mut usize,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_get_headers_size(
+        filter: *mut c_void,
+        header_type: u32,
+    ) -> usize;
+    fn envoy_dynamic_module_callback_http_get_headers(
+        filter: *mut c_void,
+        header_type: u32,
+        result: *mut EnvoyHeader,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_set_header(
+        filter: *mut c_void,
+        header_type: u32,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_filter_http_callout(
+        filter: *mut c_void,
+        callout_id: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *const ModuleHeader,
+        headers_len: usize,
+        body: ModuleBuffer,
+        timeout_ms: u64,
+    ) -> u32;
     fn envoy_dynamic_module_callback_http_get_cluster_name(
         filter: *mut c_void,
         result: *mut EnvoyBuffer,
@@ -432,6 +473,31 @@ impl<'a> EnvoyHost<'a> {
         })
     }
 
+    /// Sets (or with `None` removes) header `name` of the request's map
+    /// `header_type`.
+    fn set_header(&mut self, header_type: u32, name: &str, value: Option<&str>) {
+        let Some(filter) = self.filter else {
+            return;
+        };
+        let value = value.map_or(
+            ModuleBuffer {
+                ptr: std::ptr::null(),
+                len: 0,
+            },
+            |v| ModuleBuffer::of(v.as_bytes()),
+        );
+        // SAFETY: the request's live handle; name and value outlive the call
+        // (a null value removes the header).
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(
+                filter,
+                header_type,
+                ModuleBuffer::of(name.as_bytes()),
+                value,
+            )
+        };
+    }
+
     /// A text Envoy lends for this hook through `call`, which fills an
     /// out buffer from the request's handle; `None` without a request or
     /// when Envoy has none.
@@ -485,19 +551,63 @@ impl Stream for EnvoyHost<'_> {
         }
     }
 
-    fn request_header(&self, _name: &str) -> Option<String> {
-        None
+    fn request_header(&self, name: &str) -> Option<String> {
+        // SAFETY: the request's live handle, the key outlives the call, and
+        // a valid out slot; no count wanted.
+        self.read(|filter, out| unsafe {
+            envoy_dynamic_module_callback_http_get_header(
+                filter,
+                REQUEST_HEADERS,
+                ModuleBuffer::of(name.as_bytes()),
+                out,
+                0,
+                std::ptr::null_mut(),
+            )
+        })
     }
 
     fn request_headers(&self) -> RawHeaders {
-        Vec::new()
+        let Some(filter) = self.filter else {
+            return Vec::new();
+        };
+        // SAFETY: the request's live handle.
+        let size =
+            unsafe { envoy_dynamic_module_callback_http_get_headers_size(filter, REQUEST_HEADERS) };
+        let mut headers = vec![
+            EnvoyHeader {
+                key: std::ptr::null(),
+                key_len: 0,
+                value: std::ptr::null(),
+                value_len: 0,
+            };
+            size
+        ];
+        // SAFETY: `headers` has room for the `size` headers Envoy reported
+        // for this map, on this thread, in this hook.
+        if !unsafe {
+            envoy_dynamic_module_callback_http_get_headers(
+                filter,
+                REQUEST_HEADERS,
+                headers.as_mut_ptr(),
+            )
+        } {
+            return Vec::new();
+        }
+        // SAFETY: Envoy filled each header with buffers valid in this hook.
+        unsafe { copy_headers(&headers) }
     }
 
-    fn remove_request_header(&mut self, _name: &str) {}
+    fn remove_request_header(&mut self, name: &str) {
+        self.set_header(REQUEST_HEADERS, name, None);
+    }
 
-    fn set_request_header(&mut self, _name: &str, _value: &str) {}
+    fn set_request_header(&mut self, name: &str, value: &str) {
+        self.set_header(REQUEST_HEADERS, name, Some(value));
+    }
 
-    fn remove_response_header(&mut self, _name: &str) {}
+    fn remove_response_header(&mut self, name: &str) {
+        self.set_header(RESPONSE_HEADERS, name, None);
+    }
 
     fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>) {
         self.reply = Some(Reply {
@@ -518,23 +628,34 @@ impl Callouts for EnvoyHost<'_> {
         headers: &[(&str, &str)],
         timeout: Duration,
     ) -> Result<u32, String> {
-        if self.filter.is_some() {
-            return Err("the native build makes no callout from a request".into());
-        }
         let module_headers = ModuleHeader::lend(headers.iter().map(|(k, v)| (*k, *v)));
         let mut callout_id = 0u64;
-        // SAFETY: `config` is the live config handle on the main thread (a
-        // tick or a callout's answer); every buffer outlives the call.
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let cluster = ModuleBuffer::of(cluster.as_bytes());
+        let body = ModuleBuffer::of(&[]);
+        // SAFETY: the request's (or, without one, the config's on the main
+        // thread) live handle; every buffer outlives the call.
         let result = unsafe {
-            (self.metrics.surface.callout)(
-                self.config,
-                &mut callout_id,
-                ModuleBuffer::of(cluster.as_bytes()),
-                module_headers.as_ptr(),
-                module_headers.len(),
-                ModuleBuffer::of(&[]),
-                u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-            )
+            match self.filter {
+                Some(filter) => envoy_dynamic_module_callback_http_filter_http_callout(
+                    filter,
+                    &mut callout_id,
+                    cluster,
+                    module_headers.as_ptr(),
+                    module_headers.len(),
+                    body,
+                    timeout_ms,
+                ),
+                None => (self.metrics.surface.callout)(
+                    self.config,
+                    &mut callout_id,
+                    cluster,
+                    module_headers.as_ptr(),
+                    module_headers.len(),
+                    body,
+                    timeout_ms,
+                ),
+            }
         };
         if result == CALLOUT_INIT_SUCCESS {
             // Callout ids count up from 1 per config: a u32 names them for
@@ -619,6 +740,26 @@ pub(super) fn send(filter: *mut c_void, reply: &Reply) {
     }
 }
 
+/// Copies headers out of Envoy's buffers.
+///
+/// # Safety
+/// Each header's key and value must be valid for the call.
+unsafe fn copy_headers(headers: &[EnvoyHeader]) -> RawHeaders {
+    let text = |ptr: *const u8, len: usize| {
+        // SAFETY: the caller vouches for each key and value.
+        unsafe { EnvoyBuffer { ptr, len }.as_bytes() }
+    };
+    headers
+        .iter()
+        .map(|h| {
+            (
+                String::from_utf8_lossy(text(h.key, h.key_len)).into_owned(),
+                text(h.value, h.value_len).to_vec(),
+            )
+        })
+        .collect()
+}
+
 /// Copies a callout's answer out of Envoy's buffers.
 ///
 /// # Safety
@@ -642,20 +783,9 @@ pub(super) unsafe fn copy_answer(
         // SAFETY: the caller vouches for `chunks_len` buffers.
         unsafe { std::slice::from_raw_parts(chunks, chunks_len) }
     };
-    let text = |ptr: *const u8, len: usize| {
-        // SAFETY: each header's key and value are valid for the call.
-        unsafe { EnvoyBuffer { ptr, len }.as_bytes() }
-    };
     Answer {
-        headers: headers
-            .iter()
-            .map(|h| {
-                (
-                    String::from_utf8_lossy(text(h.key, h.key_len)).into_owned(),
-                    text(h.value, h.value_len).to_vec(),
-                )
-            })
-            .collect(),
+        // SAFETY: each header's key and value are valid for the call.
+        headers: unsafe { copy_headers(headers) },
         body: chunks
             .iter()
             // SAFETY: each chunk is valid for the call.

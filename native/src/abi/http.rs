@@ -389,6 +389,7 @@ extern "C" fn envoy_dynamic_module_on_http_filter_new(
 fn with_request(
     filter_envoy: *mut c_void,
     request: *const c_void,
+    answer: Option<&Answer>,
     step: impl FnOnce(&mut Filter, &mut EnvoyHost<'_>) -> Next,
 ) -> Option<Next> {
     if is_noop(request) {
@@ -407,6 +408,7 @@ fn with_request(
             metrics.flush_pending(filter_envoy);
         }
         let mut host = EnvoyHost::new(config.envoy, Some(filter_envoy), metrics);
+        host.answer = answer;
         let action = step(filter, &mut host);
         host.reply.take().map(|r| (r, action)).ok_or(action)
     };
@@ -417,6 +419,34 @@ fn with_request(
         }
         Err(action) => Some(action),
     }
+}
+
+/// The answer to a request's callout (a replay's attempt through the twin
+/// cluster), or its failure: the engine answers the client or tries again.
+#[no_mangle]
+extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    filter_envoy: *mut c_void,
+    request: *const c_void,
+    callout_id: u64,
+    result: u32,
+    headers: *const EnvoyHeader,
+    headers_len: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_len: usize,
+) {
+    contain("http_filter_http_callout_done", (), || {
+        let answer = if result == CALLOUT_SUCCESS {
+            // SAFETY: Envoy lends the arrays and their buffers for this call.
+            unsafe { copy_answer(headers, headers_len, chunks, chunks_len) }
+        } else {
+            Answer::default()
+        };
+        let (count, size) = (answer.headers.len(), answer.body.len());
+        with_request(filter_envoy, request, Some(&answer), |f, host| {
+            f.call_response(host, callout_id as u32, count, size);
+            Next::Continue
+        });
+    })
 }
 
 fn status_of(action: Option<Next>) -> u32 {
@@ -434,7 +464,7 @@ extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     contain("http_filter_request_headers", CONTINUE, || {
-        status_of(with_request(filter_envoy, request, |f, host| {
+        status_of(with_request(filter_envoy, request, None, |f, host| {
             f.request_headers(host, end_of_stream)
         }))
     })
@@ -448,7 +478,7 @@ extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     _end_of_stream: bool,
 ) -> u32 {
     contain("http_filter_response_headers", CONTINUE, || {
-        status_of(with_request(filter_envoy, request, |f, host| {
+        status_of(with_request(filter_envoy, request, None, |f, host| {
             f.response_headers(host)
         }))
     })
@@ -509,7 +539,6 @@ pass_through!(
 
 ignored!(
     envoy_dynamic_module_on_http_filter_stream_complete,
-    envoy_dynamic_module_on_http_filter_http_callout_done,
     envoy_dynamic_module_on_http_filter_http_stream_headers,
     envoy_dynamic_module_on_http_filter_http_stream_data,
     envoy_dynamic_module_on_http_filter_http_stream_trailers,

@@ -119,46 +119,45 @@ pub fn requests_counted(stats: &Stats) -> u64 {
         .sum()
 }
 
-/// The Prometheus name of the filter's unlabelled metric `metric` in the
-/// root scope, for the build under test: the Wasm filter's `stats_tags` give
-/// it its own name; the native module's poller (the bootstrap extension)
-/// keeps it under Envoy's prefix and the dynamic modules' namespace
-/// (docs/native.md, "Metrics").
-pub fn prom_name(metric: &str) -> String {
-    if super::native::selected() {
-        format!("envoy_{NATIVE_NAMESPACE}_{metric}")
-    } else {
-        metric.to_owned()
-    }
-}
-
-/// The Prometheus label `label` (a `stats_tags` name of the Wasm filter's,
-/// `staleguard_error_kind`) for the build under test: the native module
-/// labels its stats itself, with the keys of the dotted name (`kind`).
-pub fn prom_label(label: &str) -> &str {
-    if !super::native::selected() {
-        return label;
-    }
-    match label {
-        "staleguard_error_kind" => "kind",
-        other => other.strip_prefix("staleguard_").unwrap_or(other),
-    }
-}
-
 /// The sum of the series `name{labels}` in Prometheus text, if any is present.
 /// `labels` are `(key, value)` pairs that must all match; series with more
-/// labels (the filter's `staleguard_service`) are summed.
+/// labels (the filter's `staleguard_service`) are summed. With the native
+/// build (docs/native.md, "Metrics") a metric keeps Envoy's prefix, its
+/// scope and the dynamic modules' namespace in its name
+/// (`envoy_[cluster_<name>_]dynamicmodulescustom_<name>`) and its labels
+/// are the dotted name's keys (`reason`, not `staleguard_reason`): the
+/// series of every scope are summed, as [`parse`] does.
 pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<u64> {
+    prometheus_sum(text, name, labels, super::native::selected())
+}
+
+fn prometheus_sum(text: &str, name: &str, labels: &[(&str, &str)], native: bool) -> Option<u64> {
+    let native_suffix = format!("_{NATIVE_NAMESPACE}_{name}");
+    let label = |k: &str| -> String {
+        if !native {
+            return k.to_owned();
+        }
+        match k {
+            "staleguard_error_kind" => "kind".to_owned(),
+            other => other
+                .strip_prefix("staleguard_")
+                .unwrap_or(other)
+                .to_owned(),
+        }
+    };
     let mut values = text.lines().filter_map(|line| {
         let (series, value) = line.rsplit_once(' ')?;
         let (metric, rest) = series.split_once('{').unwrap_or((series, "}"));
-        if metric != name {
+        let named = metric == name
+            || (native && metric.starts_with("envoy_") && metric.ends_with(&native_suffix));
+        if !named {
             return None;
         }
         let rest = rest.strip_suffix('}')?;
-        let ok = labels
-            .iter()
-            .all(|(k, v)| rest.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+        let ok = labels.iter().all(|(k, v)| {
+            let want = format!("{}=\"{v}\"", label(k));
+            rest.split(',').any(|kv| kv == want)
+        });
         if !ok {
             return None;
         }
@@ -228,6 +227,19 @@ mod tests {
             stats.get("cluster.dynamicmodulescustom.upstream_rq_total"),
             Some(&5)
         );
+    }
+
+    #[test]
+    fn reads_the_native_modules_series_in_every_scope() {
+        let text = "envoy_cluster_a_dynamicmodulescustom_staleguard_filter_retries_total{outcome=\"answered\"} 2\n\
+            envoy_cluster_b_dynamicmodulescustom_staleguard_filter_retries_total{outcome=\"answered\"} 3\n\
+            envoy_dynamicmodulescustom_staleguard_filter_guard_held_total{} 5\n";
+        let answered = [("staleguard_outcome", "answered")];
+        let retries = "staleguard_filter_retries_total";
+        assert_eq!(prometheus_sum(text, retries, &answered, true), Some(5));
+        assert_eq!(prometheus_sum(text, retries, &answered, false), None);
+        let held = "staleguard_filter_guard_held_total";
+        assert_eq!(prometheus_sum(text, held, &[], true), Some(5));
     }
 
     #[test]
