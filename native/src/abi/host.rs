@@ -662,7 +662,7 @@ impl Callouts for EnvoyHost<'_> {
             // longer than any poller runs.
             Ok(callout_id as u32)
         } else {
-            Err(format!("callout refused (init result {result})"))
+            Err(callout_refusal(result).to_owned())
         }
     }
 
@@ -720,6 +720,19 @@ impl Vm for EnvoyHost<'_> {
 
     fn vm_memory_bytes(&self) -> u64 {
         0
+    }
+}
+
+/// Why Envoy refused to start a callout
+/// (`envoy_dynamic_module_type_http_callout_init_result`), in the words the
+/// engine logs after `dispatch to validator_cluster "..." failed: `.
+fn callout_refusal(result: u32) -> &'static str {
+    match result {
+        1 => "MissingRequiredHeaders: the call lacks :method, :path or host",
+        2 => "ClusterNotFound: Envoy has no cluster of that name",
+        3 => "DuplicateCalloutId: Envoy reused a callout id",
+        4 => "CannotCreateRequest: no healthy host to call",
+        _ => "Envoy refused the callout",
     }
 }
 

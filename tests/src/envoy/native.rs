@@ -118,21 +118,7 @@ pub fn swap_in(bootstrap: &mut Value, env: &mut Vec<(String, String)>) -> anyhow
         .into_iter()
         .flatten();
     for cluster in clusters {
-        let filters = cluster["typed_extension_protocol_options"]
-            .as_object_mut()
-            .into_iter()
-            .flat_map(|o| o.values_mut())
-            .filter_map(|options| options["http_filters"].as_array_mut())
-            .flatten();
-        for filter in filters {
-            if filter["name"] != "envoy.filters.http.wasm" {
-                continue;
-            }
-            let plugin = filter["typed_config"]["config"]["configuration"]["value"]
-                .as_str()
-                .and_then(|text| serde_json::from_str::<Value>(text).ok())
-                .unwrap_or(Value::Null);
-            *filter = upstream_filter(&plugin);
+        if let Some(plugin) = swap_cluster(cluster) {
             poller.get_or_insert(plugin);
         }
     }
@@ -147,4 +133,29 @@ pub fn swap_in(bootstrap: &mut Value, env: &mut Vec<(String, String)>) -> anyhow
     }
     env.push(search_path(&module));
     Ok(())
+}
+
+/// Makes `cluster` (a cluster's JSON, static or served by CDS) run the native
+/// module wherever it runs the Wasm filter; the plugin configuration of the
+/// first filter swapped, if any.
+pub fn swap_cluster(cluster: &mut Value) -> Option<Value> {
+    let mut first = None;
+    let filters = cluster["typed_extension_protocol_options"]
+        .as_object_mut()
+        .into_iter()
+        .flat_map(|o| o.values_mut())
+        .filter_map(|options| options["http_filters"].as_array_mut())
+        .flatten();
+    for filter in filters {
+        if filter["name"] != "envoy.filters.http.wasm" {
+            continue;
+        }
+        let plugin = filter["typed_config"]["config"]["configuration"]["value"]
+            .as_str()
+            .and_then(|text| serde_json::from_str::<Value>(text).ok())
+            .unwrap_or(Value::Null);
+        *filter = upstream_filter(&plugin);
+        first.get_or_insert(plugin);
+    }
+    first
 }
