@@ -141,6 +141,13 @@ impl PollerConfig {
         }
     }
 
+    /// After a tick or an answer: release Envoy's start if it is time, and
+    /// arm the timer for the next tick.
+    fn after_event(&self, poller: &mut Poller) {
+        self.release_start(poller);
+        self.arm(poller);
+    }
+
     /// Arms the timer for the root's next tick.
     fn arm(&self, poller: &Poller) {
         if self.timer.is_null() {
@@ -239,8 +246,7 @@ extern "C" fn envoy_dynamic_module_on_bootstrap_extension_timer_fired(
             let Poller { root, metrics, .. } = &mut *poller;
             root.tick(&mut EnvoyHost::new(config.envoy, None, metrics));
         }
-        config.release_start(&mut poller);
-        config.arm(&poller);
+        config.after_event(&mut poller);
     })
 }
 
@@ -279,8 +285,7 @@ extern "C" fn envoy_dynamic_module_on_bootstrap_extension_http_callout_done(
                 answer.body.len(),
             );
         }
-        config.release_start(&mut poller);
-        config.arm(&poller);
+        config.after_event(&mut poller);
     })
 }
 

@@ -303,11 +303,7 @@ impl Metrics {
         let Some(resolved) = self.resolved.get(id as usize) else {
             return true;
         };
-        let values: Vec<ModuleBuffer> = resolved
-            .values
-            .iter()
-            .map(|v| ModuleBuffer::of(v.as_bytes()))
-            .collect();
+        let values = label_values(resolved);
         apply_on_sink(resolved.family, &values, update)
     }
 
@@ -319,11 +315,7 @@ impl Metrics {
         let Some(Some(envoy_id)) = self.envoy_ids.get(resolved.family) else {
             return true;
         };
-        let values: Vec<ModuleBuffer> = resolved
-            .values
-            .iter()
-            .map(|v| ModuleBuffer::of(v.as_bytes()))
-            .collect();
+        let values = label_values(resolved);
         let (call, target, envoy_id) = match (update, on_config) {
             (Update::Add(_), false) => (
                 envoy_dynamic_module_callback_http_filter_increment_counter as UpdateFn,
@@ -350,6 +342,15 @@ impl Metrics {
         unsafe { call(target, envoy_id, values.as_ptr(), values.len(), n) };
         true
     }
+}
+
+/// The label values of a resolved metric, lent to Envoy.
+fn label_values(resolved: &Resolved) -> Vec<ModuleBuffer> {
+    resolved
+        .values
+        .iter()
+        .map(|v| ModuleBuffer::of(v.as_bytes()))
+        .collect()
 }
 
 // === the sink ===
