@@ -10,6 +10,8 @@
 #   STALEGUARD_ENVOY    the Envoy binary the tests run (exported; set it to skip
 #                       the install and run a binary of your own)
 #   STALEGUARD_WASM     the built filter module (exported)
+#   STALEGUARD_NATIVE   the built native module, libstaleguard_native.so, for
+#                       STALEGUARD_ENVOY_VERSION's ABI (exported by sg_build_native)
 #   STALEGUARD_APISERVER the test Kubernetes API server binary (exported)
 #   STALEGUARD_VALIDATOR the built validator binary (exported by sg_build_validator)
 
@@ -49,6 +51,28 @@ sg_build_filter() {
   cargo build --quiet -p staleguard-filter --target wasm32-wasip1 --profile wasm-release >&2
   STALEGUARD_WASM="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/wasm32-wasip1/wasm-release/staleguard_filter.wasm"
   export STALEGUARD_WASM
+}
+
+# The native module (native/, docs/native.md) for the dynamic-module ABI of
+# Envoy VERSION (default STALEGUARD_ENVOY_VERSION): v0.1.0 for 1.38 and 1.39,
+# v0.2.0 for 1.40. Each ABI's build is kept in a directory of its own, so runs
+# on several Envoy versions do not rebuild each other's.
+sg_build_native() {
+  local version=${1:-$STALEGUARD_ENVOY_VERSION} feature
+  case "$version" in
+    1.38.*|1.39.*) feature=abi-v0-1 ;;
+    1.40.*) feature=abi-v0-2 ;;
+    *) echo "error: no native build for Envoy $version (docs/native.md, \"ABI pinning\")" >&2; return 1 ;;
+  esac
+  sg_step "building the native module for Envoy $version (feature $feature, release)"
+  cargo build --quiet -p staleguard-native --release --no-default-features --features "$feature" >&2
+  local target dir
+  target="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
+  dir="$target/native/$feature"
+  mkdir -p "$dir"
+  cp "$target/release/libstaleguard_native.so" "$dir/libstaleguard_native.so"
+  STALEGUARD_NATIVE="$dir/libstaleguard_native.so"
+  export STALEGUARD_NATIVE
 }
 
 sg_build_validator() {

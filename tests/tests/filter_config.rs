@@ -11,7 +11,7 @@ use anyhow::Result;
 use serde_json::{json, Value};
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::{named_host, Server};
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{native, shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
 const DYN: &str = "outbound|8080|dyn|cart.shop.svc.cluster.local";
@@ -47,7 +47,12 @@ fn mistakes() -> Vec<(&'static str, Value, &'static str)> {
         (
             "no-such-validator-cluster",
             json!({"validator_cluster": "staleguard-validatr"}),
-            r#"dispatch to validator_cluster "staleguard-validatr" failed: BadArgument: Envoy has no cluster of that name"#,
+            // Each build names Envoy's refusal in its host's words.
+            if native::selected() {
+                r#"dispatch to validator_cluster "staleguard-validatr" failed: ClusterNotFound: Envoy has no cluster of that name"#
+            } else {
+                r#"dispatch to validator_cluster "staleguard-validatr" failed: BadArgument: Envoy has no cluster of that name"#
+            },
         ),
     ]
 }

@@ -12,6 +12,7 @@
 //! [`parse`] reads both as the root name, so a test asserts the same thing on
 //! every Envoy it runs on (docs/operations.md, "Envoy and Istio versions").
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// Counters and gauges by their full `/stats` name.
@@ -36,22 +37,42 @@ pub const STAT_NO_ADDRESS: &str = "wasmcustom.staleguard_filter_requests_no_addr
 /// `staleguard_service`, `staleguard_reason`, `staleguard_action`).
 pub const PROM_REQUESTS: &str = "staleguard_filter_requests_total";
 
+/// The stats namespace of the native module's metrics (Envoy's default for
+/// dynamic modules), in a cluster's scope: `cluster.<name>.dynamicmodulescustom.<metric>`.
+pub const NATIVE_NAMESPACE: &str = "dynamicmodulescustom";
+
 /// The root-scope name of a stat: `cluster.<name>.wasmcustom.<metric>` (a
 /// cluster-level upstream filter's metric on Envoy before 1.39) is
-/// `wasmcustom.<metric>`; any other name is itself.
-pub fn root_name(name: &str) -> &str {
-    name.strip_prefix("cluster.")
-        .and_then(|rest| rest.find(".wasmcustom.").map(|i| &rest[i + 1..]))
-        .unwrap_or(name)
+/// `wasmcustom.<metric>`; the native module's `[cluster.<name>.]dynamicmodulescustom.<metric>`
+/// is read as the same `wasmcustom.<metric>`, so that a test asserts the
+/// same thing of either build; any other name is itself.
+pub fn root_name(name: &str) -> Cow<'_, str> {
+    let native = match name.strip_prefix("cluster.") {
+        None => name
+            .strip_prefix(NATIVE_NAMESPACE)
+            .and_then(|r| r.strip_prefix('.')),
+        Some(rest) => {
+            let scope = format!(".{NATIVE_NAMESPACE}.");
+            rest.find(&scope).map(|i| &rest[i + scope.len()..])
+        }
+    };
+    if let Some(metric) = native {
+        return Cow::Owned(format!("wasmcustom.{metric}"));
+    }
+    Cow::Borrowed(
+        name.strip_prefix("cluster.")
+            .and_then(|rest| rest.find(".wasmcustom.").map(|i| &rest[i + 1..]))
+            .unwrap_or(name),
+    )
 }
 
 /// The `/stats?filter=` regex for the stat `name` in either scope (see
 /// [`root_name`]).
 pub fn filter_for(name: &str) -> String {
     let escaped = name.replace('|', "\\|");
-    if name.starts_with("wasmcustom.") {
+    if let Some(metric) = escaped.strip_prefix("wasmcustom.") {
         // No `+`: the admin's query decoding may read it as a space.
-        format!("^(cluster\\..*\\.)?{escaped}$")
+        format!("^(cluster\\..*\\.)?(wasmcustom|{NATIVE_NAMESPACE}).{metric}$")
     } else {
         format!("^{escaped}$")
     }
@@ -69,7 +90,7 @@ pub fn parse(text: &str) -> Stats {
         let Ok(v) = v.trim().parse::<u64>() else {
             continue;
         };
-        *stats.entry(root_name(k).to_owned()).or_default() += v;
+        *stats.entry(root_name(k).into_owned()).or_default() += v;
     }
     stats
 }
@@ -100,18 +121,43 @@ pub fn requests_counted(stats: &Stats) -> u64 {
 
 /// The sum of the series `name{labels}` in Prometheus text, if any is present.
 /// `labels` are `(key, value)` pairs that must all match; series with more
-/// labels (the filter's `staleguard_service`) are summed.
+/// labels (the filter's `staleguard_service`) are summed. With the native
+/// build (docs/native.md, "Metrics") a metric keeps Envoy's prefix, its
+/// scope and the dynamic modules' namespace in its name
+/// (`envoy_[cluster_<name>_]dynamicmodulescustom_<name>`) and its labels
+/// are the dotted name's keys (`reason`, not `staleguard_reason`): the
+/// series of every scope are summed, as [`parse`] does.
 pub fn prometheus_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<u64> {
+    prometheus_sum(text, name, labels, super::native::selected())
+}
+
+fn prometheus_sum(text: &str, name: &str, labels: &[(&str, &str)], native: bool) -> Option<u64> {
+    let native_suffix = format!("_{NATIVE_NAMESPACE}_{name}");
+    let label = |k: &str| -> String {
+        if !native {
+            return k.to_owned();
+        }
+        match k {
+            "staleguard_error_kind" => "kind".to_owned(),
+            other => other
+                .strip_prefix("staleguard_")
+                .unwrap_or(other)
+                .to_owned(),
+        }
+    };
     let mut values = text.lines().filter_map(|line| {
         let (series, value) = line.rsplit_once(' ')?;
         let (metric, rest) = series.split_once('{').unwrap_or((series, "}"));
-        if metric != name {
+        let named = metric == name
+            || (native && metric.starts_with("envoy_") && metric.ends_with(&native_suffix));
+        if !named {
             return None;
         }
         let rest = rest.strip_suffix('}')?;
-        let ok = labels
-            .iter()
-            .all(|(k, v)| rest.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+        let ok = labels.iter().all(|(k, v)| {
+            let want = format!("{}=\"{v}\"", label(k));
+            rest.split(',').any(|kv| kv == want)
+        });
         if !ok {
             return None;
         }
@@ -163,9 +209,37 @@ mod tests {
         );
         assert_eq!(
             filter_for(STAT_RESETS),
-            "^(cluster\\..*\\.)?wasmcustom.staleguard_filter_sync_resets_total$"
+            "^(cluster\\..*\\.)?(wasmcustom|dynamicmodulescustom).staleguard_filter_sync_resets_total$"
         );
         assert_eq!(filter_for("a.b|c"), "^a.b\\|c$");
+    }
+
+    #[test]
+    fn reads_the_native_modules_metrics_as_the_filters() {
+        let stats = parse(
+            "cluster.outbound|8080||cart.shop.svc.cluster.local.dynamicmodulescustom.staleguard_filter_index_fresh: 1\n\
+             dynamicmodulescustom.staleguard_filter_sync_resets_total: 2\n\
+             cluster.dynamicmodulescustom.upstream_rq_total: 5\n",
+        );
+        assert_eq!(stats.get(STAT_FRESH), Some(&1));
+        assert_eq!(stats.get(STAT_RESETS), Some(&2));
+        assert_eq!(
+            stats.get("cluster.dynamicmodulescustom.upstream_rq_total"),
+            Some(&5)
+        );
+    }
+
+    #[test]
+    fn reads_the_native_modules_series_in_every_scope() {
+        let text = "envoy_cluster_a_dynamicmodulescustom_staleguard_filter_retries_total{outcome=\"answered\"} 2\n\
+            envoy_cluster_b_dynamicmodulescustom_staleguard_filter_retries_total{outcome=\"answered\"} 3\n\
+            envoy_dynamicmodulescustom_staleguard_filter_guard_held_total{} 5\n";
+        let answered = [("staleguard_outcome", "answered")];
+        let retries = "staleguard_filter_retries_total";
+        assert_eq!(prometheus_sum(text, retries, &answered, true), Some(5));
+        assert_eq!(prometheus_sum(text, retries, &answered, false), None);
+        let held = "staleguard_filter_guard_held_total";
+        assert_eq!(prometheus_sum(text, held, &[], true), Some(5));
     }
 
     #[test]

@@ -1,0 +1,208 @@
+//! The index: one copy of the validator's data per Envoy process.
+//!
+//! The engine's store layout ([`staleguard_engine::store`]) kept in plain
+//! process memory instead of Envoy shared data: the poller writes it through
+//! the same [`SharedData`] trait, every worker's filter and load balancer
+//! reads it, and [`judge`] runs the engine's verdict (the Wasm filter's)
+//! ([`staleguard_engine::check::judge`]) on it, so the native build and the
+//! Wasm filter cannot disagree on a host.
+
+use std::cell::RefCell;
+use std::net::IpAddr;
+use std::sync::{LazyLock, PoisonError, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use staleguard_core::{Reason, Snapshot};
+use staleguard_engine::buckets::CompactRecord;
+use staleguard_engine::cache::Cache;
+use staleguard_engine::check::{self, Lazy, Outcome, Upstream};
+use staleguard_engine::config::Config;
+use staleguard_engine::host::{SharedData, StoreError};
+use staleguard_engine::store::write::Writer;
+use staleguard_engine::store::{MemoryStore, Meta};
+
+static STORE: LazyLock<RwLock<MemoryStore>> = LazyLock::new(Default::default);
+
+/// The process's index as the store trait sees it: every handle is the same
+/// store. Reads take a shared lock, writes (the poller's) an exclusive one.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessStore;
+
+impl SharedData for ProcessStore {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
+        // A panic while the lock was held cannot leave a half-written value:
+        // MemoryStore replaces each value whole.
+        STORE
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(key)
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        STORE
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .set(key, value, cas)
+    }
+}
+
+thread_local! {
+    // Each worker's cache of services and records, as each Wasm VM has one.
+    static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
+}
+
+/// What the index says about one host of one cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Judgement {
+    /// The engine's outcome: unmapped cluster, no address, out of scope,
+    /// or judged (reason, action, and what the configured mode makes of it).
+    pub outcome: Outcome,
+}
+
+impl Judgement {
+    /// Whether the index could be trusted: false when it is stale (never
+    /// synced, or older than `max_staleness_ms`), when the failure policy
+    /// decided. An unjudged host (unmapped, out of scope) counts as fresh:
+    /// the index has nothing to say about it.
+    pub fn fresh(&self) -> bool {
+        !matches!(
+            &self.outcome,
+            Outcome::Judged { verdict, .. } if verdict.reason == Reason::Stale
+        )
+    }
+
+    /// Whether the verdict rejects the host (enforced or only audited).
+    pub fn rejects(&self) -> bool {
+        matches!(
+            &self.outcome,
+            Outcome::Judged { verdict, .. } if verdict.action == staleguard_core::Action::Reject
+        )
+    }
+}
+
+/// The clock and the lazy reads of a judgement outside a request: no
+/// cluster metadata (a cluster resolves by `clusters` rules and its
+/// `outbound|PORT|SUBSET|FQDN` name).
+#[derive(Debug)]
+struct Clock;
+
+impl Lazy for Clock {
+    fn istio_service_host(&self) -> Option<String> {
+        None
+    }
+
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+}
+
+/// The wall clock, ms since the Unix epoch (0 if the clock is before it).
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Judges `ip` as a host of `cluster` under `config` (the plugin
+/// configuration, same schema as the Wasm filter's), as the Wasm filter would
+/// judge a request sent to it. Callable from any thread.
+pub fn judge(config: &Config, cluster: &str, ip: &IpAddr) -> Judgement {
+    judge_address(config, cluster, &ip.to_string())
+}
+
+/// [`judge`] for a host as Envoy names it, `IP:port` (`[v6]:port`, or an
+/// internal `envoy://` address), without building the address text.
+pub fn judge_address(config: &Config, cluster: &str, address: &str) -> Judgement {
+    judge_upstream(
+        config,
+        &Upstream {
+            cluster: Some(cluster.to_owned()),
+            address: Some(address.to_owned()),
+        },
+        &Clock,
+    )
+}
+
+/// [`judge`] for a request: the upstream as the host reports it, with the
+/// request's lazy reads.
+pub fn judge_upstream(config: &Config, upstream: &Upstream, lazy: &dyn Lazy) -> Judgement {
+    let outcome = CACHE.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        check::judge(config, &mut cache, &ProcessStore, upstream, lazy)
+    });
+    Judgement { outcome }
+}
+
+/// Replaces the index with `snapshot` (the validator's `/v1/snapshot`
+/// document), as a reset sync would, synced at `now_ms`. For tests and
+/// benchmarks that fill the index without a validator; the poller writes
+/// through its own writer.
+pub fn load_snapshot(snapshot_json: &[u8], now_ms: u64) -> Result<Meta, String> {
+    let mut snapshot: Snapshot<CompactRecord> =
+        serde_json::from_slice(snapshot_json).map_err(|e| e.to_string())?;
+    Writer::default()
+        .write_snapshot(&mut ProcessStore, now_ms, &mut snapshot)
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use staleguard_core::wire::{Freshness, PodHolder, WIRE_VERSION};
+    use staleguard_core::{Action, IpRecord, ServiceKey};
+
+    fn config() -> Config {
+        Config::parse(
+            br#"{"validator_cluster": "staleguard-validator", "on_reject": "reject",
+                 "clusters": [{"name": "shop-cart", "service": "shop/cart"}]}"#,
+        )
+        .unwrap()
+    }
+
+    /// The whole life of the process's index in one test (the store is
+    /// process-wide, so tests of it cannot run side by side): stale before
+    /// the first sync, then the filter's verdicts on what was loaded.
+    #[test]
+    fn the_index_judges_as_the_filter_once_loaded_and_is_stale_before() {
+        let config = config();
+        let live: IpAddr = "10.0.0.1".parse().unwrap();
+        let gone: IpAddr = "10.0.0.2".parse().unwrap();
+
+        let before = judge(&config, "shop-cart", &live);
+        assert!(!before.fresh(), "{before:?}");
+        assert!(!before.rejects(), "failure policy open: {before:?}");
+
+        let cart = ServiceKey::new("shop", "cart");
+        let snapshot = Snapshot {
+            v: WIRE_VERSION,
+            epoch: 7,
+            generation: 1,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(0),
+            },
+            services: vec![cart.clone()],
+            records: vec![IpRecord::held_by(
+                live,
+                vec![PodHolder::ready_member("shop", "cart-1", "u1", cart)],
+            )],
+        };
+        load_snapshot(&serde_json::to_vec(&snapshot).unwrap(), now_ms()).unwrap();
+
+        let member = judge(&config, "shop-cart", &live);
+        assert!(member.fresh() && !member.rejects(), "{member:?}");
+        let destroyed = judge_address(&config, "shop-cart", "10.0.0.2:8080");
+        assert!(destroyed.fresh() && destroyed.rejects(), "{destroyed:?}");
+        let Outcome::Judged { verdict, .. } = destroyed.outcome else {
+            panic!("not judged");
+        };
+        assert_eq!(
+            (verdict.reason, verdict.action),
+            (Reason::Destroyed, Action::Reject)
+        );
+        assert_eq!(
+            judge(&config, "elsewhere", &gone).outcome,
+            Outcome::Unmapped
+        );
+    }
+}
