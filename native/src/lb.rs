@@ -22,6 +22,9 @@
 
 use staleguard_filter::check::{Effect, Outcome};
 
+#[cfg(feature = "test-index")]
+pub mod test_index;
+
 use crate::index::Judgement;
 
 /// The healthy hosts Envoy offers a pick among, by priority (Envoy's

@@ -207,6 +207,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_lb_config_new(
                 return std::ptr::null();
             }
         };
+        #[cfg(feature = "test-index")]
+        crate::lb::test_index::start();
         let mut ids = [None; 4];
         for (slot, name) in ids.iter_mut().zip(COUNTERS) {
             let mut id = 0usize;

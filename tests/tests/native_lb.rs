@@ -1,0 +1,299 @@
+//! Issue 27: the native module's load-balancing policy
+//! (`envoy.load_balancing_policies.dynamic_modules`) in real Envoy, as
+//! `deploy/native/envoy-lb.yaml` ships it, on the Envoy the run names
+//! (`STALEGUARD_ENVOY_VERSION` 1.38.2 or 1.40.0, the module built for its ABI
+//! by `sg_build_native`).
+//!
+//! The incident at its proportions ([`staleguard_tests::incident`]: 25
+//! endpoints, 23 stale: recycled, blackholed, refusing, hung; 16 clients;
+//! GET, HEAD, POST, PUT, PATCH with bodies up to 1 MiB) through a gateway
+//! whose cluster balances with the policy and runs no upstream filter: every
+//! request is answered by a live pod, nothing is rejected or replayed (no
+//! filter runs that could), and the gateway never opens a connection to a
+//! stale IP (Envoy's own per-host connection counts, and the stale pods'
+//! listeners).
+//!
+//! The index comes from a fake validator and, for a module built with the
+//! `test-index` feature, from the same snapshot in a file:
+//!
+//! ```text
+//! . scripts/setup.sh && STALEGUARD_ENVOY_VERSION=1.38.2 sg_setup_all   # or 1.40.0
+//! cargo build -p staleguard-native --release --no-default-features --features abi-v0-1,test-index
+//! STALEGUARD_NATIVE=$PWD/target/release/libstaleguard_native.so \
+//!   cargo test -p staleguard-tests --test native_lb
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
+use staleguard_tests::blocking::{named_host, Answer, Server};
+use staleguard_tests::envoy::{dependencies, native, Envoy, Launch, WAIT};
+use staleguard_tests::fake_validator::{records::pod, FakeValidator};
+use staleguard_tests::incident::{self, Endpoints, Kind, Load, Mix};
+use staleguard_tests::process::free_addr;
+
+const SHIPPED: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../deploy/native/envoy-lb.yaml"
+);
+
+/// The policy's counters, in Envoy's scope for dynamic-module metrics.
+const SKIPPED: &str = "dynamicmodulescustom.staleguard_lb_hosts_skipped_total";
+const NO_LIVE_HOST: &str = "dynamicmodulescustom.staleguard_lb_no_live_host_total";
+const UNCHECKED: &str = "dynamicmodulescustom.staleguard_lb_unchecked_total";
+
+/// `deploy/native/envoy-lb.yaml` with its addresses on loopback: the
+/// listener and admin on free ports, `shop-cart`'s endpoints `cart`, the
+/// validator `validator` (plain HTTP, as the fake one speaks it).
+fn shipped(cart: &[SocketAddr], validator: SocketAddr) -> Result<(Value, SocketAddr, SocketAddr)> {
+    let text = std::fs::read_to_string(SHIPPED).with_context(|| format!("read {SHIPPED}"))?;
+    let mut doc: Value = yaml_serde::from_str(&text).with_context(|| format!("{SHIPPED}"))?;
+    let (listener, admin) = (free_addr()?, free_addr()?);
+    doc["admin"]["address"]["socket_address"] =
+        json!({"address": "127.0.0.1", "port_value": admin.port()});
+    doc["static_resources"]["listeners"][0]["address"]["socket_address"] =
+        json!({"address": "127.0.0.1", "port_value": listener.port()});
+    let clusters = doc["static_resources"]["clusters"]
+        .as_array_mut()
+        .context("no clusters in the shipped file")?;
+    for c in clusters {
+        let hosts: &[SocketAddr] = match c["name"].as_str() {
+            Some("shop-cart") => cart,
+            Some("staleguard-validator") => std::slice::from_ref(&validator),
+            _ => continue,
+        };
+        let endpoints: Vec<Value> = hosts
+            .iter()
+            .map(|a| {
+                json!({"endpoint": {"address": {"socket_address": {
+                "address": a.ip().to_string(), "port_value": a.port()}}}})
+            })
+            .collect();
+        c["type"] = json!("STATIC");
+        c["load_assignment"]["endpoints"] = json!([{"lb_endpoints": endpoints}]);
+    }
+    Ok((doc, listener, admin))
+}
+
+/// Where the index comes from: the fake validator, which the module's
+/// poller reads, and the same snapshot in a file, which a test build of the
+/// module (`--features test-index`, native/src/lb/test_index.rs) reads
+/// instead.
+struct Index {
+    validator: FakeValidator,
+    file: std::path::PathBuf,
+}
+
+impl Index {
+    fn start(epoch: u64) -> Result<Self> {
+        let file = std::env::temp_dir().join(format!(
+            "staleguard-native-lb-{}-{epoch}.json",
+            std::process::id()
+        ));
+        Ok(Self {
+            validator: FakeValidator::start(epoch)?,
+            file,
+        })
+    }
+
+    /// Serves `records` of `services` from now on.
+    fn set(&self, services: Vec<ServiceKey>, records: Vec<IpRecord>) -> Result<()> {
+        let snapshot = Snapshot {
+            v: staleguard_core::wire::WIRE_VERSION,
+            epoch: 1,
+            generation: 1,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(0),
+            },
+            services: services.clone(),
+            records: records.clone(),
+        };
+        let tmp = self.file.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&snapshot)?)?;
+        std::fs::rename(&tmp, &self.file)?;
+        self.validator.set_index(services, records);
+        Ok(())
+    }
+}
+
+impl Drop for Index {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.file);
+    }
+}
+
+/// Runs the shipped LB gateway over `cart` with `index`, and
+/// waits until the policy judges picks (the index is synced: a pick is no
+/// longer made unchecked). `None` when Envoy or the module is missing.
+fn start(name: &str, cart: &[SocketAddr], index: &Index) -> Result<Option<Envoy>> {
+    let (Some((envoy, _)), Some(module)) = (dependencies(), native::module()) else {
+        return Ok(None);
+    };
+    let (bootstrap, _, _) = shipped(cart, index.validator.addr())?;
+    let launch = Launch {
+        name: name.into(),
+        concurrency: 2,
+        env: vec![
+            native::search_path(&module),
+            (
+                "STALEGUARD_NATIVE_TEST_SNAPSHOT".into(),
+                index.file.display().to_string(),
+            ),
+        ],
+        detach: false,
+    };
+    let running = Envoy::spawn(&envoy, &bootstrap, &launch)?;
+    wait_synced(&running)?;
+    Ok(Some(running))
+}
+
+/// Waits until the module's index is synced: the policy's counter of
+/// unchecked picks (made while the index cannot be trusted) stops growing
+/// over a pick. Picks made before (the failure policy is open) are the
+/// warm-up's, which no test counts.
+fn wait_synced(envoy: &Envoy) -> Result<()> {
+    envoy.eventually("the module's index synced", WAIT, |e| {
+        let before = e.stat(UNCHECKED)?;
+        let _ = e.send("-", "GET", "/cart/warm-up", None);
+        Ok(e.stat(UNCHECKED)? == before)
+    })
+}
+
+/// Envoy's connection count of every host of `cluster` (`/clusters`).
+fn connections(envoy: &Envoy, cluster: &str) -> Result<BTreeMap<SocketAddr, u64>> {
+    let page = envoy.admin("/clusters")?;
+    let mut out = BTreeMap::new();
+    for line in page.lines() {
+        let mut parts = line.split("::");
+        let (Some(c), Some(host), Some("cx_total"), Some(n)) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if c == cluster {
+            out.insert(host.parse()?, n.trim().parse()?);
+        }
+    }
+    Ok(out)
+}
+
+#[test]
+fn the_shipped_lb_policy_answers_every_incident_request_from_a_live_pod_and_never_connects_to_a_stale_ip(
+) -> Result<()> {
+    let endpoints = Endpoints::start(27, Mix::INCIDENT)?;
+    let index = Index::start(2700)?;
+    let (services, records) = endpoints.index();
+    index.set(services, records)?;
+    let Some(envoy) = start("native-lb-incident", &endpoints.addrs(), &index)? else {
+        return Ok(());
+    };
+    let before = connections(&envoy, "shop-cart")?;
+    let (recycled_before, hung_before) =
+        (endpoints.hits(Kind::Recycled), endpoints.hits(Kind::Hung));
+    let per_client = staleguard_tests::bench::env_usize("STALEGUARD_INCIDENT_REQUESTS", 64);
+    let reports = incident::run(envoy.listener, &Load::incident(per_client))?;
+    for (method, r) in &reports {
+        println!("native lb {method:5} {}", r.line());
+    }
+    let after = connections(&envoy, "shop-cart")?;
+    let stale: Vec<(SocketAddr, Kind)> = endpoints
+        .all
+        .iter()
+        .filter(|(_, k)| *k != Kind::Live)
+        .copied()
+        .collect();
+    let mut reached = vec![];
+    for (addr, kind) in &stale {
+        let n = after.get(addr).copied().unwrap_or(0) - before.get(addr).copied().unwrap_or(0);
+        if n > 0 {
+            reached.push(format!("{addr} ({}): {n}", kind.as_str()));
+        }
+    }
+    let live_connections: u64 = endpoints
+        .all
+        .iter()
+        .filter(|(_, k)| *k == Kind::Live)
+        .map(|(a, _)| after.get(a).copied().unwrap_or(0))
+        .sum();
+    println!(
+        "connections: {live_connections} to live pods, stale: {reached:?}; skipped {}, no live host {}",
+        envoy.stat(SKIPPED)?,
+        envoy.stat(NO_LIVE_HOST)?
+    );
+    assert!(reached.is_empty(), "connections to stale IPs: {reached:?}");
+    assert!(
+        live_connections > 0,
+        "Envoy's /clusters counted no connection"
+    );
+    assert_eq!(
+        endpoints.hits(Kind::Recycled),
+        recycled_before,
+        "a recycled pod was reached"
+    );
+    assert_eq!(
+        endpoints.hits(Kind::Hung),
+        hung_before,
+        "a hung IP was reached"
+    );
+    for (method, r) in &reports {
+        assert_eq!(r.answered, r.sent, "{method}: {}", r.line());
+        assert_eq!(r.wrong_service, 0, "{method}: {}", r.line());
+    }
+    assert_eq!(envoy.stat(NO_LIVE_HOST)?, 0);
+    assert!(envoy.stat(SKIPPED)? > 0, "no stale host was passed over");
+    Ok(())
+}
+
+/// When the index says every healthy host is stale, the policy picks none:
+/// the client gets Envoy's 503 "no healthy upstream", counted, and the
+/// recycled pod is never reached.
+#[test]
+fn with_every_host_stale_the_lb_policy_picks_none_and_counts_it() -> Result<()> {
+    let live = named_host("127.0.28.1", "cart-0")?;
+    let recycled = Server::start(
+        SocketAddr::from(([127, 0, 28, 2], live.addr().port())),
+        |_| Answer::status(200, "other"),
+    )?;
+    let index = Index::start(2800)?;
+    let (cart, other) = (incident::cart(), incident::other());
+    index.set(
+        vec![cart.clone(), other.clone()],
+        vec![
+            pod("127.0.28.1", "cart-0", &[&cart], false),
+            pod("127.0.28.2", "other-0", &[&other], false),
+        ],
+    )?;
+    let Some(envoy) = start("native-lb-none", &[live.addr(), recycled.addr()], &index)? else {
+        return Ok(());
+    };
+    for _ in 0..10 {
+        let r = envoy.send("-", "GET", "/cart/a", None)?;
+        if (r.status, r.body.as_str()) != (200, "host=cart-0") {
+            bail!("{} {:?} {}", r.status, r.headers, r.body);
+        }
+    }
+    // The live pod is deleted: no pod holds its IP any more.
+    index.set(
+        vec![cart.clone(), other.clone()],
+        vec![pod("127.0.28.2", "other-0", &[&other], false)],
+    )?;
+    envoy.eventually("the deletion reached the index", WAIT, |e| {
+        Ok(e.send("-", "GET", "/cart/b", None)?.status == 503)
+    })?;
+    let counted = envoy.stat(NO_LIVE_HOST)?;
+    for _ in 0..5 {
+        let r = envoy.send("-", "GET", "/cart/c", None)?;
+        assert_eq!(r.status, 503, "{r:?}");
+        assert!(r.body.contains("no healthy upstream"), "{r:?}");
+    }
+    envoy.eventually("the empty picks counted", Duration::from_secs(5), |e| {
+        Ok(e.stat(NO_LIVE_HOST)? >= counted + 5)
+    })?;
+    assert_eq!(recycled.hits(), 0, "the recycled pod was reached");
+    Ok(())
+}
