@@ -31,9 +31,12 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
 use staleguard_tests::blocking::{named_host, Answer, Server};
-use staleguard_tests::envoy::{dependencies, native, Envoy, Launch, WAIT};
+use staleguard_tests::envoy::{dependencies, native, validate, Envoy, Launch, WAIT};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::incident::{self, Endpoints, Kind, Load, Mix};
+use staleguard_tests::istio::{
+    apply_envoyfilter, gateway_output, read_yaml, validate_bootstrap, Protocol, Service,
+};
 use staleguard_tests::process::free_addr;
 
 const SHIPPED: &str = concat!(
@@ -295,5 +298,96 @@ fn with_every_host_stale_the_lb_policy_picks_none_and_counts_it() -> Result<()> 
         Ok(e.stat(NO_LIVE_HOST)? >= counted + 5)
     })?;
     assert_eq!(recycled.hits(), 0, "the recycled pod was reached");
+    Ok(())
+}
+
+/// `envoy --mode validate` of an Istio-shaped gateway's output with the
+/// module; `None` when Envoy or the module is missing.
+fn validate_with_module(output: &Value, what: &str) -> Result<Option<String>> {
+    let (Some((envoy, _)), Some(module)) = (dependencies(), native::module()) else {
+        return Ok(None);
+    };
+    let path = std::env::temp_dir().join(format!(
+        "staleguard-native-lb-{what}-{}.json",
+        std::process::id()
+    ));
+    std::fs::write(
+        &path,
+        serde_json::to_vec_pretty(&validate_bootstrap(output))?,
+    )?;
+    let (k, v) = native::search_path(&module);
+    let checked = validate(&envoy, &path, &[(k.as_str(), v.as_str())]);
+    let _ = std::fs::remove_file(&path);
+    checked.map(Some)
+}
+
+fn cluster_of<'a>(output: &'a Value, name: &str) -> Result<&'a Value> {
+    output["clusters"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+        .with_context(|| format!("no cluster {name}"))
+}
+
+/// The shipped Istio EnvoyFilter (deploy/native/istio/envoyfilter-lb.yaml)
+/// merges the policy into the guarded service's cluster only, keeps every
+/// field istiod set there, and Envoy accepts the result; beside Istio's
+/// locality-weighted setting Envoy refuses it, which is why the file asks
+/// for `localityLbSetting.enabled: false` on guarded services.
+#[test]
+fn the_istio_lb_envoyfilter_keeps_istios_cluster_settings_and_envoy_accepts_it() -> Result<()> {
+    let any: SocketAddr = "127.0.0.1:1".parse()?;
+    let service = |name: &str| Service {
+        name: name.into(),
+        namespace: "shop".into(),
+        port: 8080,
+        protocol: Protocol::Http,
+        route_host: format!("{name}.example.com"),
+        endpoints: vec![any],
+    };
+    let (cart, pay) = (service("cart"), service("pay"));
+    let before = gateway_output(&[cart.clone(), pay.clone()], 8080);
+    let patch = read_yaml("deploy/native/istio/envoyfilter-lb.yaml")?;
+    let mut after = before.clone();
+    let applied = apply_envoyfilter(&mut after, &patch)?;
+    assert_eq!(applied.counts, vec![1], "one cluster merged");
+    let (was, is) = (
+        cluster_of(&before, &cart.cluster_name())?,
+        cluster_of(&after, &cart.cluster_name())?,
+    );
+    for (field, value) in was.as_object().context("cluster")? {
+        assert_eq!(&is[field], value, "istiod's {field} changed");
+    }
+    assert_eq!(
+        is["load_balancing_policy"]["policies"][0]["typed_extension_config"]["name"],
+        "envoy.load_balancing_policies.dynamic_modules"
+    );
+    let config = is["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+        ["typed_config"]["lb_policy_config"]["value"]
+        .as_str()
+        .context("no plugin configuration")?;
+    staleguard_filter::config::Config::parse(config.as_bytes())
+        .map_err(|e| anyhow::anyhow!("the shipped plugin configuration: {e:?}"))?;
+    assert_eq!(
+        cluster_of(&after, &pay.cluster_name())?,
+        cluster_of(&before, &pay.cluster_name())?,
+        "an unguarded service's cluster changed"
+    );
+    if validate_with_module(&after, "istio-lb")?.is_none() {
+        return Ok(());
+    }
+    let mut local = before.clone();
+    for c in local["clusters"].as_array_mut().into_iter().flatten() {
+        if c["name"] == cart.cluster_name().as_str() {
+            c["common_lb_config"]["locality_weighted_lb_config"] = json!({});
+        }
+    }
+    apply_envoyfilter(&mut local, &patch)?;
+    let refused = validate_with_module(&local, "istio-lb-locality")
+        .err()
+        .context("Envoy must refuse the policy beside locality_weighted_lb_config")?;
+    assert!(
+        refused.to_string().contains("cannot be combined"),
+        "{refused}"
+    );
     Ok(())
 }
