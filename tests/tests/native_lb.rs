@@ -54,7 +54,7 @@ const UNCHECKED: &str = "dynamicmodulescustom.staleguard_lb_unchecked_total";
 /// validator `validator` (plain HTTP, as the fake one speaks it).
 fn shipped(cart: &[SocketAddr], validator: SocketAddr) -> Result<(Value, SocketAddr, SocketAddr)> {
     let text = std::fs::read_to_string(SHIPPED).with_context(|| format!("read {SHIPPED}"))?;
-    let mut doc: Value = yaml_serde::from_str(&text).with_context(|| format!("{SHIPPED}"))?;
+    let mut doc: Value = yaml_serde::from_str(&text).context(SHIPPED)?;
     let (listener, admin) = (free_addr()?, free_addr()?);
     doc["admin"]["address"]["socket_address"] =
         json!({"address": "127.0.0.1", "port_value": admin.port()});
