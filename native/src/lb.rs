@@ -13,12 +13,20 @@
 //! failure policy decides: open (the default) judges every host good, closed
 //! judges every host stale.
 //!
+//! A worker reuses a host's standing for [`REUSE`] (250 ms) before it asks
+//! the index again ([`Recent`]): a pick then costs a clock read and a map
+//! lookup instead of a verdict, and a change of the index reaches the picks
+//! at most that much later (the poll that brings it takes longer).
+//!
 //! What it gives up against Envoy's own balancers: host and locality weights,
 //! slow start, least-request's view of each host's load, priority spill-over
 //! by health (the first priority with a good host takes all requests) and
 //! panic mode (a priority without healthy hosts is never used). The pick
 //! costs one verdict per host it looks at: one on a cluster with no stale
 //! host, about `hosts / good hosts` when most are stale.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use staleguard_filter::check::{Effect, Outcome};
 
@@ -69,6 +77,45 @@ impl Standing {
 
     fn pickable(self) -> bool {
         self != Standing::Stale
+    }
+}
+
+/// How long a worker reuses a host's standing.
+pub const REUSE: Duration = Duration::from_millis(250);
+
+/// A worker's recent standings, by host address (see [`REUSE`]). Cleared
+/// when the cluster's membership changes, so it holds at most its hosts.
+#[derive(Debug, Default)]
+pub struct Recent {
+    by_address: HashMap<String, (Standing, Instant)>,
+}
+
+impl Recent {
+    /// The standing of `address`: the one judged less than [`REUSE`] before
+    /// `now`, or `judge`'s.
+    pub fn standing(
+        &mut self,
+        address: &str,
+        now: Instant,
+        judge: impl FnOnce() -> Standing,
+    ) -> Standing {
+        match self.by_address.get_mut(address) {
+            Some((standing, at)) if now.saturating_duration_since(*at) < REUSE => *standing,
+            Some(entry) => {
+                *entry = (judge(), now);
+                entry.0
+            }
+            None => {
+                let standing = judge();
+                self.by_address.insert(address.to_owned(), (standing, now));
+                standing
+            }
+        }
+    }
+
+    /// Forgets every standing.
+    pub fn clear(&mut self) {
+        self.by_address.clear();
     }
 }
 
@@ -182,6 +229,37 @@ mod tests {
         fn address(&self, priority: u32, index: usize) -> Option<&str> {
             self.0[priority as usize].get(index).map(String::as_str)
         }
+    }
+
+    #[test]
+    fn a_standing_is_reused_for_250_ms_then_judged_again() {
+        let mut recent = Recent::default();
+        let t0 = Instant::now();
+        let mut asked = 0;
+        let mut ask = |standing| {
+            asked += 1;
+            standing
+        };
+        assert_eq!(
+            recent.standing("10.0.0.1:80", t0, || ask(Standing::Good)),
+            Standing::Good
+        );
+        let soon = t0 + Duration::from_millis(249);
+        assert_eq!(
+            recent.standing("10.0.0.1:80", soon, || ask(Standing::Stale)),
+            Standing::Good
+        );
+        let later = t0 + REUSE;
+        assert_eq!(
+            recent.standing("10.0.0.1:80", later, || ask(Standing::Stale)),
+            Standing::Stale
+        );
+        recent.clear();
+        assert_eq!(
+            recent.standing("10.0.0.1:80", later, || ask(Standing::Good)),
+            Standing::Good
+        );
+        assert_eq!(asked, 3);
     }
 
     fn stale_unless(live: &'static [&'static str]) -> impl FnMut(&str) -> Standing {

@@ -12,13 +12,14 @@
 use std::ffi::{c_void, CStr};
 use std::net::IpAddr;
 use std::panic::AssertUnwindSafe;
+use std::time::Instant;
 
 use staleguard_filter::check::parse_ip;
 use staleguard_filter::config::Config;
 
 use super::{contain, EnvoyBuffer, ModuleBuffer};
 use crate::index;
-use crate::lb::{Choice, Hosts, Picker, Standing};
+use crate::lb::{Choice, Hosts, Picker, Recent, Standing};
 
 /// The Envoy callbacks the policy calls (checked at program init).
 pub(crate) const CALLBACKS: &[&CStr] = &[
@@ -97,6 +98,7 @@ struct Balancer {
     policy: *const Policy,
     cluster: String,
     picker: Picker,
+    recent: Recent,
 }
 
 /// Envoy's healthy hosts of one load balancer, read at the pick.
@@ -267,6 +269,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_lb_new(
             policy: policy.cast_const().cast::<Policy>(),
             cluster,
             picker: Picker::default(),
+            recent: Recent::default(),
         });
         Box::into_raw(balancer).cast::<c_void>()
     })
@@ -299,9 +302,16 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_lb_choose_host(
             // SAFETY: the configuration outlives the load balancers made
             // from it.
             let policy = unsafe { &*balancer.policy };
-            let choice = balancer
-                .picker
-                .choose(&hosts, |a| standing(&policy.config, &balancer.cluster, a));
+            let Balancer {
+                cluster,
+                picker,
+                recent,
+                ..
+            } = &mut *balancer;
+            let now = Instant::now();
+            let choice = picker.choose(&hosts, |a| {
+                recent.standing(a, now, || standing(&policy.config, cluster, a))
+            });
             policy.record(&choice);
             Some(choice)
         }),
@@ -334,14 +344,28 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_lb_choose_host(
     }
 }
 
-/// Membership changes need nothing: every pick reads the hosts afresh.
+/// A membership change forgets the worker's recent standings (every pick
+/// reads the hosts afresh; this only bounds what is remembered).
+///
+/// # Safety
+/// Envoy's call, on the worker that owns `balancer`.
 #[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_lb_on_host_membership_update(
+pub unsafe extern "C" fn envoy_dynamic_module_on_lb_on_host_membership_update(
     _lb: *mut c_void,
-    _balancer: *mut c_void,
+    balancer: *mut c_void,
     _added: usize,
     _removed: usize,
 ) {
+    if balancer.is_null() {
+        return;
+    }
+    // SAFETY: made by `on_lb_new`, used by this worker only.
+    let balancer = unsafe { &mut *balancer.cast::<Balancer>() };
+    contain(
+        "on_lb_on_host_membership_update",
+        (),
+        AssertUnwindSafe(|| balancer.recent.clear()),
+    );
 }
 
 /// Frees a worker's load balancer.
