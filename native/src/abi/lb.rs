@@ -61,7 +61,7 @@ extern "C" {
 }
 
 /// The policy's counters, in Envoy's `dynamicmodulescustom.` scope
-/// (docs/metrics.md, "Load-balancing policy").
+/// (docs/native.md, "The load-balancing policy").
 pub const COUNTERS: [&str; 4] = [SKIPPED, NO_LIVE_HOST, UNCHECKED, AUDITED];
 /// Healthy hosts looked at and passed over because the index judges them stale.
 pub const SKIPPED: &str = "staleguard_lb_hosts_skipped_total";
