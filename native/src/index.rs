@@ -116,6 +116,19 @@ pub fn judge(config: &Config, cluster: &str, ip: &IpAddr) -> Judgement {
     )
 }
 
+/// [`judge`] for a host as Envoy names it, `IP:port` (`[v6]:port`, or an
+/// internal `envoy://` address), without building the address text.
+pub fn judge_address(config: &Config, cluster: &str, address: &str) -> Judgement {
+    judge_upstream(
+        config,
+        &Upstream {
+            cluster: Some(cluster.to_owned()),
+            address: Some(address.to_owned()),
+        },
+        &Clock,
+    )
+}
+
 /// [`judge`] for a request: the upstream as the host reports it, with the
 /// request's lazy reads.
 pub fn judge_upstream(config: &Config, upstream: &Upstream, lazy: &dyn Lazy) -> Judgement {
@@ -136,4 +149,66 @@ pub fn load_snapshot(snapshot_json: &[u8], now_ms: u64) -> Result<Meta, String> 
     Writer::default()
         .write_snapshot(&mut ProcessStore, now_ms, &mut snapshot)
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use staleguard_core::wire::{Freshness, PodHolder, WIRE_VERSION};
+    use staleguard_core::{Action, IpRecord, ServiceKey};
+
+    fn config() -> Config {
+        Config::parse(
+            br#"{"validator_cluster": "staleguard-validator", "on_reject": "reject",
+                 "clusters": [{"name": "shop-cart", "service": "shop/cart"}]}"#,
+        )
+        .unwrap()
+    }
+
+    /// The whole life of the process's index in one test (the store is
+    /// process-wide, so tests of it cannot run side by side): stale before
+    /// the first sync, then the filter's verdicts on what was loaded.
+    #[test]
+    fn the_index_judges_as_the_filter_once_loaded_and_is_stale_before() {
+        let config = config();
+        let live: IpAddr = "10.0.0.1".parse().unwrap();
+        let gone: IpAddr = "10.0.0.2".parse().unwrap();
+
+        let before = judge(&config, "shop-cart", &live);
+        assert!(!before.fresh(), "{before:?}");
+        assert!(!before.rejects(), "failure policy open: {before:?}");
+
+        let cart = ServiceKey::new("shop", "cart");
+        let snapshot = Snapshot {
+            v: WIRE_VERSION,
+            epoch: 7,
+            generation: 1,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(0),
+            },
+            services: vec![cart.clone()],
+            records: vec![IpRecord::held_by(
+                live,
+                vec![PodHolder::ready_member("shop", "cart-1", "u1", cart)],
+            )],
+        };
+        load_snapshot(&serde_json::to_vec(&snapshot).unwrap(), now_ms()).unwrap();
+
+        let member = judge(&config, "shop-cart", &live);
+        assert!(member.fresh() && !member.rejects(), "{member:?}");
+        let destroyed = judge_address(&config, "shop-cart", "10.0.0.2:8080");
+        assert!(destroyed.fresh() && destroyed.rejects(), "{destroyed:?}");
+        let Outcome::Judged { verdict, .. } = destroyed.outcome else {
+            panic!("not judged");
+        };
+        assert_eq!(
+            (verdict.reason, verdict.action),
+            (Reason::Destroyed, Action::Reject)
+        );
+        assert_eq!(
+            judge(&config, "elsewhere", &gone).outcome,
+            Outcome::Unmapped
+        );
+    }
 }

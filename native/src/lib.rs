@@ -8,7 +8,7 @@
 //! code: the ABI's types, the program init that refuses an Envoy of another
 //! ABI, and one submodule per extension ([`abi::http`] the upstream HTTP
 //! filter, [`abi::lb`] the load-balancing policy). [`lb`] is the policy's
-//! choice among hosts. The decisions themselves are the filter's
+//! choice among hosts; [`stats`] maps the filter's metrics to Envoy's. The decisions themselves are the filter's
 //! (`staleguard_filter`): this crate adapts Envoy to them and decides
 //! nothing of its own. When to choose this build, the Envoy versions it
 //! loads in and its limits are in `docs/native.md`.
@@ -17,3 +17,4 @@
 pub mod abi;
 pub mod index;
 pub mod lb;
+pub mod stats;

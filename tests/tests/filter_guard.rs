@@ -12,7 +12,7 @@ use serde_json::json;
 use staleguard_core::wire::Tombstone;
 use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::blocking::named_host;
-use staleguard_tests::envoy::stats::prometheus_value;
+use staleguard_tests::envoy::stats::{prom_name, prometheus_value};
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
@@ -208,7 +208,8 @@ fn wrong_fresh_answers_are_held_and_tombstoned_deletions_are_not() -> Result<()>
     // The prometheus view of the guard's counter, for the alert rule.
     let prom = envoy.admin("/stats/prometheus")?;
     assert!(
-        prometheus_value(&prom, "staleguard_filter_guard_held_total", &[]).is_some_and(|n| n > 0),
+        prometheus_value(&prom, &prom_name("staleguard_filter_guard_held_total"), &[])
+            .is_some_and(|n| n > 0),
         "{prom}"
     );
 

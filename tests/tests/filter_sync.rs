@@ -12,7 +12,7 @@ use anyhow::Result;
 use serde_json::json;
 use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::named_host;
-use staleguard_tests::envoy::stats::prometheus_value;
+use staleguard_tests::envoy::stats::{prom_label, prom_name, prometheus_value};
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
 
@@ -108,8 +108,8 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
     assert!(
         prometheus_value(
             &prom,
-            "staleguard_filter_sync_errors_total",
-            &[("staleguard_error_kind", "decode")]
+            &prom_name("staleguard_filter_sync_errors_total"),
+            &[(prom_label("staleguard_error_kind"), "decode")]
         )
         .is_some_and(|n| n >= 1),
         "{prom}"

@@ -2,12 +2,13 @@
 //! upstream HTTP filter, Envoy starts and a request reaches the host.
 
 use std::net::SocketAddr;
+use std::path::Path;
 
 use anyhow::{ensure, Result};
 use serde_json::json;
 use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::{
-    cluster_mut, dependencies, native, shipped_plugin, Cluster, Envoy, Gateway, Launch,
+    cluster_mut, dependencies, native, shipped_plugin, validate, Cluster, Envoy, Gateway, Launch,
 };
 use staleguard_tests::process::free_port;
 
@@ -41,6 +42,44 @@ fn native_module_loads_in_envoy_as_an_upstream_filter() -> Result<()> {
         running.log().contains("Dynamic module ABI version"),
         "Envoy did not report loading the module:\n{}",
         running.log()
+    );
+    Ok(())
+}
+
+/// deploy/native/envoy.yaml, as shipped: Envoy loads the module from the
+/// search path and accepts the bootstrap extension and the filter.
+#[test]
+fn the_plain_envoy_native_example_validates() -> Result<()> {
+    let (Some((envoy, _)), Some(module)) = (dependencies(), native::module()) else {
+        return Ok(());
+    };
+    let path = format!("{}/../deploy/native/envoy.yaml", env!("CARGO_MANIFEST_DIR"));
+    let (key, dir) = native::search_path(&module);
+    let out = validate(&envoy, Path::new(&path), &[(key.as_str(), dir.as_str())])?;
+    ensure!(out.contains("Dynamic module ABI version"), "{out}");
+    Ok(())
+}
+
+/// A module built for another ABI refuses to load, and Envoy refuses the
+/// configuration, saying why, instead of crashing at the first call.
+#[test]
+fn a_module_built_for_another_envoy_refuses_to_load() -> Result<()> {
+    let Some((envoy, _)) = dependencies() else {
+        return Ok(());
+    };
+    let Ok(other) = std::env::var("STALEGUARD_NATIVE_OTHER_ABI") else {
+        eprintln!("SKIP: STALEGUARD_NATIVE_OTHER_ABI (a module of the other ABI) is not set");
+        return Ok(());
+    };
+    let path = format!("{}/../deploy/native/envoy.yaml", env!("CARGO_MANIFEST_DIR"));
+    let (key, dir) = native::search_path(Path::new(&other));
+    let err = validate(&envoy, Path::new(&path), &[(key.as_str(), dir.as_str())])
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("staleguard: this module is built for the Envoy dynamic-module ABI"),
+        "Envoy accepted a module of another ABI, or said nothing of why:\n{err}"
     );
     Ok(())
 }

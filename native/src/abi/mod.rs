@@ -16,6 +16,19 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, UnwindSafe};
 
+/// Exports hooks the guard has no use for, as functions that do nothing.
+/// Their arguments are ignored, so they take none (the C calling convention
+/// lets the caller pass any).
+macro_rules! ignored {
+    ($($hook:ident),* $(,)?) => {$(
+        /// Not used by the guard.
+        #[no_mangle]
+        extern "C" fn $hook() {}
+    )*};
+}
+
+pub mod bootstrap;
+mod host;
 pub mod http;
 pub mod lb;
 
@@ -102,13 +115,69 @@ pub struct Abi {
 
 /// Every Envoy callback the module calls: all must be exported by the Envoy
 /// it is loaded in. A hook module adds its own through [`required`].
-const COMMON_CALLBACKS: &[&CStr] = &[c"envoy_dynamic_module_callback_log"];
+const COMMON_CALLBACKS: &[&CStr] = &[
+    c"envoy_dynamic_module_callback_log",
+    c"envoy_dynamic_module_callback_log_enabled",
+];
+
+/// Envoy's log levels (`envoy_dynamic_module_type_log_level`).
+fn envoy_level(level: log::Level) -> u32 {
+    match level {
+        log::Level::Trace => 0,
+        log::Level::Debug => 1,
+        log::Level::Info => 2,
+        log::Level::Warn => 3,
+        log::Level::Error => 4,
+    }
+}
+
+extern "C" {
+    fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
+    fn envoy_dynamic_module_callback_log_enabled(level: u32) -> bool;
+}
+
+/// The `log` facade onto Envoy's log (the `dynamic_modules` logger).
+#[derive(Debug)]
+struct EnvoyLog;
+
+impl log::Log for EnvoyLog {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        // SAFETY: a plain query of Envoy's logger, any thread.
+        unsafe { envoy_dynamic_module_callback_log_enabled(envoy_level(metadata.level())) }
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        let message = record.args().to_string();
+        // SAFETY: the message outlives the call; Envoy copies it.
+        unsafe {
+            envoy_dynamic_module_callback_log(
+                envoy_level(record.level()),
+                ModuleBuffer::of(message.as_bytes()),
+            )
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+/// Routes the `log` facade to Envoy's log (once; later calls do nothing).
+pub fn init_logger() {
+    static LOGGER: EnvoyLog = EnvoyLog;
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(log::LevelFilter::Trace);
+    }
+}
 
 /// The callbacks the module needs, all extensions together.
 pub fn required() -> impl Iterator<Item = &'static CStr> {
     COMMON_CALLBACKS
         .iter()
         .chain(http::CALLBACKS.iter())
+        .chain(host::CALLBACKS.iter())
+        .chain(bootstrap::CALLBACKS.iter())
         .chain(lb::CALLBACKS.iter())
         .copied()
 }

@@ -108,6 +108,16 @@ impl Envoy {
     /// Runs `envoy` on `bootstrap` and waits until its first listener accepts
     /// (the admin listener is up before it).
     pub fn spawn(envoy: &Path, bootstrap: &Value, launch: &Launch) -> Result<Self> {
+        if native::selected() {
+            let (mut bootstrap, mut launch) = (bootstrap.clone(), launch.clone());
+            native::swap_in(&mut bootstrap, &mut launch.env)?;
+            return Self::spawn_as_is(envoy, &bootstrap, &launch);
+        }
+        Self::spawn_as_is(envoy, bootstrap, launch)
+    }
+
+    /// [`Envoy::spawn`] on `bootstrap` exactly as given, whatever the build.
+    fn spawn_as_is(envoy: &Path, bootstrap: &Value, launch: &Launch) -> Result<Self> {
         let admin = socket_address(&bootstrap["admin"], "admin")?;
         let listener = socket_address(
             &bootstrap["static_resources"]["listeners"][0],

@@ -56,6 +56,23 @@ pub fn upstream_filter(plugin: &Value) -> Value {
     })
 }
 
+/// The bootstrap extension that runs the module's poller with `plugin` and
+/// holds Envoy's start until the first sync (docs/native.md, "The poller").
+pub fn bootstrap_extension(plugin: &Value) -> Value {
+    json!({
+        "name": "envoy.bootstrap.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.bootstrap.dynamic_modules.v3.DynamicModuleBootstrapExtension",
+            "dynamic_module_config": {"name": MODULE_NAME},
+            "extension_name": FILTER_NAME,
+            "extension_config": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": plugin.to_string(),
+            },
+        },
+    })
+}
+
 /// A cluster's `typed_extension_protocol_options` that run the module as an
 /// upstream filter with `plugin`, then the codec.
 pub fn upstream_filter_options(plugin: &Value) -> Value {
@@ -74,4 +91,60 @@ pub fn upstream_filter_options(plugin: &Value) -> Value {
             ],
         }
     })
+}
+
+/// The environment variable that picks the build every real-Envoy test
+/// runs: `STALEGUARD_BUILD=native` runs the native module where a test
+/// configures the Wasm filter (`.ci/run` runs the filter tests both ways).
+pub const BUILD_VAR: &str = "STALEGUARD_BUILD";
+
+/// True when the tests run the native build.
+pub fn selected() -> bool {
+    std::env::var(BUILD_VAR).is_ok_and(|b| b == "native")
+}
+
+/// Makes `bootstrap` run the native module wherever it runs the Wasm filter
+/// (each upstream Wasm filter becomes the module's filter with the same
+/// plugin configuration), adds the poller's bootstrap extension (with the
+/// first filter's configuration), and adds what Envoy needs to find the
+/// module to `env`. One harness, the build as a parameter: [`super::Envoy::spawn`]
+/// calls this for every gateway when [`selected`].
+pub fn swap_in(bootstrap: &mut Value, env: &mut Vec<(String, String)>) -> anyhow::Result<()> {
+    let module =
+        module().ok_or_else(|| anyhow::anyhow!("{BUILD_VAR}=native needs STALEGUARD_NATIVE"))?;
+    let mut poller = None;
+    let clusters = bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .into_iter()
+        .flatten();
+    for cluster in clusters {
+        let filters = cluster["typed_extension_protocol_options"]
+            .as_object_mut()
+            .into_iter()
+            .flat_map(|o| o.values_mut())
+            .filter_map(|options| options["http_filters"].as_array_mut())
+            .flatten();
+        for filter in filters {
+            if filter["name"] != "envoy.filters.http.wasm" {
+                continue;
+            }
+            let plugin = filter["typed_config"]["config"]["configuration"]["value"]
+                .as_str()
+                .and_then(|text| serde_json::from_str::<Value>(text).ok())
+                .unwrap_or(Value::Null);
+            *filter = upstream_filter(&plugin);
+            poller.get_or_insert(plugin);
+        }
+    }
+    if let Some(plugin) = poller {
+        let extensions = &mut bootstrap["bootstrap_extensions"];
+        if !extensions.is_array() {
+            *extensions = json!([]);
+        }
+        if let Some(list) = extensions.as_array_mut() {
+            list.push(bootstrap_extension(&plugin));
+        }
+    }
+    env.push(search_path(&module));
+    Ok(())
 }

@@ -12,6 +12,7 @@
 //! [`parse`] reads both as the root name, so a test asserts the same thing on
 //! every Envoy it runs on (docs/operations.md, "Envoy and Istio versions").
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// Counters and gauges by their full `/stats` name.
@@ -36,22 +37,42 @@ pub const STAT_NO_ADDRESS: &str = "wasmcustom.staleguard_filter_requests_no_addr
 /// `staleguard_service`, `staleguard_reason`, `staleguard_action`).
 pub const PROM_REQUESTS: &str = "staleguard_filter_requests_total";
 
+/// The stats namespace of the native module's metrics (Envoy's default for
+/// dynamic modules), in a cluster's scope: `cluster.<name>.dynamicmodulescustom.<metric>`.
+pub const NATIVE_NAMESPACE: &str = "dynamicmodulescustom";
+
 /// The root-scope name of a stat: `cluster.<name>.wasmcustom.<metric>` (a
 /// cluster-level upstream filter's metric on Envoy before 1.39) is
-/// `wasmcustom.<metric>`; any other name is itself.
-pub fn root_name(name: &str) -> &str {
-    name.strip_prefix("cluster.")
-        .and_then(|rest| rest.find(".wasmcustom.").map(|i| &rest[i + 1..]))
-        .unwrap_or(name)
+/// `wasmcustom.<metric>`; the native module's `[cluster.<name>.]dynamicmodulescustom.<metric>`
+/// is read as the same `wasmcustom.<metric>`, so that a test asserts the
+/// same thing of either build; any other name is itself.
+pub fn root_name(name: &str) -> Cow<'_, str> {
+    let native = match name.strip_prefix("cluster.") {
+        None => name
+            .strip_prefix(NATIVE_NAMESPACE)
+            .and_then(|r| r.strip_prefix('.')),
+        Some(rest) => {
+            let scope = format!(".{NATIVE_NAMESPACE}.");
+            rest.find(&scope).map(|i| &rest[i + scope.len()..])
+        }
+    };
+    if let Some(metric) = native {
+        return Cow::Owned(format!("wasmcustom.{metric}"));
+    }
+    Cow::Borrowed(
+        name.strip_prefix("cluster.")
+            .and_then(|rest| rest.find(".wasmcustom.").map(|i| &rest[i + 1..]))
+            .unwrap_or(name),
+    )
 }
 
 /// The `/stats?filter=` regex for the stat `name` in either scope (see
 /// [`root_name`]).
 pub fn filter_for(name: &str) -> String {
     let escaped = name.replace('|', "\\|");
-    if name.starts_with("wasmcustom.") {
+    if let Some(metric) = escaped.strip_prefix("wasmcustom.") {
         // No `+`: the admin's query decoding may read it as a space.
-        format!("^(cluster\\..*\\.)?{escaped}$")
+        format!("^(cluster\\..*\\.)?(wasmcustom|{NATIVE_NAMESPACE}).{metric}$")
     } else {
         format!("^{escaped}$")
     }
@@ -69,7 +90,7 @@ pub fn parse(text: &str) -> Stats {
         let Ok(v) = v.trim().parse::<u64>() else {
             continue;
         };
-        *stats.entry(root_name(k).to_owned()).or_default() += v;
+        *stats.entry(root_name(k).into_owned()).or_default() += v;
     }
     stats
 }
@@ -96,6 +117,32 @@ pub fn requests_counted(stats: &Stats) -> u64 {
         })
         .map(|(_, v)| v)
         .sum()
+}
+
+/// The Prometheus name of the filter's unlabelled metric `metric` in the
+/// root scope, for the build under test: the Wasm filter's `stats_tags` give
+/// it its own name; the native module's poller (the bootstrap extension)
+/// keeps it under Envoy's prefix and the dynamic modules' namespace
+/// (docs/native.md, "Metrics").
+pub fn prom_name(metric: &str) -> String {
+    if super::native::selected() {
+        format!("envoy_{NATIVE_NAMESPACE}_{metric}")
+    } else {
+        metric.to_owned()
+    }
+}
+
+/// The Prometheus label `label` (a `stats_tags` name of the Wasm filter's,
+/// `staleguard_error_kind`) for the build under test: the native module
+/// labels its stats itself, with the keys of the dotted name (`kind`).
+pub fn prom_label(label: &str) -> &str {
+    if !super::native::selected() {
+        return label;
+    }
+    match label {
+        "staleguard_error_kind" => "kind",
+        other => other.strip_prefix("staleguard_").unwrap_or(other),
+    }
 }
 
 /// The sum of the series `name{labels}` in Prometheus text, if any is present.
@@ -163,9 +210,24 @@ mod tests {
         );
         assert_eq!(
             filter_for(STAT_RESETS),
-            "^(cluster\\..*\\.)?wasmcustom.staleguard_filter_sync_resets_total$"
+            "^(cluster\\..*\\.)?(wasmcustom|dynamicmodulescustom).staleguard_filter_sync_resets_total$"
         );
         assert_eq!(filter_for("a.b|c"), "^a.b\\|c$");
+    }
+
+    #[test]
+    fn reads_the_native_modules_metrics_as_the_filters() {
+        let stats = parse(
+            "cluster.outbound|8080||cart.shop.svc.cluster.local.dynamicmodulescustom.staleguard_filter_index_fresh: 1\n\
+             dynamicmodulescustom.staleguard_filter_sync_resets_total: 2\n\
+             cluster.dynamicmodulescustom.upstream_rq_total: 5\n",
+        );
+        assert_eq!(stats.get(STAT_FRESH), Some(&1));
+        assert_eq!(stats.get(STAT_RESETS), Some(&2));
+        assert_eq!(
+            stats.get("cluster.dynamicmodulescustom.upstream_rq_total"),
+            Some(&5)
+        );
     }
 
     #[test]
