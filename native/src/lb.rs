@@ -30,9 +30,6 @@ use std::time::{Duration, Instant};
 
 use staleguard_filter::check::{Effect, Outcome};
 
-#[cfg(feature = "test-index")]
-pub mod test_index;
-
 use crate::index::Judgement;
 
 /// The healthy hosts Envoy offers a pick among, by priority (Envoy's

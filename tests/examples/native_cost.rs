@@ -5,9 +5,8 @@
 //! ```text
 //! . scripts/setup.sh && STALEGUARD_ENVOY_VERSION=1.40.0 sg_setup_all
 //! cargo build -p staleguard-bench-filters --target wasm32-wasip1 --profile wasm-release
-//! cargo build -p staleguard-native --release --features test-index
+//! sg_build_native
 //! NOOP_WASM=target/wasm32-wasip1/wasm-release/staleguard_bench_filters.wasm \
-//! STALEGUARD_NATIVE=$PWD/target/release/libstaleguard_native.so \
 //!   cargo run -p staleguard-tests --example native_cost
 //! ```
 //!
@@ -18,15 +17,17 @@
 //! - `wasm_noop`: `NOOP_WASM`, a proxy-wasm filter that does nothing;
 //! - `wasm`: the staleguard Wasm filter (`STALEGUARD_WASM`), shipped
 //!   configuration, `on_reject: reject`;
-//! - `native_filter`: the native module as an upstream filter
-//!   (`STALEGUARD_NATIVE`, what that build's filter does);
+//! - `native_noop`: the native module's no-op upstream filter (`filter_name:
+//!   noop`: no callback, no lock);
+//! - `native_filter`: the native module as the upstream filter
+//!   (`STALEGUARD_NATIVE`), shipped plugin configuration, `on_reject: reject`;
 //! - `lb`: round robin replaced by the native load-balancing policy as
 //!   `deploy/native/envoy-lb.yaml` ships it, no filter.
 //!
 //! The index holds `PODS` (150000) IPs in 1000 services plus the two live
-//! pods: the Wasm filter polls it from a fake validator, the native module
-//! reads the same snapshot from a file (a `test-index` build,
-//! native/src/lb/test_index.rs, until the module's poller lands).
+//! pods, served by a fake validator: the Wasm filter polls it, and so does the
+//! native module's bootstrap extension (taken from
+//! `deploy/native/envoy-lb.yaml`), which holds Envoy's start until it synced.
 //!
 //! Instructions: each gateway alone under `valgrind --tool=callgrind`
 //! (instrumentation off until the measure), 300 warm-up requests on one
@@ -53,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
+use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::bench::{
     cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us,
 };
@@ -65,7 +66,7 @@ use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 use staleguard_tests::process::free_addr;
 
 const CLUSTER: &str = "shop-cart";
-const UNCHECKED: &str = "dynamicmodulescustom.staleguard_lb_unchecked_total";
+const UNCHECKED: &str = "wasmcustom.staleguard_lb_unchecked_total";
 const LB_FILE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../deploy/native/envoy-lb.yaml"
@@ -77,6 +78,7 @@ enum Variant {
     None,
     WasmNoop,
     Wasm,
+    NativeNoop,
     NativeFilter,
     Lb,
 }
@@ -87,6 +89,7 @@ impl Variant {
             Variant::None => "none",
             Variant::WasmNoop => "wasm_noop",
             Variant::Wasm => "wasm",
+            Variant::NativeNoop => "native_noop",
             Variant::NativeFilter => "native_filter",
             Variant::Lb => "lb",
         }
@@ -100,27 +103,28 @@ struct Setup {
     noop: Option<PathBuf>,
     module: PathBuf,
     validator: FakeValidator,
+    small_validator: FakeValidator,
     hosts: Vec<SocketAddr>,
-    snapshot: PathBuf,
-    small_snapshot: PathBuf,
     pods: u64,
 }
 
-/// The shipped LB policy block (`shop-cart`'s in `deploy/native/envoy-lb.yaml`).
-fn shipped_lb_policy() -> Result<Value> {
+/// `deploy/native/envoy-lb.yaml`: the module's bootstrap extension (the
+/// poller) and `shop-cart`'s load-balancing policy.
+fn shipped_lb() -> Result<(Value, Value)> {
     let doc: Value = yaml_serde::from_str(&std::fs::read_to_string(LB_FILE)?)?;
-    doc["static_resources"]["clusters"]
+    let policy = doc["static_resources"]["clusters"]
         .as_array()
         .and_then(|cs| cs.iter().find(|c| c["name"] == CLUSTER))
         .map(|c| c["load_balancing_policy"].clone())
-        .context("no shop-cart load_balancing_policy in deploy/native/envoy-lb.yaml")
+        .context("no shop-cart load_balancing_policy in deploy/native/envoy-lb.yaml")?;
+    Ok((doc["bootstrap_extensions"].clone(), policy))
 }
 
 /// The bootstrap of `variant` on free ports, and the environment it runs in.
 fn bootstrap(
     setup: &Setup,
     variant: Variant,
-    snapshot: &Path,
+    validator: &FakeValidator,
 ) -> Result<(Value, Vec<(String, String)>)> {
     let plugin = shipped_plugin(json!({"on_reject": "reject"}));
     let cluster_plugin = match variant {
@@ -129,7 +133,7 @@ fn bootstrap(
         _ => None,
     };
     let gateway = Gateway::new(
-        setup.validator.addr(),
+        validator.addr(),
         vec![Cluster::with_hosts(
             CLUSTER,
             setup.hosts.clone(),
@@ -142,29 +146,37 @@ fn bootstrap(
             swap_module(&mut doc, noop);
         }
     }
+    let (poller, policy) = shipped_lb()?;
+    if matches!(variant, Variant::NativeFilter | Variant::Lb) {
+        doc["bootstrap_extensions"] = poller;
+    }
     let c = cluster_mut(&mut doc, CLUSTER)?;
     match variant {
+        Variant::NativeNoop => {
+            let mut options = native::upstream_filter_options(&json!({}));
+            options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["http_filters"][0]
+                ["typed_config"]["filter_name"] = json!("noop");
+            c["typed_extension_protocol_options"] = options;
+        }
         Variant::NativeFilter => {
             c["typed_extension_protocol_options"] = native::upstream_filter_options(&plugin)
         }
-        Variant::Lb => c["load_balancing_policy"] = shipped_lb_policy()?,
+        Variant::Lb => c["load_balancing_policy"] = policy,
         _ => {}
     }
-    let env = vec![
-        native::search_path(&setup.module),
-        (
-            "STALEGUARD_NATIVE_TEST_SNAPSHOT".to_owned(),
-            snapshot.display().to_string(),
-        ),
-    ];
-    Ok((doc, env))
+    Ok((doc, vec![native::search_path(&setup.module)]))
 }
 
 /// Starts `variant` with `envoy` (Envoy itself, or a valgrind wrapper) and
 /// waits until it judges with the whole index.
-fn start(setup: &Setup, variant: Variant, envoy: &Path, snapshot: &Path) -> Result<Envoy> {
+fn start(
+    setup: &Setup,
+    variant: Variant,
+    envoy: &Path,
+    validator: &FakeValidator,
+) -> Result<Envoy> {
     let pods = setup.pods;
-    let (doc, env) = bootstrap(setup, variant, snapshot)?;
+    let (doc, env) = bootstrap(setup, variant, validator)?;
     let launch = Launch {
         name: format!("cost-{}", variant.name()),
         concurrency: 1,
@@ -314,7 +326,7 @@ fn instructions(setup: &Setup, variant: Variant, requests: usize) -> Result<f64>
         variant.name()
     ));
     let wrapper = valgrind_wrapper(&setup.envoy, &out)?;
-    let envoy = start(setup, variant, &wrapper, &setup.snapshot)?;
+    let envoy = start(setup, variant, &wrapper, &setup.validator)?;
     let mut client = Client::connect(envoy.listener)?;
     for _ in 0..300 {
         client.get()?;
@@ -354,22 +366,6 @@ fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64>
             .map_err(|_| anyhow::anyhow!("a client panicked"))??;
     }
     Ok(done.load(Ordering::Relaxed))
-}
-
-fn write_snapshot(path: &Path, services: Vec<ServiceKey>, records: Vec<IpRecord>) -> Result<()> {
-    let snapshot = Snapshot {
-        v: staleguard_core::wire::WIRE_VERSION,
-        epoch: 1,
-        generation: 1,
-        freshness: Freshness {
-            fresh: true,
-            age_ms: Some(0),
-        },
-        services,
-        records,
-    };
-    std::fs::write(path, serde_json::to_vec(&snapshot)?)?;
-    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -414,28 +410,29 @@ fn main() -> Result<()> {
     records.extend(live_records.iter().cloned());
     let indexed = records.len();
     let validator = FakeValidator::start(3000)?;
-    validator.set_index(services.clone(), records.clone());
-    let dir = std::env::temp_dir();
-    let snapshot = dir.join(format!("staleguard-cost-{}.json", std::process::id()));
-    let small_snapshot = dir.join(format!("staleguard-cost-{}-small.json", std::process::id()));
-    write_snapshot(&snapshot, services, records)?;
-    write_snapshot(&small_snapshot, vec![cart.clone()], live_records)?;
+    validator.set_index(services, records);
+    let small_validator = FakeValidator::start(3001)?;
+    small_validator.set_index(vec![cart.clone()], live_records);
     let setup = Setup {
         envoy,
         wasm,
         noop,
         module,
         validator,
+        small_validator,
         hosts,
-        snapshot,
-        small_snapshot,
         pods: pods as u64,
     };
     let mut variants = vec![Variant::None];
     if setup.noop.is_some() {
         variants.push(Variant::WasmNoop);
     }
-    variants.extend([Variant::Wasm, Variant::NativeFilter, Variant::Lb]);
+    variants.extend([
+        Variant::Wasm,
+        Variant::NativeNoop,
+        Variant::NativeFilter,
+        Variant::Lb,
+    ]);
     println!(
         "native_cost: {indexed} IPs indexed, Envoy {}, load average {}",
         setup.envoy.display(),
@@ -463,7 +460,7 @@ fn main() -> Result<()> {
     // CPU per request, every gateway running, measured in turn.
     let mut running: Vec<(Variant, Envoy)> = Vec::new();
     for &v in &variants {
-        running.push((v, start(&setup, v, &setup.envoy, &setup.snapshot)?));
+        running.push((v, start(&setup, v, &setup.envoy, &setup.validator)?));
     }
     let mut cost: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut ratio: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -495,7 +492,7 @@ fn main() -> Result<()> {
         .find(|(v, _)| *v == Variant::Lb)
         .map(|(_, e)| e)
         .context("lb")?;
-    let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_snapshot)?;
+    let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_validator)?;
     for e in [lb, &small] {
         load(e.listener, 2, 1)?;
     }
@@ -534,8 +531,6 @@ fn main() -> Result<()> {
         median(ratio.get_mut("lb").context("lb")?),
         median(ratio.get_mut("native_filter").context("native")?),
     );
-    let _ = std::fs::remove_file(&setup.snapshot);
-    let _ = std::fs::remove_file(&setup.small_snapshot);
     Ok(())
 }
 

@@ -13,14 +13,12 @@
 //! stale IP (Envoy's own per-host connection counts, and the stale pods'
 //! listeners).
 //!
-//! The index comes from a fake validator and, for a module built with the
-//! `test-index` feature, from the same snapshot in a file:
+//! The module's bootstrap extension (in the shipped file) polls a fake
+//! validator and holds Envoy's start until the first sync:
 //!
 //! ```text
-//! . scripts/setup.sh && STALEGUARD_ENVOY_VERSION=1.38.2 sg_setup_all   # or 1.40.0
-//! cargo build -p staleguard-native --release --no-default-features --features abi-v0-1,test-index
-//! STALEGUARD_NATIVE=$PWD/target/release/libstaleguard_native.so \
-//!   cargo test -p staleguard-tests --test native_lb
+//! . scripts/setup.sh && STALEGUARD_ENVOY_VERSION=1.38.2 sg_setup_all && sg_build_native   # or 1.40.0
+//! cargo test -p staleguard-tests --test native_lb
 //! ```
 
 use std::collections::BTreeMap;
@@ -29,7 +27,6 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_core::{Freshness, IpRecord, ServiceKey, Snapshot};
 use staleguard_tests::blocking::{named_host, Answer, Server};
 use staleguard_tests::envoy::{dependencies, native, validate, Envoy, Launch, WAIT};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
@@ -44,10 +41,12 @@ const SHIPPED: &str = concat!(
     "/../deploy/native/envoy-lb.yaml"
 );
 
-/// The policy's counters, in Envoy's scope for dynamic-module metrics.
-const SKIPPED: &str = "dynamicmodulescustom.staleguard_lb_hosts_skipped_total";
-const NO_LIVE_HOST: &str = "dynamicmodulescustom.staleguard_lb_no_live_host_total";
-const UNCHECKED: &str = "dynamicmodulescustom.staleguard_lb_unchecked_total";
+/// The policy's counters (`dynamicmodulescustom.*` in Envoy; the harness
+/// reads the native module's namespace as the Wasm filter's, see
+/// `staleguard_tests::envoy::stats::root_name`).
+const SKIPPED: &str = "wasmcustom.staleguard_lb_hosts_skipped_total";
+const NO_LIVE_HOST: &str = "wasmcustom.staleguard_lb_no_live_host_total";
+const UNCHECKED: &str = "wasmcustom.staleguard_lb_unchecked_total";
 
 /// `deploy/native/envoy-lb.yaml` with its addresses on loopback: the
 /// listener and admin on free ports, `shop-cart`'s endpoints `cart`, the
@@ -82,72 +81,18 @@ fn shipped(cart: &[SocketAddr], validator: SocketAddr) -> Result<(Value, SocketA
     Ok((doc, listener, admin))
 }
 
-/// Where the index comes from: the fake validator, which the module's
-/// poller reads, and the same snapshot in a file, which a test build of the
-/// module (`--features test-index`, native/src/lb/test_index.rs) reads
-/// instead.
-struct Index {
-    validator: FakeValidator,
-    file: std::path::PathBuf,
-}
-
-impl Index {
-    fn start(epoch: u64) -> Result<Self> {
-        let file = std::env::temp_dir().join(format!(
-            "staleguard-native-lb-{}-{epoch}.json",
-            std::process::id()
-        ));
-        Ok(Self {
-            validator: FakeValidator::start(epoch)?,
-            file,
-        })
-    }
-
-    /// Serves `records` of `services` from now on.
-    fn set(&self, services: Vec<ServiceKey>, records: Vec<IpRecord>) -> Result<()> {
-        let snapshot = Snapshot {
-            v: staleguard_core::wire::WIRE_VERSION,
-            epoch: 1,
-            generation: 1,
-            freshness: Freshness {
-                fresh: true,
-                age_ms: Some(0),
-            },
-            services: services.clone(),
-            records: records.clone(),
-        };
-        let tmp = self.file.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec(&snapshot)?)?;
-        std::fs::rename(&tmp, &self.file)?;
-        self.validator.set_index(services, records);
-        Ok(())
-    }
-}
-
-impl Drop for Index {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.file);
-    }
-}
-
-/// Runs the shipped LB gateway over `cart` with `index`, and
+/// Runs the shipped LB gateway over `cart` with `validator`'s index, and
 /// waits until the policy judges picks (the index is synced: a pick is no
 /// longer made unchecked). `None` when Envoy or the module is missing.
-fn start(name: &str, cart: &[SocketAddr], index: &Index) -> Result<Option<Envoy>> {
+fn start(name: &str, cart: &[SocketAddr], validator: &FakeValidator) -> Result<Option<Envoy>> {
     let (Some((envoy, _)), Some(module)) = (dependencies(), native::module()) else {
         return Ok(None);
     };
-    let (bootstrap, _, _) = shipped(cart, index.validator.addr())?;
+    let (bootstrap, _, _) = shipped(cart, validator.addr())?;
     let launch = Launch {
         name: name.into(),
         concurrency: 2,
-        env: vec![
-            native::search_path(&module),
-            (
-                "STALEGUARD_NATIVE_TEST_SNAPSHOT".into(),
-                index.file.display().to_string(),
-            ),
-        ],
+        env: vec![native::search_path(&module)],
         detach: false,
     };
     let running = Envoy::spawn(&envoy, &bootstrap, &launch)?;
@@ -189,10 +134,10 @@ fn connections(envoy: &Envoy, cluster: &str) -> Result<BTreeMap<SocketAddr, u64>
 fn the_shipped_lb_policy_answers_every_incident_request_from_a_live_pod_and_never_connects_to_a_stale_ip(
 ) -> Result<()> {
     let endpoints = Endpoints::start(27, Mix::INCIDENT)?;
-    let index = Index::start(2700)?;
+    let validator = FakeValidator::start(2700)?;
     let (services, records) = endpoints.index();
-    index.set(services, records)?;
-    let Some(envoy) = start("native-lb-incident", &endpoints.addrs(), &index)? else {
+    validator.set_index(services, records);
+    let Some(envoy) = start("native-lb-incident", &endpoints.addrs(), &validator)? else {
         return Ok(());
     };
     let before = connections(&envoy, "shop-cart")?;
@@ -262,16 +207,21 @@ fn with_every_host_stale_the_lb_policy_picks_none_and_counts_it() -> Result<()> 
         SocketAddr::from(([127, 0, 28, 2], live.addr().port())),
         |_| Answer::status(200, "other"),
     )?;
-    let index = Index::start(2800)?;
+    let validator = FakeValidator::start(2800)?;
     let (cart, other) = (incident::cart(), incident::other());
-    index.set(
+    validator.set_index(
         vec![cart.clone(), other.clone()],
         vec![
             pod("127.0.28.1", "cart-0", &[&cart], false),
             pod("127.0.28.2", "other-0", &[&other], false),
         ],
-    )?;
-    let Some(envoy) = start("native-lb-none", &[live.addr(), recycled.addr()], &index)? else {
+    );
+    let Some(envoy) = start(
+        "native-lb-none",
+        &[live.addr(), recycled.addr()],
+        &validator,
+    )?
+    else {
         return Ok(());
     };
     for _ in 0..10 {
@@ -281,10 +231,10 @@ fn with_every_host_stale_the_lb_policy_picks_none_and_counts_it() -> Result<()> 
         }
     }
     // The live pod is deleted: no pod holds its IP any more.
-    index.set(
+    validator.set_index(
         vec![cart.clone(), other.clone()],
         vec![pod("127.0.28.2", "other-0", &[&other], false)],
-    )?;
+    );
     envoy.eventually("the deletion reached the index", WAIT, |e| {
         Ok(e.send("-", "GET", "/cart/b", None)?.status == 503)
     })?;

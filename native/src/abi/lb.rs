@@ -10,14 +10,12 @@
 //! 1.40's v0.2.0 (checked by running the module in both).
 
 use std::ffi::{c_void, CStr};
-use std::net::IpAddr;
 use std::panic::AssertUnwindSafe;
 use std::time::Instant;
 
-use staleguard_filter::check::parse_ip;
 use staleguard_filter::config::Config;
 
-use super::{contain, EnvoyBuffer, ModuleBuffer};
+use super::{contain, init_logger, EnvoyBuffer, ModuleBuffer};
 use crate::index;
 use crate::lb::{Choice, Hosts, Picker, Recent, Standing};
 
@@ -179,12 +177,9 @@ impl Policy {
     }
 }
 
-/// The standing of the host at `address` in `cluster`.
+/// The standing of the host at `address` (`ip:port`) in `cluster`.
 fn standing(config: &Config, cluster: &str, address: &str) -> Standing {
-    let Some(ip): Option<IpAddr> = parse_ip(address) else {
-        return Standing::Good;
-    };
-    Standing::of(&index::judge(config, cluster, &ip))
+    Standing::of(&index::judge_address(config, cluster, address))
 }
 
 /// A cluster's policy configuration: the plugin configuration in
@@ -200,6 +195,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_lb_config_new(
     config: EnvoyBuffer,
 ) -> *const c_void {
     contain("on_lb_config_new", std::ptr::null(), || {
+        init_logger();
         // SAFETY: Envoy's buffer, valid for this call.
         let bytes = unsafe { config.as_bytes() };
         let config = match Config::parse(bytes) {
@@ -209,8 +205,6 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_lb_config_new(
                 return std::ptr::null();
             }
         };
-        #[cfg(feature = "test-index")]
-        crate::lb::test_index::start();
         let mut ids = [None; 4];
         for (slot, name) in ids.iter_mut().zip(COUNTERS) {
             let mut id = 0usize;
