@@ -383,30 +383,13 @@ mod tests {
         assert_eq!(got, vec![0, 1, 2, 0, 1, 2]);
     }
 
-    /// One pod of `service` holding `ip`.
+    /// One pod of `service` (`ns/name`) holding `ip`.
     fn holder(ip: &str, name: &str, service: &str) -> staleguard_core::IpRecord {
-        use staleguard_core::wire::{Membership, Via};
         use staleguard_core::{IpRecord, PodHolder, ServiceKey};
         let (ns, svc) = service.split_once('/').unwrap();
-        IpRecord {
-            ip: ip.parse().unwrap(),
-            pods: vec![PodHolder {
-                namespace: ns.into(),
-                name: name.into(),
-                uid: format!("uid-{name}"),
-                services: vec![Membership {
-                    service: ServiceKey::new(ns, svc),
-                    via: Via::Selector,
-                    ports: vec![],
-                    conditions: None,
-                }],
-                ready: true,
-                terminating: false,
-                host_network: false,
-            }],
-            bare_services: vec![],
-            tombstone: None,
-        }
+        let pod =
+            PodHolder::ready_member(ns, name, format!("uid-{name}"), ServiceKey::new(ns, svc));
+        IpRecord::held_by(ip.parse().unwrap(), vec![pod])
     }
 
     #[test]
