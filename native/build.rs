@@ -1,9 +1,8 @@
-//! Exports only the module's own hooks. The filter crate's proxy-wasm
-//! dependency exports its `proxy_on_*` entry points, which call hostcalls
-//! no native Envoy has; left in, the module would not load (it is linked
-//! with immediate binding: every symbol it keeps must resolve at dlopen).
-//! Symbols of the dependencies' archives stay local; the hooks, defined in
-//! this crate, are exported.
+//! Exports only the module's own hooks: a dependency's `#[no_mangle]`
+//! symbols (none today; the Wasm SDK's, were it ever linked in) stay local.
+//! The module is linked with immediate binding, so every symbol it keeps
+//! must resolve when Envoy loads it: an unexpected import is a load error,
+//! never a crash at a later call.
 fn main() {
     println!("cargo:rustc-cdylib-link-arg=-Wl,--exclude-libs=ALL");
 }

@@ -11,10 +11,11 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
-use crate::host::{Host, MetricKind, RawHeaders};
-use crate::request::Filter;
-use crate::root::Root;
-use crate::store::{SharedData, StoreError};
+use staleguard_engine::host::{
+    Callouts, Clock, MetricKind, Next, RawHeaders, SharedData, Stats, StoreError, Stream, Vm,
+};
+use staleguard_engine::request::Filter;
+use staleguard_engine::root::Root;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -49,7 +50,7 @@ impl SharedData for HostCalls {
     }
 }
 
-impl Host for HostCalls {
+impl Clock for HostCalls {
     fn now_us(&self) -> u64 {
         hostcalls::get_current_time()
             .ok()
@@ -64,7 +65,9 @@ impl Host for HostCalls {
         h.write_u64(self.now_ms());
         h.finish()
     }
+}
 
+impl Stream for HostCalls {
     fn property(&self, path: &[&str]) -> Option<String> {
         match hostcalls::get_property(path.to_vec()) {
             Ok(Some(bytes)) => String::from_utf8(bytes).ok(),
@@ -94,6 +97,12 @@ impl Host for HostCalls {
         let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, name);
     }
 
+    fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>) {
+        let _ = hostcalls::send_http_response(status, headers.to_vec(), body);
+    }
+}
+
+impl Callouts for HostCalls {
     fn dispatch_call(
         &mut self,
         cluster: &str,
@@ -124,11 +133,9 @@ impl Host for HostCalls {
     fn call_body_reader(&self, size: usize) -> Box<dyn Read> {
         Box::new(CallBody { offset: 0, size })
     }
+}
 
-    fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>) {
-        let _ = hostcalls::send_http_response(status, headers.to_vec(), body);
-    }
-
+impl Stats for HostCalls {
     fn define_metric(&mut self, kind: MetricKind, name: &str) -> Option<u32> {
         let kind = match kind {
             MetricKind::Counter => MetricType::Counter,
@@ -144,7 +151,9 @@ impl Host for HostCalls {
     fn record_metric(&mut self, id: u32, value: u64) {
         let _ = hostcalls::record_metric(id, value);
     }
+}
 
+impl Vm for HostCalls {
     fn set_tick_period(&mut self, period: Duration) -> bool {
         hostcalls::set_tick_period(period).is_ok()
     }
@@ -231,10 +240,18 @@ impl Context for FilterGlue {
 
 impl HttpContext for FilterGlue {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        self.0.request_headers(&mut HostCalls, end_of_stream)
+        action(self.0.request_headers(&mut HostCalls, end_of_stream))
     }
 
     fn on_http_response_headers(&mut self, _: usize, _: bool) -> Action {
-        self.0.response_headers(&mut HostCalls)
+        action(self.0.response_headers(&mut HostCalls))
+    }
+}
+
+/// The engine's word for what happens to a request, in proxy-wasm's.
+fn action(next: Next) -> Action {
+    match next {
+        Next::Continue => Action::Continue,
+        Next::Pause => Action::Pause,
     }
 }

@@ -1,10 +1,10 @@
 //! The index: one copy of the validator's data per Envoy process.
 //!
-//! The filter's store layout ([`staleguard_filter::store`]) kept in plain
+//! The engine's store layout ([`staleguard_engine::store`]) kept in plain
 //! process memory instead of Envoy shared data: the poller writes it through
 //! the same [`SharedData`] trait, every worker's filter and load balancer
-//! reads it, and [`judge`] runs the filter's own verdict
-//! ([`staleguard_filter::check::judge`]) on it, so the native build and the
+//! reads it, and [`judge`] runs the engine's verdict (the Wasm filter's)
+//! ([`staleguard_engine::check::judge`]) on it, so the native build and the
 //! Wasm filter cannot disagree on a host.
 
 use std::cell::RefCell;
@@ -13,12 +13,13 @@ use std::sync::{LazyLock, PoisonError, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use staleguard_core::{Reason, Snapshot};
-use staleguard_filter::buckets::CompactRecord;
-use staleguard_filter::cache::Cache;
-use staleguard_filter::check::{self, Lazy, Outcome, Upstream};
-use staleguard_filter::config::Config;
-use staleguard_filter::store::write::Writer;
-use staleguard_filter::store::{MemoryStore, Meta, SharedData, StoreError};
+use staleguard_engine::buckets::CompactRecord;
+use staleguard_engine::cache::Cache;
+use staleguard_engine::check::{self, Lazy, Outcome, Upstream};
+use staleguard_engine::config::Config;
+use staleguard_engine::host::{SharedData, StoreError};
+use staleguard_engine::store::write::Writer;
+use staleguard_engine::store::{MemoryStore, Meta};
 
 static STORE: LazyLock<RwLock<MemoryStore>> = LazyLock::new(Default::default);
 
@@ -53,7 +54,7 @@ thread_local! {
 /// What the index says about one host of one cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Judgement {
-    /// The filter's outcome: unmapped cluster, no address, out of scope,
+    /// The engine's outcome: unmapped cluster, no address, out of scope,
     /// or judged (reason, action, and what the configured mode makes of it).
     pub outcome: Outcome,
 }
@@ -103,17 +104,10 @@ pub fn now_ms() -> u64 {
 }
 
 /// Judges `ip` as a host of `cluster` under `config` (the plugin
-/// configuration, same schema as the Wasm filter's), as the filter would
+/// configuration, same schema as the Wasm filter's), as the Wasm filter would
 /// judge a request sent to it. Callable from any thread.
 pub fn judge(config: &Config, cluster: &str, ip: &IpAddr) -> Judgement {
-    judge_upstream(
-        config,
-        &Upstream {
-            cluster: Some(cluster.to_owned()),
-            address: Some(ip.to_string()),
-        },
-        &Clock,
-    )
+    judge_address(config, cluster, &ip.to_string())
 }
 
 /// [`judge`] for a host as Envoy names it, `IP:port` (`[v6]:port`, or an

@@ -8,8 +8,8 @@
 //! code: the ABI's types, the program init that refuses an Envoy of another
 //! ABI, and one submodule per extension ([`abi::http`] the upstream HTTP
 //! filter, [`abi::lb`] the load-balancing policy). [`lb`] is the policy's
-//! choice among hosts; [`stats`] maps the filter's metrics to Envoy's. The decisions themselves are the filter's
-//! (`staleguard_filter`): this crate adapts Envoy to them and decides
+//! choice among hosts; [`stats`] maps the engine's metrics to Envoy's. The decisions themselves are the
+//! engine's (`staleguard_engine`, which the Wasm filter runs too): this crate adapts Envoy to them and decides
 //! nothing of its own. When to choose this build, the Envoy versions it
 //! loads in and its limits are in `docs/native.md`.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]

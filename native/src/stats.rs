@@ -13,8 +13,8 @@
 //! under the module's namespace, `dynamicmodulescustom.` (docs/native.md,
 //! "Metrics").
 
-use staleguard_filter::host::MetricKind;
-use staleguard_filter::metrics;
+use staleguard_engine::host::MetricKind;
+use staleguard_engine::metrics;
 
 /// A metric Envoy knows: a name and its label names (none for a plain one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,8 +131,8 @@ impl Catalog {
 mod tests {
     use super::*;
     use staleguard_core::Reason;
-    use staleguard_filter::check::Effect;
-    use staleguard_filter::replay::Outcome;
+    use staleguard_engine::check::Effect;
+    use staleguard_engine::replay::Outcome;
 
     #[test]
     fn every_name_the_filter_builds_resolves() {

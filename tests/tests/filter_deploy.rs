@@ -4,9 +4,9 @@
 //! schema, and the guarding plugin fails open.
 
 use anyhow::Result;
-use staleguard_filter::config::Config;
-use staleguard_filter::replay::TwinConfig;
-use staleguard_filter::steer::SteerConfig;
+use staleguard_engine::config::Config;
+use staleguard_engine::replay::TwinConfig;
+use staleguard_engine::steer::SteerConfig;
 use staleguard_tests::envoy::{dependencies, plugin_configs_in, validate};
 
 fn repo(path: &str) -> String {

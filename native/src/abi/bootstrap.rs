@@ -16,9 +16,9 @@
 use std::ffi::{c_void, CStr};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use staleguard_filter::config::Config;
-use staleguard_filter::root::Root;
-use staleguard_filter::store::View;
+use staleguard_engine::config::Config;
+use staleguard_engine::root::Root;
+use staleguard_engine::store::View;
 
 use super::host::{copy_answer, Answer, EnvoyHeader, EnvoyHost, Metrics, Surface, CALLOUT_SUCCESS};
 use super::{contain, EnvoyBuffer, ModuleBuffer};

@@ -11,8 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use staleguard_filter::host::{Host, MetricKind, RawHeaders};
-use staleguard_filter::store::{SharedData, StoreError};
+use staleguard_engine::host::{
+    Callouts, Clock, MetricKind, RawHeaders, SharedData, Stats, StoreError, Stream, Vm,
+};
 
 use super::{EnvoyBuffer, ModuleBuffer};
 use crate::index::ProcessStore;
@@ -26,6 +27,20 @@ pub(super) struct ModuleHeader {
     key_len: usize,
     value: *const u8,
     value_len: usize,
+}
+
+impl ModuleHeader {
+    /// Lends `headers` to Envoy (they must outlive the call they go to).
+    fn lend<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<Self> {
+        headers
+            .map(|(k, v)| Self {
+                key: k.as_ptr(),
+                key_len: k.len(),
+                value: v.as_ptr(),
+                value_len: v.len(),
+            })
+            .collect()
+    }
 }
 
 /// A header Envoy lends the module.
@@ -444,7 +459,7 @@ impl SharedData for EnvoyHost<'_> {
     }
 }
 
-impl Host for EnvoyHost<'_> {
+impl Clock for EnvoyHost<'_> {
     fn now_us(&self) -> u64 {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -457,7 +472,9 @@ impl Host for EnvoyHost<'_> {
         hasher.write_u64(self.now_us());
         hasher.finish()
     }
+}
 
+impl Stream for EnvoyHost<'_> {
     fn property(&self, path: &[&str]) -> Option<String> {
         match path {
             ["upstream", "address"] => self.attribute(ATTRIBUTE_UPSTREAM_ADDRESS),
@@ -482,6 +499,19 @@ impl Host for EnvoyHost<'_> {
 
     fn remove_response_header(&mut self, _name: &str) {}
 
+    fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>) {
+        self.reply = Some(Reply {
+            status,
+            headers: headers
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            body: body.unwrap_or_default().to_vec(),
+        });
+    }
+}
+
+impl Callouts for EnvoyHost<'_> {
     fn dispatch_call(
         &mut self,
         cluster: &str,
@@ -491,15 +521,7 @@ impl Host for EnvoyHost<'_> {
         if self.filter.is_some() {
             return Err("the native build makes no callout from a request".into());
         }
-        let module_headers: Vec<ModuleHeader> = headers
-            .iter()
-            .map(|(k, v)| ModuleHeader {
-                key: k.as_ptr(),
-                key_len: k.len(),
-                value: v.as_ptr(),
-                value_len: v.len(),
-            })
-            .collect();
+        let module_headers = ModuleHeader::lend(headers.iter().map(|(k, v)| (*k, *v)));
         let mut callout_id = 0u64;
         // SAFETY: `config` is the live config handle on the main thread (a
         // tick or a callout's answer); every buffer outlives the call.
@@ -550,18 +572,9 @@ impl Host for EnvoyHost<'_> {
             .to_vec();
         Box::new(Cursor::new(body))
     }
+}
 
-    fn send_reply(&mut self, status: u32, headers: &[(&str, &str)], body: Option<&[u8]>) {
-        self.reply = Some(Reply {
-            status,
-            headers: headers
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect(),
-            body: body.unwrap_or_default().to_vec(),
-        });
-    }
-
+impl Stats for EnvoyHost<'_> {
     fn define_metric(&mut self, kind: MetricKind, name: &str) -> Option<u32> {
         self.metrics.id_of(kind, name)
     }
@@ -575,7 +588,9 @@ impl Host for EnvoyHost<'_> {
         self.metrics
             .update(self.config, self.filter, id, Update::Set(value));
     }
+}
 
+impl Vm for EnvoyHost<'_> {
     fn set_tick_period(&mut self, period: Duration) -> bool {
         let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
         self.metrics.tick_ms.store(ms, Ordering::Relaxed);
@@ -589,16 +604,7 @@ impl Host for EnvoyHost<'_> {
 
 /// Sends a reply kept by [`EnvoyHost::send_reply`].
 pub(super) fn send(filter: *mut c_void, reply: &Reply) {
-    let headers: Vec<ModuleHeader> = reply
-        .headers
-        .iter()
-        .map(|(k, v)| ModuleHeader {
-            key: k.as_ptr(),
-            key_len: k.len(),
-            value: v.as_ptr(),
-            value_len: v.len(),
-        })
-        .collect();
+    let headers = ModuleHeader::lend(reply.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     // SAFETY: `filter` is the request's live handle; the headers and body
     // outlive the call.
     unsafe {

@@ -1,11 +1,11 @@
 //! The upstream HTTP filter (`envoy.filters.http.dynamic_modules`) over the
-//! filter's own logic.
+//! engine, the Wasm filter's logic.
 //!
 //! Envoy makes one filter config per filter in a cluster's `http_filters`
 //! (main thread) and one filter per request (on the worker that serves it).
-//! A config holds what a Wasm VM holds: the filter's [`Root`] (configuration,
+//! A config holds what a Wasm VM holds: the engine's [`Root`] (configuration,
 //! lease, poller, per-request counts) behind one lock, and every request's
-//! [`Filter`] is made by it and used under the same lock, so the filter's
+//! [`Filter`] is made by it and used under the same lock, so the engine's
 //! state, written for one thread, is only ever touched by one thread at a
 //! time. The poller runs on the main thread: a ticker thread wakes the
 //! config's scheduler at the period the root asks for
@@ -24,9 +24,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use proxy_wasm::types::Action;
-use staleguard_filter::request::Filter;
-use staleguard_filter::root::Root;
+use staleguard_engine::host::Next;
+use staleguard_engine::request::Filter;
+use staleguard_engine::root::Root;
 
 use super::host::{
     copy_answer, send, Answer, EnvoyHeader, EnvoyHost, Metrics, Surface, CALLOUT_SUCCESS,
@@ -127,7 +127,7 @@ pub const NOOP_FILTER_NAME: &str = "noop";
 
 // === impl FilterConfig ===
 
-/// One filter config: the filter's root and its metrics, behind one lock.
+/// One filter config: the engine's root and its metrics, behind one lock.
 struct FilterConfig {
     envoy: *mut c_void,
     vm: Mutex<Vm>,
@@ -136,7 +136,7 @@ struct FilterConfig {
     next_context: AtomicU32,
 }
 
-/// What the lock guards: everything that holds the filter's single-threaded
+/// What the lock guards: everything that holds the engine's single-threaded
 /// state (`Rc`s inside [`Root`] and every [`Filter`] it made).
 struct Vm {
     root: Root,
@@ -389,8 +389,8 @@ extern "C" fn envoy_dynamic_module_on_http_filter_new(
 fn with_request(
     filter_envoy: *mut c_void,
     request: *const c_void,
-    step: impl FnOnce(&mut Filter, &mut EnvoyHost<'_>) -> Action,
-) -> Option<Action> {
+    step: impl FnOnce(&mut Filter, &mut EnvoyHost<'_>) -> Next,
+) -> Option<Next> {
     if is_noop(request) {
         return None;
     }
@@ -419,9 +419,9 @@ fn with_request(
     }
 }
 
-fn status_of(action: Option<Action>) -> u32 {
+fn status_of(action: Option<Next>) -> u32 {
     match action {
-        Some(Action::Pause) => STOP_ITERATION,
+        Some(Next::Pause) => STOP_ITERATION,
         _ => CONTINUE,
     }
 }

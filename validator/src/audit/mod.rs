@@ -339,7 +339,7 @@ impl Audit {
 /// as set.
 fn refusal(text: &str) -> Option<String> {
     let env = |_: &str| Some("set-in-the-gateway".to_owned());
-    staleguard_filter::config::Config::parse_with_env(text.as_bytes(), env)
+    staleguard_engine::config::Config::parse_with_env(text.as_bytes(), env)
         .err()
         .map(|e| {
             format!(

@@ -24,7 +24,8 @@
 //! trailers). The live host's answer is copied into the VM only up to
 //! `retry.max_answer_bytes`; a larger one is left in Envoy and the client
 //! gets the rejection ([`Outcome::AnswerTooLarge`]). The rest get the normal
-//! rejection. Everything here is plain Rust; `glue` only adapts.
+//! rejection. Everything here is plain Rust; [`crate::request`] carries out
+//! its steps.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -376,7 +377,7 @@ pub fn classify(
     }
 }
 
-/// What the glue does next.
+/// What the request does next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
     /// Call the twin naming `hosts`, with `timeout_ms` left.

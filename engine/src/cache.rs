@@ -33,7 +33,9 @@ use std::net::IpAddr;
 
 use staleguard_core::{IpRecord, ServiceKey};
 
-use crate::store::{Entry, Meta, SharedData, View};
+use crate::entry::Entry;
+use crate::host::SharedData;
+use crate::store::{Meta, View};
 
 /// Entries per map (clusters, services, IPs) before the map is cleared. An IP
 /// record of the verdict view is a few hundred bytes: at most a few MiB per
@@ -190,7 +192,7 @@ mod tests {
     }
 
     impl SharedData for Counting {
-        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), crate::store::StoreError> {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), crate::host::StoreError> {
             self.reads.set(self.reads.get() + 1);
             self.inner.get(key)
         }
@@ -199,7 +201,7 @@ mod tests {
             key: &str,
             value: &[u8],
             cas: Option<u32>,
-        ) -> Result<(), crate::store::StoreError> {
+        ) -> Result<(), crate::host::StoreError> {
             self.inner.set(key, value, cas)
         }
     }

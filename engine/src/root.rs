@@ -1,24 +1,22 @@
 //! The root context of a VM: configuration, the lease, the poller's
 //! schedule (timer arming, the watchdog), applying the validator's answers,
 //! and the gauges. Every host operation goes through [`Host`], so all of it
-//! is unit-tested with a double; `glue` only forwards Envoy's callbacks here.
+//! is unit-tested with a double; an adapter (the Wasm filter's glue) only
+//! forwards its host's callbacks here.
 
 use std::cell::RefCell;
 use std::fmt;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::types::Action;
-use staleguard_core::verdict::FailurePolicy;
-
 use crate::cache::Cache;
-use crate::config::{Config, ConfigError, Fallback, CONFIG_REFUSED};
+use crate::config::{Config, ConfigError, Fallback};
 use crate::guard::{Guard, GuardEvent};
 use crate::host::Host;
 use crate::lease::{Lease, LeaseState};
 use crate::metrics::{self, VmMetrics};
 use crate::replay::TwinConfig;
-use crate::request::Filter;
+use crate::request::{Filter, VmState};
 use crate::steer::SteerConfig;
 use crate::store::View;
 use crate::sync::{Applied, Poller, SyncConfig, SyncError};
@@ -32,18 +30,6 @@ const VERDICT_LOGS_PER_SECOND: u32 = 5;
 /// a change that follows another within milliseconds (one cluster event often
 /// makes two or three index generations) waits at most this long.
 pub const MIN_POLL_INTERVAL_MS: u64 = 50;
-
-/// What the root context and every request of one VM share: the plugin
-/// configuration (or, when it was refused, the fallback), the metric tally,
-/// the verdict cache and the log budget.
-#[derive(Clone)]
-pub(crate) struct VmState {
-    pub(crate) config: Option<Rc<Config>>,
-    pub(crate) fallback: Option<Rc<Fallback>>,
-    pub(crate) metrics: Rc<RefCell<VmMetrics>>,
-    pub(crate) cache: Rc<RefCell<Cache>>,
-    pub(crate) log_budget: Rc<RefCell<Throttle>>,
-}
 
 /// The root context: one per VM.
 pub struct Root {
@@ -615,29 +601,6 @@ impl Root {
     }
 }
 
-impl VmState {
-    /// A request while the VM has no configuration: through untouched when
-    /// none was ever given, else what the refused configuration's failure
-    /// policy says, counted.
-    pub(crate) fn unconfigured<H: Host>(&self, host: &mut H) -> Action {
-        let Some(fallback) = &self.fallback else {
-            return Action::Continue;
-        };
-        self.metrics
-            .borrow_mut()
-            .inc(host, metrics::REQUESTS_UNCONFIGURED, 1);
-        match fallback.failure_policy {
-            FailurePolicy::Open => Action::Continue,
-            FailurePolicy::Closed => {
-                let headers = [(fallback.reject_header.as_str(), CONFIG_REFUSED)];
-                let body = format!("staleguard: {CONFIG_REFUSED}\n");
-                host.send_reply(fallback.reject_status, &headers, Some(body.as_bytes()));
-                Action::Pause
-            }
-        }
-    }
-}
-
 /// A call to the validator that Envoy refused to make, naming the cluster.
 /// Envoy answers BadArgument when it knows no cluster of that name (the
 /// headers are always complete): a typo, or a cluster CDS has not delivered
@@ -697,7 +660,9 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::host::fake::{shipped_config, FakeHost};
+    use crate::config::CONFIG_REFUSED;
+    use crate::fake::{shipped_config, FakeHost};
+    use crate::host::Next;
 
     use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
 
@@ -905,7 +870,7 @@ pub(crate) mod tests {
         for _ in 0..3 {
             assert_eq!(
                 root.filter(2).request_headers(&mut host, true),
-                Action::Continue
+                Next::Continue
             );
         }
         assert!(host.replies.is_empty());
@@ -927,10 +892,7 @@ pub(crate) mod tests {
         let bad = shipped_config(r#"{"policy":{"failure_policy":"closed"},"mdoe":1}"#);
         assert!(root.configure(&mut host, &bad));
         request_to_nowhere(&mut host);
-        assert_eq!(
-            root.filter(2).request_headers(&mut host, true),
-            Action::Pause
-        );
+        assert_eq!(root.filter(2).request_headers(&mut host, true), Next::Pause);
         let reply = &host.replies[0];
         assert_eq!(reply.status, 503);
         assert_eq!(

@@ -10,22 +10,21 @@
 //! seed is appended. For the 1M-input run, see docs/filter.md:
 //!
 //! ```text
-//! STALEGUARD_FUZZ_ITERS=1000000 cargo test --release -p staleguard-filter \
+//! STALEGUARD_FUZZ_ITERS=1000000 cargo test --release -p staleguard-engine \
 //!     --test fuzz_decoders -- --nocapture
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Instant;
 
-use staleguard_filter::buckets;
-use staleguard_filter::config::Config;
-use staleguard_filter::lease::Lease;
-use staleguard_filter::replay::TwinConfig;
-use staleguard_filter::steer::SteerConfig;
-use staleguard_filter::store::{
-    decode_service, MemoryStore, Meta, SharedData, View, LEASE_KEY, META_KEY,
-};
-use staleguard_filter::sync::{Poller, SyncConfig};
+use staleguard_engine::buckets;
+use staleguard_engine::config::Config;
+use staleguard_engine::host::SharedData;
+use staleguard_engine::lease::Lease;
+use staleguard_engine::replay::TwinConfig;
+use staleguard_engine::steer::SteerConfig;
+use staleguard_engine::store::{decode_service, MemoryStore, Meta, View, LEASE_KEY, META_KEY};
+use staleguard_engine::sync::{Poller, SyncConfig};
 
 struct Rng(u64);
 
@@ -293,7 +292,7 @@ fn decoders_never_panic() {
             "panic on input {} (seed {seed}): {:?}\n\
              seed kept in {REGRESSIONS}: {kept:?}; replay with\n  \
              STALEGUARD_FUZZ_SEED={seed} STALEGUARD_FUZZ_ITERS={inputs} \
-             cargo test -p staleguard-filter --test fuzz_decoders -- --nocapture",
+             cargo test -p staleguard-engine --test fuzz_decoders -- --nocapture",
             f.index,
             String::from_utf8_lossy(&f.input)
         );

@@ -27,7 +27,7 @@ use std::net::IpAddr;
 use staleguard_core::{decide, Policy, Reason, ServiceKey};
 
 use crate::buckets::{placeholder, service_id, CompactRecord, Holders};
-use crate::store::{SharedData, StoreError};
+use crate::host::{SharedData, StoreError};
 
 /// One live member: its IP, and the ports the index lists for it in the
 /// service (empty when the index does not say, as in the verdict view).

@@ -24,8 +24,9 @@ use staleguard_core::{Changes, Policy, Snapshot};
 use crate::backoff::Backoff;
 use crate::buckets::CompactRecord;
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
+use crate::host::{SharedData, StoreError};
 use crate::store::write::Writer;
-use crate::store::{Meta, SharedData, StoreError, META_KEY};
+use crate::store::{Meta, META_KEY};
 
 /// Why an answer could not be applied.
 #[derive(Debug, thiserror::Error)]
@@ -318,7 +319,7 @@ impl Poller {
     /// When the poller next has something to do: the moment the next request
     /// may go out (after a backoff, or the least interval after the previous
     /// request), or, while a request is out, the moment the watchdog gives up
-    /// on it. The glue arms its timer for this instant, so neither a quick
+    /// on it. The root arms its timer for this instant, so neither a quick
     /// answer nor a backoff waits for a lease tick.
     pub fn wake_at_ms(&self) -> u64 {
         if self.in_flight.is_some() {
@@ -385,7 +386,7 @@ impl Poller {
     }
 
     /// Like [`Poller::on_response`], decoding the body as `body` yields it:
-    /// the glue reads a large answer from the host in chunks instead of
+    /// the root reads a large answer from the host in chunks instead of
     /// copying all of it into the VM first.
     pub fn on_response_from(
         &mut self,
@@ -584,7 +585,8 @@ impl Poller {
 mod tests {
     use super::*;
     use crate::buckets;
-    use crate::store::{Entry, MemoryStore, View};
+    use crate::entry::Entry;
+    use crate::store::{MemoryStore, View};
 
     use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey};
     use std::net::IpAddr;
@@ -596,7 +598,7 @@ mod tests {
         min_interval_ms: 0,
     };
 
-    /// What the glue builds from the shipped plugin configuration.
+    /// What the root builds from the shipped plugin configuration.
     const SHIPPED: SyncConfig = SyncConfig {
         wait_s: 30,
         backoff_initial_ms: 500,
@@ -830,7 +832,7 @@ mod tests {
         assert!(p.next_request(1_100, &store).is_some());
     }
 
-    /// Drives the poller as the glue does with a timer that fires only at
+    /// Drives the poller as the root does with a timer that fires only at
     /// `wake_at_ms` (and at `tick_ms` lease ticks): returns when each request
     /// went out.
     fn sends(p: &mut Poller, store: &MemoryStore, from: u64, until: u64, tick_ms: u64) -> Vec<u64> {

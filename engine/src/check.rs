@@ -9,7 +9,9 @@ use staleguard_core::{decide, Action, IpRecord, Reason, ServiceKey, Verdict};
 use crate::buckets;
 use crate::cache::Cache;
 use crate::config::{Config, Mode};
-use crate::store::{Entry, SharedData, View};
+use crate::entry::Entry;
+use crate::host::SharedData;
+use crate::store::View;
 
 /// What the host told us about the upstream request: the two properties
 /// every request reads.
@@ -491,7 +493,7 @@ mod tests {
     struct Counting<'a>(&'a MemoryStore, std::cell::Cell<u32>);
 
     impl SharedData for Counting<'_> {
-        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), crate::store::StoreError> {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), crate::host::StoreError> {
             self.1.set(self.1.get() + 1);
             self.0.get(key)
         }
@@ -500,8 +502,8 @@ mod tests {
             _: &str,
             _: &[u8],
             _: Option<u32>,
-        ) -> Result<(), crate::store::StoreError> {
-            Err(crate::store::StoreError::Host("read only".into()))
+        ) -> Result<(), crate::host::StoreError> {
+            Err(crate::host::StoreError::Host("read only".into()))
         }
     }
 

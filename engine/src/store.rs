@@ -28,27 +28,10 @@ use std::net::IpAddr;
 use staleguard_core::{IpRecord, ServiceKey};
 
 use crate::buckets;
+use crate::entry::Entry;
+use crate::host::{SharedData, StoreError};
 
 pub mod write;
-
-/// Why a shared-data operation failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum StoreError {
-    /// Someone else wrote the key since it was read.
-    #[error("compare-and-swap mismatch")]
-    CasMismatch,
-    /// The host refused the operation.
-    #[error("host refused shared-data access: {0}")]
-    Host(String),
-}
-
-/// Shared data as the host offers it: values with a compare-and-swap token.
-pub trait SharedData {
-    /// Reads a key: its value (if any) and its cas token (0 if unknown).
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError>;
-    /// Writes a key; with `cas` set, only if the key is unchanged since read.
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
-}
 
 /// An in-memory [`SharedData`] with Envoy's cas semantics, for tests and fuzzing.
 #[derive(Debug, Default, Clone)]
@@ -169,17 +152,6 @@ impl Meta {
     pub fn is_fresh(&self, now_ms: u64, max_staleness_ms: u64) -> bool {
         self.fresh && now_ms.saturating_sub(self.synced_ms) <= max_staleness_ms
     }
-}
-
-/// What an entry's value says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Entry<T> {
-    /// Absent: never written, cleared, or from an older load.
-    Absent,
-    /// Present and valid for the current load.
-    Present(T),
-    /// Not decodable: the reader cannot judge.
-    Corrupt,
 }
 
 /// Splits `LOAD rest` and checks the load against `meta_load` (service

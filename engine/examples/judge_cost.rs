@@ -4,18 +4,18 @@
 //! new per-VM cache for every verdict (three shared-data reads, the record
 //! decoded); `warm`: one cache, every IP seen before (`meta` read only).
 //!
-//! `cargo run --release -p staleguard-filter --example judge_cost`
+//! `cargo run --release -p staleguard-engine --example judge_cost`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
 use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
-use staleguard_filter::cache::Cache;
-use staleguard_filter::check::{judge, Lazy, Upstream};
-use staleguard_filter::config::Config;
-use staleguard_filter::store::MemoryStore;
-use staleguard_filter::sync::{Poller, SyncConfig};
+use staleguard_engine::cache::Cache;
+use staleguard_engine::check::{judge, Lazy, Upstream};
+use staleguard_engine::config::Config;
+use staleguard_engine::store::MemoryStore;
+use staleguard_engine::sync::{Poller, SyncConfig};
 
 fn ip(i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))

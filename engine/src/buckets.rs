@@ -28,7 +28,8 @@ use staleguard_core::ip::canonical;
 use staleguard_core::wire::{Membership, Tombstone, Via};
 use staleguard_core::{IpRecord, PodHolder, ServiceKey};
 
-use crate::store::{Entry, SharedData, StoreError};
+use crate::entry::Entry;
+use crate::host::{SharedData, StoreError};
 
 /// The fewest buckets a layout has: a small index costs at most this many
 /// keys, and small changes in its size never change the layout.

@@ -2,7 +2,7 @@
 //! poller pays anyway for the same answer (decoding its JSON).
 //!
 //! ```text
-//! cargo run --release -p staleguard-filter --example guard_cost
+//! cargo run --release -p staleguard-engine --example guard_cost
 //! ```
 //!
 //! `IPS` (150000) IPs in `SERVICES` (1000) services, `ROUNDS` (7), medians.
@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use staleguard_core::wire::{Delta, Tombstone};
 use staleguard_core::{Freshness, IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
-use staleguard_filter::buckets::CompactRecord;
-use staleguard_filter::guard::{Answer, Guard, GuardConfig};
+use staleguard_engine::buckets::CompactRecord;
+use staleguard_engine::guard::{Answer, Guard, GuardConfig};
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name)

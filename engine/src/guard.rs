@@ -145,7 +145,7 @@ pub struct Blast {
     pub tripped: Option<Rule>,
 }
 
-/// What the guard did with the last answer, for the glue to count and log.
+/// What the guard did with the last answer, for the root to count and log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GuardEvent {
     /// The answer was held; the previous data keeps serving.

@@ -1,26 +1,87 @@
 //! One request's path through the filter: the verdict ([`crate::check`]),
 //! counting it, the reply of a rejection, and a replay's start and steps
-//! ([`crate::replay`]). Every host operation goes through [`Host`]; `glue`
-//! only forwards Envoy's HTTP callbacks here.
+//! ([`crate::replay`]). Every host operation goes through [`Host`]; an
+//! adapter only forwards its host's HTTP callbacks here.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::types::Action;
+use staleguard_core::verdict::FailurePolicy;
 
-use crate::check::{header_value, judge, Effect, Outcome, Upstream};
-use crate::config::{Config, RetryConfig};
-use crate::host::{Host, LazyReads};
+use crate::cache::Cache;
+use crate::check::{header_value, judge, Effect, Lazy, Outcome, Upstream};
+use crate::config::{Config, Fallback, RetryConfig, CONFIG_REFUSED};
+use crate::host::{Host, Next};
 use crate::members;
-use crate::metrics::{self, Count, Counted, LabelId};
+use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
 use crate::replay::{
     self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
 };
-use crate::root::VmState;
 use crate::steer::SteerConfig;
 use crate::store::View;
+use crate::throttle::Throttle;
+
+/// What the root context and every request of one VM share: the plugin
+/// configuration (or, when it was refused, the fallback), the metric tally,
+/// the verdict cache and the log budget.
+#[derive(Clone)]
+pub(crate) struct VmState {
+    pub(crate) config: Option<Rc<Config>>,
+    pub(crate) fallback: Option<Rc<Fallback>>,
+    pub(crate) metrics: Rc<RefCell<VmMetrics>>,
+    pub(crate) cache: Rc<RefCell<Cache>>,
+    pub(crate) log_budget: Rc<RefCell<Throttle>>,
+}
+
+impl VmState {
+    /// A request while the VM has no configuration: through untouched when
+    /// none was ever given, else what the refused configuration's failure
+    /// policy says, counted.
+    pub(crate) fn unconfigured<H: Host>(&self, host: &mut H) -> Next {
+        let Some(fallback) = &self.fallback else {
+            return Next::Continue;
+        };
+        self.metrics
+            .borrow_mut()
+            .inc(host, metrics::REQUESTS_UNCONFIGURED, 1);
+        match fallback.failure_policy {
+            FailurePolicy::Open => Next::Continue,
+            FailurePolicy::Closed => {
+                let headers = [(fallback.reject_header.as_str(), CONFIG_REFUSED)];
+                let body = format!("staleguard: {CONFIG_REFUSED}\n");
+                host.send_reply(fallback.reject_status, &headers, Some(body.as_bytes()));
+                Next::Pause
+            }
+        }
+    }
+}
+
+/// The lazy reads of `check::judge`, from a host.
+#[derive(Debug)]
+pub struct LazyReads<'a, H: ?Sized>(pub &'a H);
+
+impl<H: Host + ?Sized> Lazy for LazyReads<'_, H> {
+    fn istio_service_host(&self) -> Option<String> {
+        // Istio lists the services a cluster serves in its metadata; the
+        // first one is the service (a cluster per service and port).
+        self.0.property(&[
+            "xds",
+            "cluster_metadata",
+            "filter_metadata",
+            "istio",
+            "services",
+            "0",
+            "host",
+        ])
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.0.now_ms()
+    }
+}
 
 /// The HTTP context of one request.
 pub struct Filter {
@@ -86,7 +147,7 @@ impl Filter {
 
     /// The request's headers arrived: judge the host Envoy chose, and let the
     /// request through, reject it, or start replaying it.
-    pub fn request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Action {
+    pub fn request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Next {
         if let Some(twin) = self.twin.clone() {
             return self.twin_request(host, &twin);
         }
@@ -111,15 +172,15 @@ impl Filter {
         let (service, ip, verdict, effect) = match outcome {
             Outcome::Unmapped => {
                 m.count(host, Count::Unmapped);
-                return Action::Continue;
+                return Next::Continue;
             }
             Outcome::NoAddress => {
                 m.count(host, Count::NoAddress);
-                return Action::Continue;
+                return Next::Continue;
             }
             Outcome::OutOfScope => {
                 m.count(host, Count::OutOfScope);
-                return Action::Continue;
+                return Next::Continue;
             }
             Outcome::Judged {
                 service,
@@ -191,18 +252,18 @@ impl Filter {
         }
         if let Some(step) = replay_step {
             self.drive(host, step);
-            return Action::Pause;
+            return Next::Pause;
         }
         match effect {
             Effect::Allow | Effect::Audit => {
                 if !end_of_stream {
                     self.strip_answer = Some(config.raw.reject_header.clone());
                 }
-                Action::Continue
+                Next::Continue
             }
             Effect::Reject { status } => {
                 reject(host, &config, status, verdict.reason);
-                Action::Pause
+                Next::Pause
             }
         }
     }
@@ -212,11 +273,11 @@ impl Filter {
     /// path's route retries an answer that carries it (docs/filter.md,
     /// "Requests with a body"), and only the filter's own rejection may,
     /// never a backend's.
-    pub fn response_headers<H: Host>(&mut self, host: &mut H) -> Action {
+    pub fn response_headers<H: Host>(&mut self, host: &mut H) -> Next {
         if let Some(header) = self.strip_answer.take() {
             host.remove_response_header(&header);
         }
-        Action::Continue
+        Next::Continue
     }
 
     /// The answer to a replay's call arrived (or the call failed).
@@ -256,7 +317,7 @@ impl Filter {
 
     /// The twin's whole job: let through a pick the origin named (without the
     /// endpoint header), fail any other at once.
-    fn twin_request<H: Host>(&mut self, host: &mut H, twin: &TwinConfig) -> Action {
+    fn twin_request<H: Host>(&mut self, host: &mut H, twin: &TwinConfig) -> Next {
         let named = host.request_header(&twin.endpoint_header);
         let address = host.property(&["upstream", "address"]);
         let ok = replay::twin_pick_is_named(named.as_deref(), address.as_deref());
@@ -266,20 +327,20 @@ impl Filter {
             .inc(host, &metrics::twin_picks(ok), 1);
         if ok {
             host.remove_request_header(&twin.endpoint_header);
-            return Action::Continue;
+            return Next::Continue;
         }
         log::debug!(
             "[ctx {}] staleguard twin: pick {address:?} not among {named:?}",
             self.id
         );
         host.send_reply(503, &[(replay::TWIN_MISS_HEADER, "1")], None);
-        Action::Pause
+        Next::Pause
     }
 
     /// The steering role's whole job (`crate::steer`): name the service's
     /// live members in the endpoint header, or leave the request as it is
     /// when the index names none; never pause.
-    fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Action {
+    fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Next {
         let now_ms = host.now_ms();
         let fresh = View::new(&*host)
             .meta()
@@ -296,7 +357,7 @@ impl Filter {
             // Whatever a client sent must not pick the host instead.
             None => host.remove_request_header(&steer.endpoint_header),
         }
-        Action::Continue
+        Next::Continue
     }
 
     /// Starts replaying a rejected request, or says why it cannot be.
@@ -477,7 +538,7 @@ fn reject<H: Host>(host: &mut H, config: &Config, status: u32, reason: staleguar
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::fake::FakeHost;
+    use crate::fake::FakeHost;
     use crate::root::tests::loaded;
     use crate::root::Root;
     use staleguard_core::{Reason, ServiceKey};
@@ -499,7 +560,7 @@ mod tests {
     }
 
     fn reject_status(extra: &str) -> u32 {
-        Config::parse(&crate::host::fake::shipped_config(extra))
+        Config::parse(&crate::fake::shipped_config(extra))
             .unwrap()
             .raw
             .reject_status
@@ -515,7 +576,7 @@ mod tests {
         let root = Root::new(3);
         assert_eq!(
             root.filter(2).request_headers(&mut host, true),
-            Action::Continue
+            Next::Continue
         );
         assert!(host.replies.is_empty());
     }
@@ -526,7 +587,7 @@ mod tests {
         let calls = host.calls.len();
         get_to(&mut host, "10.0.0.1");
         let mut filter = root.filter(2);
-        assert_eq!(filter.request_headers(&mut host, true), Action::Continue);
+        assert_eq!(filter.request_headers(&mut host, true), Next::Continue);
         assert!(host.replies.is_empty());
         assert_eq!(host.calls.len(), calls);
         assert!(!filter.replaying());
@@ -537,11 +598,11 @@ mod tests {
         let (root, mut host) = loaded(ON_REJECT_REJECT, &["10.0.0.1"]);
         get_to(&mut host, "10.0.0.9");
         let mut filter = root.filter(2);
-        assert_eq!(filter.request_headers(&mut host, true), Action::Pause);
+        assert_eq!(filter.request_headers(&mut host, true), Next::Pause);
         assert_eq!(host.replies.len(), 1);
         let reply = &host.replies[0];
         assert_eq!(reply.status, reject_status(ON_REJECT_REJECT));
-        let header = Config::parse(&crate::host::fake::shipped_config(ON_REJECT_REJECT))
+        let header = Config::parse(&crate::fake::shipped_config(ON_REJECT_REJECT))
             .unwrap()
             .raw
             .reject_header;
@@ -578,18 +639,18 @@ mod tests {
         let calls = host.calls.len();
         get_to(&mut host, "10.0.0.9");
         let mut filter = root.filter(2);
-        assert_eq!(filter.request_headers(&mut host, true), Action::Pause);
+        assert_eq!(filter.request_headers(&mut host, true), Next::Pause);
         assert!(host.replies.is_empty(), "no reply while the replay is out");
         assert!(filter.replaying());
         assert_eq!(host.calls.len(), calls + 1);
         let call = host.calls.last().unwrap().clone();
         assert_eq!(call.cluster, "shop-cart|staleguard-twin");
         assert_eq!(call.header(":path"), Some("/items"));
-        let retry = Config::parse(&crate::host::fake::shipped_config("{}")).unwrap();
+        let retry = Config::parse(&crate::fake::shipped_config("{}")).unwrap();
         let endpoint = &retry.replay().unwrap().endpoint_header;
         assert_eq!(call.header(endpoint), Some("10.0.0.1:8080"));
         // The member answers: the client gets its answer.
-        host.answer = crate::host::fake::Answer {
+        host.answer = crate::fake::Answer {
             headers: vec![
                 (":status".into(), "200".into()),
                 (replay::UPSTREAM_TIME_HEADER.into(), "3".into()),
@@ -617,7 +678,7 @@ mod tests {
         get_to(&mut host, "10.0.0.9");
         assert_eq!(
             root.filter(2).request_headers(&mut host, false),
-            Action::Pause
+            Next::Pause
         );
         assert_eq!(host.calls.len(), calls, "no replay");
         assert_eq!(host.replies.len(), 1);
@@ -635,9 +696,9 @@ mod tests {
         let (root, mut host) = loaded("{}", &["10.0.0.1"]);
         get_to(&mut host, "10.0.0.1");
         let mut filter = root.filter(2);
-        assert_eq!(filter.request_headers(&mut host, false), Action::Continue);
-        assert_eq!(filter.response_headers(&mut host), Action::Continue);
-        let header = Config::parse(&crate::host::fake::shipped_config("{}"))
+        assert_eq!(filter.request_headers(&mut host, false), Next::Continue);
+        assert_eq!(filter.response_headers(&mut host), Next::Continue);
+        let header = Config::parse(&crate::fake::shipped_config("{}"))
             .unwrap()
             .raw
             .reject_header;
@@ -657,7 +718,7 @@ mod tests {
         let mut filter = root.filter(2);
         filter.request_headers(&mut host, true);
         let call = host.calls.last().unwrap().clone();
-        host.answer = crate::host::fake::Answer {
+        host.answer = crate::fake::Answer {
             headers: vec![
                 (":status".into(), "200".into()),
                 (replay::UPSTREAM_TIME_HEADER.into(), "3".into()),
@@ -689,7 +750,7 @@ mod tests {
             .push(("x-gateway-destination-endpoint".into(), "6.6.6.6:1".into()));
         let calls = host.calls.len();
         let mut filter = steering.filter(2);
-        assert_eq!(filter.request_headers(&mut host, false), Action::Continue);
+        assert_eq!(filter.request_headers(&mut host, false), Next::Continue);
         let named = host
             .request_headers
             .iter()

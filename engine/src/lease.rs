@@ -15,7 +15,8 @@
 //! permit polling yet; only a lease still ours on the next tick
 //! ([`LeaseState::Held`]) does. The cost is one tick of delay at start-up.
 
-use crate::store::{SharedData, StoreError, LEASE_KEY};
+use crate::host::{SharedData, StoreError};
+use crate::store::LEASE_KEY;
 
 /// The outcome of one tick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -206,7 +206,7 @@ impl Count {
 pub const FLUSH_EVERY: u64 = 10_000;
 
 /// Per-request counters held in VM memory, so that counting a request makes
-/// no hostcall; the glue adds them to Envoy's counters on the root context's
+/// no hostcall; the root adds them to Envoy's counters on the root context's
 /// timer tick (and after [`FLUSH_EVERY`] counts, and when the root is done).
 #[derive(Debug, Default)]
 pub struct Tally {
@@ -243,7 +243,7 @@ impl Tally {
 
 /// Per-request counter:
 /// `staleguard_filter_requests_total.service.<ns/name>.reason.<reason>.action.<action>`,
-/// with `service` from [`ServiceLabels::label`].
+/// with `service` from [`ServiceLabels::name`].
 pub fn requests(service: &str, reason: Reason, effect: Effect) -> String {
     format!(
         "staleguard_filter_requests_total.service.{service}.reason.{}.action.{}",

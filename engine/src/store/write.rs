@@ -9,11 +9,10 @@ use std::net::IpAddr;
 use staleguard_core::wire::Delta;
 use staleguard_core::{ServiceKey, Snapshot};
 
-use super::{
-    encode_service, next_id, service_key, Entry, Meta, SharedData, StoreError, View, LOADS_KEY,
-    META_KEY,
-};
+use super::{encode_service, next_id, service_key, Meta, View, LOADS_KEY, META_KEY};
 use crate::buckets::{self, Bucket, CompactRecord};
+use crate::entry::Entry;
+use crate::host::{SharedData, StoreError};
 use crate::members;
 
 /// What the writer knows of the index it wrote: the layout in use, and
