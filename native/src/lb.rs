@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use staleguard_filter::check::{Effect, Outcome};
+use staleguard_engine::check::{Effect, Outcome};
 
 use crate::index::Judgement;
 
@@ -395,7 +395,7 @@ mod tests {
     #[test]
     fn the_index_decides_which_hosts_are_picked() {
         use staleguard_core::{Freshness, ServiceKey, Snapshot};
-        use staleguard_filter::config::Config;
+        use staleguard_engine::config::Config;
         let cluster = "outbound|80||cart.lbtest.svc.cluster.local";
         let snapshot = Snapshot {
             v: staleguard_core::wire::WIRE_VERSION,
@@ -426,7 +426,7 @@ mod tests {
             (0..3)
                 .map(|_| {
                     picker.choose(&hosts, |a| {
-                        let ip = staleguard_filter::check::parse_ip(a).unwrap();
+                        let ip = staleguard_engine::check::parse_ip(a).unwrap();
                         Standing::of(&crate::index::judge(config, cluster, &ip))
                     })
                 })

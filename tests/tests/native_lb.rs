@@ -315,7 +315,7 @@ fn the_istio_lb_envoyfilter_keeps_istios_cluster_settings_and_envoy_accepts_it()
         ["typed_config"]["lb_policy_config"]["value"]
         .as_str()
         .context("no plugin configuration")?;
-    staleguard_filter::config::Config::parse(config.as_bytes())
+    staleguard_engine::config::Config::parse(config.as_bytes())
         .map_err(|e| anyhow::anyhow!("the shipped plugin configuration: {e:?}"))?;
     assert_eq!(
         cluster_of(&after, &pay.cluster_name())?,

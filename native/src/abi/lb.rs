@@ -13,7 +13,7 @@ use std::ffi::{c_void, CStr};
 use std::panic::AssertUnwindSafe;
 use std::time::Instant;
 
-use staleguard_filter::config::Config;
+use staleguard_engine::config::Config;
 
 use super::{contain, init_logger, EnvoyBuffer, ModuleBuffer};
 use crate::index;
