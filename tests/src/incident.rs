@@ -544,3 +544,12 @@ fn client(gateway: SocketAddr, load: &Load, bodies: &[Vec<u8>], c: usize) -> Res
     }
     Ok(reports)
 }
+
+/// Requests per client of an incident test: `STALEGUARD_INCIDENT_REQUESTS`
+/// when set to a number, `default` otherwise.
+pub fn requests_per_client(default: usize) -> usize {
+    std::env::var("STALEGUARD_INCIDENT_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

