@@ -54,10 +54,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
+use staleguard_bench::{cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us};
 use staleguard_core::{IpRecord, ServiceKey};
-use staleguard_bench::{
-    cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us,
-};
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::{
     cluster_mut, dependencies, native, shipped_plugin, Cluster, Envoy, Gateway, Launch,

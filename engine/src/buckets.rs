@@ -28,7 +28,6 @@ use staleguard_core::wire::{Membership, Tombstone, Via};
 use staleguard_core::{IpRecord, PodHolder, ServiceKey};
 
 use crate::entry::Entry;
-use crate::host::{SharedData, StoreError};
 
 /// The fewest buckets a layout has: a small index costs at most this many
 /// keys, and small changes in its size never change the layout.
@@ -554,14 +553,15 @@ fn hex_id(text: &str) -> Option<u64> {
     u64::from_str_radix(text, 16).ok()
 }
 
-/// Writes one record into its bucket (read, edit, write): for tests and
-/// tools that seed a store; the poller batches its edits per bucket.
-pub fn put(
-    store: &mut dyn SharedData,
+/// Writes one record into its bucket (read, edit, write): for tests that
+/// seed a store; the poller batches its edits per bucket.
+#[cfg(test)]
+pub(crate) fn put(
+    store: &mut dyn crate::host::SharedData,
     load: u64,
     buckets: u32,
     record: &IpRecord,
-) -> Result<(), StoreError> {
+) -> Result<(), crate::host::StoreError> {
     let key = key_of(&record.ip, buckets);
     let (value, _) = store.get(&key)?;
     let mut bucket = Bucket::read(&value.unwrap_or_default(), load);

@@ -125,7 +125,7 @@ pub fn judge(
 ) -> Outcome {
     let cluster = upstream.cluster.as_deref().unwrap_or_default();
     let service = cache.service_of(cluster, || {
-        let host = if config.raw.istio {
+        let host = if config.istio {
             lazy.istio_service_host()
         } else {
             None
@@ -145,10 +145,10 @@ pub fn judge(
     cache.align(stamp);
     let meta = stamp
         .map(|(meta, _)| meta)
-        .filter(|m| m.fresh && m.is_fresh(lazy.now_ms(), config.raw.max_staleness_ms));
+        .filter(|m| m.fresh && m.is_fresh(lazy.now_ms(), config.max_staleness_ms));
     let verdict = match meta {
         // Stale whatever the entries say: none is read.
-        None => decide(&config.raw.policy, false, &service, false, None),
+        None => decide(&config.policy, false, &service, false, None),
         Some(meta) => {
             let known = cache.service(store, &meta, &service);
             let (record, cached) = cache.record(store, &meta, &ip);
@@ -161,11 +161,11 @@ pub fn judge(
             }
         }
     };
-    let effect = match (verdict.action, config.raw.mode) {
+    let effect = match (verdict.action, config.mode) {
         (Action::Allow, _) => Effect::Allow,
         (Action::Reject, Mode::Audit) => Effect::Audit,
         (Action::Reject, Mode::Enforce) => Effect::Reject {
-            status: config.raw.reject_status,
+            status: config.reject_status,
         },
     };
     Outcome::Judged {
@@ -204,7 +204,7 @@ fn verdict_of(
     };
     // Cached records name their services by id (`View::record`).
     let by_id = buckets::placeholder(buckets::service_id(service));
-    decide(&config.raw.policy, fresh, &by_id, known, record)
+    decide(&config.policy, fresh, &by_id, known, record)
 }
 
 /// The reason code the reject header carries: nothing else leaves Envoy.

@@ -6,7 +6,6 @@
 //! them all. A refused configuration never stops the plugin: the root context
 //! runs with the [`Fallback`] until a good one arrives (`crate::root`).
 
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use staleguard_core::cluster::ClusterMap;
@@ -17,6 +16,10 @@ use staleguard_core::Policy;
 
 use crate::guard::GuardConfig;
 use crate::secret::Secret;
+
+use self::narrow::{kind, narrow_object, refusal};
+
+mod narrow;
 
 /// Why a plugin configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +109,14 @@ impl Default for RetryConfig {
             endpoint_header: default_endpoint_header(),
             max_answer_bytes: default_max_answer_bytes(),
         }
+    }
+}
+
+impl RetryConfig {
+    /// The name of `cluster`'s twin: `<cluster><twin_suffix>` (the rule
+    /// `deploy/istio/twins.py` also follows; a test checks they agree).
+    pub fn twin_name(&self, cluster: &str) -> String {
+        format!("{cluster}{}", self.twin_suffix)
     }
 }
 
@@ -206,6 +217,34 @@ pub struct RawConfig {
     pub pod_cidrs: Vec<String>,
 }
 
+impl Default for RawConfig {
+    /// Every field's default, and no validator cluster.
+    fn default() -> Self {
+        Self {
+            validator_cluster: String::new(),
+            validator_authority: None,
+            token: None,
+            token_env: None,
+            poll_wait_s: default_wait_s(),
+            max_staleness_ms: default_max_staleness_ms(),
+            tick_ms: default_tick_ms(),
+            lease_ttl_ms: default_lease_ttl_ms(),
+            backoff_initial_ms: default_backoff_initial_ms(),
+            backoff_max_ms: default_backoff_max_ms(),
+            mode: Mode::default(),
+            reject_status: default_reject_status(),
+            reject_header: default_reject_header(),
+            policy: Policy::default(),
+            istio: staleguard_core::cluster::default_istio(),
+            clusters: Vec::new(),
+            guard: GuardConfig::default(),
+            on_reject: None,
+            retry: None,
+            pod_cidrs: Vec::new(),
+        }
+    }
+}
+
 fn default_wait_s() -> u32 {
     30
 }
@@ -234,13 +273,65 @@ pub(crate) fn default_reject_header() -> String {
     "x-staleguard".to_owned()
 }
 
-/// A checked configuration.
-#[derive(Debug, Clone)]
+/// A checked configuration: the domain values the engine runs with, parsed
+/// once (in `on_configure`) and read as fields on the request path. Built
+/// from a [`RawConfig`] field by field (see [`Config::parse`]), so a new
+/// written field that is not carried over breaks the build.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
-    /// The checked fields (same names as written).
-    pub raw: RawConfig,
-    /// `raw.pod_cidrs`, parsed.
+    /// The Envoy cluster that reaches the validator.
+    pub validator_cluster: String,
+    /// The `:authority` of validator requests (`validator_authority`, else
+    /// the cluster name).
+    pub authority: String,
+    /// Bearer token sent to the validator: `token`, or the value of the VM
+    /// environment variable `token_env` names.
+    pub token: Option<Secret>,
+    /// The environment variable the token was read from, if any.
+    pub token_env: Option<String>,
+    /// Long-poll wait in seconds (1..=60).
+    pub poll_wait_s: u32,
+    /// No successful sync for longer than this makes the data stale.
+    pub max_staleness_ms: u64,
+    /// Root-context tick period: lease renewal and poll scheduling.
+    pub tick_ms: u64,
+    /// How long a poller's lease lives without renewal.
+    pub lease_ttl_ms: u64,
+    /// First retry delay after a sync error.
+    pub backoff_initial_ms: u64,
+    /// Largest retry delay after sync errors.
+    pub backoff_max_ms: u64,
+    /// Enforce verdicts, or only count and log them.
+    pub mode: Mode,
+    /// HTTP status of a rejection.
+    pub reject_status: u32,
+    /// Response header carrying the reason code.
+    pub reject_header: String,
+    /// The verdict policy.
+    pub policy: Policy,
+    /// Derive services from Istio cluster metadata and `outbound|...` names.
+    pub istio: bool,
+    /// Mapping rules for plain Envoy, tried first, in order.
+    pub clusters: Vec<ClusterRule>,
+    /// The blast-radius guard.
+    pub guard: GuardConfig,
+    /// The replay path as configured, whether or not it is used: the twin
+    /// clusters are named from it (see [`RetryConfig::twin_name`]).
+    pub retry: Option<RetryConfig>,
+    /// This cluster's pod networks; empty: every IP is judged.
     pub pod_cidrs: Vec<Cidr>,
+    /// Rejected requests are replayed (decided once, see [`Config::replay`]).
+    replays: bool,
+    /// Why `on_reject: retry` was asked for but cannot work, if it was.
+    retry_warning: Option<&'static str>,
+}
+
+impl Default for Config {
+    /// What a gateway without the filter is judged by (the audit's
+    /// default): every written default, no validator cluster, no token.
+    fn default() -> Self {
+        Self::from_raw(RawConfig::default(), Vec::new())
+    }
 }
 
 impl Config {
@@ -248,6 +339,13 @@ impl Config {
     /// `token_env` is read from the VM's environment.
     pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
         Self::parse_with_env(bytes, |name| std::env::var(name).ok())
+    }
+
+    /// [`Config::parse`] away from the gateway (the audit, the test
+    /// harness): the Wasm VM's environment is not the caller's, so a
+    /// `token_env` counts as set.
+    pub fn parse_outside_gateway(bytes: &[u8]) -> Result<Self, ConfigError> {
+        Self::parse_with_env(bytes, |_| Some("set-in-the-gateway".to_owned()))
     }
 
     /// [`Config::parse`] with the environment given by `env` (tests pass a map).
@@ -319,12 +417,7 @@ impl Config {
                 raw.reject_status
             ));
         }
-        if !is_header_name(&raw.reject_header) {
-            problems.push(format!(
-                "reject_header {:?} is not a lowercase header name",
-                raw.reject_header
-            ));
-        }
+        problems.extend(header_problem("reject_header", &raw.reject_header));
         if let Some(token) = raw.token.as_ref().map(Secret::expose) {
             if token.is_empty() || token.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
                 problems.push("token must be non-empty printable ASCII".to_owned());
@@ -347,45 +440,89 @@ impl Config {
             }
         }
         if problems.is_empty() {
-            Ok(Self { raw, pod_cidrs })
+            Ok(Self::from_raw(raw, pod_cidrs))
         } else {
             Err(ConfigError::Invalid(problems))
+        }
+    }
+
+    /// The domain values of a checked `raw` (with its `pod_cidrs` parsed):
+    /// every field carried over or decided here, once.
+    fn from_raw(raw: RawConfig, pod_cidrs: Vec<Cidr>) -> Self {
+        let RawConfig {
+            validator_cluster,
+            validator_authority,
+            token,
+            token_env,
+            poll_wait_s,
+            max_staleness_ms,
+            tick_ms,
+            lease_ttl_ms,
+            backoff_initial_ms,
+            backoff_max_ms,
+            mode,
+            reject_status,
+            reject_header,
+            policy,
+            istio,
+            clusters,
+            guard,
+            on_reject,
+            retry,
+            pod_cidrs: _,
+        } = raw;
+        // `retry` asked for, or defaulted to when a replay path is given.
+        let asked = on_reject.unwrap_or(if retry.is_some() {
+            OnReject::Retry
+        } else {
+            OnReject::Reject
+        }) == OnReject::Retry;
+        let replays = asked && retry.is_some() && mode == Mode::Enforce;
+        let retry_warning = match (asked, &retry, mode) {
+            (false, _, _) => None,
+            (true, None, _) => Some(
+                "on_reject is retry but no replay path is configured (the `retry` block naming the twin clusters): rejecting instead",
+            ),
+            (true, Some(_), Mode::Audit) => Some(
+                "on_reject is retry but mode is audit, which lets every request through: nothing is replayed",
+            ),
+            (true, Some(_), Mode::Enforce) => None,
+        };
+        Self {
+            authority: validator_authority.unwrap_or_else(|| validator_cluster.clone()),
+            validator_cluster,
+            token,
+            token_env,
+            poll_wait_s,
+            max_staleness_ms,
+            tick_ms,
+            lease_ttl_ms,
+            backoff_initial_ms,
+            backoff_max_ms,
+            mode,
+            reject_status,
+            reject_header,
+            policy,
+            istio,
+            clusters,
+            guard,
+            retry,
+            pod_cidrs,
+            replays,
+            retry_warning,
         }
     }
 
     /// The replay path, when rejected requests are to be replayed: `retry`
     /// asked for (or defaulted to), a replay path configured, and enforcing.
     pub fn replay(&self) -> Option<&RetryConfig> {
-        let wanted = self.raw.on_reject.unwrap_or(if self.raw.retry.is_some() {
-            OnReject::Retry
-        } else {
-            OnReject::Reject
-        });
-        match (wanted, self.raw.mode) {
-            (OnReject::Retry, Mode::Enforce) => self.raw.retry.as_ref(),
-            _ => None,
-        }
+        self.retry.as_ref().filter(|_| self.replays)
     }
 
     /// Why `on_reject: retry` was asked for but cannot work, if it was: the
     /// line `on_configure` logs, since the filter then rejects instead.
-    pub fn retry_warning(&self) -> Option<String> {
-        let asked = match self.raw.on_reject {
-            Some(OnReject::Retry) => true,
-            Some(OnReject::Reject) => false,
-            None => self.raw.retry.is_some(),
-        };
-        if !asked {
-            return None;
-        }
-        if self.raw.retry.is_none() {
-            return Some(
-                "on_reject is retry but no replay path is configured (the `retry` block naming the twin clusters): rejecting instead"
-                    .to_owned(),
-            );
-        }
-        (self.raw.mode == Mode::Audit)
-            .then(|| "on_reject is retry but mode is audit, which lets every request through: nothing is replayed".to_owned())
+    pub fn retry_warning(&self) -> Option<&str> {
+        self.retry_warning
     }
 
     /// True when `ip` is one this gateway judges: no `pod_cidrs`, or inside
@@ -394,21 +531,13 @@ impl Config {
         staleguard_core::ip::in_scope(&self.pod_cidrs, ip)
     }
 
-    /// The `:authority` of validator requests.
-    pub fn authority(&self) -> &str {
-        self.raw
-            .validator_authority
-            .as_deref()
-            .unwrap_or(&self.raw.validator_cluster)
-    }
-
     /// How this configuration maps clusters to services (the rule shared with
     /// `staleguard-validator audit`).
     pub fn cluster_map(&self) -> ClusterMap<'_> {
         ClusterMap {
-            validator_cluster: &self.raw.validator_cluster,
-            istio: self.raw.istio,
-            rules: &self.raw.clusters,
+            validator_cluster: &self.validator_cluster,
+            istio: self.istio,
+            rules: &self.clusters,
         }
     }
 }
@@ -514,129 +643,6 @@ fn shape(doc: &Value, problems: &mut Vec<String>) -> Option<RawConfig> {
     }
 }
 
-/// Tries a candidate value in its place in the document: `Some(error)` when
-/// the document would be refused for it.
-type Probe<'a> = &'a dyn Fn(&Value) -> Option<String>;
-
-/// Why `T` refuses `candidate`.
-fn refusal<T: DeserializeOwned>(candidate: &Value) -> Option<String> {
-    T::deserialize(candidate).err().map(|e| e.to_string())
-}
-
-/// `error`, unless it is a `missing field` one: an object built up field by
-/// field lacks the fields still to come.
-fn but_missing(error: Option<String>) -> Option<String> {
-    error.filter(|e| !e.starts_with("missing field"))
-}
-
-/// The part of `value` (at `path`) that `probe` accepts; what it leaves out is
-/// pushed to `problems`.
-fn narrow(
-    path: &str,
-    value: &Value,
-    probe: Probe<'_>,
-    problems: &mut Vec<String>,
-) -> Option<Value> {
-    let Some(error) = probe(value) else {
-        return Some(value.clone());
-    };
-    match value {
-        Value::Object(fields) => narrow_object(path, fields, Map::new(), probe, problems),
-        Value::Array(items) => {
-            if let Some(error) = but_missing(probe(&Value::Array(vec![]))) {
-                problems.push(problem(path, &error));
-                return None;
-            }
-            let mut kept: Vec<Value> = vec![];
-            for (i, item) in items.iter().enumerate() {
-                let at = |candidate: &Value| {
-                    let mut trial = kept.clone();
-                    trial.push(candidate.clone());
-                    probe(&Value::Array(trial))
-                };
-                if let Some(item) = narrow(&format!("{path}[{i}]"), item, &at, problems) {
-                    kept.push(item);
-                }
-            }
-            Some(Value::Array(kept))
-        }
-        _ => {
-            problems.push(problem(path, &error));
-            None
-        }
-    }
-}
-
-/// [`narrow`] for an object, starting from the fields in `seed`.
-fn narrow_object(
-    path: &str,
-    fields: &Map<String, Value>,
-    seed: Map<String, Value>,
-    probe: Probe<'_>,
-    problems: &mut Vec<String>,
-) -> Option<Value> {
-    if let Some(error) = but_missing(probe(&Value::Object(seed.clone()))) {
-        // Not an object where one is expected, or an unknown object field.
-        problems.push(problem(path, &error));
-        return None;
-    }
-    // The top level starts complete (see `shape`); below it, an object is
-    // complete only once all its fields are in.
-    let top = path.is_empty();
-    let mut kept = seed;
-    for (key, value) in fields {
-        let at = |candidate: &Value| {
-            let mut trial = kept.clone();
-            trial.insert(key.clone(), candidate.clone());
-            let error = probe(&Value::Object(trial));
-            if top {
-                error
-            } else {
-                but_missing(error)
-            }
-        };
-        let sub = if path.is_empty() {
-            key.clone()
-        } else {
-            format!("{path}.{key}")
-        };
-        if let Some(value) = narrow(&sub, value, &at, problems) {
-            kept.insert(key.clone(), value);
-        }
-    }
-    let kept = Value::Object(kept);
-    if let Some(error) = probe(&kept) {
-        // A required field is missing.
-        problems.push(problem(path, &error));
-        return None;
-    }
-    Some(kept)
-}
-
-/// One problem line: the field's path and what serde said (which names the
-/// value and what is accepted), but never the token's value.
-fn problem(path: &str, error: &str) -> String {
-    if path.is_empty() {
-        return error.to_owned();
-    }
-    if path == "token" {
-        return "token: must be a string (value not shown)".to_owned();
-    }
-    format!("{path}: {error}")
-}
-
-/// A JSON value's kind, for messages.
-fn kind(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
 fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
     if retry.twin_suffix.is_empty() {
         // An empty suffix would make the twin the guarded cluster itself.
@@ -670,323 +676,24 @@ fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
             retry.max_answer_bytes
         ));
     }
-    if !is_header_name(&retry.endpoint_header) {
-        problems.push(format!(
-            "retry.endpoint_header {:?} is not a lowercase header name",
-            retry.endpoint_header
-        ));
-    }
+    problems.extend(header_problem(
+        "retry.endpoint_header",
+        &retry.endpoint_header,
+    ));
 }
 
-/// A lowercase header name (what every header knob must be).
-pub(crate) fn is_header_name(s: &str) -> bool {
+/// The problem with `value` as the header knob `field`, if it is not a
+/// lowercase header name (what every header knob must be).
+pub(crate) fn header_problem(field: &str, value: &str) -> Option<String> {
+    (!is_header_name(value)).then(|| format!("{field} {value:?} is not a lowercase header name"))
+}
+
+/// A lowercase header name.
+fn is_header_name(s: &str) -> bool {
     !s.is_empty()
         && s.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use staleguard_core::verdict::FailurePolicy;
-
-    #[test]
-    fn minimal_config_takes_defaults() {
-        let c = Config::parse(br#"{"validator_cluster":"sg"}"#).unwrap();
-        assert_eq!(c.raw.poll_wait_s, 30);
-        assert_eq!(c.raw.reject_status, 503);
-        assert_eq!(c.raw.reject_header, "x-staleguard");
-        assert_eq!(c.raw.mode, Mode::Enforce);
-        assert_eq!(c.raw.policy.failure_policy, FailurePolicy::Open);
-        assert!(c.raw.istio);
-        assert_eq!(c.authority(), "sg");
-        assert_eq!(c.raw.guard, GuardConfig::default());
-        assert!(c.raw.guard.enabled);
-    }
-
-    #[test]
-    fn guard_knobs_parse_and_are_checked() {
-        let c = Config::parse(
-            br#"{"validator_cluster":"sg","guard":{"max_loss_percent":80,"confirm_ms":5000}}"#,
-        )
-        .unwrap();
-        assert_eq!(c.raw.guard.max_loss_percent, 80);
-        assert_eq!(c.raw.guard.confirm_ms, 5_000);
-        assert_eq!(c.raw.guard.min_ips, GuardConfig::default().min_ips);
-        let err = Config::parse(
-            br#"{"validator_cluster":"sg","guard":{"max_loss_percent":0,"min_service_ips":0}}"#,
-        )
-        .unwrap_err();
-        assert!(err.to_string().contains("guard.max_loss_percent"), "{err}");
-        assert!(err.to_string().contains("guard.min_service_ips"), "{err}");
-        let err =
-            Config::parse(br#"{"validator_cluster":"sg","guard":{"enable":false}}"#).unwrap_err();
-        assert!(err.to_string().contains("unknown field `enable`"), "{err}");
-    }
-
-    #[test]
-    fn full_config_parses() {
-        let c = Config::parse(
-            br#"{"validator_cluster":"sg","validator_authority":"v.sg.svc","token":"abc",
-            "poll_wait_s":1,"max_staleness_ms":3000,"tick_ms":100,"lease_ttl_ms":500,
-            "backoff_initial_ms":50,"backoff_max_ms":1000,"mode":"audit",
-            "reject_status":502,"reject_header":"x-sg","istio":false,
-            "policy":{"failure_policy":"closed","terminating":"reject"},
-            "clusters":[{"name":"cart","service":"shop/cart"},{"prefix":"pay-","service":"shop/pay"}]}"#,
-        )
-        .unwrap();
-        assert_eq!(c.raw.mode, Mode::Audit);
-        assert_eq!(c.raw.clusters.len(), 2);
-        assert_eq!(c.authority(), "v.sg.svc");
-    }
-
-    #[test]
-    fn no_debug_output_of_the_configuration_shows_the_token() {
-        let token = "s3cret-token-0123456789abcdef0123";
-        let json = format!(r#"{{"validator_cluster":"sg","token":"{token}"}}"#);
-        let c = Config::parse(json.as_bytes()).unwrap();
-        for shown in [format!("{c:?}"), format!("{c:#?}"), format!("{:?}", c.raw)] {
-            assert!(!shown.contains(token), "{shown}");
-            assert!(shown.contains("<redacted>"), "{shown}");
-        }
-        assert_eq!(c.raw.token.as_ref().map(Secret::expose), Some(token));
-        // Nor does a refusal: the message names the field, not the value.
-        let bad = format!(r#"{{"validator_cluster":"","token":"{token} x"}}"#);
-        let err = Config::parse(bad.as_bytes()).unwrap_err();
-        for shown in [err.to_string(), format!("{err:?}")] {
-            assert!(!shown.contains("s3cret"), "{shown}");
-        }
-    }
-
-    #[test]
-    fn unknown_fields_are_refused() {
-        let err = Config::parse(br#"{"validator_cluster":"sg","mdoe":"audit"}"#).unwrap_err();
-        assert!(err.to_string().contains("unknown field `mdoe`"), "{err}");
-        let err =
-            Config::parse(br#"{"validator_cluster":"sg","policy":{"fail":"open"}}"#).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("policy.fail: unknown field `fail`, expected one of `failure_policy`"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn every_type_error_and_unknown_field_is_reported_with_its_field() {
-        // serde alone stops at the first of these (issue 25).
-        let err = Config::parse(
-            br#"{"validator_cluster":"sg","poll_wait_s":"30","mode":1,"mdoe":"audit",
-            "policy":{"failure_policy":"opn","fail":1},"guard":{"enable":false},
-            "clusters":[{"name":"a","service":"shop/a"},{"name":2,"service":"shop/b"},{"name":"c"}],
-            "retry":{"methods":["GET",7]},"tick_ms":-1}"#,
-        )
-        .unwrap_err();
-        let ConfigError::Invalid(problems) = err else {
-            panic!("expected Invalid, got {err}");
-        };
-        let all = problems.join("\n");
-        for expected in [
-            r#"poll_wait_s: invalid type: string "30", expected u32"#,
-            "mode: invalid type: integer `1`, expected",
-            "mdoe: unknown field `mdoe`, expected one of `validator_cluster`",
-            "policy.failure_policy: unknown variant `opn`, expected `open` or `closed`",
-            "policy.fail: unknown field `fail`",
-            "guard.enable: unknown field `enable`",
-            "clusters[1].name: invalid type: integer `2`, expected a string",
-            "clusters[2]: missing field `service`",
-            "retry.methods[1]: invalid type: integer `7`, expected a string",
-            "tick_ms: invalid value: integer `-1`, expected u64",
-        ] {
-            assert!(all.contains(expected), "no {expected:?} in:\n{all}");
-        }
-        // And the rule check of the cluster whose `name` was left out.
-        assert!(all.contains("clusters[1] needs exactly one"), "{all}");
-        assert_eq!(problems.len(), 11, "{all}");
-    }
-
-    #[test]
-    fn a_missing_or_mistyped_validator_cluster_is_named_once() {
-        let err = Config::parse(br#"{"mode":"audit"}"#).unwrap_err();
-        assert_eq!(
-            err.problems(),
-            ["validator_cluster is missing: name the Envoy cluster that reaches the validator"]
-        );
-        let err = Config::parse(br#"{"validator_cluster":["sg"],"poll_wait_s":0}"#).unwrap_err();
-        let problems = err.problems();
-        assert_eq!(problems.len(), 2, "{problems:?}");
-        assert!(
-            problems[0].starts_with("poll_wait_s must be at least 1")
-                || problems[1].starts_with("poll_wait_s must be at least 1"),
-            "{problems:?}"
-        );
-        assert!(
-            problems
-                .iter()
-                .any(|p| p.starts_with("validator_cluster: invalid type: sequence")),
-            "{problems:?}"
-        );
-    }
-
-    #[test]
-    fn json_that_is_not_an_object_is_named_for_what_it_is() {
-        let err = Config::parse(b"[]").unwrap_err();
-        assert_eq!(
-            err.problems(),
-            ["the plugin configuration must be a JSON object, not an array"]
-        );
-        assert!(matches!(
-            Config::parse(b"{"),
-            Err(ConfigError::Malformed(_))
-        ));
-    }
-
-    #[test]
-    fn a_mistyped_token_is_named_without_its_value() {
-        let err = Config::parse(br#"{"validator_cluster":"sg","token":123456789}"#).unwrap_err();
-        assert_eq!(
-            err.problems(),
-            ["token: must be a string (value not shown)"]
-        );
-    }
-
-    #[test]
-    fn the_fallback_reads_the_failure_policy_of_a_refused_document() {
-        let open = Fallback::read(br#"{"mdoe":1}"#);
-        assert_eq!(open.failure_policy, FailurePolicy::Open);
-        assert_eq!(
-            (open.reject_status, open.reject_header.as_str()),
-            (503, "x-staleguard")
-        );
-        let closed = Fallback::read(
-            br#"{"policy":{"failure_policy":"closed","fail":1},"reject_status":429,"reject_header":"x-sg"}"#,
-        );
-        assert_eq!(closed.failure_policy, FailurePolicy::Closed);
-        assert_eq!(
-            (closed.reject_status, closed.reject_header.as_str()),
-            (429, "x-sg")
-        );
-        assert!(closed.describe().contains("rejects every request with 429"));
-        let junk = Fallback::read(b"\xff not json");
-        assert_eq!(junk, open);
-    }
-
-    #[test]
-    fn a_zero_wait_is_refused() {
-        let err = Config::parse(br#"{"validator_cluster":"sg","poll_wait_s":0}"#).unwrap_err();
-        assert!(
-            err.to_string().contains("poll_wait_s must be at least 1"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn every_problem_is_reported_together() {
-        let err = Config::parse(
-            br#"{"validator_cluster":"","poll_wait_s":61,"max_staleness_ms":1000,"tick_ms":5,
-            "reject_status":99,"reject_header":"X Bad","token":"",
-            "clusters":[{"service":"a/b"}]}"#,
-        )
-        .unwrap_err();
-        let ConfigError::Invalid(problems) = err else {
-            panic!("expected Invalid, got {err}");
-        };
-        assert_eq!(problems.len(), 8, "{problems:?}");
-    }
-
-    #[test]
-    fn retry_is_the_default_where_a_replay_path_is_configured() {
-        let plain = Config::parse(br#"{"validator_cluster":"sg"}"#).unwrap();
-        assert!(plain.replay().is_none());
-        assert_eq!(plain.retry_warning(), None);
-        let with_path = Config::parse(br#"{"validator_cluster":"sg","retry":{}}"#).unwrap();
-        let retry = with_path.replay().unwrap();
-        assert_eq!(retry.twin_suffix, "|staleguard-twin");
-        assert_eq!(retry.methods, ["GET", "HEAD", "OPTIONS"]);
-        assert_eq!((retry.attempts, retry.hosts_per_attempt), (3, 8));
-        let opted_out =
-            Config::parse(br#"{"validator_cluster":"sg","retry":{},"on_reject":"reject"}"#)
-                .unwrap();
-        assert!(opted_out.replay().is_none());
-    }
-
-    #[test]
-    fn retry_that_cannot_work_says_why() {
-        let no_path = Config::parse(br#"{"validator_cluster":"sg","on_reject":"retry"}"#).unwrap();
-        assert!(no_path.replay().is_none());
-        assert!(no_path.retry_warning().unwrap().contains("no replay path"));
-        let audit = Config::parse(
-            br#"{"validator_cluster":"sg","on_reject":"retry","retry":{},"mode":"audit"}"#,
-        )
-        .unwrap();
-        assert!(audit.replay().is_none());
-        assert!(audit.retry_warning().unwrap().contains("audit"));
-        let audit_by_default =
-            Config::parse(br#"{"validator_cluster":"sg","retry":{},"mode":"audit"}"#).unwrap();
-        assert!(audit_by_default.retry_warning().unwrap().contains("audit"));
-        let working = Config::parse(br#"{"validator_cluster":"sg","retry":{}}"#).unwrap();
-        assert_eq!(working.retry_warning(), None);
-    }
-
-    #[test]
-    fn bad_retry_settings_are_reported_together() {
-        let err = Config::parse(
-            br#"{"validator_cluster":"sg","retry":{"twin_suffix":"","methods":["get","CONNECT"],
-            "attempts":0,"hosts_per_attempt":65,"timeout_ms":0,"endpoint_header":"X"}}"#,
-        )
-        .unwrap_err();
-        let ConfigError::Invalid(problems) = err else {
-            panic!("expected Invalid, got {err}");
-        };
-        assert_eq!(problems.len(), 7, "{problems:?}");
-        let err =
-            Config::parse(br#"{"validator_cluster":"sg","retry":{"atempts":2}}"#).unwrap_err();
-        assert!(err.to_string().contains("unknown field `atempts`"), "{err}");
-    }
-
-    #[test]
-    fn the_token_can_come_from_the_vm_environment() {
-        let env = |name: &str| (name == "SG_TOKEN").then(|| "s3cret\n".to_owned());
-        let c =
-            Config::parse_with_env(br#"{"validator_cluster":"sg","token_env":"SG_TOKEN"}"#, env)
-                .unwrap();
-        assert_eq!(
-            c.raw.token.as_ref().map(Secret::expose),
-            Some("s3cret"),
-            "a Secret file's newline is cut"
-        );
-
-        let err =
-            Config::parse_with_env(br#"{"validator_cluster":"sg","token_env":"MISSING"}"#, env)
-                .unwrap_err();
-        assert!(err.to_string().contains("\"MISSING\" is not set"), "{err}");
-
-        let err = Config::parse_with_env(
-            br#"{"validator_cluster":"sg","token":"a","token_env":"SG_TOKEN"}"#,
-            env,
-        )
-        .unwrap_err();
-        assert!(err.to_string().contains("not both"), "{err}");
-
-        let empty = |_: &str| Some(String::new());
-        let err = Config::parse_with_env(
-            br#"{"validator_cluster":"sg","token_env":"SG_TOKEN"}"#,
-            empty,
-        )
-        .unwrap_err();
-        assert!(err.to_string().contains("non-empty"), "{err}");
-    }
-
-    #[test]
-    fn garbage_is_refused() {
-        for bad in [
-            &b""[..],
-            b"null",
-            b"[]",
-            b"{",
-            b"\xff",
-            br#"{"validator_cluster":1}"#,
-        ] {
-            assert!(Config::parse(bad).is_err());
-        }
-    }
-}
+mod tests;

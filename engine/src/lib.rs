@@ -37,7 +37,7 @@
 //!   [`members`] (each service's live members), [`guard`] (the
 //!   blast-radius guard on the validator's answers).
 //! - [`buckets`] (IP entries in hash buckets).
-//! - [`host`], [`entry`], [`backoff`], [`throttle`] (a log budget),
+//! - [`host`], [`entry`], [`backoff`], [`log_budget`],
 //!   [`secret`].
 //!
 //! The design and its reasons are in `docs/filter.md`.
@@ -52,6 +52,7 @@ pub mod entry;
 pub mod guard;
 pub mod host;
 pub mod lease;
+pub mod log_budget;
 pub mod members;
 pub mod metrics;
 pub mod replay;
@@ -61,7 +62,6 @@ pub mod secret;
 pub mod steer;
 pub mod store;
 pub mod sync;
-pub mod throttle;
 
 #[cfg(test)]
 mod fake;

@@ -15,6 +15,7 @@ use crate::cache::Cache;
 use crate::check::{header_value, judge, Effect, Lazy, Outcome, Upstream};
 use crate::config::{Config, Fallback, RetryConfig, CONFIG_REFUSED};
 use crate::host::{Host, Next};
+use crate::log_budget::LogBudget;
 use crate::members;
 use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
 use crate::replay::{
@@ -22,7 +23,6 @@ use crate::replay::{
 };
 use crate::steer::{self, SteerConfig};
 use crate::store::View;
-use crate::throttle::Throttle;
 
 /// What the root context and every request of one VM share: the plugin
 /// configuration (or, when it was refused, the fallback), the metric tally,
@@ -33,7 +33,7 @@ pub(crate) struct VmState {
     pub(crate) fallback: Option<Rc<Fallback>>,
     pub(crate) metrics: Rc<RefCell<VmMetrics>>,
     pub(crate) cache: Rc<RefCell<Cache>>,
-    pub(crate) log_budget: Rc<RefCell<Throttle>>,
+    pub(crate) log_budget: Rc<RefCell<LogBudget>>,
 }
 
 impl VmState {
@@ -262,7 +262,7 @@ impl Filter {
         match effect {
             Effect::Allow | Effect::Audit => {
                 if !end_of_stream {
-                    self.strip_answer = Some(config.raw.reject_header.clone());
+                    self.strip_answer = Some(config.reject_header.clone());
                 }
                 Next::Continue
             }
@@ -395,7 +395,7 @@ impl Filter {
         self.replay = Some(Pending {
             replay: state,
             token: None,
-            twin_cluster: format!("{cluster}{}", retry.twin_suffix),
+            twin_cluster: retry.twin_name(cluster),
             headers,
             reason,
             label: LabelId::default(),
@@ -488,7 +488,7 @@ impl Filter {
                 Step::Fail(outcome) => {
                     let reason = pending.reason;
                     self.finish(host, outcome);
-                    reject(host, &config, config.raw.reject_status, reason);
+                    reject(host, &config, config.reject_status, reason);
                     return;
                 }
             }
@@ -503,11 +503,7 @@ impl Filter {
                 Counted::Replayed
             } else {
                 Counted::Effect(Effect::Reject {
-                    status: self
-                        .vm
-                        .config
-                        .as_deref()
-                        .map_or(503, |c| c.raw.reject_status),
+                    status: self.vm.config.as_deref().map_or(503, |c| c.reject_status),
                 })
             };
             self.vm.metrics.borrow_mut().count(
@@ -538,7 +534,7 @@ impl Filter {
 /// the configured header and in the body.
 fn reject<H: Host>(host: &mut H, config: &Config, status: u32, reason: staleguard_core::Reason) {
     let reason = header_value(reason);
-    let headers = [(config.raw.reject_header.as_str(), reason)];
+    let headers = [(config.reject_header.as_str(), reason)];
     let body = format!("staleguard: {reason}\n");
     host.send_reply(status, &headers, Some(body.as_bytes()));
 }
@@ -570,7 +566,6 @@ mod tests {
     fn reject_status(extra: &str) -> u32 {
         Config::parse(&crate::fake::shipped_config(extra))
             .unwrap()
-            .raw
             .reject_status
     }
 
@@ -612,7 +607,6 @@ mod tests {
         assert_eq!(reply.status, reject_status(ON_REJECT_REJECT));
         let header = Config::parse(&crate::fake::shipped_config(ON_REJECT_REJECT))
             .unwrap()
-            .raw
             .reject_header;
         assert_eq!(reply.header(&header), Some("destroyed"));
         assert_eq!(reply.body, b"staleguard: destroyed\n");
@@ -708,7 +702,6 @@ mod tests {
         assert_eq!(filter.response_headers(&mut host), Next::Continue);
         let header = Config::parse(&crate::fake::shipped_config("{}"))
             .unwrap()
-            .raw
             .reject_header;
         assert_eq!(host.removed_response_headers, vec![header]);
         // Without a body (no route retries on the header): untouched.

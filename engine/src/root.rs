@@ -14,13 +14,13 @@ use crate::config::{Config, ConfigError, Fallback};
 use crate::guard::{Guard, GuardEvent};
 use crate::host::Host;
 use crate::lease::{Lease, LeaseState};
+use crate::log_budget::LogBudget;
 use crate::metrics::{self, VmMetrics};
 use crate::replay::TwinConfig;
 use crate::request::{Filter, VmState};
 use crate::steer::SteerConfig;
 use crate::store::View;
 use crate::sync::{Applied, Poller, SyncConfig, SyncError};
-use crate::throttle::Throttle;
 
 /// Verdict log lines allowed per VM per second (the counters count all).
 const VERDICT_LOGS_PER_SECOND: u32 = 5;
@@ -68,7 +68,7 @@ impl Root {
                 fallback: None,
                 metrics: Rc::new(RefCell::new(VmMetrics::default())),
                 cache: Rc::new(RefCell::new(Cache::default())),
-                log_budget: Rc::new(RefCell::new(Throttle::new(1_000, VERDICT_LOGS_PER_SECOND))),
+                log_budget: Rc::new(RefCell::new(LogBudget::new(1_000, VERDICT_LOGS_PER_SECOND))),
             },
             lease: None,
             poller: None,
@@ -151,9 +151,9 @@ impl Root {
         };
         self.vm.fallback = None;
         let sync = SyncConfig {
-            wait_s: config.raw.poll_wait_s,
-            backoff_initial_ms: config.raw.backoff_initial_ms,
-            backoff_max_ms: config.raw.backoff_max_ms,
+            wait_s: config.poll_wait_s,
+            backoff_initial_ms: config.backoff_initial_ms,
+            backoff_max_ms: config.backoff_max_ms,
             min_interval_ms: MIN_POLL_INTERVAL_MS,
         };
         let owner = self
@@ -161,7 +161,7 @@ impl Root {
             .as_ref()
             .map_or_else(|| host.random_u64(), Lease::owner);
         let held = self.lease.as_ref().is_some_and(Lease::is_held);
-        let mut lease = Lease::new(owner, config.raw.lease_ttl_ms);
+        let mut lease = Lease::new(owner, config.lease_ttl_ms);
         if held {
             // Keep going: the next tick renews the lease we already have.
             let now = host.now_ms();
@@ -170,18 +170,18 @@ impl Root {
         self.lease = Some(lease);
         self.poller = Some(
             Poller::new(sync, host.random_u64())
-                .with_guard(Guard::new(config.raw.guard, config.raw.policy)),
+                .with_guard(Guard::new(config.guard, config.policy)),
         );
         self.in_flight = None;
         self.lease_due_ms = 0;
-        if host.set_tick_period(Duration::from_millis(config.raw.tick_ms)) {
-            self.timer_ms = config.raw.tick_ms;
+        if host.set_tick_period(Duration::from_millis(config.tick_ms)) {
+            self.timer_ms = config.tick_ms;
         }
         log::info!(
             "[ctx {}] staleguard: configured (mode {:?}, validator cluster {:?}, owner {owner})",
             self.id,
-            config.raw.mode,
-            config.raw.validator_cluster
+            config.mode,
+            config.validator_cluster
         );
         if let Some(warning) = config.retry_warning() {
             log::warn!("[ctx {}] staleguard: {warning}", self.id);
@@ -271,7 +271,7 @@ impl Root {
             self.arm_timer(host, now);
             return;
         }
-        let tick_ms = self.vm.config.as_ref().map_or(1_000, |c| c.raw.tick_ms);
+        let tick_ms = self.vm.config.as_ref().map_or(1_000, |c| c.tick_ms);
         self.lease_due_ms = now.saturating_add(tick_ms);
         self.lease_tick(host, now);
         self.arm_timer(host, now);
@@ -301,7 +301,7 @@ impl Root {
                 due = due.min(poller.wake_at_ms());
             }
         }
-        let period = due.saturating_sub(now).clamp(1, config.raw.tick_ms);
+        let period = due.saturating_sub(now).clamp(1, config.tick_ms);
         if period != self.timer_ms && host.set_tick_period(Duration::from_millis(period)) {
             self.timer_ms = period;
         }
@@ -328,21 +328,20 @@ impl Root {
         };
         let path = request.path();
         let bearer = config
-            .raw
             .token
             .as_ref()
             .map(|t| format!("Bearer {}", t.expose()));
         let mut headers = vec![
             (":method", "GET"),
             (":path", path.as_str()),
-            (":authority", config.authority()),
+            (":authority", config.authority.as_str()),
             ("accept", crate::sync::ACCEPT),
         ];
         if let Some(b) = &bearer {
             headers.push(("authorization", b.as_str()));
         }
         let timeout = Duration::from_millis(poller.config().request_timeout_ms(&request));
-        match host.dispatch_call(&config.raw.validator_cluster, &headers, timeout) {
+        match host.dispatch_call(&config.validator_cluster, &headers, timeout) {
             Ok(token) => {
                 self.in_flight = Some(token);
                 self.vm
@@ -352,7 +351,7 @@ impl Root {
                 log::debug!("[ctx {}] staleguard: sync request {path}", self.id);
             }
             Err(status) => {
-                let error = dispatch_failed(&config.raw.validator_cluster, &status);
+                let error = dispatch_failed(&config.validator_cluster, &status);
                 poller.on_failure(now, &error);
                 self.sync_error(host, &error);
             }
@@ -593,7 +592,7 @@ impl Root {
                     metrics::GAUGE_DATA_AGE_S,
                     now.saturating_sub(meta.synced_ms) / 1000,
                 );
-                let fresh = meta.is_fresh(now, config.raw.max_staleness_ms);
+                let fresh = meta.is_fresh(now, config.max_staleness_ms);
                 m.gauge(host, metrics::GAUGE_FRESH, u64::from(fresh));
             }
             None => m.gauge(host, metrics::GAUGE_FRESH, 0),
@@ -658,318 +657,4 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::config::CONFIG_REFUSED;
-    use crate::fake::{shipped_config, FakeHost};
-    use crate::host::Next;
-
-    use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
-
-    /// The validator's snapshot at generation 3: `ips` are ready members of
-    /// shop/cart (the service of the shipped `shop-cart` cluster).
-    pub(crate) fn snapshot_body(ips: &[&str]) -> Vec<u8> {
-        let cart = ServiceKey::new("shop", "cart");
-        let records = ips
-            .iter()
-            .map(|ip| {
-                IpRecord::held_by(
-                    ip.parse().unwrap(),
-                    vec![PodHolder::ready_member(
-                        "shop",
-                        format!("cart-{ip}"),
-                        *ip,
-                        cart.clone(),
-                    )],
-                )
-            })
-            .collect();
-        serde_json::to_vec(&Snapshot {
-            v: 1,
-            epoch: 9,
-            generation: 3,
-            freshness: Freshness {
-                fresh: true,
-                age_ms: Some(5),
-            },
-            services: vec![cart],
-            records,
-        })
-        .unwrap()
-    }
-
-    /// Fires the timer when it is due.
-    fn fire(root: &mut Root, host: &mut FakeHost) {
-        host.now_ms += root.timer_ms();
-        root.tick(host);
-    }
-
-    /// A host at a time well past the epoch.
-    fn started_host() -> FakeHost {
-        FakeHost {
-            now_ms: 100_000,
-            ..FakeHost::default()
-        }
-    }
-
-    /// A root configured with the shipped configuration plus `extra`, after
-    /// its first tick (the one that takes the lease).
-    fn configured(host: &mut FakeHost, extra: &str) -> Root {
-        let mut root = Root::new(1);
-        assert!(root.configure(host, &shipped_config(extra)));
-        root.tick(host);
-        root
-    }
-
-    /// Delivers `body` as the answer (status 200) to call `token`; returns
-    /// its size.
-    fn answer(root: &mut Root, host: &mut FakeHost, token: u32, body: Vec<u8>) -> usize {
-        let size = body.len();
-        host.answer_with(200, body);
-        root.call_response(host, token, 1, size);
-        size
-    }
-
-    /// A root configured with the shipped configuration plus `extra`, that
-    /// holds the lease and has its first call (the snapshot) out.
-    pub(crate) fn polling(extra: &str) -> (Root, FakeHost) {
-        let mut host = started_host();
-        let mut root = configured(&mut host, extra);
-        assert_eq!(host.counter(metrics::SYNC_LEASE_ACQUIRED), 1);
-        assert!(
-            host.calls.is_empty(),
-            "the tick that takes the lease polls next"
-        );
-        fire(&mut root, &mut host);
-        assert_eq!(host.calls.len(), 1);
-        (root, host)
-    }
-
-    /// [`polling`], with the snapshot of `ips` loaded.
-    pub(crate) fn loaded(extra: &str, ips: &[&str]) -> (Root, FakeHost) {
-        let (mut root, mut host) = polling(extra);
-        answer(&mut root, &mut host, 1, snapshot_body(ips));
-        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
-        (root, host)
-    }
-
-    #[test]
-    fn the_poller_asks_for_the_packed_form_and_applies_a_packed_answer() {
-        let (mut root, mut host) = polling("{}");
-        assert_eq!(host.calls[0].header("accept"), Some(crate::sync::ACCEPT));
-        let json: staleguard_core::Snapshot =
-            serde_json::from_slice(&snapshot_body(&["10.0.0.1", "10.0.0.2"])).unwrap();
-        let size = answer(
-            &mut root,
-            &mut host,
-            1,
-            staleguard_core::packed::encode_snapshot(&json),
-        );
-        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
-        assert_eq!(host.counter(metrics::SYNC_BYTES), size as u64);
-        assert_eq!(host.gauges.get(metrics::GAUGE_ENTRIES), Some(&2));
-    }
-
-    #[test]
-    fn the_timer_follows_the_pollers_next_step_no_sooner_than_the_least_interval() {
-        let (mut root, mut host) = polling("{}");
-        let snapshot = &host.calls[0];
-        assert_eq!(snapshot.cluster, "staleguard-validator");
-        assert_eq!(
-            snapshot.header(":path"),
-            Some("/v1/snapshot?v=1&view=verdict")
-        );
-        let size = answer(&mut root, &mut host, 1, snapshot_body(&["10.0.0.1"]));
-        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
-        assert_eq!(host.counter(metrics::SYNC_BYTES), size as u64);
-        assert_eq!(host.gauges.get(metrics::GAUGE_GENERATION), Some(&3));
-        // An answer at once does not make the next call at once: the timer
-        // is re-armed for the least interval.
-        assert_eq!(host.calls.len(), 1);
-        assert_eq!(root.timer_ms(), MIN_POLL_INTERVAL_MS);
-        assert_eq!(host.timer_ms(), Some(MIN_POLL_INTERVAL_MS));
-        fire(&mut root, &mut host);
-        assert_eq!(host.calls.len(), 2);
-        assert_eq!(
-            host.calls[1].header(":path"),
-            Some("/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=30")
-        );
-        // With the long poll out, the next thing due is the lease renewal.
-        let tick_ms = Config::parse(&shipped_config("{}")).unwrap().raw.tick_ms;
-        assert!(root.timer_ms() > MIN_POLL_INTERVAL_MS && root.timer_ms() <= tick_ms);
-        assert_eq!(host.counter(metrics::SYNC_POLLS), 2);
-    }
-
-    #[test]
-    fn the_watchdog_gives_up_on_a_call_never_answered_and_ignores_its_late_answer() {
-        let (mut root, mut host) = loaded("{}", &["10.0.0.1"]);
-        fire(&mut root, &mut host);
-        assert_eq!(host.calls.len(), 2);
-        let out_at = host.now_ms;
-        let timeout_ms = u64::try_from(host.calls[1].timeout.as_millis()).unwrap();
-        while host.now_ms < out_at + timeout_ms + crate::sync::WATCHDOG_SLACK_MS {
-            assert_eq!(host.counter(&metrics::sync_errors("timeout")), 0);
-            fire(&mut root, &mut host);
-        }
-        assert_eq!(host.counter(&metrics::sync_errors("timeout")), 1);
-        // Its answer, should it come now, is not applied.
-        answer(&mut root, &mut host, 2, snapshot_body(&["10.0.0.2"]));
-        assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
-        assert_eq!(host.counter(metrics::SYNC_DELTAS), 0);
-    }
-
-    #[test]
-    fn a_call_without_an_answer_counts_as_a_transport_error() {
-        let (mut root, mut host) = polling("{}");
-        // A failed call: no headers, no body.
-        root.call_response(&mut host, 1, 0, 0);
-        assert_eq!(host.counter(&metrics::sync_errors("transport")), 1);
-        assert_eq!(host.counter(metrics::SYNC_RESETS), 0);
-        assert_eq!(host.counter(metrics::SYNC_BYTES), 0);
-        // Backed off: no new call until the timer fires.
-        assert_eq!(host.calls.len(), 1);
-        assert!(root.timer_ms() > MIN_POLL_INTERVAL_MS);
-    }
-
-    #[test]
-    fn an_answer_with_an_error_status_counts_as_a_status_error() {
-        let (mut root, mut host) = polling("{}");
-        host.answer_with(500, Vec::new());
-        root.call_response(&mut host, 1, 1, 0);
-        assert_eq!(host.counter(&metrics::sync_errors("status")), 1);
-        assert_eq!(host.counter(metrics::SYNC_RESETS), 0);
-    }
-
-    #[test]
-    fn a_refused_dispatch_counts_as_a_transport_error() {
-        let mut host = FakeHost {
-            refuse_calls: true,
-            ..started_host()
-        };
-        let mut root = configured(&mut host, "{}");
-        fire(&mut root, &mut host);
-        assert_eq!(host.counter(&metrics::sync_errors("transport")), 1);
-        assert_eq!(host.counter(metrics::SYNC_POLLS), 0);
-        // The message names the cluster and the fix.
-        let error = dispatch_failed("staleguard-validator", "BadArgument").to_string();
-        assert!(
-            error.contains(r#"validator_cluster "staleguard-validator" failed"#)
-                && error.contains("Envoy has no cluster of that name"),
-            "{error}"
-        );
-    }
-
-    /// A GET through the shipped `shop-cart` cluster to an IP no index holds.
-    fn request_to_nowhere(host: &mut FakeHost) {
-        host.properties
-            .insert("xds.cluster_name".into(), "shop-cart".into());
-        host.properties
-            .insert("upstream.address".into(), "10.9.9.9:8080".into());
-        host.request_headers = vec![(":method".into(), "GET".into())];
-    }
-
-    #[test]
-    fn a_refused_configuration_starts_the_plugin_and_fails_open_counted() {
-        let mut host = started_host();
-        let mut root = Root::new(1);
-        // Each class of problem: unknown field, wrong type, bad value, a
-        // token variable that is not set.
-        let bad = shipped_config(
-            r#"{"mdoe":"audit","poll_wait_s":"30","reject_status":42,"token_env":"SG_UNSET_FOR_TEST"}"#,
-        );
-        assert!(root.configure(&mut host, &bad), "the plugin must start");
-        assert_eq!(host.counter(metrics::CONFIG_REFUSED), 1);
-        // No lease, no poller: nothing is asked of the validator.
-        fire(&mut root, &mut host);
-        root.tick(&mut host);
-        assert!(host.calls.is_empty());
-        request_to_nowhere(&mut host);
-        for _ in 0..3 {
-            assert_eq!(
-                root.filter(2).request_headers(&mut host, true),
-                Next::Continue
-            );
-        }
-        assert!(host.replies.is_empty());
-        assert_eq!(host.counter(metrics::REQUESTS_UNCONFIGURED), 3);
-
-        // A good configuration takes over.
-        assert!(root.configure(&mut host, &shipped_config("{}")));
-        root.filter(3).request_headers(&mut host, true);
-        assert_eq!(host.counter(metrics::REQUESTS_UNCONFIGURED), 3);
-        fire(&mut root, &mut host);
-        fire(&mut root, &mut host);
-        assert_eq!(host.calls.len(), 1, "polling once configured");
-    }
-
-    #[test]
-    fn a_refused_configuration_with_failure_policy_closed_rejects_with_config_refused() {
-        let mut host = started_host();
-        let mut root = Root::new(1);
-        let bad = shipped_config(r#"{"policy":{"failure_policy":"closed"},"mdoe":1}"#);
-        assert!(root.configure(&mut host, &bad));
-        request_to_nowhere(&mut host);
-        assert_eq!(root.filter(2).request_headers(&mut host, true), Next::Pause);
-        let reply = &host.replies[0];
-        assert_eq!(reply.status, 503);
-        assert_eq!(
-            reply.headers,
-            [("x-staleguard".to_owned(), CONFIG_REFUSED.to_owned())]
-        );
-        assert_eq!(host.counter(metrics::REQUESTS_UNCONFIGURED), 1);
-    }
-
-    #[test]
-    fn a_refused_configuration_is_logged_and_counted_by_the_first_vm_only() {
-        let mut host = started_host();
-        let bad = shipped_config(r#"{"mdoe":1}"#);
-        let first = Root::new(1);
-        assert!(first.first_to_refuse(&mut host, &bad));
-        let second = Root::new(2);
-        assert!(!second.first_to_refuse(&mut host, &bad));
-        assert_eq!(host.counter(metrics::CONFIG_REFUSED), 1);
-        let other = shipped_config(r#"{"mdoe":2}"#);
-        assert!(second.first_to_refuse(&mut host, &other));
-        assert_eq!(host.counter(metrics::CONFIG_REFUSED), 2);
-    }
-
-    #[test]
-    fn a_refused_twin_configuration_starts_the_plugin() {
-        let mut host = started_host();
-        let mut root = Root::new(1);
-        assert!(root.configure(&mut host, br#"{"replay_twin":{"endpint_header":"x"}}"#));
-        assert_eq!(host.counter(metrics::CONFIG_REFUSED), 1);
-    }
-
-    #[test]
-    fn a_refusal_s_reason_is_read_from_the_answer() {
-        assert_eq!(
-            answer_reason(
-                br#"{"error":{"code":"bad_request","message":"wait=-1 is out of range"}}"#
-            )
-            .as_deref(),
-            Some("wait=-1 is out of range")
-        );
-        assert_eq!(
-            answer_reason(b"no healthy upstream").as_deref(),
-            Some("no healthy upstream")
-        );
-        assert_eq!(
-            answer_reason(
-                b"upstream connect error
-more"
-            )
-            .as_deref(),
-            Some("upstream connect error")
-        );
-        assert_eq!(answer_reason(b""), None);
-        assert_eq!(answer_reason(&[b'x'; 1000]).map(|r| r.len()), Some(300));
-    }
-
-    #[test]
-    fn a_call_of_another_context_is_not_this_roots() {
-        let (mut root, mut host) = polling("{}");
-        root.call_response(&mut host, 77, 0, 0);
-        assert_eq!(host.counter(&metrics::sync_errors("transport")), 0);
-    }
-}
+pub(crate) mod tests;

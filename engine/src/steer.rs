@@ -22,7 +22,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use serde::Deserialize;
 use staleguard_core::ServiceKey;
 
-use crate::config::RetryConfig;
+use crate::config::{header_problem, RetryConfig};
 use crate::host::SharedData;
 use crate::members::Member;
 use crate::replay;
@@ -106,12 +106,10 @@ impl SteerConfig {
         if !(1..=64).contains(&steer.hosts) {
             problems.push(format!("steer.hosts {} not in 1..=64", steer.hosts));
         }
-        if !crate::config::is_header_name(&steer.endpoint_header) {
-            problems.push(format!(
-                "steer.endpoint_header {:?} is not a lowercase header name",
-                steer.endpoint_header
-            ));
-        }
+        problems.extend(header_problem(
+            "steer.endpoint_header",
+            &steer.endpoint_header,
+        ));
         if problems.is_empty() {
             Ok(Some(steer))
         } else {

@@ -222,17 +222,19 @@ pub struct View<'a, S: ?Sized> {
     store: &'a S,
 }
 
-/// What a worker reads for one request.
+/// What a worker reads for one request, in one value (tests only: requests
+/// read through [`View::meta`], [`View::service`] and [`View::record`]).
+#[cfg(test)]
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lookup {
+pub(crate) struct Lookup {
     /// The sync state, `None` before the first sync.
-    pub meta: Option<Meta>,
+    pub(crate) meta: Option<Meta>,
     /// Whether the service is known.
-    pub service: Entry<()>,
+    pub(crate) service: Entry<()>,
     /// The IP's record as the verdict about the asked service needs it
     /// ([`buckets::Holders::record_for`]: other services and pod names are
     /// placeholders).
-    pub record: Entry<IpRecord>,
+    pub(crate) record: Entry<IpRecord>,
 }
 
 impl<'a, S: SharedData + ?Sized> View<'a, S> {
@@ -278,7 +280,8 @@ impl<'a, S: SharedData + ?Sized> View<'a, S> {
     }
 
     /// Reads what one request needs: meta, the service, the IP.
-    pub fn lookup(&self, service: &ServiceKey, ip: &IpAddr) -> Lookup {
+    #[cfg(test)]
+    pub(crate) fn lookup(&self, service: &ServiceKey, ip: &IpAddr) -> Lookup {
         let Some(meta) = self.meta() else {
             return Lookup {
                 meta: None,

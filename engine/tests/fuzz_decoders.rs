@@ -191,7 +191,15 @@ fn feed(input: &[u8], rng: &mut Rng) {
     store
         .set(&buckets::key_of(&ip, buckets::MIN_BUCKETS), input, None)
         .unwrap();
-    let _ = View::new(&store).lookup(&"shop/cart".parse().unwrap(), &ip);
+    // The reads of a request: meta, then (under a meta that decodes, or
+    // the smallest layout) the service and the IP's bucket.
+    let view = View::new(&store);
+    let meta = view.meta().unwrap_or(Meta {
+        buckets: buckets::MIN_BUCKETS,
+        ..Meta::default()
+    });
+    let _ = view.service(&meta, &"shop/cart".parse().unwrap());
+    let _ = view.record(&meta, &ip);
     store.set(LEASE_KEY, input, None).unwrap();
     let _ = Lease::new(1, 100).tick(&mut store, 5);
     if poller.next_request(u64::MAX / 2, &store).is_some() {

@@ -62,7 +62,7 @@ fn check_plugin_configs(path: &str, expected: usize) {
             Err(e) => panic!("{path}: {e}\n{c}"),
         };
         // The variable the plugin reads must be one the VM is given.
-        if let Some(name) = &config.raw.token_env {
+        if let Some(name) = &config.token_env {
             assert!(
                 yaml.contains(&format!("host_env_keys: [{name}]")),
                 "{path}: token_env {name} is not in vm_config.environment_variables"

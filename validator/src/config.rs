@@ -381,8 +381,11 @@ impl Config {
                         ));
                     }
                 }
+                // Checked by the parser --pod-selector uses: the API server
+                // has the last word, but a typo fails at start-up, not as a
+                // watch error loop.
                 if let Some(sel) = &args.service_selector {
-                    if let Err(e) = check_selector(sel) {
+                    if let Err(e) = Selector::parse(sel) {
                         problems.push(format!("--service-selector {sel:?}: {e}"));
                     }
                 }
@@ -485,30 +488,6 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err("empty duration (use e.g. 500ms, 30s, 10m, 1h)".into());
     }
     humantime::parse_duration(text).map_err(|e| format!("{e} (use e.g. 500ms, 30s, 10m, 1h)"))
-}
-
-/// A shallow check of label selector syntax; the API server has the last word,
-/// but a typo should fail at start-up, not as a watch error loop.
-fn check_selector(sel: &str) -> Result<(), &'static str> {
-    if sel.trim().is_empty() {
-        return Err("empty selector");
-    }
-    let mut depth = 0i32;
-    for c in sel.chars() {
-        match c {
-            '(' => depth += 1,
-            ')' => depth -= 1,
-            c if c.is_ascii_alphanumeric() || " -_./=!,".contains(c) => {}
-            _ => return Err("unexpected character in a label selector"),
-        }
-        if !(0..=1).contains(&depth) {
-            return Err("unbalanced parentheses");
-        }
-    }
-    if depth != 0 {
-        return Err("unbalanced parentheses");
-    }
-    Ok(())
 }
 
 #[cfg(test)]

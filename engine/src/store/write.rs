@@ -306,7 +306,8 @@ impl Writer {
                 self.known_buckets.insert(index);
             }
         }
-        self.refresh(store, now_ms, fresh)
+        // The writes above leave `meta` as it was read.
+        refreshed(store, meta, now_ms, fresh)
     }
 
     /// The validator answered, but nothing of the answer is applied (the
@@ -323,13 +324,23 @@ impl Writer {
         let Some(meta) = View::new(&*store).meta() else {
             return Ok(());
         };
-        let meta = Meta {
-            synced_ms: now_ms,
-            fresh,
-            ..meta
-        };
-        store.set(META_KEY, &meta.encode(), None)
+        refreshed(store, meta, now_ms, fresh)
     }
+}
+
+/// Writes `meta` as synced at `now_ms` with the validator's `fresh` flag.
+fn refreshed(
+    store: &mut dyn SharedData,
+    meta: Meta,
+    now_ms: u64,
+    fresh: bool,
+) -> Result<(), StoreError> {
+    let meta = Meta {
+        synced_ms: now_ms,
+        fresh,
+        ..meta
+    };
+    store.set(META_KEY, &meta.encode(), None)
 }
 
 /// Writes one bucket of a new load; returns its number of IPs.

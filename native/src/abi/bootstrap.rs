@@ -184,7 +184,7 @@ extern "C" fn envoy_dynamic_module_on_bootstrap_extension_config_new(
         super::init_logger();
         // SAFETY: Envoy lends the buffer for this call.
         let bytes = unsafe { config.as_bytes() };
-        let hold_ms = Config::parse(bytes).map_or(0, |c| c.raw.max_staleness_ms);
+        let hold_ms = Config::parse(bytes).map_or(0, |c| c.max_staleness_ms);
         let mut metrics = Metrics::define(config_envoy, &SURFACE);
         metrics.become_sink(Some(config_envoy));
         let mut root = Root::new(0);

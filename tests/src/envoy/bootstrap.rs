@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
+use staleguard_engine::config::{Config, RetryConfig};
 
 use super::shipped::{
     shipped_circuit_breakers, shipped_stats_tags, shipped_twin_lb_policy, shipped_upstream_options,
@@ -395,14 +396,14 @@ pub fn cluster_mut<'a>(bootstrap: &'a mut Value, name: &str) -> Result<&'a mut V
 }
 
 /// Adds `addresses` to the static endpoints of `cluster`'s retry twin
-/// (`<cluster>|staleguard-twin`) in a bootstrap: the live pods a replay may
+/// (named with the default `retry.twin_suffix`) in a bootstrap: the live pods a replay may
 /// name, where the guarded cluster itself only has a stale one.
 pub fn add_twin_endpoints(
     bootstrap: &mut Value,
     cluster: &str,
     addresses: &[SocketAddr],
 ) -> Result<()> {
-    let twin_name = format!("{cluster}|staleguard-twin");
+    let twin_name = RetryConfig::default().twin_name(cluster);
     let twin = cluster_mut(bootstrap, &twin_name)?;
     let endpoints = twin["load_assignment"]["endpoints"][0]["lb_endpoints"]
         .as_array_mut()
@@ -456,22 +457,15 @@ pub(super) fn wasm_configs_mut<'a>(
 /// twin's `load_balancing_policy`, read from the file), and the filter in
 /// its twin role in a VM of its own (`vm_id` `staleguard-twin`: a callout into
 /// the VM that made it would re-enter it). `None` when `plugin` asks for no
-/// replay.
+/// replay: the filter's own parser decides that, and names the twin, so the
+/// harness builds a twin exactly where the filter replays (not in audit
+/// mode, not with `on_reject: reject`, not for a refused configuration).
 pub fn twin_cluster(cluster: &Value, wasm: &Path, plugin: &Value) -> Option<Value> {
-    let retry = plugin.get("retry")?;
-    if plugin.get("on_reject").and_then(Value::as_str) == Some("reject") {
-        return None;
-    }
-    let suffix = retry
-        .get("twin_suffix")
-        .and_then(Value::as_str)
-        .unwrap_or("|staleguard-twin");
-    let header = retry
-        .get("endpoint_header")
-        .and_then(Value::as_str)
-        .unwrap_or("x-gateway-destination-endpoint");
+    let config = Config::parse_outside_gateway(plugin.to_string().as_bytes()).ok()?;
+    let retry = config.replay()?;
+    let header = retry.endpoint_header.as_str();
     let mut twin = cluster.clone();
-    let name = format!("{}{suffix}", cluster.get("name")?.as_str()?);
+    let name = retry.twin_name(cluster.get("name")?.as_str()?);
     twin["name"] = json!(name);
     if twin.get("load_assignment").is_some() {
         twin["load_assignment"]["cluster_name"] = json!(name);

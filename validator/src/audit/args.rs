@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgGroup, Parser, ValueEnum};
+use staleguard_engine::config::ConfigError;
 
 use super::fetch::{self, Client};
-use super::gateway::PluginView;
+use super::gateway::{parse_plugin, PluginConfig};
 use super::sidecar;
 use super::AuditError;
 use crate::config::parse_duration;
@@ -137,7 +138,7 @@ pub struct Audit {
     /// The verdicts.
     pub verdicts: VerdictSource,
     /// `--plugin-config`, read.
-    pub plugin: Option<PluginView>,
+    pub plugin: Option<PluginConfig>,
     /// The client.
     pub client: Client,
     /// `--every`, `--metrics-listen`.
@@ -211,9 +212,7 @@ impl Audit {
         let plugin = match &args.plugin_config {
             None => None,
             Some(path) => match std::fs::read_to_string(path) {
-                Ok(text) => match refusal(&text)
-                    .map_or_else(|| PluginView::parse(&text).map_err(|e| e.to_string()), Err)
-                {
+                Ok(text) => match parse_plugin(&text).map_err(|e| refusal(&e)) {
                     Ok(p) => Some(p),
                     Err(e) => {
                         problems.push(format!("--plugin-config {}: {e}", path.display()));
@@ -281,20 +280,12 @@ impl Audit {
     }
 }
 
-/// Why the filter would refuse the plugin configuration `text`, if it would:
-/// the filter's own parser, so the audit maps clusters only by what a gateway
-/// runs. The Wasm VM's environment is not the audit's, so `token_env` counts
-/// as set.
-fn refusal(text: &str) -> Option<String> {
-    let env = |_: &str| Some("set-in-the-gateway".to_owned());
-    staleguard_engine::config::Config::parse_with_env(text.as_bytes(), env)
-        .err()
-        .map(|e| {
-            format!(
-                "the filter would refuse it, so the gateway runs unguarded:\n      - {}",
-                e.problems().join("\n      - ")
-            )
-        })
+/// What the audit says of a plugin configuration the filter refuses.
+fn refusal(error: &ConfigError) -> String {
+    format!(
+        "the filter would refuse it, so the gateway runs unguarded:\n      - {}",
+        error.problems().join("\n      - ")
+    )
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ use staleguard_core::batch::{Records, VerdictQuery, VerdictsAnswer, VerdictsRequ
 use staleguard_core::Policy;
 
 use self::fetch::FetchError;
-use self::gateway::{Gateway, GatewayError, PluginView};
+use self::gateway::{Gateway, GatewayError, PluginConfig};
 use self::report::{ClusterReport, Exit, Finding, Judgement, Report};
 use crate::index::{Index, IndexConfig, Kind};
 use crate::live::SharedIndex;
@@ -129,7 +129,7 @@ pub async fn run(argv: impl IntoIterator<Item = String>) -> i32 {
 /// One audit: the gateway's endpoints, their services, their verdicts.
 pub async fn audit_once(audit: &Audit) -> Result<Report, AuditError> {
     let gateway = read_gateway(audit).await?;
-    let defaults = PluginView::default();
+    let defaults = PluginConfig::default();
     let forced = audit.plugin.as_ref();
     // Resolve every cluster, and list what to ask about.
     let mut clusters = Vec::new();

@@ -6,7 +6,7 @@
 
 /// Allows `per_window` events per `window_ms`, and reports what it suppressed.
 #[derive(Debug, Clone)]
-pub struct Throttle {
+pub struct LogBudget {
     window_ms: u64,
     per_window: u32,
     window_start: u64,
@@ -14,7 +14,7 @@ pub struct Throttle {
     suppressed: u64,
 }
 
-impl Throttle {
+impl LogBudget {
     /// A budget of `per_window` events per `window_ms`.
     pub fn new(window_ms: u64, per_window: u32) -> Self {
         Self {
@@ -50,7 +50,7 @@ mod tests {
 
     #[test]
     fn allows_a_budget_per_window_and_reports_the_rest() {
-        let mut t = Throttle::new(1_000, 2);
+        let mut t = LogBudget::new(1_000, 2);
         assert_eq!(t.allow(0), Some(0));
         assert_eq!(t.allow(10), Some(0));
         assert_eq!(t.allow(20), None);
