@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod scope;
 pub mod source;
 pub mod summary;
+#[cfg(any(test, feature = "testing"))]
 pub mod synth;
 
 use std::time::{Duration, SystemTime};

@@ -44,7 +44,9 @@ pub use changes::FanOut;
 pub(crate) use connections::serve_bounded;
 pub use connections::{fit_api_cap, raise_file_limit, ConnectionLimits, RESERVED_FILES};
 pub use error::ApiError;
-pub use serve::{serve, spawn, ApiConfig, Listeners, ServeError};
+#[cfg(any(test, feature = "testing"))]
+pub use serve::spawn;
+pub use serve::{serve, ApiConfig, Listeners, ServeError};
 pub use tls::{ServerTls, TlsError, TlsFiles};
 pub use verdicts::judge_all;
 

@@ -10,8 +10,6 @@ use tokio::net::TcpListener;
 use super::connections::{self, ConnectionLimits};
 use super::tls::{ServerTls, TlsError, TlsFiles};
 use super::{admin_router, router, ApiState, Limits, Token, TokenError};
-use crate::live::SharedIndex;
-use crate::metrics::Metrics;
 
 /// How the API is served (from `--listen`, `--admin-listen`, `--token-file`,
 /// `--max-wait`, `--max-long-polls`, `--max-long-polls-per-client`,
@@ -252,9 +250,11 @@ pub async fn serve(
 
 /// Serves `index` in the background on `config`'s addresses (port 0 picks a
 /// free one) until the process ends, and returns the public and admin
-/// addresses: the validator's API inside a benchmark or a test harness.
+/// addresses: the validator's API inside a benchmark or a test harness
+/// (feature `testing`).
+#[cfg(any(test, feature = "testing"))]
 pub async fn spawn(
-    index: SharedIndex,
+    index: crate::live::SharedIndex,
     config: &ApiConfig,
 ) -> Result<(SocketAddr, SocketAddr), ServeError> {
     let listeners = Listeners::bind(config).await?;
@@ -262,7 +262,7 @@ pub async fn spawn(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let state = ApiState::new(
         index,
-        std::sync::Arc::new(Metrics::new()),
+        std::sync::Arc::new(crate::metrics::Metrics::new()),
         config.limits(),
         stopped,
     );
