@@ -9,6 +9,7 @@
 
 use std::cell::RefCell;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{LazyLock, PoisonError, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -22,6 +23,16 @@ use staleguard_engine::store::write::Writer;
 use staleguard_engine::store::{MemoryStore, Meta};
 
 static STORE: LazyLock<RwLock<MemoryStore>> = LazyLock::new(Default::default);
+
+/// How many writes the index has taken: a reader that remembers a verdict
+/// (the load balancer's [`crate::lb::Recent`]) forgets it when this moves.
+static WRITES: AtomicU64 = AtomicU64::new(0);
+
+/// The index's write count (see [`WRITES`]). It moves after the write is in
+/// the store, so a reader that sees a new count reads at least that write.
+pub fn writes() -> u64 {
+    WRITES.load(Ordering::Acquire)
+}
 
 /// The process's index as the store trait sees it: every handle is the same
 /// store. Reads take a shared lock, writes (the poller's) an exclusive one.
@@ -39,10 +50,12 @@ impl SharedData for ProcessStore {
     }
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        STORE
+        let written = STORE
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .set(key, value, cas)
+            .set(key, value, cas);
+        WRITES.fetch_add(1, Ordering::Release);
+        written
     }
 }
 

@@ -14,9 +14,11 @@
 //! judges every host stale.
 //!
 //! A worker reuses a host's standing for [`REUSE`] (250 ms) before it asks
-//! the index again ([`Recent`]): a pick then costs a clock read and a map
-//! lookup instead of a verdict, and a change of the index reaches the picks
-//! at most that much later (the poll that brings it takes longer).
+//! the index again ([`Recent`]): a pick then costs a clock read, a counter
+//! read and a map lookup instead of a verdict. Every write of the index
+//! forgets the reused standings, so a change reaches every worker's next
+//! pick; the window only bounds how late the passing of time (an index
+//! growing older than `max_staleness_ms`) is noticed.
 //!
 //! What it gives up against Envoy's own balancers: host and locality weights,
 //! slow start, least-request's view of each host's load, priority spill-over
@@ -81,21 +83,30 @@ impl Standing {
 pub const REUSE: Duration = Duration::from_millis(250);
 
 /// A worker's recent standings, by host address (see [`REUSE`]). Cleared
-/// when the cluster's membership changes, so it holds at most its hosts.
+/// when the cluster's membership changes, so it holds at most its hosts, and
+/// when the index was written since they were judged.
 #[derive(Debug, Default)]
 pub struct Recent {
     by_address: HashMap<String, (Standing, Instant)>,
+    /// The index's write count ([`crate::index::writes`]) the standings
+    /// were judged under.
+    writes: u64,
 }
 
 impl Recent {
     /// The standing of `address`: the one judged less than [`REUSE`] before
-    /// `now`, or `judge`'s.
+    /// `now` under the same index write count `writes`, or `judge`'s.
     pub fn standing(
         &mut self,
         address: &str,
         now: Instant,
+        writes: u64,
         judge: impl FnOnce() -> Standing,
     ) -> Standing {
+        if writes != self.writes {
+            self.by_address.clear();
+            self.writes = writes;
+        }
         match self.by_address.get_mut(address) {
             Some((standing, at)) if now.saturating_duration_since(*at) < REUSE => *standing,
             Some(entry) => {
@@ -238,25 +249,48 @@ mod tests {
             standing
         };
         assert_eq!(
-            recent.standing("10.0.0.1:80", t0, || ask(Standing::Good)),
+            recent.standing("10.0.0.1:80", t0, 0, || ask(Standing::Good)),
             Standing::Good
         );
         let soon = t0 + Duration::from_millis(249);
         assert_eq!(
-            recent.standing("10.0.0.1:80", soon, || ask(Standing::Stale)),
+            recent.standing("10.0.0.1:80", soon, 0, || ask(Standing::Stale)),
             Standing::Good
         );
         let later = t0 + REUSE;
         assert_eq!(
-            recent.standing("10.0.0.1:80", later, || ask(Standing::Stale)),
+            recent.standing("10.0.0.1:80", later, 0, || ask(Standing::Stale)),
             Standing::Stale
         );
         recent.clear();
         assert_eq!(
-            recent.standing("10.0.0.1:80", later, || ask(Standing::Good)),
+            recent.standing("10.0.0.1:80", later, 0, || ask(Standing::Good)),
             Standing::Good
         );
         assert_eq!(asked, 3);
+    }
+
+    /// Two workers: one judged a host just before the index changed. Its
+    /// next pick must see the change, not the standing it still holds.
+    #[test]
+    fn a_write_of_the_index_forgets_every_reused_standing() {
+        let mut recent = Recent::default();
+        let t0 = Instant::now();
+        assert_eq!(
+            recent.standing("10.0.0.1:80", t0, 7, || Standing::Good),
+            Standing::Good
+        );
+        let soon = t0 + Duration::from_millis(1);
+        assert_eq!(
+            recent.standing("10.0.0.1:80", soon, 7, || Standing::Stale),
+            Standing::Good,
+            "same write count: reused"
+        );
+        assert_eq!(
+            recent.standing("10.0.0.1:80", soon, 8, || Standing::Stale),
+            Standing::Stale,
+            "the index was written: judged again"
+        );
     }
 
     fn stale_unless(live: &'static [&'static str]) -> impl FnMut(&str) -> Standing {

@@ -303,8 +303,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_lb_choose_host(
                 ..
             } = &mut *balancer;
             let now = Instant::now();
+            let writes = crate::index::writes();
             let choice = picker.choose(&hosts, |a| {
-                recent.standing(a, now, || standing(&policy.config, cluster, a))
+                recent.standing(a, now, writes, || standing(&policy.config, cluster, a))
             });
             policy.record(&choice);
             Some(choice)
