@@ -46,8 +46,16 @@
 //! new epoch) and the memory measured again. `VALGRIND` (`all`) names the
 //! gateways whose instructions are counted (`none,lb`), or `none` for no
 //! count. `ONLY=memory` measures the memory alone (no valgrind, no CPU).
-//! `RELEASE=<bytes>` sets every gateway's `memory_allocator_manager`
-//! (Envoy releases up to that many free bytes to the system every second).
+//! `VARIANTS` (all) names the gateways to run besides `none`
+//! (`native_noop,native_filter`), for a short paired run; the idle CPU of
+//! each gateway (no request for `SECONDS`) is printed first.
+//! `BEFORE_NATIVE=<.so>` adds `native_filter_before`, the native filter
+//! with that build of the module (the module of another commit), paired in
+//! the same run.
+//! The native gateways run with `deploy/native/envoy-lb.yaml`'s
+//! `memory_allocator_manager` (Envoy gives free memory back every second);
+//! `RELEASE=<bytes>` replaces its `bytes_to_release`, `RELEASE=0` leaves it
+//! out.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -86,6 +94,8 @@ enum Variant {
     Wasm,
     NativeNoop,
     NativeFilter,
+    /// `native_filter` with the module of `BEFORE_NATIVE` (another build).
+    NativeFilterBefore,
     Lb,
 }
 
@@ -97,6 +107,7 @@ impl Variant {
             Variant::Wasm => "wasm",
             Variant::NativeNoop => "native_noop",
             Variant::NativeFilter => "native_filter",
+            Variant::NativeFilterBefore => "native_filter_before",
             Variant::Lb => "lb",
         }
     }
@@ -112,20 +123,28 @@ struct Setup {
     small_validator: FakeValidator,
     hosts: Vec<SocketAddr>,
     pods: u64,
-    /// `RELEASE`: the bootstrap's `memory_allocator_manager.bytes_to_release`.
+    /// `BEFORE_NATIVE`: another build of the module, for `native_filter_before`.
+    before: Option<PathBuf>,
+    /// `RELEASE`: the native gateways' `memory_allocator_manager.bytes_to_release`
+    /// instead of the shipped one (0: none).
     release: Option<u64>,
 }
 
 /// `deploy/native/envoy-lb.yaml`: the module's bootstrap extension (the
-/// poller) and `shop-cart`'s load-balancing policy.
-fn shipped_lb() -> Result<(Value, Value)> {
+/// poller), `shop-cart`'s load-balancing policy, and the bootstrap's
+/// `memory_allocator_manager`.
+fn shipped_lb() -> Result<(Value, Value, Value)> {
     let doc: Value = yaml_serde::from_str(&std::fs::read_to_string(LB_FILE)?)?;
     let policy = doc["static_resources"]["clusters"]
         .as_array()
         .and_then(|cs| cs.iter().find(|c| c["name"] == CLUSTER))
         .map(|c| c["load_balancing_policy"].clone())
         .context("no shop-cart load_balancing_policy in deploy/native/envoy-lb.yaml")?;
-    Ok((doc["bootstrap_extensions"].clone(), policy))
+    Ok((
+        doc["bootstrap_extensions"].clone(),
+        policy,
+        doc["memory_allocator_manager"].clone(),
+    ))
 }
 
 /// The bootstrap of `variant` on free ports, and the environment it runs in.
@@ -154,16 +173,24 @@ fn bootstrap(
             swap_module(&mut doc, noop);
         }
     }
-    let (poller, policy) = shipped_lb()?;
-    if matches!(variant, Variant::NativeFilter | Variant::Lb) {
+    let (poller, policy, release) = shipped_lb()?;
+    if matches!(
+        variant,
+        Variant::NativeFilter | Variant::NativeFilterBefore | Variant::Lb
+    ) {
         doc["bootstrap_extensions"] = poller;
-    }
-    if let Some(bytes) = setup.release {
-        // Envoy's own release of free memory: up to `bytes` a second.
-        doc["memory_allocator_manager"] = json!({
-            "bytes_to_release": bytes,
-            "memory_release_interval": "1s",
-        });
+        // Envoy's own release of free memory, as shipped, or `RELEASE`'s
+        // bytes a second (0: none).
+        match setup.release {
+            None => doc["memory_allocator_manager"] = release,
+            Some(0) => {}
+            Some(bytes) => {
+                doc["memory_allocator_manager"] = json!({
+                    "bytes_to_release": bytes,
+                    "memory_release_interval": "1s",
+                })
+            }
+        }
     }
     let c = cluster_mut(&mut doc, CLUSTER)?;
     match variant {
@@ -173,13 +200,17 @@ fn bootstrap(
                 ["typed_config"]["filter_name"] = json!("noop");
             c["typed_extension_protocol_options"] = options;
         }
-        Variant::NativeFilter => {
+        Variant::NativeFilter | Variant::NativeFilterBefore => {
             c["typed_extension_protocol_options"] = native::upstream_filter_options(&plugin)
         }
         Variant::Lb => c["load_balancing_policy"] = policy,
         _ => {}
     }
-    Ok((doc, vec![native::search_path(&setup.module)]))
+    let module = match (variant, &setup.before) {
+        (Variant::NativeFilterBefore, Some(before)) => before,
+        _ => &setup.module,
+    };
+    Ok((doc, vec![native::search_path(module)]))
 }
 
 /// Starts `variant` with `envoy` (Envoy itself, or a valgrind wrapper) and
@@ -531,6 +562,7 @@ fn main() -> Result<()> {
         small_validator,
         hosts,
         pods: pods as u64,
+        before: std::env::var_os("BEFORE_NATIVE").map(PathBuf::from),
         release: std::env::var("RELEASE").ok().and_then(|r| r.parse().ok()),
     };
     let mut variants = vec![Variant::None];
@@ -543,6 +575,13 @@ fn main() -> Result<()> {
         Variant::NativeFilter,
         Variant::Lb,
     ]);
+    if setup.before.is_some() {
+        variants.push(Variant::NativeFilterBefore);
+    }
+    if let Ok(only) = std::env::var("VARIANTS") {
+        // `none` stays: every ratio is to it.
+        variants.retain(|v| *v == Variant::None || only.split(',').any(|n| n == v.name()));
+    }
     println!(
         "native_cost: {indexed} IPs indexed, Envoy {}, load average {}",
         setup.envoy.display(),
@@ -575,6 +614,20 @@ fn main() -> Result<()> {
     for &v in &variants {
         running.push((v, start(&setup, v, &setup.envoy, &setup.validator)?));
     }
+    // What each gateway burns with no request (its timers, pollers, threads):
+    // it is counted in the CPU per request below.
+    if !memory_only {
+        std::thread::sleep(Duration::from_secs(1));
+        let before: Vec<u64> = running
+            .iter()
+            .map(|(_, e)| cpu_ticks(e.pid()))
+            .collect::<Result<_>>()?;
+        std::thread::sleep(Duration::from_secs(seconds as u64));
+        for ((v, e), t0) in running.iter().zip(before) {
+            let ms_per_s = ticks_us(cpu_ticks(e.pid())? - t0) / 1e3 / seconds as f64;
+            println!("idle {}: {ms_per_s:.1} ms of CPU per second", v.name());
+        }
+    }
     let mut cost: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut ratio: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut order: Vec<usize> = (0..running.len()).collect();
@@ -601,38 +654,38 @@ fn main() -> Result<()> {
     }
 
     // Memory: the lb gateway with the whole index against one with two IPs.
-    let lb = running
-        .iter()
-        .find(|(v, _)| *v == Variant::Lb)
-        .map(|(_, e)| e)
-        .context("lb")?;
-    let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_validator)?;
-    for e in [lb, &small] {
-        load(e.listener, 2, 1)?;
-    }
-    std::thread::sleep(Duration::from_secs(2));
-    let (per_ip, first) = memory_line(
-        "after the first sync",
-        Heap::of(lb)?,
-        Heap::of(&small)?,
-        indexed - 2,
-    );
-    let mut memory = vec![first];
-    if resets > 0 {
-        for r in 1..=resets {
-            reset_all(&setup, &[lb, &small], 3001 + r, 1 + r)?;
-        }
+    let mut memory = Vec::new();
+    let mut per_ip = f64::NAN;
+    if let Some((_, lb)) = running.iter().find(|(v, _)| *v == Variant::Lb) {
+        let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_validator)?;
         for e in [lb, &small] {
             load(e.listener, 2, 1)?;
         }
         std::thread::sleep(Duration::from_secs(2));
-        let (_, after) = memory_line(
-            &format!("after {resets} more resets"),
+        let first;
+        (per_ip, first) = memory_line(
+            "after the first sync",
             Heap::of(lb)?,
             Heap::of(&small)?,
             indexed - 2,
         );
-        memory.push(after);
+        memory.push(first);
+        if resets > 0 {
+            for r in 1..=resets {
+                reset_all(&setup, &[lb, &small], 3001 + r, 1 + r)?;
+            }
+            for e in [lb, &small] {
+                load(e.listener, 2, 1)?;
+            }
+            std::thread::sleep(Duration::from_secs(2));
+            let (_, after) = memory_line(
+                &format!("after {resets} more resets"),
+                Heap::of(lb)?,
+                Heap::of(&small)?,
+                indexed - 2,
+            );
+            memory.push(after);
+        }
     }
 
     for line in &memory {
@@ -666,8 +719,8 @@ fn main() -> Result<()> {
         "\nMACHINE native_cost lb_instr_ratio={} native_filter_instr_ratio={} lb_cpu_ratio={:.3} native_filter_cpu_ratio={:.3} bytes_per_ip={per_ip:.1}",
         ratio_of(&instr, "lb"),
         ratio_of(&instr, "native_filter"),
-        median(ratio.get_mut("lb").context("lb")?),
-        median(ratio.get_mut("native_filter").context("native")?),
+        ratio.get_mut("lb").map_or(f64::NAN, |r| median(r)),
+        ratio.get_mut("native_filter").map_or(f64::NAN, |r| median(r)),
     );
     Ok(())
 }
