@@ -323,9 +323,13 @@ impl SharedData for Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use staleguard_core::ServiceKey;
-    use staleguard_engine::buckets::bucket_key;
+    use staleguard_core::wire::{Delta, Freshness};
+    use staleguard_core::{IpRecord, PodHolder, ServiceKey};
+    use staleguard_engine::buckets::{bucket_key, CompactRecord};
+    use staleguard_engine::entry::Entry;
     use staleguard_engine::members::members_key;
+    use staleguard_engine::store::write::Writer;
+    use staleguard_engine::store::View;
     use staleguard_engine::store::{service_key, LEASE_KEY, LOADS_KEY};
 
     #[test]
@@ -455,6 +459,85 @@ mod tests {
             .map(|_| staleguard_engine::store::next_id(&mut store, LOADS_KEY).unwrap())
             .collect();
         assert_eq!(ids, [1, 2, 3]);
+    }
+
+    /// `n` pods on 10.x.y.z in 100 services, as a poller reads them.
+    fn snapshot(generation: u64, n: u32) -> staleguard_core::Snapshot<CompactRecord> {
+        let service = |i: u32| ServiceKey::new("shop", format!("cart-{}", i % 100));
+        staleguard_core::Snapshot {
+            v: 1,
+            epoch: 1,
+            generation,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(0),
+            },
+            services: (0..100).map(service).collect(),
+            records: (1..=n)
+                .map(|i| {
+                    let ip = std::net::Ipv4Addr::from(0x0a00_0000 + i).into();
+                    CompactRecord::of(&IpRecord::held_by(
+                        ip,
+                        vec![PodHolder::ready_member(
+                            "shop",
+                            format!("p-{i}"),
+                            "u",
+                            service(i),
+                        )],
+                    ))
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_engines_writer_and_reader_run_on_it_and_a_replaced_layout_is_freed() {
+        let mut store = Store::default();
+        let mut writer = Writer::default();
+        writer
+            .write_snapshot(&mut store, 1, &mut snapshot(1, 100))
+            .unwrap();
+        assert_eq!(store.layouts.len(), 1);
+        let small = store.footprint();
+        // 20,000 IPs take a layout of more buckets: both stand until the
+        // next write clears the old one.
+        let meta = writer
+            .write_snapshot(&mut store, 2, &mut snapshot(2, 20_000))
+            .unwrap();
+        assert_eq!(store.layouts.len(), 2);
+        let view = View::new(&store);
+        assert_eq!(view.meta(), Some(meta));
+        let ip = std::net::Ipv4Addr::from(0x0a00_0000 + 20_000).into();
+        assert!(matches!(view.record(&meta, &ip), Entry::Present(_)));
+        let delta = Delta {
+            v: 1,
+            epoch: 1,
+            since: 2,
+            generation: 3,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(0),
+            },
+            services_added: vec![],
+            services_removed: vec![],
+            upserts: vec![],
+            removed: (1..=20_000)
+                .map(|i| std::net::Ipv4Addr::from(0x0a00_0000 + i).into())
+                .collect(),
+        };
+        writer
+            .write_delta(&mut store, 3, meta.load, &delta)
+            .unwrap();
+        assert!(
+            store.layouts.is_empty(),
+            "the old layout cleared, every bucket of the new one emptied"
+        );
+        assert_eq!(store.filled_buckets(), 0);
+        assert!(store.footprint().bucket_values == 0 && small.bucket_values > 0);
+        assert!(matches!(
+            View::new(&store).record(&meta, &ip),
+            Entry::Absent
+        ));
     }
 
     #[test]
