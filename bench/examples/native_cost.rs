@@ -52,7 +52,7 @@
 //! `BEFORE_NATIVE=<.so>` adds `native_filter_before`, the native filter
 //! with that build of the module (the module of another commit), paired in
 //! the same run.
-//! The native gateways run with `deploy/native/envoy-lb.yaml`'s
+//! Every gateway runs with `deploy/native/envoy-lb.yaml`'s
 //! `memory_allocator_manager` (Envoy gives free memory back every second);
 //! `RELEASE=<bytes>` replaces its `bytes_to_release`, `RELEASE=0` leaves it
 //! out.
@@ -125,7 +125,7 @@ struct Setup {
     pods: u64,
     /// `BEFORE_NATIVE`: another build of the module, for `native_filter_before`.
     before: Option<PathBuf>,
-    /// `RELEASE`: the native gateways' `memory_allocator_manager.bytes_to_release`
+    /// `RELEASE`: the gateways' `memory_allocator_manager.bytes_to_release`
     /// instead of the shipped one (0: none).
     release: Option<u64>,
 }
@@ -179,17 +179,18 @@ fn bootstrap(
         Variant::NativeFilter | Variant::NativeFilterBefore | Variant::Lb
     ) {
         doc["bootstrap_extensions"] = poller;
-        // Envoy's own release of free memory, as shipped, or `RELEASE`'s
-        // bytes a second (0: none).
-        match setup.release {
-            None => doc["memory_allocator_manager"] = release,
-            Some(0) => {}
-            Some(bytes) => {
-                doc["memory_allocator_manager"] = json!({
-                    "bytes_to_release": bytes,
-                    "memory_release_interval": "1s",
-                })
-            }
+    }
+    // Envoy's own release of free memory, as shipped, or `RELEASE`'s bytes a
+    // second (0: none): in every gateway, so that the CPU ratios compare the
+    // filters alone.
+    match setup.release {
+        None => doc["memory_allocator_manager"] = release,
+        Some(0) => {}
+        Some(bytes) => {
+            doc["memory_allocator_manager"] = json!({
+                "bytes_to_release": bytes,
+                "memory_release_interval": "1s",
+            })
         }
     }
     let c = cluster_mut(&mut doc, CLUSTER)?;
