@@ -1,4 +1,4 @@
-//! One request's path through the filter: the verdict ([`crate::check`]),
+//! One request's path through the filter: the verdict ([`crate::judgement`]),
 //! counting it, the reply of a rejection, and a replay's start and steps
 //! ([`crate::replay`]). Every host operation goes through [`Host`]; an
 //! adapter only forwards its host's HTTP callbacks here.
@@ -12,17 +12,15 @@ use std::time::Duration;
 use staleguard_core::verdict::{FailurePolicy, Reason};
 
 use crate::cache::Cache;
-use crate::check::{header_value, judge, Effect, Lazy, Outcome, Upstream};
 use crate::config::{Config, Fallback, RetryConfig, CONFIG_REFUSED};
 use crate::host::{Host, Next};
+use crate::judgement::{header_value, judge, Effect, Lazy, Ruling, Upstream};
 use crate::log_budget::LogBudget;
 use crate::members;
 use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
-use crate::replay::{
-    self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
-};
+use crate::replay::{self, CallResult, Ineligible, Replay, ReplayOutcome, Step, TwinConfig};
 use crate::steer::{self, SteerConfig};
-use crate::store::View;
+use crate::store::IndexReader;
 
 /// What the root context and every request of one VM share: the plugin
 /// configuration (or, when it was refused, the fallback), the metric tally,
@@ -59,7 +57,7 @@ impl VmState {
     }
 }
 
-/// The lazy reads of `check::judge`, from a host.
+/// The lazy reads of `judgement::judge`, from a host.
 #[derive(Debug)]
 pub struct LazyReads<'a, H: ?Sized>(pub &'a H);
 
@@ -161,7 +159,7 @@ impl Filter {
             cluster: host.property(&["xds", "cluster_name"]),
             address: host.property(&["upstream", "address"]),
         };
-        let outcome = judge(
+        let ruling = judge(
             &config,
             &mut self.vm.cache.borrow_mut(),
             &*host,
@@ -169,20 +167,20 @@ impl Filter {
             &LazyReads(&*host),
         );
         let mut m = self.vm.metrics.borrow_mut();
-        let (service, ip, verdict, effect) = match outcome {
-            Outcome::Unmapped => {
+        let (service, ip, verdict, effect) = match ruling {
+            Ruling::Unmapped => {
                 m.count(host, Count::Unmapped);
                 return Next::Continue;
             }
-            Outcome::NoAddress => {
+            Ruling::NoAddress => {
                 m.count(host, Count::NoAddress);
                 return Next::Continue;
             }
-            Outcome::OutOfScope => {
+            Ruling::OutOfScope => {
                 m.count(host, Count::OutOfScope);
                 return Next::Continue;
             }
-            Outcome::Judged {
+            Ruling::Judged {
                 service,
                 ip,
                 verdict,
@@ -348,7 +346,7 @@ impl Filter {
     /// request to the guarded cluster; never pause.
     fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Next {
         let now_ms = host.now_ms();
-        let fresh = View::new(&*host)
+        let fresh = IndexReader::new(&*host)
             .meta()
             .filter(|m| m.is_fresh(now_ms, steer.max_staleness_ms));
         let members = match (fresh, steer.key()) {
@@ -383,7 +381,7 @@ impl Filter {
         replay::reason_allows_replay(reason)?;
         let headers = replay::text_headers(host.request_headers())?;
         replay::eligibility(retry, &headers, end_of_stream)?;
-        let batches = match (View::new(&*host).meta(), stale) {
+        let batches = match (IndexReader::new(&*host).meta(), stale) {
             (Some(meta), Some(stale)) => {
                 let live = members::read(&*host, service, meta.load);
                 replay::plan(retry, &live, stale, host.random_u64())
