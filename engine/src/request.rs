@@ -291,13 +291,8 @@ impl Filter {
         headers: usize,
         body_size: usize,
     ) {
-        let Some(config) = self.vm.config.clone() else {
-            return;
-        };
-        let Some(retry) = config.replay() else {
-            return;
-        };
-        let Some(pending) = self.replay.as_mut() else {
+        let vm_config = self.vm.config.clone();
+        let Some((_, retry, pending)) = under_way(vm_config.as_deref(), &mut self.replay) else {
             return;
         };
         if pending.token != Some(token) {
@@ -406,14 +401,10 @@ impl Filter {
     /// Carries out `step`s until one waits for an answer (`Pause`) or ends the
     /// request.
     fn drive<H: Host>(&mut self, host: &mut H, mut step: Step) {
+        let vm_config = self.vm.config.clone();
         loop {
-            let Some(config) = self.vm.config.clone() else {
-                return;
-            };
-            let Some(retry) = config.replay() else {
-                return;
-            };
-            let Some(pending) = self.replay.as_mut() else {
+            let Some((config, retry, pending)) = under_way(vm_config.as_deref(), &mut self.replay)
+            else {
                 return;
             };
             match step {
@@ -486,7 +477,7 @@ impl Filter {
                 Step::Fail(outcome) => {
                     let reason = pending.reason;
                     self.finish(host, outcome);
-                    reject(host, &config, config.reject_status, reason);
+                    reject(host, config, config.reject_status, reason);
                     return;
                 }
             }
@@ -526,6 +517,17 @@ impl Filter {
             .borrow_mut()
             .inc(host, &metrics::retries(outcome), 1);
     }
+}
+
+/// The replay under way and what it runs by: the configuration and its retry
+/// settings. `None` when there is no configuration, it does not replay, or
+/// the request has no replay.
+fn under_way<'c, 'r>(
+    config: Option<&'c Config>,
+    replay: &'r mut Option<Pending>,
+) -> Option<(&'c Config, &'c RetryConfig, &'r mut Pending)> {
+    let config = config?;
+    Some((config, config.replay()?, replay.as_mut()?))
 }
 
 /// The filter's own answer to a rejected request: `status`, the reason in

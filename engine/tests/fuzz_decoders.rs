@@ -1,5 +1,5 @@
 //! Native fuzzing of everything the filter parses from outside: the plugin
-//! configuration, validator answers (applied through the poller, as the glue
+//! configuration, validator answers (applied through the poller, as the root
 //! does), and shared-data values (meta, IP and service entries, the lease).
 //!
 //! Inputs are valid documents mutated at random (bit flips, cuts, splices,
