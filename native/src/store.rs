@@ -329,7 +329,7 @@ mod tests {
     use staleguard_engine::entry::Entry;
     use staleguard_engine::members::members_key;
     use staleguard_engine::store::write::Writer;
-    use staleguard_engine::store::View;
+    use staleguard_engine::store::IndexReader;
     use staleguard_engine::store::{service_key, LEASE_KEY, LOADS_KEY};
 
     #[test]
@@ -505,7 +505,7 @@ mod tests {
             .write_snapshot(&mut store, 2, &mut snapshot(2, 20_000))
             .unwrap();
         assert_eq!(store.layouts.len(), 2);
-        let view = View::new(&store);
+        let view = IndexReader::new(&store);
         assert_eq!(view.meta(), Some(meta));
         let ip = std::net::Ipv4Addr::from(0x0a00_0000 + 20_000).into();
         assert!(matches!(view.record(&meta, &ip), Entry::Present(_)));
@@ -535,7 +535,7 @@ mod tests {
         assert_eq!(store.filled_buckets(), 0);
         assert!(store.footprint().bucket_values == 0 && small.bucket_values > 0);
         assert!(matches!(
-            View::new(&store).record(&meta, &ip),
+            IndexReader::new(&store).record(&meta, &ip),
             Entry::Absent
         ));
     }
