@@ -13,7 +13,7 @@ use staleguard_core::wire::Tombstone;
 use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::stats::prometheus_value;
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
 const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
@@ -66,9 +66,10 @@ fn all_served(envoy: &Envoy, cluster: &str, n: usize) -> Result<()> {
         let r = envoy.get(cluster)?;
         ensure!(
             r.status == 200 && r.header("x-staleguard").is_empty(),
-            "{cluster}: a live member was rejected: {} {:?}",
+            "{cluster}: a live member was rejected: {} {:?}\n{}",
             r.status,
-            r.header("x-staleguard")
+            r.header("x-staleguard"),
+            tail(&envoy.log(), 60)
         );
     }
     Ok(())
@@ -338,7 +339,8 @@ fn wrong_then_correct(failure_policy: &str) -> Result<()> {
     for (at, live, gone) in &during {
         ensure!(
             live == "served" && gone == "503 destroyed",
-            "{at:?} into the hold ({failure_policy}): live {live}, deleted {gone}"
+            "{at:?} into the hold ({failure_policy}): live {live}, deleted {gone}\n{}",
+            tail(&envoy.log(), 60)
         );
     }
     ensure!(envoy.stat("wasmcustom.staleguard_filter_guard_held_seconds")? >= 5);
@@ -397,7 +399,8 @@ fn wrong_then_correct(failure_policy: &str) -> Result<()> {
     for (at, live, gone) in &after {
         ensure!(
             live == "served" && gone == "503 destroyed",
-            "({failure_policy}) {at:?} after the correct answer was applied ({applied:?} after it was served): live {live}, deleted {gone}"
+            "({failure_policy}) {at:?} after the correct answer was applied ({applied:?} after it was served): live {live}, deleted {gone}\n{}",
+            tail(&envoy.log(), 60)
         );
     }
     assert_eq!(envoy.stat(HOLDING)?, 0);
