@@ -263,8 +263,11 @@ impl Stream for EnvoyHost<'_> {
         match path {
             ["upstream", "address"] => self.attribute(ATTRIBUTE_UPSTREAM_ADDRESS),
             ["xds", "cluster_name"] => self.cluster_name(),
-            // Cluster metadata (Istio's service list) is not read: clusters
-            // map by rules and their names (docs/native.md, "Limits").
+            // Istio's service list (`filter_metadata.istio.services`) is a
+            // list of structs, and the ABI's metadata getters (1.38 to 1.40)
+            // read a namespace's strings, numbers, bools and lists of those
+            // only: its size, never `services[0].host`. Clusters map by rules
+            // and their names (docs/native.md, "Limits").
             _ => None,
         }
     }
