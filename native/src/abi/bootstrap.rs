@@ -20,7 +20,7 @@ use staleguard_engine::config::Config;
 use staleguard_engine::root::Root;
 use staleguard_engine::store::IndexReader;
 
-use super::host::{copy_answer, Answer, EnvoyHeader, EnvoyHost, Metrics, Surface, CALLOUT_SUCCESS};
+use super::host::{received_answer, EnvoyHeader, EnvoyHost, Metrics, Surface};
 use super::{contain, EnvoyBuffer, ModuleBuffer};
 use crate::index::{now_ms, ProcessStore};
 
@@ -267,12 +267,8 @@ extern "C" fn envoy_dynamic_module_on_bootstrap_extension_http_callout_done(
         let Some(config) = (unsafe { config_of(config) }) else {
             return;
         };
-        let answer = if result == CALLOUT_SUCCESS {
-            // SAFETY: Envoy lends the arrays and their buffers for this call.
-            unsafe { copy_answer(headers, headers_len, chunks, chunks_len) }
-        } else {
-            Answer::default()
-        };
+        // SAFETY: Envoy lends the arrays and their buffers for this call.
+        let answer = unsafe { received_answer(result, headers, headers_len, chunks, chunks_len) };
         let mut poller = config.lock();
         {
             let Poller { root, metrics, .. } = &mut *poller;

@@ -491,17 +491,23 @@ unsafe fn copy_headers(headers: &[EnvoyHeader]) -> RawHeaders {
         .collect()
 }
 
-/// Copies a callout's answer out of Envoy's buffers.
+/// A callout's answer as Envoy reports it to a `*_http_callout_done` hook:
+/// copied out of Envoy's buffers when `result` is [`CALLOUT_SUCCESS`], empty
+/// otherwise (the engine then sees a call that failed).
 ///
 /// # Safety
 /// The arrays must hold `headers_len` headers and `chunks_len` buffers, each
 /// valid for the call.
-pub(super) unsafe fn copy_answer(
+pub(super) unsafe fn received_answer(
+    result: u32,
     headers: *const EnvoyHeader,
     headers_len: usize,
     chunks: *const EnvoyBuffer,
     chunks_len: usize,
 ) -> Answer {
+    if result != CALLOUT_SUCCESS {
+        return Answer::default();
+    }
     let headers = if headers.is_null() {
         &[][..]
     } else {

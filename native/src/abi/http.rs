@@ -28,9 +28,7 @@ use staleguard_engine::host::Next;
 use staleguard_engine::request::Filter;
 use staleguard_engine::root::Root;
 
-use super::host::{
-    copy_answer, send, Answer, EnvoyHeader, EnvoyHost, Metrics, Surface, CALLOUT_SUCCESS,
-};
+use super::host::{received_answer, send, Answer, EnvoyHeader, EnvoyHost, Metrics, Surface};
 use super::{contain, EnvoyBuffer, ModuleBuffer};
 
 // === ABI ===
@@ -332,13 +330,8 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
         let Some(Config::Guard(config)) = (unsafe { config_of(config) }) else {
             return;
         };
-        let answer = if result == CALLOUT_SUCCESS {
-            // SAFETY: Envoy lends the header and chunk arrays, and the
-            // buffers they point to, for this call.
-            unsafe { copy_answer(headers, headers_len, chunks, chunks_len) }
-        } else {
-            Answer::default()
-        };
+        // SAFETY: Envoy lends the arrays and their buffers for this call.
+        let answer = unsafe { received_answer(result, headers, headers_len, chunks, chunks_len) };
         let header_count = answer.headers.len();
         let body_size = answer.body.len();
         let mut vm = config.lock();
@@ -435,12 +428,8 @@ extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     chunks_len: usize,
 ) {
     contain("http_filter_http_callout_done", (), || {
-        let answer = if result == CALLOUT_SUCCESS {
-            // SAFETY: Envoy lends the arrays and their buffers for this call.
-            unsafe { copy_answer(headers, headers_len, chunks, chunks_len) }
-        } else {
-            Answer::default()
-        };
+        // SAFETY: Envoy lends the arrays and their buffers for this call.
+        let answer = unsafe { received_answer(result, headers, headers_len, chunks, chunks_len) };
         let (count, size) = (answer.headers.len(), answer.body.len());
         with_request(filter_envoy, request, Some(&answer), |f, host| {
             f.call_response(host, callout_id as u32, count, size);
