@@ -161,6 +161,62 @@ impl Bucket {
     }
 }
 
+/// The bytes [`push_line`] adds for `record` (not vacant).
+pub fn line_len(record: &CompactRecord) -> usize {
+    struct Count(usize);
+    impl std::fmt::Write for Count {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            self.0 += s.len();
+            Ok(())
+        }
+    }
+    let mut ip = Count(0);
+    let _ = std::fmt::Write::write_fmt(&mut ip, format_args!("{}", record.ip));
+    ip.0 + record.line.len() + 2
+}
+
+/// Appends the bucket line of `record` (not vacant) to `out` as a bucket
+/// value carries it: `\n<ip> <holders>`.
+pub fn push_line(out: &mut Vec<u8>, record: &CompactRecord) {
+    use std::io::Write as _;
+    let _ = write!(out, "\n{} ", record.ip);
+    out.extend_from_slice(&record.line);
+}
+
+/// Writes into `value` the bucket value of load `load` whose lines start
+/// at `starts` in `lines` (each as [`push_line`] wrote it, in the order of
+/// the answer); an IP listed twice keeps its last line, as
+/// [`Bucket::put`] does. Returns the number of IPs.
+pub fn encode_lines(value: &mut Vec<u8>, load: u64, lines: &[u8], starts: &[usize]) -> usize {
+    let line = |start: usize| {
+        let rest = lines.get(start..).unwrap_or_default();
+        let end = rest
+            .iter()
+            .skip(1)
+            .position(|b| *b == b'\n')
+            .map_or(rest.len(), |n| n + 1);
+        &rest[..end]
+    };
+    let ip =
+        |line: &'_ [u8]| -> usize { line.iter().position(|b| *b == b' ').unwrap_or(line.len()) };
+    value.clear();
+    value.extend_from_slice(load.to_string().as_bytes());
+    let mut ips = 0;
+    for (i, start) in starts.iter().enumerate() {
+        let this = line(*start);
+        let key = &this[..ip(this)];
+        let again = starts[i + 1..].iter().any(|later| {
+            let later = line(*later);
+            &later[..ip(later)] == key
+        });
+        if !again {
+            value.extend_from_slice(this);
+            ips += 1;
+        }
+    }
+    ips
+}
+
 /// After the load line, if the load is current; `None` for empty or stale
 /// values. `Err` when the load cannot be read.
 fn lines_after_load(bytes: &[u8], meta_load: u64) -> Result<Option<&[u8]>, ()> {
