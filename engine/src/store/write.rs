@@ -713,6 +713,48 @@ mod tests {
     }
 
     #[test]
+    fn a_large_snapshot_is_written_in_slices_as_whole_buckets_of_its_lines() {
+        let mut snapshot = snapshot(1, 40_000);
+        let mut plan = Plan::new(snapshot.records.len());
+        for record in &snapshot.records {
+            plan.measure(record);
+        }
+        assert_eq!(plan.slices(), 2, "{plan:?}");
+        assert_eq!(plan.families(), (40_000, 0));
+        let mut store = MemoryStore::default();
+        let meta = Writer::default()
+            .write_snapshot(&mut store, 1, &mut snapshot)
+            .unwrap();
+        assert_eq!(meta.entries, 40_000);
+        // Each bucket is what a bucket of the same records encodes to.
+        let mut expected: BTreeMap<u32, Bucket> = BTreeMap::new();
+        for record in &snapshot.records {
+            let index = buckets::bucket_of(&record.ip, meta.buckets);
+            expected.entry(index).or_default().put(record);
+        }
+        for (index, bucket) in expected {
+            let key = buckets::bucket_key(meta.buckets, index);
+            assert_eq!(store.get(&key).unwrap().0, Some(bucket.encode(meta.load)));
+        }
+        // An IP listed twice keeps its last line.
+        let mut twice = self::snapshot(2, 3);
+        let mut last = twice.records[0].clone();
+        last.line = b"pt".to_vec().into_boxed_slice();
+        twice.records.push(last);
+        let meta = Writer::default()
+            .write_snapshot(&mut store, 2, &mut twice)
+            .unwrap();
+        assert_eq!(meta.entries, 3);
+        let ip = twice.records[0].ip;
+        let value = store.get(&buckets::key_of(&ip, meta.buckets)).unwrap().0;
+        let holders = buckets::find(&value.unwrap(), &ip, meta.load);
+        assert_eq!(
+            holders,
+            Entry::Present(buckets::Holders::decode(b"pt").unwrap())
+        );
+    }
+
+    #[test]
     fn a_refused_meta_write_leaves_the_writer_describing_the_index_meta_names() {
         let mut store = watched(100);
         let mut writer = Writer::default();
