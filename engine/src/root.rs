@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::cache::Cache;
 use crate::config::{Config, ConfigError, Fallback};
 use crate::guard::{Guard, GuardEvent};
-use crate::host::{Host, SharedData, StoreError};
+use crate::host::Host;
 use crate::lease::{Lease, LeaseState};
 use crate::log_budget::LogBudget;
 use crate::metrics::{self, VmMetrics};
@@ -20,7 +20,7 @@ use crate::replay::TwinConfig;
 use crate::request::{Filter, VmState};
 use crate::steer::SteerConfig;
 use crate::store::View;
-use crate::sync::{Answered, Applied, Poller, SyncConfig, SyncError};
+use crate::sync::{Applied, Poller, SyncConfig, SyncError, WithBody};
 
 /// Verdict log lines allowed per VM per second (the counters count all).
 const VERDICT_LOGS_PER_SECOND: u32 = 5;
@@ -444,9 +444,9 @@ impl Root {
         // reset more than once): a copy of a whole 150k-IP answer would be
         // 4.5 MB of the VM's memory, which a Wasm VM never gives back.
         let started_us = host.now_us();
-        let mut answer = CallAnswer {
-            host: &mut *host,
-            size: body_size,
+        let mut answer = WithBody {
+            store: &mut *host,
+            open: |host: &H| host.call_body_reader(body_size),
         };
         let applied = poller.on_answer(now, status, &mut answer);
         let spent_us = host.now_us().saturating_sub(started_us);
@@ -600,30 +600,6 @@ impl Root {
             }
             None => m.gauge(host, metrics::GAUGE_FRESH, 0),
         }
-    }
-}
-
-/// The validator's answer to this context's call, as the poller applies
-/// it: the host's shared data, and the body, read from the host as often as
-/// the poller reads it.
-struct CallAnswer<'h, H> {
-    host: &'h mut H,
-    size: usize,
-}
-
-impl<H: Host> SharedData for CallAnswer<'_, H> {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
-        self.host.get(key)
-    }
-
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        self.host.set(key, value, cas)
-    }
-}
-
-impl<H: Host> Answered for CallAnswer<'_, H> {
-    fn body(&self) -> Box<dyn std::io::Read> {
-        self.host.call_body_reader(self.size)
     }
 }
 

@@ -406,9 +406,9 @@ impl Poller {
         body: &[u8],
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
-        let mut answer = Bytes {
+        let mut answer = WithBody {
             store,
-            body: Rc::from(body),
+            open: in_memory(Rc::from(body)),
         };
         self.on_answer(now_ms, status, &mut answer)
     }
@@ -684,13 +684,23 @@ pub trait Answered: SharedData {
     fn body(&self) -> Box<dyn Read>;
 }
 
-/// An answer held in memory, and the shared data it is applied to.
-struct Bytes<'a> {
-    store: &'a mut dyn SharedData,
-    body: Rc<[u8]>,
+/// Shared data, and the body of the answer applied to it, which `open`
+/// opens from the first byte (from the host that holds both, or from
+/// memory).
+pub struct WithBody<'a, S: ?Sized, F> {
+    /// The shared data.
+    pub store: &'a mut S,
+    /// Opens the body.
+    pub open: F,
 }
 
-impl SharedData for Bytes<'_> {
+impl<S: ?Sized, F> std::fmt::Debug for WithBody<'_, S, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WithBody").finish_non_exhaustive()
+    }
+}
+
+impl<S: SharedData + ?Sized, F> SharedData for WithBody<'_, S, F> {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
         self.store.get(key)
     }
@@ -700,10 +710,15 @@ impl SharedData for Bytes<'_> {
     }
 }
 
-impl Answered for Bytes<'_> {
+impl<S: SharedData + ?Sized, F: Fn(&S) -> Box<dyn Read>> Answered for WithBody<'_, S, F> {
     fn body(&self) -> Box<dyn Read> {
-        Box::new(std::io::Cursor::new(Rc::clone(&self.body)))
+        (self.open)(self.store)
     }
+}
+
+/// Opens `body`, held in memory, for any store.
+fn in_memory<S: ?Sized>(body: Rc<[u8]>) -> impl Fn(&S) -> Box<dyn Read> {
+    move |_| Box::new(std::io::Cursor::new(Rc::clone(&body)))
 }
 
 /// A snapshot's records, as each pass reads them: from the answer's body
