@@ -13,8 +13,8 @@ use std::time::Instant;
 use staleguard_bench::fresh_snapshot;
 use staleguard_core::{IpRecord, PodHolder, ServiceKey};
 use staleguard_engine::cache::Cache;
-use staleguard_engine::check::{judge, Lazy, Upstream};
 use staleguard_engine::config::Config;
+use staleguard_engine::judgement::{judge, Lazy, Upstream};
 use staleguard_engine::store::MemoryStore;
 use staleguard_engine::sync::{Poller, SyncConfig};
 

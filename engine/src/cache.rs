@@ -4,7 +4,7 @@
 //! Three maps, each bounded by [`MAX_ENTRIES`] (a map that would grow past it
 //! is cleared first):
 //!
-//! - cluster name -> service (`check::resolve_service`), the Istio metadata
+//! - cluster name -> service (`judgement::resolve_service`), the Istio metadata
 //!   property read only on a miss. It depends on the configuration and the
 //!   cluster, not on the index; [`Cache::clear_clusters`] empties it on every
 //!   root tick, so a cluster whose metadata changes under the same name is
@@ -20,7 +20,7 @@
 //! One write does not move `meta`: while the blast-radius guard holds an
 //! answer, the poller writes the records that only *add* (IPs allowed for no
 //! service, `Guard::gains`). So a cached record may reject a pod that a gain
-//! now allows; [`crate::check::judge`] therefore never rejects on a cached
+//! now allows; [`crate::judgement::judge`] therefore never rejects on a cached
 //! record: a rejecting verdict re-reads the IP's bucket ([`Cache::reread`]).
 //! Allowed IPs are never the target of a gain.
 //!
@@ -35,7 +35,7 @@ use staleguard_core::{IpRecord, ServiceKey};
 
 use crate::entry::Entry;
 use crate::host::SharedData;
-use crate::store::{Meta, View};
+use crate::store::{IndexReader, Meta};
 
 /// Entries per map (clusters, services, IPs) before the map is cleared. An IP
 /// record of the verdict view is a few hundred bytes: at most a few MiB per
@@ -131,7 +131,7 @@ impl Cache {
                 Entry::Absent
             };
         }
-        let entry = View::new(store).service(meta, service);
+        let entry = IndexReader::new(store).service(meta, service);
         let known = match entry {
             Entry::Present(()) => true,
             Entry::Absent => false,
@@ -151,7 +151,7 @@ impl Cache {
     ) -> (Entry<&IpRecord>, bool) {
         let cached = self.records.contains_key(ip);
         if !cached {
-            match View::new(store).record(meta, ip) {
+            match IndexReader::new(store).record(meta, ip) {
                 Entry::Corrupt => return (Entry::Corrupt, false),
                 Entry::Absent => bounded_insert(&mut self.records, self.limit, *ip, None),
                 Entry::Present(r) => bounded_insert(&mut self.records, self.limit, *ip, Some(r)),
@@ -309,13 +309,13 @@ mod tests {
         }
 
         fn meta(&self) -> Meta {
-            View::new(&self.store).meta().unwrap()
+            IndexReader::new(&self.store).meta().unwrap()
         }
 
-        /// One request's reads, as `check::judge` does them: meta, then
+        /// One request's reads, as `judgement::judge` does them: meta, then
         /// entries.
         fn pod_of(&mut self, ip: &str) -> Option<ServiceKey> {
-            let meta = View::new(&self.store).meta_and_cas();
+            let meta = IndexReader::new(&self.store).meta_and_cas();
             self.cache.align(meta);
             let (meta, _) = meta?;
             let ip = ip.parse().unwrap();
@@ -421,7 +421,7 @@ mod tests {
             let ip = &ips[(g as usize * 7) % ips.len()];
             vm.delta(g, vec![record(ip, &format!("p{g}"))]);
             for probe in &ips {
-                let view = View::new(&vm.store.inner);
+                let view = IndexReader::new(&vm.store.inner);
                 let expected = match view.record(&view.meta().unwrap(), &probe.parse().unwrap()) {
                     Entry::Present(r) => held_for(&r),
                     _ => None,

@@ -6,6 +6,9 @@
 //! them all. A refused configuration never stops the plugin: the root context
 //! runs with the [`Fallback`] until a good one arrives (`crate::root`).
 
+use std::fmt;
+use std::ops::RangeInclusive;
+
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use staleguard_core::cluster::ClusterMap;
@@ -394,9 +397,7 @@ impl Config {
                 raw.max_staleness_ms, raw.poll_wait_s
             ));
         }
-        if !(10..=60_000).contains(&raw.tick_ms) {
-            problems.push(format!("tick_ms {} not in 10..=60000", raw.tick_ms));
-        }
+        problems.extend(range_problem("tick_ms", raw.tick_ms, 10..=60_000));
         if raw.lease_ttl_ms < 2 * raw.tick_ms {
             // The holder renews once per tick; a TTL under two ticks would let
             // a healthy holder lose its lease to scheduling jitter.
@@ -411,12 +412,7 @@ impl Config {
                 raw.backoff_initial_ms, raw.backoff_max_ms
             ));
         }
-        if !(200..=599).contains(&raw.reject_status) {
-            problems.push(format!(
-                "reject_status {} not in 200..=599",
-                raw.reject_status
-            ));
-        }
+        problems.extend(range_problem("reject_status", raw.reject_status, 200..=599));
         problems.extend(header_problem("reject_header", &raw.reject_header));
         if let Some(token) = raw.token.as_ref().map(Secret::expose) {
             if token.is_empty() || token.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
@@ -655,31 +651,38 @@ fn retry_problems(retry: &RetryConfig, problems: &mut Vec<String>) {
             problems.push("retry.methods: CONNECT cannot be replayed".to_owned());
         }
     }
-    if !(1..=10).contains(&retry.attempts) {
-        problems.push(format!("retry.attempts {} not in 1..=10", retry.attempts));
-    }
-    if !(1..=64).contains(&retry.hosts_per_attempt) {
-        problems.push(format!(
-            "retry.hosts_per_attempt {} not in 1..=64",
-            retry.hosts_per_attempt
-        ));
-    }
-    if !(1..=3_600_000).contains(&retry.timeout_ms) {
-        problems.push(format!(
-            "retry.timeout_ms {} not in 1..=3600000",
-            retry.timeout_ms
-        ));
-    }
-    if !(1..=MAX_ANSWER_BYTES).contains(&retry.max_answer_bytes) {
-        problems.push(format!(
-            "retry.max_answer_bytes {} not in 1..={MAX_ANSWER_BYTES}",
-            retry.max_answer_bytes
-        ));
-    }
+    problems.extend(range_problem("retry.attempts", retry.attempts, 1..=10));
+    problems.extend(range_problem(
+        "retry.hosts_per_attempt",
+        retry.hosts_per_attempt,
+        HOSTS_PER_CALL,
+    ));
+    problems.extend(range_problem(
+        "retry.timeout_ms",
+        retry.timeout_ms,
+        1..=3_600_000,
+    ));
+    problems.extend(range_problem(
+        "retry.max_answer_bytes",
+        retry.max_answer_bytes,
+        1..=MAX_ANSWER_BYTES,
+    ));
     problems.extend(header_problem(
         "retry.endpoint_header",
         &retry.endpoint_header,
     ));
+}
+
+/// How many members one call may name (`retry.hosts_per_attempt`,
+/// `steer.hosts`).
+pub(crate) const HOSTS_PER_CALL: RangeInclusive<u32> = 1..=64;
+
+/// The problem with `value` as the knob `field`, if it is outside `range`.
+pub(crate) fn range_problem<T>(field: &str, value: T, range: RangeInclusive<T>) -> Option<String>
+where
+    T: PartialOrd + fmt::Display + fmt::Debug,
+{
+    (!range.contains(&value)).then(|| format!("{field} {value} not in {range:?}"))
 }
 
 /// The problem with `value` as the header knob `field`, if it is not a

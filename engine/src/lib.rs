@@ -27,7 +27,7 @@
 //!   schedule, applying the validator's answers, gauges.
 //! - [`request`]: one request: verdict, reply, replay or steering.
 //! - [`metrics`] (names and labels), [`steer`] (the body path's steering
-//!   role), [`check`] (one request's verdict), [`replay`] (a rejected
+//!   role), [`judgement`] (one request's verdict), [`replay`] (a rejected
 //!   request's replay to a live member), [`sync`] (the poller's protocol
 //!   state machine).
 //! - [`config`] (the plugin configuration), [`cache`] (per-instance read
@@ -46,11 +46,11 @@
 pub mod backoff;
 pub mod buckets;
 pub mod cache;
-pub mod check;
 pub mod config;
 pub mod entry;
 pub mod guard;
 pub mod host;
+pub mod judgement;
 pub mod lease;
 pub mod log_budget;
 pub mod members;

@@ -378,7 +378,7 @@ mod tests {
         };
         p.on_response(0, 200, &serde_json::to_vec(&snapshot).unwrap(), &mut store)
             .unwrap();
-        let load = crate::store::View::new(&store).meta().unwrap().load;
+        let load = crate::store::IndexReader::new(&store).meta().unwrap().load;
         assert_eq!(ips(&read(&store, &cart(), load)), ["10.0.0.1", "10.0.0.2"]);
         p.next_request(0, &store);
         let delta = Changes::Delta(Delta {

@@ -15,9 +15,9 @@ use std::collections::HashMap;
 
 use staleguard_core::{Reason, ServiceKey};
 
-use crate::check::Effect;
 use crate::host::{Host, MetricKind};
-use crate::replay::Outcome;
+use crate::judgement::Effect;
+use crate::replay::ReplayOutcome;
 
 /// Counter: requests whose cluster maps to no service (passed untouched).
 pub const REQUESTS_UNMAPPED: &str = "staleguard_filter_requests_unmapped_total";
@@ -266,7 +266,7 @@ pub fn requests_replayed(service: &str, reason: Reason) -> String {
 
 /// Replay counter: `staleguard_filter_retries_total.outcome.<outcome>`
 /// (outcomes: `answered`, `exhausted`, `timeout`, `not_eligible_<cause>`).
-pub fn retries(outcome: Outcome) -> String {
+pub fn retries(outcome: ReplayOutcome) -> String {
     format!(
         "staleguard_filter_retries_total.outcome.{}",
         outcome.as_str()
@@ -376,7 +376,7 @@ mod tests {
         }
         assert_eq!(names.len(), Reason::ALL.len() * effects.len());
         assert_eq!(
-            retries(Outcome::NotEligible(crate::replay::Ineligible::Body)),
+            retries(ReplayOutcome::NotEligible(crate::replay::Ineligible::Body)),
             "staleguard_filter_retries_total.outcome.not_eligible_body"
         );
         assert_eq!(
@@ -417,7 +417,7 @@ mod tests {
             Some("staleguard_filter_sync_errors_total")
         );
         assert_eq!(
-            base(retries(Outcome::Answered)).as_deref(),
+            base(retries(ReplayOutcome::Answered)).as_deref(),
             Some("staleguard_filter_retries_total")
         );
         assert_eq!(

@@ -23,7 +23,7 @@
 //! upgrades, CONNECT or gRPC (the answer is buffered: no streaming, no
 //! trailers). The live host's answer is copied into the VM only up to
 //! `retry.max_answer_bytes`; a larger one is left in Envoy and the client
-//! gets the rejection ([`Outcome::AnswerTooLarge`]). The rest get the normal
+//! gets the rejection ([`ReplayOutcome::AnswerTooLarge`]). The rest get the normal
 //! rejection. Everything here is plain Rust; [`crate::request`] carries out
 //! its steps.
 
@@ -90,7 +90,7 @@ impl Ineligible {
 
 /// How a replay ended (the metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum ReplayOutcome {
     /// A live member answered; the client got its answer.
     Answered,
     /// No member answered within the attempts (or none is known): rejected.
@@ -104,37 +104,37 @@ pub enum Outcome {
     NotEligible(Ineligible),
 }
 
-impl Outcome {
+impl ReplayOutcome {
     /// Every outcome, for metrics.
-    pub const ALL: [Outcome; 11] = [
-        Outcome::Answered,
-        Outcome::Exhausted,
-        Outcome::Timeout,
-        Outcome::AnswerTooLarge,
-        Outcome::NotEligible(Ineligible::Body),
-        Outcome::NotEligible(Ineligible::Method),
-        Outcome::NotEligible(Ineligible::Upgrade),
-        Outcome::NotEligible(Ineligible::Connect),
-        Outcome::NotEligible(Ineligible::Grpc),
-        Outcome::NotEligible(Ineligible::Encoding),
-        Outcome::NotEligible(Ineligible::Stale),
+    pub const ALL: [ReplayOutcome; 11] = [
+        ReplayOutcome::Answered,
+        ReplayOutcome::Exhausted,
+        ReplayOutcome::Timeout,
+        ReplayOutcome::AnswerTooLarge,
+        ReplayOutcome::NotEligible(Ineligible::Body),
+        ReplayOutcome::NotEligible(Ineligible::Method),
+        ReplayOutcome::NotEligible(Ineligible::Upgrade),
+        ReplayOutcome::NotEligible(Ineligible::Connect),
+        ReplayOutcome::NotEligible(Ineligible::Grpc),
+        ReplayOutcome::NotEligible(Ineligible::Encoding),
+        ReplayOutcome::NotEligible(Ineligible::Stale),
     ];
 
     /// `answered`, `exhausted`, `timeout`, `answer_too_large`,
     /// `not_eligible_<cause>`.
     pub fn as_str(self) -> &'static str {
         match self {
-            Outcome::Answered => "answered",
-            Outcome::Exhausted => "exhausted",
-            Outcome::Timeout => "timeout",
-            Outcome::AnswerTooLarge => "answer_too_large",
-            Outcome::NotEligible(Ineligible::Body) => "not_eligible_body",
-            Outcome::NotEligible(Ineligible::Method) => "not_eligible_method",
-            Outcome::NotEligible(Ineligible::Upgrade) => "not_eligible_upgrade",
-            Outcome::NotEligible(Ineligible::Connect) => "not_eligible_connect",
-            Outcome::NotEligible(Ineligible::Grpc) => "not_eligible_grpc",
-            Outcome::NotEligible(Ineligible::Encoding) => "not_eligible_encoding",
-            Outcome::NotEligible(Ineligible::Stale) => "not_eligible_stale",
+            ReplayOutcome::Answered => "answered",
+            ReplayOutcome::Exhausted => "exhausted",
+            ReplayOutcome::Timeout => "timeout",
+            ReplayOutcome::AnswerTooLarge => "answer_too_large",
+            ReplayOutcome::NotEligible(Ineligible::Body) => "not_eligible_body",
+            ReplayOutcome::NotEligible(Ineligible::Method) => "not_eligible_method",
+            ReplayOutcome::NotEligible(Ineligible::Upgrade) => "not_eligible_upgrade",
+            ReplayOutcome::NotEligible(Ineligible::Connect) => "not_eligible_connect",
+            ReplayOutcome::NotEligible(Ineligible::Grpc) => "not_eligible_grpc",
+            ReplayOutcome::NotEligible(Ineligible::Encoding) => "not_eligible_encoding",
+            ReplayOutcome::NotEligible(Ineligible::Stale) => "not_eligible_stale",
         }
     }
 }
@@ -167,8 +167,8 @@ pub fn reason_allows_replay(reason: staleguard_core::Reason) -> Result<(), Ineli
 /// Whether a replay that ended with `outcome` counts as the filter's
 /// `retry` action (the client got a replayed answer, or its timeout) rather
 /// than a `reject` (the client got the rejection).
-pub fn counts_as_retry(outcome: Outcome) -> bool {
-    matches!(outcome, Outcome::Answered | Outcome::Timeout)
+pub fn counts_as_retry(outcome: ReplayOutcome) -> bool {
+    matches!(outcome, ReplayOutcome::Answered | ReplayOutcome::Timeout)
 }
 
 /// May this request be replayed? `end_of_stream` is what Envoy said with the
@@ -392,7 +392,7 @@ pub enum Step {
     Deliver,
     /// Give up with this outcome (`Exhausted`: the normal rejection;
     /// `Timeout`: a 504).
-    Fail(Outcome),
+    Fail(ReplayOutcome),
 }
 
 /// One request's replay: the batches still to try and the deadline.
@@ -425,19 +425,19 @@ impl Replay {
     pub fn on_result(&mut self, now_ms: u64, result: CallResult) -> Step {
         match result {
             CallResult::Answer => Step::Deliver,
-            CallResult::TooLarge => Step::Fail(Outcome::AnswerTooLarge),
-            CallResult::TimedOut => Step::Fail(Outcome::Timeout),
+            CallResult::TooLarge => Step::Fail(ReplayOutcome::AnswerTooLarge),
+            CallResult::TimedOut => Step::Fail(ReplayOutcome::Timeout),
             // A call that failed at its deadline is the timeout; one that
             // failed sooner (a member that died since the index said live,
             // a refused connection) is worth the next batch.
-            CallResult::Failed if now_ms >= self.deadline_ms => Step::Fail(Outcome::Timeout),
+            CallResult::Failed if now_ms >= self.deadline_ms => Step::Fail(ReplayOutcome::Timeout),
             CallResult::TwinMiss | CallResult::Failed => self.next(now_ms),
         }
     }
 
     fn next(&mut self, now_ms: u64) -> Step {
         if now_ms >= self.deadline_ms {
-            return Step::Fail(Outcome::Timeout);
+            return Step::Fail(ReplayOutcome::Timeout);
         }
         match self.batches.next() {
             Some(hosts) => {
@@ -447,7 +447,7 @@ impl Replay {
                     timeout_ms: self.deadline_ms - now_ms,
                 }
             }
-            None => Step::Fail(Outcome::Exhausted),
+            None => Step::Fail(ReplayOutcome::Exhausted),
         }
     }
 }

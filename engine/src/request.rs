@@ -1,4 +1,4 @@
-//! One request's path through the filter: the verdict ([`crate::check`]),
+//! One request's path through the filter: the verdict ([`crate::judgement`]),
 //! counting it, the reply of a rejection, and a replay's start and steps
 //! ([`crate::replay`]). Every host operation goes through [`Host`]; an
 //! adapter only forwards its host's HTTP callbacks here.
@@ -12,17 +12,15 @@ use std::time::Duration;
 use staleguard_core::verdict::{FailurePolicy, Reason};
 
 use crate::cache::Cache;
-use crate::check::{header_value, judge, Effect, Lazy, Outcome, Upstream};
 use crate::config::{Config, Fallback, RetryConfig, CONFIG_REFUSED};
 use crate::host::{Host, Next};
+use crate::judgement::{header_value, judge, Effect, Lazy, Ruling, Upstream};
 use crate::log_budget::LogBudget;
 use crate::members;
 use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
-use crate::replay::{
-    self, CallResult, Ineligible, Outcome as ReplayOutcome, Replay, Step, TwinConfig,
-};
+use crate::replay::{self, CallResult, Ineligible, Replay, ReplayOutcome, Step, TwinConfig};
 use crate::steer::{self, SteerConfig};
-use crate::store::View;
+use crate::store::IndexReader;
 
 /// What the root context and every request of one VM share: the plugin
 /// configuration (or, when it was refused, the fallback), the metric tally,
@@ -59,7 +57,7 @@ impl VmState {
     }
 }
 
-/// The lazy reads of `check::judge`, from a host.
+/// The lazy reads of `judgement::judge`, from a host.
 #[derive(Debug)]
 pub struct LazyReads<'a, H: ?Sized>(pub &'a H);
 
@@ -161,7 +159,7 @@ impl Filter {
             cluster: host.property(&["xds", "cluster_name"]),
             address: host.property(&["upstream", "address"]),
         };
-        let outcome = judge(
+        let ruling = judge(
             &config,
             &mut self.vm.cache.borrow_mut(),
             &*host,
@@ -169,20 +167,20 @@ impl Filter {
             &LazyReads(&*host),
         );
         let mut m = self.vm.metrics.borrow_mut();
-        let (service, ip, verdict, effect) = match outcome {
-            Outcome::Unmapped => {
+        let (service, ip, verdict, effect) = match ruling {
+            Ruling::Unmapped => {
                 m.count(host, Count::Unmapped);
                 return Next::Continue;
             }
-            Outcome::NoAddress => {
+            Ruling::NoAddress => {
                 m.count(host, Count::NoAddress);
                 return Next::Continue;
             }
-            Outcome::OutOfScope => {
+            Ruling::OutOfScope => {
                 m.count(host, Count::OutOfScope);
                 return Next::Continue;
             }
-            Outcome::Judged {
+            Ruling::Judged {
                 service,
                 ip,
                 verdict,
@@ -293,13 +291,8 @@ impl Filter {
         headers: usize,
         body_size: usize,
     ) {
-        let Some(config) = self.vm.config.clone() else {
-            return;
-        };
-        let Some(retry) = config.replay() else {
-            return;
-        };
-        let Some(pending) = self.replay.as_mut() else {
+        let vm_config = self.vm.config.clone();
+        let Some((_, retry, pending)) = under_way(vm_config.as_deref(), &mut self.replay) else {
             return;
         };
         if pending.token != Some(token) {
@@ -348,7 +341,7 @@ impl Filter {
     /// request to the guarded cluster; never pause.
     fn steer_request<H: Host>(&mut self, host: &mut H, steer: &SteerConfig) -> Next {
         let now_ms = host.now_ms();
-        let fresh = View::new(&*host)
+        let fresh = IndexReader::new(&*host)
             .meta()
             .filter(|m| m.is_fresh(now_ms, steer.max_staleness_ms));
         let members = match (fresh, steer.key()) {
@@ -383,7 +376,7 @@ impl Filter {
         replay::reason_allows_replay(reason)?;
         let headers = replay::text_headers(host.request_headers())?;
         replay::eligibility(retry, &headers, end_of_stream)?;
-        let batches = match (View::new(&*host).meta(), stale) {
+        let batches = match (IndexReader::new(&*host).meta(), stale) {
             (Some(meta), Some(stale)) => {
                 let live = members::read(&*host, service, meta.load);
                 replay::plan(retry, &live, stale, host.random_u64())
@@ -408,14 +401,10 @@ impl Filter {
     /// Carries out `step`s until one waits for an answer (`Pause`) or ends the
     /// request.
     fn drive<H: Host>(&mut self, host: &mut H, mut step: Step) {
+        let vm_config = self.vm.config.clone();
         loop {
-            let Some(config) = self.vm.config.clone() else {
-                return;
-            };
-            let Some(retry) = config.replay() else {
-                return;
-            };
-            let Some(pending) = self.replay.as_mut() else {
+            let Some((config, retry, pending)) = under_way(vm_config.as_deref(), &mut self.replay)
+            else {
                 return;
             };
             match step {
@@ -488,7 +477,7 @@ impl Filter {
                 Step::Fail(outcome) => {
                     let reason = pending.reason;
                     self.finish(host, outcome);
-                    reject(host, &config, config.reject_status, reason);
+                    reject(host, config, config.reject_status, reason);
                     return;
                 }
             }
@@ -528,6 +517,17 @@ impl Filter {
             .borrow_mut()
             .inc(host, &metrics::retries(outcome), 1);
     }
+}
+
+/// The replay under way and what it runs by: the configuration and its retry
+/// settings. `None` when there is no configuration, it does not replay, or
+/// the request has no replay.
+fn under_way<'c, 'r>(
+    config: Option<&'c Config>,
+    replay: &'r mut Option<Pending>,
+) -> Option<(&'c Config, &'c RetryConfig, &'r mut Pending)> {
+    let config = config?;
+    Some((config, config.replay()?, replay.as_mut()?))
 }
 
 /// The filter's own answer to a rejected request: `status`, the reason in

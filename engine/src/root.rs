@@ -19,7 +19,7 @@ use crate::metrics::{self, VmMetrics};
 use crate::replay::TwinConfig;
 use crate::request::{Filter, VmState};
 use crate::steer::SteerConfig;
-use crate::store::View;
+use crate::store::IndexReader;
 use crate::sync::{Applied, Poller, SyncConfig, SyncError, WithBody};
 
 /// Verdict log lines allowed per VM per second (the counters count all).
@@ -586,7 +586,7 @@ impl Root {
                 );
             }
         }
-        match View::new(&*host).meta() {
+        match IndexReader::new(&*host).meta() {
             Some(meta) => {
                 m.gauge(host, metrics::GAUGE_GENERATION, meta.generation);
                 m.gauge(host, metrics::GAUGE_ENTRIES, meta.entries);

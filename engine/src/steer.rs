@@ -22,7 +22,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use serde::Deserialize;
 use staleguard_core::ServiceKey;
 
-use crate::config::{header_problem, RetryConfig};
+use crate::config::{header_problem, range_problem, RetryConfig, HOSTS_PER_CALL};
 use crate::host::SharedData;
 use crate::members::Member;
 use crate::replay;
@@ -103,9 +103,7 @@ impl SteerConfig {
         if steer.port == 0 {
             problems.push("steer.port must not be 0".to_owned());
         }
-        if !(1..=64).contains(&steer.hosts) {
-            problems.push(format!("steer.hosts {} not in 1..=64", steer.hosts));
-        }
+        problems.extend(range_problem("steer.hosts", steer.hosts, HOSTS_PER_CALL));
         problems.extend(header_problem(
             "steer.endpoint_header",
             &steer.endpoint_header,
@@ -199,6 +197,7 @@ mod tests {
         ] {
             assert!(bad.contains(problem), "{bad}");
         }
+        assert!(bad.contains("steer.hosts 0 not in 1..=64"), "{bad}");
         assert!(SteerConfig::parse(br#"{"steer":{"service":"a/b","port":1,"x":1}}"#).is_err());
     }
 

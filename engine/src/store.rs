@@ -216,14 +216,15 @@ pub fn next_id(store: &mut dyn SharedData, key: &str) -> Result<u64, StoreError>
     Err(StoreError::CasMismatch)
 }
 
-/// A worker's view: reads only the keys one request needs.
+/// The index's reader: reads only the keys one request needs.
 #[derive(Debug)]
-pub struct View<'a, S: ?Sized> {
+pub struct IndexReader<'a, S: ?Sized> {
     store: &'a S,
 }
 
 /// What a worker reads for one request, in one value (tests only: requests
-/// read through [`View::meta`], [`View::service`] and [`View::record`]).
+/// read through [`IndexReader::meta`], [`IndexReader::service`] and
+/// [`IndexReader::record`]).
 #[cfg(test)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Lookup {
@@ -237,8 +238,8 @@ pub(crate) struct Lookup {
     pub(crate) record: Entry<IpRecord>,
 }
 
-impl<'a, S: SharedData + ?Sized> View<'a, S> {
-    /// A view over `store`.
+impl<'a, S: SharedData + ?Sized> IndexReader<'a, S> {
+    /// A reader over `store`.
     pub fn new(store: &'a S) -> Self {
         Self { store }
     }
@@ -267,7 +268,7 @@ impl<'a, S: SharedData + ?Sized> View<'a, S> {
     /// The record of `ip` in the index `meta` describes, with every service
     /// in it a [`buckets::placeholder`] of its id: one record serves a
     /// verdict about any service, asked as
-    /// `placeholder(service_id(service))` (what `crate::check` does).
+    /// `placeholder(service_id(service))` (what `crate::judgement` does).
     pub fn record(&self, meta: &Meta, ip: &IpAddr) -> Entry<IpRecord> {
         match self.store.get(&buckets::key_of(ip, meta.buckets)) {
             Ok((value, _)) => match buckets::find(&value.unwrap_or_default(), ip, meta.load) {
@@ -393,7 +394,8 @@ mod tests {
     #[test]
     fn lookup_before_any_sync_has_no_meta() {
         let s = MemoryStore::default();
-        let l = View::new(&s).lookup(&ServiceKey::new("a", "b"), &"10.0.0.1".parse().unwrap());
+        let l =
+            IndexReader::new(&s).lookup(&ServiceKey::new("a", "b"), &"10.0.0.1".parse().unwrap());
         assert_eq!(l.meta, None);
     }
 }

@@ -1,5 +1,5 @@
 //! Native fuzzing of everything the filter parses from outside: the plugin
-//! configuration, validator answers (applied through the poller, as the glue
+//! configuration, validator answers (applied through the poller, as the root
 //! does), and shared-data values (meta, IP and service entries, the lease).
 //!
 //! Inputs are valid documents mutated at random (bit flips, cuts, splices,
@@ -23,7 +23,9 @@ use staleguard_engine::host::SharedData;
 use staleguard_engine::lease::Lease;
 use staleguard_engine::replay::TwinConfig;
 use staleguard_engine::steer::SteerConfig;
-use staleguard_engine::store::{decode_service, MemoryStore, Meta, View, LEASE_KEY, META_KEY};
+use staleguard_engine::store::{
+    decode_service, IndexReader, MemoryStore, Meta, LEASE_KEY, META_KEY,
+};
 use staleguard_engine::sync::{Poller, SyncConfig};
 
 struct Rng(u64);
@@ -193,7 +195,7 @@ fn feed(input: &[u8], rng: &mut Rng) {
         .unwrap();
     // The reads of a request: meta, then (under a meta that decodes, or
     // the smallest layout) the service and the IP's bucket.
-    let view = View::new(&store);
+    let view = IndexReader::new(&store);
     let meta = view.meta().unwrap_or(Meta {
         buckets: buckets::MIN_BUCKETS,
         ..Meta::default()

@@ -4,7 +4,7 @@
 //! process memory instead of Envoy shared data: the poller writes it through
 //! the same [`SharedData`] trait, every worker's filter and load balancer
 //! reads it, and [`judge`] runs the engine's verdict (the Wasm filter's)
-//! ([`staleguard_engine::check::judge`]) on it, so the native build and the
+//! ([`staleguard_engine::judgement::judge`]) on it, so the native build and the
 //! Wasm filter cannot disagree on a host.
 
 use std::cell::RefCell;
@@ -16,9 +16,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use staleguard_core::{Reason, Snapshot};
 use staleguard_engine::buckets::CompactRecord;
 use staleguard_engine::cache::Cache;
-use staleguard_engine::check::{self, Lazy, Outcome, Upstream};
 use staleguard_engine::config::Config;
 use staleguard_engine::host::{SharedData, StoreError};
+use staleguard_engine::judgement::{self, Lazy, Ruling, Upstream};
 use staleguard_engine::store::write::Writer;
 use staleguard_engine::store::{MemoryStore, Meta};
 
@@ -69,7 +69,7 @@ thread_local! {
 pub struct Judgement {
     /// The engine's outcome: unmapped cluster, no address, out of scope,
     /// or judged (reason, action, and what the configured mode makes of it).
-    pub outcome: Outcome,
+    pub outcome: Ruling,
 }
 
 impl Judgement {
@@ -80,7 +80,7 @@ impl Judgement {
     pub fn fresh(&self) -> bool {
         !matches!(
             &self.outcome,
-            Outcome::Judged { verdict, .. } if verdict.reason == Reason::Stale
+            Ruling::Judged { verdict, .. } if verdict.reason == Reason::Stale
         )
     }
 
@@ -88,7 +88,7 @@ impl Judgement {
     pub fn rejects(&self) -> bool {
         matches!(
             &self.outcome,
-            Outcome::Judged { verdict, .. } if verdict.action == staleguard_core::Action::Reject
+            Ruling::Judged { verdict, .. } if verdict.action == staleguard_core::Action::Reject
         )
     }
 }
@@ -141,7 +141,7 @@ pub fn judge_address(config: &Config, cluster: &str, address: &str) -> Judgement
 pub fn judge_upstream(config: &Config, upstream: &Upstream, lazy: &dyn Lazy) -> Judgement {
     let outcome = CACHE.with(|cache| {
         let mut cache = cache.borrow_mut();
-        check::judge(config, &mut cache, &ProcessStore, upstream, lazy)
+        judgement::judge(config, &mut cache, &ProcessStore, upstream, lazy)
     });
     Judgement { outcome }
 }
@@ -206,16 +206,13 @@ mod tests {
         assert!(member.fresh() && !member.rejects(), "{member:?}");
         let destroyed = judge_address(&config, "shop-cart", "10.0.0.2:8080");
         assert!(destroyed.fresh() && destroyed.rejects(), "{destroyed:?}");
-        let Outcome::Judged { verdict, .. } = destroyed.outcome else {
+        let Ruling::Judged { verdict, .. } = destroyed.outcome else {
             panic!("not judged");
         };
         assert_eq!(
             (verdict.reason, verdict.action),
             (Reason::Destroyed, Action::Reject)
         );
-        assert_eq!(
-            judge(&config, "elsewhere", &gone).outcome,
-            Outcome::Unmapped
-        );
+        assert_eq!(judge(&config, "elsewhere", &gone).outcome, Ruling::Unmapped);
     }
 }

@@ -30,7 +30,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use staleguard_engine::check::{Effect, Outcome};
+use staleguard_engine::judgement::{Effect, Ruling};
 
 use crate::index::Judgement;
 
@@ -64,13 +64,13 @@ impl Standing {
     /// The standing of a host the index judged so.
     pub fn of(judgement: &Judgement) -> Self {
         match &judgement.outcome {
-            Outcome::Judged { effect, .. } => match effect {
+            Ruling::Judged { effect, .. } => match effect {
                 Effect::Reject { .. } => Standing::Stale,
                 Effect::Audit => Standing::Audited,
                 Effect::Allow if !judgement.fresh() => Standing::Unchecked,
                 Effect::Allow => Standing::Good,
             },
-            Outcome::Unmapped | Outcome::NoAddress | Outcome::OutOfScope => Standing::Good,
+            Ruling::Unmapped | Ruling::NoAddress | Ruling::OutOfScope => Standing::Good,
         }
     }
 
@@ -460,7 +460,7 @@ mod tests {
             (0..3)
                 .map(|_| {
                     picker.choose(&hosts, |a| {
-                        let ip = staleguard_engine::check::parse_ip(a).unwrap();
+                        let ip = staleguard_engine::judgement::parse_ip(a).unwrap();
                         Standing::of(&crate::index::judge(config, cluster, &ip))
                     })
                 })

@@ -6,8 +6,9 @@
 //! the one copy of the validator's index per Envoy process that every hook
 //! reads ([`index::judge`]); then [`abi`], the only module with `unsafe`
 //! code: the ABI's types, the program init that refuses an Envoy of another
-//! ABI, and one submodule per extension ([`abi::http`] the upstream HTTP
-//! filter, [`abi::lb`] the load-balancing policy). [`lb`] is the policy's
+//! ABI ([`abi::version`]), and one submodule per extension ([`abi::http`]
+//! the upstream HTTP filter, [`abi::bootstrap`] the poller, [`abi::lb`] the
+//! load-balancing policy). [`lb`] is the policy's
 //! choice among hosts; [`stats`] maps the engine's metrics to Envoy's. The decisions themselves are the
 //! engine's (`staleguard_engine`, which the Wasm filter runs too): this crate adapts Envoy to them and decides
 //! nothing of its own. When to choose this build, the Envoy versions it

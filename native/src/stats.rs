@@ -131,8 +131,8 @@ impl Catalog {
 mod tests {
     use super::*;
     use staleguard_core::Reason;
-    use staleguard_engine::check::Effect;
-    use staleguard_engine::replay::Outcome;
+    use staleguard_engine::judgement::Effect;
+    use staleguard_engine::replay::ReplayOutcome;
 
     #[test]
     fn every_name_the_filter_builds_resolves() {
@@ -145,7 +145,10 @@ mod tests {
                 MetricKind::Counter,
                 metrics::requests_replayed("shop/cart", Reason::Recycled),
             ),
-            (MetricKind::Counter, metrics::retries(Outcome::Answered)),
+            (
+                MetricKind::Counter,
+                metrics::retries(ReplayOutcome::Answered),
+            ),
             (MetricKind::Counter, metrics::twin_picks(true)),
             (
                 MetricKind::Counter,

@@ -108,7 +108,7 @@ fn pod_cidrs_put_other_ips_out_of_scope_and_hbone_endpoints_are_judged_with_on_r
     let r = envoy.get(&istio("live"))?;
     assert_eq!((r.status, r.header("x-host")), (200, "cart-a"), "{r:?}");
     // Outside pod_cidrs: not judged (without them: destroyed, see the unit
-    // tests in engine/src/check.rs), reached, counted.
+    // tests in engine/src/judgement.rs), reached, counted.
     let r = envoy.get(&istio("remote"))?;
     assert_eq!(
         (r.status, r.header("x-host")),

@@ -287,6 +287,27 @@ fn bad_retry_settings_are_reported_together() {
 }
 
 #[test]
+fn tick_ms_reject_status_and_the_retry_counts_outside_their_ranges_name_field_value_and_range() {
+    let err = Config::parse(
+        br#"{"validator_cluster":"sg","tick_ms":9,"lease_ttl_ms":60000,"reject_status":600,
+        "retry":{"attempts":11,"hosts_per_attempt":0,"timeout_ms":3600001,
+        "max_answer_bytes":67108865}}"#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.problems(),
+        [
+            "tick_ms 9 not in 10..=60000",
+            "reject_status 600 not in 200..=599",
+            "retry.attempts 11 not in 1..=10",
+            "retry.hosts_per_attempt 0 not in 1..=64",
+            "retry.timeout_ms 3600001 not in 1..=3600000",
+            "retry.max_answer_bytes 67108865 not in 1..=67108864",
+        ]
+    );
+}
+
+#[test]
 fn the_token_can_come_from_the_vm_environment() {
     let env = |name: &str| (name == "SG_TOKEN").then(|| "s3cret\n".to_owned());
     let c = Config::parse_with_env(br#"{"validator_cluster":"sg","token_env":"SG_TOKEN"}"#, env)

@@ -199,23 +199,23 @@ fn a_replay_walks_the_batches_until_an_answer_or_the_end() {
     assert_eq!(replay.attempts(), 2);
     assert_eq!(
         replay.on_result(1_200, CallResult::Failed),
-        Step::Fail(Outcome::Exhausted)
+        Step::Fail(ReplayOutcome::Exhausted)
     );
     let (mut replay, _) = Replay::start(vec![b("10.0.0.2:80")], 0, 500);
     assert_eq!(replay.on_result(10, CallResult::Answer), Step::Deliver);
     let (mut replay, _) = Replay::start(vec![b("10.0.0.2:80"), b("10.0.0.3:80")], 0, 500);
     assert_eq!(
         replay.on_result(500, CallResult::Failed),
-        Step::Fail(Outcome::Timeout)
+        Step::Fail(ReplayOutcome::Timeout)
     );
     let (mut replay, _) = Replay::start(vec![b("10.0.0.2:80"), b("10.0.0.3:80")], 0, 500);
     assert_eq!(
         replay.on_result(499, CallResult::TimedOut),
-        Step::Fail(Outcome::Timeout)
+        Step::Fail(ReplayOutcome::Timeout)
     );
     assert_eq!(
         Replay::start(vec![], 0, 500).1,
-        Step::Fail(Outcome::Exhausted)
+        Step::Fail(ReplayOutcome::Exhausted)
     );
 }
 
@@ -258,7 +258,7 @@ fn retry_max_answer_bytes_refuses_a_larger_answer() {
     let (mut replay, _) = Replay::start(vec![vec![sa("10.0.0.2:80")]], 0, 500);
     assert_eq!(
         replay.on_result(10, CallResult::TooLarge),
-        Step::Fail(Outcome::AnswerTooLarge)
+        Step::Fail(ReplayOutcome::AnswerTooLarge)
     );
 }
 
@@ -268,16 +268,19 @@ fn stale_verdicts_are_not_replayed_and_only_replayed_answers_count_as_retry() {
     assert_eq!(reason_allows_replay(Reason::Stale), Err(Ineligible::Stale));
     assert_eq!(reason_allows_replay(Reason::Destroyed), Ok(()));
     assert_eq!(reason_allows_replay(Reason::Recycled), Ok(()));
-    assert!(counts_as_retry(Outcome::Answered));
-    assert!(counts_as_retry(Outcome::Timeout));
-    assert!(!counts_as_retry(Outcome::Exhausted));
-    assert!(!counts_as_retry(Outcome::NotEligible(Ineligible::Body)));
+    assert!(counts_as_retry(ReplayOutcome::Answered));
+    assert!(counts_as_retry(ReplayOutcome::Timeout));
+    assert!(!counts_as_retry(ReplayOutcome::Exhausted));
+    assert!(!counts_as_retry(ReplayOutcome::NotEligible(
+        Ineligible::Body
+    )));
 }
 
 #[test]
 fn outcome_labels_are_distinct() {
-    let labels: std::collections::BTreeSet<_> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
-    assert_eq!(labels.len(), Outcome::ALL.len());
+    let labels: std::collections::BTreeSet<_> =
+        ReplayOutcome::ALL.iter().map(|o| o.as_str()).collect();
+    assert_eq!(labels.len(), ReplayOutcome::ALL.len());
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The writer of the shared-data index: a snapshot or a delta, once the
 //! poller ([`crate::sync`]) has judged it in sequence and the guard has let it
 //! through, laid out into buckets, services, member lists and `meta`. The
-//! reader is [`super::View`]; the layout is described in [`super`].
+//! reader is [`super::IndexReader`]; the layout is described in [`super`].
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use staleguard_core::wire::Delta;
 use staleguard_core::{ServiceKey, Snapshot};
 
-use super::{encode_service, next_id, service_key, Meta, View, LOADS_KEY, META_KEY};
+use super::{encode_service, next_id, service_key, IndexReader, Meta, LOADS_KEY, META_KEY};
 use crate::buckets::{self, Bucket, CompactRecord};
 use crate::entry::Entry;
 use crate::host::{SharedData, StoreError};
@@ -318,7 +318,7 @@ impl Writer {
         fresh: bool,
         gains: &[&CompactRecord],
     ) -> Result<(), StoreError> {
-        let Some(meta) = View::new(&*store).meta() else {
+        let Some(meta) = IndexReader::new(&*store).meta() else {
             return Ok(());
         };
         let mut edits: BTreeMap<u32, Vec<&CompactRecord>> = BTreeMap::new();
@@ -363,7 +363,7 @@ impl Writer {
         now_ms: u64,
         fresh: bool,
     ) -> Result<(), StoreError> {
-        let Some(meta) = View::new(&*store).meta() else {
+        let Some(meta) = IndexReader::new(&*store).meta() else {
             return Ok(());
         };
         refreshed(store, meta, now_ms, fresh)
@@ -641,7 +641,7 @@ mod tests {
             self.store.set(key, value, cas)?;
             self.writes += 1;
             for ip in &self.live {
-                let record = View::new(&self.store).lookup(&cart(), ip).record;
+                let record = IndexReader::new(&self.store).lookup(&cart(), ip).record;
                 assert!(
                     matches!(record, Entry::Present(_)),
                     "after write {} ({key}): {ip} reads {record:?}",
@@ -768,6 +768,6 @@ mod tests {
         assert!(err.is_err());
         assert_eq!(writer.buckets, first.buckets, "still the layout meta names");
         assert_eq!(writer.entries, 100);
-        assert_eq!(View::new(&store.store).meta(), Some(first));
+        assert_eq!(IndexReader::new(&store.store).meta(), Some(first));
     }
 }

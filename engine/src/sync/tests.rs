@@ -1,7 +1,7 @@
 use super::*;
 use crate::buckets;
 use crate::entry::Entry;
-use crate::store::{MemoryStore, View};
+use crate::store::{IndexReader, MemoryStore};
 
 use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey};
 use std::net::IpAddr;
@@ -70,7 +70,7 @@ fn delta(epoch: u64, since: u64, generation: u64) -> Delta {
 
 fn present(store: &MemoryStore, ip: &str) -> bool {
     matches!(
-        View::new(store)
+        IndexReader::new(store)
             .lookup(&cart(), &ip.parse().unwrap())
             .record,
         Entry::Present(_)
@@ -113,7 +113,7 @@ fn starts_with_a_snapshot_then_long_polls() {
         req.path(),
         "/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=5"
     );
-    let meta = View::new(&store).meta().unwrap();
+    let meta = IndexReader::new(&store).meta().unwrap();
     assert_eq!((meta.epoch, meta.generation, meta.synced_ms), (9, 3, 10));
     assert!(meta.fresh);
 }
@@ -147,7 +147,7 @@ fn packed_answers_apply_as_their_json_does_and_are_asked_for_first() {
         for (at, (answer, first)) in answers.iter().enumerate() {
             p.next_request(at as u64, &store).unwrap();
             let applied = p.on_response(at as u64, 200, &encode(answer, *first), &mut store);
-            let meta = View::new(&store).meta().unwrap();
+            let meta = IndexReader::new(&store).meta().unwrap();
             let buckets: Vec<_> = ips
                 .iter()
                 .map(|ip| {
@@ -211,7 +211,7 @@ fn deltas_upsert_and_remove() {
     p.next_request(20, &store);
     p.on_response(90, 200, &json(&Changes::Delta(delta(9, 5, 5))), &mut store)
         .unwrap();
-    assert_eq!(View::new(&store).meta().unwrap().synced_ms, 90);
+    assert_eq!(IndexReader::new(&store).meta().unwrap().synced_ms, 90);
 }
 
 #[test]
@@ -495,14 +495,14 @@ fn an_index_that_outgrows_its_buckets_is_laid_out_again_at_a_snapshot() {
     d.upserts = grown.clone();
     p.on_response(1_000, 200, &json(&Changes::Delta(d)), &mut store)
         .unwrap();
-    assert_eq!(View::new(&store).meta().unwrap().buckets, 1_024);
+    assert_eq!(IndexReader::new(&store).meta().unwrap().buckets, 1_024);
     assert!(present(&store, &v6(n - 1)), "still served meanwhile");
     assert_eq!(p.next_request(2_000, &store), Some(Request::Snapshot));
     let ips: Vec<String> = (0..n).map(v6).collect();
     let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
     p.on_response(2_000, 200, &json(&snapshot(9, 2, &ips)), &mut store)
         .unwrap();
-    let meta = View::new(&store).meta().unwrap();
+    let meta = IndexReader::new(&store).meta().unwrap();
     assert_eq!((meta.buckets, meta.entries), (4_096, u64::from(n)));
     assert!(present(&store, &v6(n - 1)) && present(&store, &v6(0)));
 }
@@ -511,7 +511,7 @@ fn an_index_that_outgrows_its_buckets_is_laid_out_again_at_a_snapshot() {
 fn the_guard_holds_an_empty_reset_and_the_old_data_keeps_serving() {
     let ips = twenty_ips();
     let (mut p, mut store) = loaded(&ips.iter().map(String::as_str).collect::<Vec<_>>());
-    let before = View::new(&store).meta().unwrap();
+    let before = IndexReader::new(&store).meta().unwrap();
     let mut empty = snapshot(10, 1, &[]);
     empty.services = vec![cart()];
     let empty = json(&Changes::Reset(empty));
@@ -526,7 +526,7 @@ fn the_guard_holds_an_empty_reset_and_the_old_data_keeps_serving() {
         Some(GuardEvent::Held(b)) if b.lost_ips == 20
     ));
     assert_eq!(
-        View::new(&store).meta(),
+        IndexReader::new(&store).meta(),
         Some(Meta {
             synced_ms: 10,
             ..before
@@ -557,7 +557,7 @@ fn the_guard_holds_an_empty_reset_and_the_old_data_keeps_serving() {
         .unwrap(),
         Applied::StillHeld
     );
-    assert_eq!(View::new(&store).meta().unwrap().synced_ms, 5_200);
+    assert_eq!(IndexReader::new(&store).meta().unwrap().synced_ms, 5_200);
     assert_eq!(p.next_request(5_200, &store), Some(watch));
     // The held answer changes: judged anew, from the applied generation.
     let mut changed = delta(10, 1, 2);
@@ -595,7 +595,7 @@ fn the_guard_holds_an_empty_reset_and_the_old_data_keeps_serving() {
 fn a_pod_that_appears_during_a_hold_is_written_and_nothing_else() {
     let ips = twenty_ips();
     let (mut p, mut store) = loaded(&ips.iter().map(String::as_str).collect::<Vec<_>>());
-    let before = View::new(&store).meta().unwrap();
+    let before = IndexReader::new(&store).meta().unwrap();
     // A wrong reset: 18 of 20 IPs gone, and one new pod (10.0.1.1).
     let held = Changes::Reset(snapshot(10, 1, &["10.0.0.1", "10.0.0.2", "10.0.1.1"]));
     p.next_request(10, &store);
@@ -617,7 +617,7 @@ fn a_pod_that_appears_during_a_hold_is_written_and_nothing_else() {
         "the held losses are not written"
     );
     assert_eq!(
-        View::new(&store).meta(),
+        IndexReader::new(&store).meta(),
         Some(Meta {
             synced_ms: 10,
             ..before
@@ -638,7 +638,7 @@ fn a_hold_keeps_the_data_fresh_only_while_the_validator_calls_it_fresh() {
             .unwrap(),
         Applied::Held
     );
-    let meta = View::new(&store).meta().unwrap();
+    let meta = IndexReader::new(&store).meta().unwrap();
     assert!(!meta.fresh, "a validator that is not fresh is not trusted");
     assert!(!meta.is_fresh(20, 60_000));
 }
@@ -687,7 +687,10 @@ fn a_wrong_validator_cannot_make_the_guard_hold_the_correct_one() {
     );
     assert!(!p.guard_holding());
     assert!(present(&store, "10.0.0.1") && !present(&store, "10.0.0.2"));
-    assert!(View::new(&store).meta().unwrap().is_fresh(3_000, 5_000));
+    assert!(IndexReader::new(&store)
+        .meta()
+        .unwrap()
+        .is_fresh(3_000, 5_000));
 }
 
 #[test]
@@ -751,7 +754,7 @@ fn the_guard_lets_a_delta_of_tombstones_through_at_once() {
         Applied::Delta { changed: 230 }
     );
     assert_eq!(p.take_guard_event(), None);
-    let pods = |ip: &str| match View::new(&store)
+    let pods = |ip: &str| match IndexReader::new(&store)
         .lookup(&cart(), &ip.parse().unwrap())
         .record
     {
@@ -770,7 +773,7 @@ fn unfresh_answers_are_recorded_as_not_fresh() {
     let mut s = snapshot(1, 1, &[]);
     s.freshness.fresh = false;
     p.on_response(0, 200, &json(&s), &mut store).unwrap();
-    assert!(!View::new(&store).meta().unwrap().fresh);
+    assert!(!IndexReader::new(&store).meta().unwrap().fresh);
 }
 
 #[test]

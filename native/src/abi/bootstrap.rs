@@ -18,7 +18,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use staleguard_engine::config::Config;
 use staleguard_engine::root::Root;
-use staleguard_engine::store::View;
+use staleguard_engine::store::IndexReader;
 
 use super::host::{copy_answer, Answer, EnvoyHeader, EnvoyHost, Metrics, Surface, CALLOUT_SUCCESS};
 use super::{contain, EnvoyBuffer, ModuleBuffer};
@@ -57,7 +57,7 @@ extern "C" {
         config: *mut c_void,
         callout_id: *mut u64,
         cluster: ModuleBuffer,
-        headers: *const super::host::ModuleHeader,
+        headers: *const super::ModuleHeader,
         headers_len: usize,
         body: ModuleBuffer,
         timeout_ms: u64,
@@ -124,7 +124,7 @@ impl PollerConfig {
         let Some(until) = poller.hold_until_ms else {
             return;
         };
-        let synced = View::new(&ProcessStore).meta().is_some();
+        let synced = IndexReader::new(&ProcessStore).meta().is_some();
         if synced || now_ms() >= until {
             if !synced {
                 log::warn!(

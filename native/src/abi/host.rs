@@ -4,44 +4,17 @@
 //! They differ in which Envoy callbacks define and update metrics and send
 //! callouts: a [`Surface`] names them.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::io::{Cursor, Read};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use staleguard_engine::host::{
     Callouts, Clock, MetricKind, RawHeaders, SharedData, Stats, StoreError, Stream, Vm,
 };
 
-use super::{EnvoyBuffer, ModuleBuffer};
+use super::{EnvoyBuffer, ModuleBuffer, ModuleHeader};
 use crate::index::ProcessStore;
-use crate::stats::{Catalog, Resolved, FAMILIES};
-
-/// A header the module lends Envoy.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(super) struct ModuleHeader {
-    key: *const u8,
-    key_len: usize,
-    value: *const u8,
-    value_len: usize,
-}
-
-impl ModuleHeader {
-    /// Lends `headers` to Envoy (they must outlive the call they go to).
-    fn lend<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<Self> {
-        headers
-            .map(|(k, v)| Self {
-                key: k.as_ptr(),
-                key_len: k.len(),
-                value: v.as_ptr(),
-                value_len: v.len(),
-            })
-            .collect()
-    }
-}
 
 /// A header Envoy lends the module.
 #[repr(C)]
@@ -59,8 +32,6 @@ pub(super) const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
 const REQUEST_HEADERS: u32 = 0;
 /// `envoy_dynamic_module_type_http_header_type_ResponseHeader`.
 const RESPONSE_HEADERS: u32 = 2;
-/// `envoy_dynamic_module_type_metrics_result_Success`.
-pub(super) const METRICS_SUCCESS: u32 = 0;
 /// `envoy_dynamic_module_type_http_callout_init_result_Success`.
 pub(super) const CALLOUT_INIT_SUCCESS: u32 = 0;
 /// `envoy_dynamic_module_type_http_callout_result_Success`.
@@ -79,40 +50,6 @@ pub(super) const CALLBACKS: &[&std::ffi::CStr] = &[
     c"envoy_dynamic_module_callback_http_filter_increment_counter",
     c"envoy_dynamic_module_callback_http_filter_set_gauge",
 ];
-
-/// Defines a metric on a config: `(config, name, label names, count, id out)`.
-pub(super) type DefineFn =
-    unsafe extern "C" fn(*mut c_void, ModuleBuffer, *const ModuleBuffer, usize, *mut usize) -> u32;
-/// Updates a metric: `(handle, id, label values, count, value)`.
-pub(super) type UpdateFn =
-    unsafe extern "C" fn(*mut c_void, usize, *const ModuleBuffer, usize, u64) -> u32;
-/// Sends a callout from a config: `(config, id out, cluster, headers, count,
-/// body, timeout ms)`.
-pub(super) type CalloutFn = unsafe extern "C" fn(
-    *mut c_void,
-    *mut u64,
-    ModuleBuffer,
-    *const ModuleHeader,
-    usize,
-    ModuleBuffer,
-    u64,
-) -> u32;
-
-/// The config-level callbacks of one extension.
-#[derive(Debug)]
-pub(super) struct Surface {
-    /// Defines a counter.
-    pub(super) define_counter: DefineFn,
-    /// Defines a gauge.
-    pub(super) define_gauge: DefineFn,
-    /// Adds to a counter from the config (none on the HTTP filter before
-    /// ABI v0.2.0: the update waits for the next request).
-    pub(super) increment_counter: Option<UpdateFn>,
-    /// Sets a gauge from the config (same).
-    pub(super) set_gauge: Option<UpdateFn>,
-    /// Sends a callout.
-    pub(super) callout: CalloutFn,
-}
 
 extern "C" {
     fn envoy_dynamic_module_callback_http_get_header(
@@ -164,24 +101,10 @@ extern "C" {
         body: ModuleBuffer,
         details: ModuleBuffer,
     );
-    fn envoy_dynamic_module_callback_http_filter_increment_counter(
-        filter: *mut c_void,
-        id: usize,
-        values: *const ModuleBuffer,
-        values_len: usize,
-        by: u64,
-    ) -> u32;
-    fn envoy_dynamic_module_callback_http_filter_set_gauge(
-        filter: *mut c_void,
-        id: usize,
-        values: *const ModuleBuffer,
-        values_len: usize,
-        value: u64,
-    ) -> u32;
 }
 
 mod counters;
-pub(super) use counters::{Metrics, Update};
+pub(super) use counters::{Metrics, Surface, Update};
 
 // === impl EnvoyHost ===
 

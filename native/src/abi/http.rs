@@ -75,7 +75,7 @@ extern "C" {
         config: *mut c_void,
         callout_id: *mut u64,
         cluster: ModuleBuffer,
-        headers: *const super::host::ModuleHeader,
+        headers: *const super::ModuleHeader,
         headers_len: usize,
         body: ModuleBuffer,
         timeout_ms: u64,

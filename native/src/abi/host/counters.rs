@@ -1,8 +1,71 @@
-//! The filter's metrics as Envoy defines them: families at config time, the
-//! engine's dotted metric names resolved to a family and its labels, and the
-//! sink that applies updates made outside a request.
+//! The filter's metrics as Envoy defines them: the config-level callbacks of
+//! each extension ([`Surface`]), families at config time, the engine's dotted
+//! metric names resolved to a family and its labels, and the sink that
+//! applies updates made outside a request.
 
-use super::*;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use staleguard_engine::host::MetricKind;
+
+use crate::abi::{ModuleBuffer, ModuleHeader};
+use crate::stats::{Catalog, Resolved, FAMILIES};
+
+/// `envoy_dynamic_module_type_metrics_result_Success`.
+const METRICS_SUCCESS: u32 = 0;
+
+/// Defines a metric on a config: `(config, name, label names, count, id out)`.
+pub(in crate::abi) type DefineFn =
+    unsafe extern "C" fn(*mut c_void, ModuleBuffer, *const ModuleBuffer, usize, *mut usize) -> u32;
+/// Updates a metric: `(handle, id, label values, count, value)`.
+pub(in crate::abi) type UpdateFn =
+    unsafe extern "C" fn(*mut c_void, usize, *const ModuleBuffer, usize, u64) -> u32;
+/// Sends a callout from a config: `(config, id out, cluster, headers, count,
+/// body, timeout ms)`.
+pub(in crate::abi) type CalloutFn = unsafe extern "C" fn(
+    *mut c_void,
+    *mut u64,
+    ModuleBuffer,
+    *const ModuleHeader,
+    usize,
+    ModuleBuffer,
+    u64,
+) -> u32;
+
+/// The config-level callbacks of one extension.
+#[derive(Debug)]
+pub(in crate::abi) struct Surface {
+    /// Defines a counter.
+    pub(in crate::abi) define_counter: DefineFn,
+    /// Defines a gauge.
+    pub(in crate::abi) define_gauge: DefineFn,
+    /// Adds to a counter from the config (none on the HTTP filter before
+    /// ABI v0.2.0: the update waits for the next request).
+    pub(in crate::abi) increment_counter: Option<UpdateFn>,
+    /// Sets a gauge from the config (same).
+    pub(in crate::abi) set_gauge: Option<UpdateFn>,
+    /// Sends a callout.
+    pub(in crate::abi) callout: CalloutFn,
+}
+
+extern "C" {
+    fn envoy_dynamic_module_callback_http_filter_increment_counter(
+        filter: *mut c_void,
+        id: usize,
+        values: *const ModuleBuffer,
+        values_len: usize,
+        by: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_set_gauge(
+        filter: *mut c_void,
+        id: usize,
+        values: *const ModuleBuffer,
+        values_len: usize,
+        value: u64,
+    ) -> u32;
+}
 
 /// The filter's metrics as Envoy ids: families defined at config time, the
 /// filter's metric ids (dotted names) resolved to a family and its labels,

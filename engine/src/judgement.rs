@@ -11,7 +11,7 @@ use crate::cache::Cache;
 use crate::config::{Config, Mode};
 use crate::entry::Entry;
 use crate::host::SharedData;
-use crate::store::View;
+use crate::store::IndexReader;
 
 /// What the host told us about the upstream request: the two properties
 /// every request reads.
@@ -58,9 +58,9 @@ impl Effect {
     }
 }
 
-/// The outcome for one request.
+/// What [`judge`] rules for one request: left untouched (and why), or judged.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Ruling {
     /// The cluster maps to no service: untouched.
     Unmapped,
     /// The upstream address is missing or unreadable (an internal address
@@ -122,7 +122,7 @@ pub fn judge(
     store: &dyn SharedData,
     upstream: &Upstream,
     lazy: &dyn Lazy,
-) -> Outcome {
+) -> Ruling {
     let cluster = upstream.cluster.as_deref().unwrap_or_default();
     let service = cache.service_of(cluster, || {
         let host = if config.istio {
@@ -133,15 +133,15 @@ pub fn judge(
         resolve_service(config, cluster, host.as_deref())
     });
     let Some(service) = service else {
-        return Outcome::Unmapped;
+        return Ruling::Unmapped;
     };
     let Some(ip) = upstream.address.as_deref().and_then(parse_ip) else {
-        return Outcome::NoAddress;
+        return Ruling::NoAddress;
     };
     if !config.in_scope(ip) {
-        return Outcome::OutOfScope;
+        return Ruling::OutOfScope;
     }
-    let stamp = View::new(store).meta_and_cas();
+    let stamp = IndexReader::new(store).meta_and_cas();
     cache.align(stamp);
     let meta = stamp
         .map(|(meta, _)| meta)
@@ -168,7 +168,7 @@ pub fn judge(
             status: config.reject_status,
         },
     };
-    Outcome::Judged {
+    Ruling::Judged {
         service,
         ip,
         verdict,
@@ -202,7 +202,7 @@ fn verdict_of(
             None
         }
     };
-    // Cached records name their services by id (`View::record`).
+    // Cached records name their services by id (`IndexReader::record`).
     let by_id = buckets::placeholder(buckets::service_id(service));
     decide(&config.policy, fresh, &by_id, known, record)
 }
@@ -314,15 +314,15 @@ mod tests {
     }
 
     /// One request with a cold cache.
-    fn judge_at(c: &Config, s: &dyn SharedData, up: &Upstream, now_ms: u64) -> Outcome {
+    fn judge_at(c: &Config, s: &dyn SharedData, up: &Upstream, now_ms: u64) -> Ruling {
         judge(c, &mut Cache::default(), s, up, &at(now_ms))
     }
 
     const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
 
-    fn effect(o: &Outcome) -> (Reason, Effect) {
+    fn effect(o: &Ruling) -> (Reason, Effect) {
         match o {
-            Outcome::Judged {
+            Ruling::Judged {
                 verdict, effect, ..
             } => (verdict.reason, *effect),
             other => panic!("not judged: {other:?}"),
@@ -421,14 +421,14 @@ mod tests {
         );
         assert_eq!(
             judge_at(&c, &s, &upstream("plain", "10.0.0.1:80"), 0),
-            Outcome::Unmapped
+            Ruling::Unmapped
         );
         let mut no_addr = upstream(CART, "");
         no_addr.address = None;
-        assert_eq!(judge_at(&c, &s, &no_addr, 0), Outcome::NoAddress);
+        assert_eq!(judge_at(&c, &s, &no_addr, 0), Ruling::NoAddress);
         // An internal address without an endpoint_id has no IP either.
         let internal = upstream(CART, "envoy://connect_originate/");
-        assert_eq!(judge_at(&c, &s, &internal, 0), Outcome::NoAddress);
+        assert_eq!(judge_at(&c, &s, &internal, 0), Ruling::NoAddress);
     }
 
     #[test]
@@ -538,7 +538,7 @@ mod tests {
         let mut stale = store(&[]);
         let meta = Meta {
             fresh: false,
-            ..View::new(&stale).meta().unwrap()
+            ..IndexReader::new(&stale).meta().unwrap()
         };
         stale.set(META_KEY, &meta.encode(), None).unwrap();
         let host = at(1_500);
@@ -594,7 +594,7 @@ mod tests {
             &record("10.0.0.1", vec![pod(&[pay], false)]),
         )
         .unwrap();
-        let meta = View::new(&s).meta().unwrap();
+        let meta = IndexReader::new(&s).meta().unwrap();
         let next = Meta {
             generation: meta.generation + 1,
             ..meta
@@ -613,7 +613,7 @@ mod tests {
         // Another cluster's pod, an east-west gateway: passed, not destroyed.
         assert_eq!(
             judge_at(&scoped, &s, &upstream(CART, "10.8.3.4:8080"), 2_000),
-            Outcome::OutOfScope
+            Ruling::OutOfScope
         );
         // Inside: judged as ever; a gone pod of this cluster is destroyed.
         assert_eq!(
@@ -640,7 +640,7 @@ mod tests {
         let remote_hbone = upstream(CART, "envoy://connect_originate/10.8.3.4:15008");
         assert_eq!(
             judge_at(&scoped, &s, &remote_hbone, 2_000),
-            Outcome::OutOfScope
+            Ruling::OutOfScope
         );
         assert_eq!(
             parse_ip("envoy://connect_originate/[::ffff:10.244.1.5]:80"),
