@@ -37,10 +37,25 @@
 //! measuring every gateway once for `SECONDS` (3) with `CONNECTIONS` (8)
 //! keep-alive clients, in an order rotated per round; the Envoy process's
 //! utime+stime per request, the median of the rounds, and the median of
-//! the per-round ratios to `none`. Memory: the `lb` gateway's RSS with the
-//! index loaded against the same gateway with only the two live pods
-//! indexed, per indexed IP. `VALGRIND` (`all`) names the gateways whose instructions
-//! are counted (`none,lb`), or `none` for no count.
+//! the per-round ratios to `none`. Memory: the `lb` gateway with the index
+//! loaded against the same gateway with only the two live pods indexed, per
+//! indexed IP: RSS, and what Envoy's allocator (tcmalloc, which the module's
+//! `malloc` goes to as well) says on the admin `/memory` page: bytes in use,
+//! and bytes it holds free (page heap free, still resident). `RESETS` (0)
+//! more full resets are then forced on both (the validator restarts with a
+//! new epoch) and the memory measured again. `VALGRIND` (`all`) names the
+//! gateways whose instructions are counted (`none,lb`), or `none` for no
+//! count. `ONLY=memory` measures the memory alone (no valgrind, no CPU).
+//! `VARIANTS` (all) names the gateways to run besides `none`
+//! (`native_noop,native_filter`), for a short paired run; the idle CPU of
+//! each gateway (no request for `SECONDS`) is printed first.
+//! `BEFORE_NATIVE=<.so>` adds `native_filter_before`, the native filter
+//! with that build of the module (the module of another commit), paired in
+//! the same run.
+//! Every gateway runs with `deploy/native/envoy-lb.yaml`'s
+//! `memory_allocator_manager` (Envoy gives free memory back every second);
+//! `RELEASE=<bytes>` replaces its `bytes_to_release`, `RELEASE=0` leaves it
+//! out.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -57,6 +72,7 @@ use serde_json::{json, Value};
 use staleguard_bench::{cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us};
 use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::blocking::{Answer, Server};
+use staleguard_tests::envoy::stats::STAT_RESETS;
 use staleguard_tests::envoy::{
     cluster_mut, dependencies, native, shipped_plugin, Cluster, Envoy, Gateway, Launch,
 };
@@ -78,6 +94,8 @@ enum Variant {
     Wasm,
     NativeNoop,
     NativeFilter,
+    /// `native_filter` with the module of `BEFORE_NATIVE` (another build).
+    NativeFilterBefore,
     Lb,
 }
 
@@ -89,6 +107,7 @@ impl Variant {
             Variant::Wasm => "wasm",
             Variant::NativeNoop => "native_noop",
             Variant::NativeFilter => "native_filter",
+            Variant::NativeFilterBefore => "native_filter_before",
             Variant::Lb => "lb",
         }
     }
@@ -104,18 +123,28 @@ struct Setup {
     small_validator: FakeValidator,
     hosts: Vec<SocketAddr>,
     pods: u64,
+    /// `BEFORE_NATIVE`: another build of the module, for `native_filter_before`.
+    before: Option<PathBuf>,
+    /// `RELEASE`: the gateways' `memory_allocator_manager.bytes_to_release`
+    /// instead of the shipped one (0: none).
+    release: Option<u64>,
 }
 
 /// `deploy/native/envoy-lb.yaml`: the module's bootstrap extension (the
-/// poller) and `shop-cart`'s load-balancing policy.
-fn shipped_lb() -> Result<(Value, Value)> {
+/// poller), `shop-cart`'s load-balancing policy, and the bootstrap's
+/// `memory_allocator_manager`.
+fn shipped_lb() -> Result<(Value, Value, Value)> {
     let doc: Value = yaml_serde::from_str(&std::fs::read_to_string(LB_FILE)?)?;
     let policy = doc["static_resources"]["clusters"]
         .as_array()
         .and_then(|cs| cs.iter().find(|c| c["name"] == CLUSTER))
         .map(|c| c["load_balancing_policy"].clone())
         .context("no shop-cart load_balancing_policy in deploy/native/envoy-lb.yaml")?;
-    Ok((doc["bootstrap_extensions"].clone(), policy))
+    Ok((
+        doc["bootstrap_extensions"].clone(),
+        policy,
+        doc["memory_allocator_manager"].clone(),
+    ))
 }
 
 /// The bootstrap of `variant` on free ports, and the environment it runs in.
@@ -144,9 +173,25 @@ fn bootstrap(
             swap_module(&mut doc, noop);
         }
     }
-    let (poller, policy) = shipped_lb()?;
-    if matches!(variant, Variant::NativeFilter | Variant::Lb) {
+    let (poller, policy, release) = shipped_lb()?;
+    if matches!(
+        variant,
+        Variant::NativeFilter | Variant::NativeFilterBefore | Variant::Lb
+    ) {
         doc["bootstrap_extensions"] = poller;
+    }
+    // Envoy's own release of free memory, as shipped, or `RELEASE`'s bytes a
+    // second (0: none): in every gateway, so that the CPU ratios compare the
+    // filters alone.
+    match setup.release {
+        None => doc["memory_allocator_manager"] = release,
+        Some(0) => {}
+        Some(bytes) => {
+            doc["memory_allocator_manager"] = json!({
+                "bytes_to_release": bytes,
+                "memory_release_interval": "1s",
+            })
+        }
     }
     let c = cluster_mut(&mut doc, CLUSTER)?;
     match variant {
@@ -156,13 +201,17 @@ fn bootstrap(
                 ["typed_config"]["filter_name"] = json!("noop");
             c["typed_extension_protocol_options"] = options;
         }
-        Variant::NativeFilter => {
+        Variant::NativeFilter | Variant::NativeFilterBefore => {
             c["typed_extension_protocol_options"] = native::upstream_filter_options(&plugin)
         }
         Variant::Lb => c["load_balancing_policy"] = policy,
         _ => {}
     }
-    Ok((doc, vec![native::search_path(&setup.module)]))
+    let module = match (variant, &setup.before) {
+        (Variant::NativeFilterBefore, Some(before)) => before,
+        _ => &setup.module,
+    };
+    Ok((doc, vec![native::search_path(module)]))
 }
 
 /// Starts `variant` with `envoy` (Envoy itself, or a valgrind wrapper) and
@@ -366,12 +415,105 @@ fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64>
     Ok(done.load(Ordering::Relaxed))
 }
 
+/// What a gateway's memory is made of, in bytes: the process's RSS and
+/// the allocator's own account (Envoy's admin `/memory`).
+#[derive(Debug, Clone, Copy)]
+struct Heap {
+    rss: f64,
+    /// Bytes the program holds (`allocated`).
+    allocated: f64,
+    /// Bytes the allocator holds free and still resident (`pageheap_free`).
+    free: f64,
+    /// Bytes in its per-CPU and per-thread caches (`total_thread_cache`).
+    cached: f64,
+    /// Bytes it counts as resident (`total_physical_bytes`).
+    physical: f64,
+}
+
+impl Heap {
+    fn of(envoy: &Envoy) -> Result<Self> {
+        let page: Value = serde_json::from_str(&envoy.admin("/memory")?)?;
+        // uint64 fields come as JSON strings.
+        let field = |name: &str| -> Result<f64> {
+            let v = &page[name];
+            v.as_str()
+                .and_then(|s| s.parse().ok())
+                .or_else(|| v.as_f64())
+                .with_context(|| format!("/memory has no {name}: {page}"))
+        };
+        Ok(Self {
+            rss: rss_kib(envoy.pid())? as f64 * 1024.0,
+            allocated: field("allocated")?,
+            free: field("pageheap_free")?,
+            cached: field("total_thread_cache")?,
+            physical: field("total_physical_bytes")?,
+        })
+    }
+}
+
+/// The memory of `full` against `small`, per IP of the `ips` that only
+/// `full` indexes, as one line: RSS, and what it is made of by the
+/// allocator's account.
+fn memory_line(when: &str, full: Heap, small: Heap, ips: usize) -> (f64, String) {
+    let d = |f: fn(&Heap) -> f64| (f(&full) - f(&small)) / ips as f64;
+    let rss = d(|h| h.rss);
+    let physical = d(|h| h.physical);
+    let (allocated, free, cached) = (d(|h| h.allocated), d(|h| h.free), d(|h| h.cached));
+    let line = format!(
+        "memory {when}: RSS {:.1} MiB against {:.1} MiB: {rss:.1} bytes per indexed IP = \
+         in use {allocated:.1} + free pages {free:.1} + caches {cached:.1} \
+         + the allocator's other bytes (free objects in used spans, metadata) {:.1} \
+         + outside the allocator's count {:.1}",
+        full.rss / 1048576.0,
+        small.rss / 1048576.0,
+        physical - allocated - free - cached,
+        rss - physical,
+    );
+    (rss, line)
+}
+
+/// Forces a full reset on the gateways' validators (a new epoch) and waits
+/// until each gateway applied it (its `resets` count reached `resets`).
+fn reset_all(setup: &Setup, gateways: &[&Envoy], epoch: u64, resets: u64) -> Result<()> {
+    setup.validator.restart(epoch);
+    setup.small_validator.restart(epoch);
+    for e in gateways {
+        e.eventually("a reset", Duration::from_secs(300), |e| {
+            Ok(e.stat(STAT_RESETS)? >= resets)
+        })?;
+    }
+    Ok(())
+}
+
+/// What the module's store holds for the index of `records` (loaded here,
+/// in this process, as a reset writes it), per IP, as one line.
+fn store_footprint(services: &[ServiceKey], records: &[IpRecord]) -> Result<String> {
+    let snapshot = staleguard_bench::fresh_snapshot(services.to_vec(), records.to_vec());
+    staleguard_native::index::load_snapshot(&serde_json::to_vec(&snapshot)?, 0)
+        .map_err(anyhow::Error::msg)?;
+    let f = staleguard_native::index::footprint();
+    let per_ip = |bytes: usize| bytes as f64 / records.len() as f64;
+    Ok(format!(
+        "the module's store (in this process, {} IPs): {:.1} bytes per IP: bucket lines {:.1}, \
+         bucket slots {:.1}, member lists {:.1}, other keys {:.1}, map tables {:.1}",
+        records.len(),
+        per_ip(f.total()),
+        per_ip(f.bucket_values),
+        per_ip(f.bucket_slots),
+        per_ip(f.member_values),
+        per_ip(f.named),
+        per_ip(f.tables),
+    ))
+}
+
 fn main() -> Result<()> {
     let pods = env_usize("PODS", 150_000);
     let requests = env_usize("REQUESTS", 2000);
     let rounds = env_usize("ROUNDS", 3).max(1);
     let seconds = env_usize("SECONDS", 3).max(1);
     let connections = env_usize("CONNECTIONS", 8).max(1);
+    let resets = env_usize("RESETS", 0) as u64;
+    let memory_only = std::env::var("ONLY").is_ok_and(|o| o == "memory");
     let (Some((envoy, wasm)), Some(module)) = (dependencies(), native::module()) else {
         bail!("Envoy, the filter or the native module is missing (see the module docs)");
     };
@@ -407,6 +549,7 @@ fn main() -> Result<()> {
     services.push(cart.clone());
     records.extend(live_records.iter().cloned());
     let indexed = records.len();
+    let footprint = store_footprint(&services, &records)?;
     let validator = FakeValidator::start(3000)?;
     validator.set_index(services, records);
     let small_validator = FakeValidator::start(3001)?;
@@ -420,6 +563,8 @@ fn main() -> Result<()> {
         small_validator,
         hosts,
         pods: pods as u64,
+        before: std::env::var_os("BEFORE_NATIVE").map(PathBuf::from),
+        release: std::env::var("RELEASE").ok().and_then(|r| r.parse().ok()),
     };
     let mut variants = vec![Variant::None];
     if setup.noop.is_some() {
@@ -431,6 +576,13 @@ fn main() -> Result<()> {
         Variant::NativeFilter,
         Variant::Lb,
     ]);
+    if setup.before.is_some() {
+        variants.push(Variant::NativeFilterBefore);
+    }
+    if let Ok(only) = std::env::var("VARIANTS") {
+        // `none` stays: every ratio is to it.
+        variants.retain(|v| *v == Variant::None || only.split(',').any(|n| n == v.name()));
+    }
     println!(
         "native_cost: {indexed} IPs indexed, Envoy {}, load average {}",
         setup.envoy.display(),
@@ -440,7 +592,7 @@ fn main() -> Result<()> {
     // Instructions per request, one gateway at a time under valgrind.
     let mut instr: BTreeMap<&str, f64> = BTreeMap::new();
     let under_valgrind = std::env::var("VALGRIND").unwrap_or_else(|_| "all".into());
-    if under_valgrind != "none" {
+    if under_valgrind != "none" && !memory_only {
         for &v in variants
             .iter()
             .filter(|v| under_valgrind == "all" || under_valgrind.split(',').any(|n| n == v.name()))
@@ -457,13 +609,31 @@ fn main() -> Result<()> {
 
     // CPU per request, every gateway running, measured in turn.
     let mut running: Vec<(Variant, Envoy)> = Vec::new();
+    if memory_only {
+        variants = vec![Variant::Lb];
+    }
     for &v in &variants {
         running.push((v, start(&setup, v, &setup.envoy, &setup.validator)?));
+    }
+    // What each gateway burns with no request (its timers, pollers, threads):
+    // it is counted in the CPU per request below.
+    if !memory_only {
+        std::thread::sleep(Duration::from_secs(1));
+        let before: Vec<u64> = running
+            .iter()
+            .map(|(_, e)| cpu_ticks(e.pid()))
+            .collect::<Result<_>>()?;
+        std::thread::sleep(Duration::from_secs(seconds as u64));
+        for ((v, e), t0) in running.iter().zip(before) {
+            let ms_per_s = ticks_us(cpu_ticks(e.pid())? - t0) / 1e3 / seconds as f64;
+            println!("idle {}: {ms_per_s:.1} ms of CPU per second", v.name());
+        }
     }
     let mut cost: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut ratio: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut order: Vec<usize> = (0..running.len()).collect();
-    for round in 0..rounds {
+    let cpu_rounds = if memory_only { 0 } else { rounds };
+    for round in 0..cpu_rounds {
         if round > 0 {
             order.rotate_left(1);
         }
@@ -485,19 +655,48 @@ fn main() -> Result<()> {
     }
 
     // Memory: the lb gateway with the whole index against one with two IPs.
-    let lb = running
-        .iter()
-        .find(|(v, _)| *v == Variant::Lb)
-        .map(|(_, e)| e)
-        .context("lb")?;
-    let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_validator)?;
-    for e in [lb, &small] {
-        load(e.listener, 2, 1)?;
+    let mut memory = Vec::new();
+    let mut per_ip = f64::NAN;
+    if let Some((_, lb)) = running.iter().find(|(v, _)| *v == Variant::Lb) {
+        let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_validator)?;
+        for e in [lb, &small] {
+            load(e.listener, 2, 1)?;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        let first;
+        (per_ip, first) = memory_line(
+            "after the first sync",
+            Heap::of(lb)?,
+            Heap::of(&small)?,
+            indexed - 2,
+        );
+        memory.push(first);
+        if resets > 0 {
+            for r in 1..=resets {
+                reset_all(&setup, &[lb, &small], 3001 + r, 1 + r)?;
+            }
+            for e in [lb, &small] {
+                load(e.listener, 2, 1)?;
+            }
+            std::thread::sleep(Duration::from_secs(2));
+            let (_, after) = memory_line(
+                &format!("after {resets} more resets"),
+                Heap::of(lb)?,
+                Heap::of(&small)?,
+                indexed - 2,
+            );
+            memory.push(after);
+        }
     }
-    std::thread::sleep(Duration::from_secs(2));
-    let (full_kib, small_kib) = (rss_kib(lb.pid())?, rss_kib(small.pid())?);
-    let per_ip = (full_kib as f64 - small_kib as f64) * 1024.0 / (indexed - 2) as f64;
 
+    for line in &memory {
+        println!("{line}");
+    }
+    println!("{footprint}");
+    if memory_only {
+        println!("\nMACHINE native_cost bytes_per_ip={per_ip:.1}");
+        return Ok(());
+    }
     println!(
         "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {rounds}) | x none (median of per-round ratios) |"
     );
@@ -518,16 +717,11 @@ fn main() -> Result<()> {
         );
     }
     println!(
-        "\nlb gateway RSS: {:.1} MiB with {indexed} IPs, {:.1} MiB with 2: {per_ip:.1} bytes per indexed IP",
-        full_kib as f64 / 1024.0,
-        small_kib as f64 / 1024.0
-    );
-    println!(
         "\nMACHINE native_cost lb_instr_ratio={} native_filter_instr_ratio={} lb_cpu_ratio={:.3} native_filter_cpu_ratio={:.3} bytes_per_ip={per_ip:.1}",
         ratio_of(&instr, "lb"),
         ratio_of(&instr, "native_filter"),
-        median(ratio.get_mut("lb").context("lb")?),
-        median(ratio.get_mut("native_filter").context("native")?),
+        ratio.get_mut("lb").map_or(f64::NAN, |r| median(r)),
+        ratio.get_mut("native_filter").map_or(f64::NAN, |r| median(r)),
     );
     Ok(())
 }

@@ -1,9 +1,10 @@
 //! The index: one copy of the validator's data per Envoy process.
 //!
 //! The engine's store layout ([`staleguard_engine::store`]) kept in plain
-//! process memory instead of Envoy shared data: the poller writes it through
-//! the same [`SharedData`] trait, every worker's filter and load balancer
-//! reads it, and [`judge`] runs the engine's verdict (the Wasm filter's)
+//! process memory instead of Envoy shared data ([`crate::store`]: keys parsed
+//! once, values in exact-size boxes): the poller writes it through the same
+//! [`SharedData`] trait, every worker's filter and load balancer reads it,
+//! and [`judge`] runs the engine's verdict (the Wasm filter's)
 //! ([`staleguard_engine::judgement::judge`]) on it, so the native build and the
 //! Wasm filter cannot disagree on a host.
 
@@ -20,9 +21,11 @@ use staleguard_engine::config::Config;
 use staleguard_engine::host::{SharedData, StoreError};
 use staleguard_engine::judgement::{self, Lazy, Ruling, Upstream};
 use staleguard_engine::store::write::Writer;
-use staleguard_engine::store::{MemoryStore, Meta};
+use staleguard_engine::store::Meta;
 
-static STORE: LazyLock<RwLock<MemoryStore>> = LazyLock::new(Default::default);
+use crate::store::{Footprint, Store};
+
+static STORE: LazyLock<RwLock<Store>> = LazyLock::new(Default::default);
 
 /// How many writes the index has taken: a reader that remembers a verdict
 /// (the load balancer's [`crate::lb::Recent`]) forgets it when this moves.
@@ -42,7 +45,7 @@ pub struct ProcessStore;
 impl SharedData for ProcessStore {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
         // A panic while the lock was held cannot leave a half-written value:
-        // MemoryStore replaces each value whole.
+        // the store replaces each value whole.
         STORE
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -57,6 +60,14 @@ impl SharedData for ProcessStore {
         WRITES.fetch_add(1, Ordering::Release);
         written
     }
+}
+
+/// What the process's index holds ([`Store::footprint`]).
+pub fn footprint() -> Footprint {
+    STORE
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .footprint()
 }
 
 thread_local! {

@@ -147,6 +147,24 @@ impl FakeValidator {
         });
     }
 
+    /// Plays a validator restart that comes back with another index: a new
+    /// epoch whose first generation is `records`, in one step. A real
+    /// validator never serves the previous epoch's data under the new epoch;
+    /// [`FakeValidator::restart`] then [`FakeValidator::set_index`] may
+    /// (a held request woken by the restart answers before the new index is
+    /// set), and a filter then applies two resets, the first of the old
+    /// records.
+    pub fn restart_with(&self, epoch: u64, services: Vec<ServiceKey>, records: Vec<IpRecord>) {
+        self.change(|s| {
+            s.epoch = epoch;
+            s.generation = 1;
+            s.floor = 1;
+            s.history.clear();
+            s.services = services;
+            s.records = records.into_iter().map(|r| (r.ip, r)).collect();
+        });
+    }
+
     /// Sets the `fresh` flag of every answer.
     pub fn set_fresh(&self, fresh: bool) {
         self.change(|s| s.fresh = fresh);

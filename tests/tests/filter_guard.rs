@@ -13,7 +13,7 @@ use staleguard_core::wire::Tombstone;
 use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::stats::prometheus_value;
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
+use staleguard_tests::envoy::{shipped_plugin, tail, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::{records::pod, FakeValidator};
 
 const CART: &str = "outbound|8080||cart.shop.svc.cluster.local";
@@ -66,9 +66,10 @@ fn all_served(envoy: &Envoy, cluster: &str, n: usize) -> Result<()> {
         let r = envoy.get(cluster)?;
         ensure!(
             r.status == 200 && r.header("x-staleguard").is_empty(),
-            "{cluster}: a live member was rejected: {} {:?}",
+            "{cluster}: a live member was rejected: {} {:?}\n{}",
             r.status,
-            r.header("x-staleguard")
+            r.header("x-staleguard"),
+            tail(&envoy.log(), 60)
         );
     }
     Ok(())
@@ -86,8 +87,7 @@ fn bogus_reset(
     lost: u64,
 ) -> Result<()> {
     let held = envoy.stat(HELD)?;
-    validator.restart(epoch);
-    validator.set_index(services, records);
+    validator.restart_with(epoch, services, records);
     envoy.eventually("the guard holds the answer", WAIT, |e| {
         Ok(e.stat(HELD)? > held && e.stat(HOLDING)? == 1)
     })?;
@@ -120,8 +120,7 @@ fn restore(
         ServiceKey::new("shop", "cart"),
         ServiceKey::new("shop", "web"),
     ];
-    validator.restart(epoch);
-    validator.set_index(services, records);
+    validator.restart_with(epoch, services, records);
     envoy.eventually("the hold is released", WAIT, |e| {
         Ok(e.stat(RELEASED)? > released
             && e.stat(HOLDING)? == 0
@@ -332,8 +331,7 @@ fn wrong_then_correct(failure_policy: &str) -> Result<()> {
     // 1. A held answer (an empty reset, for twice max_staleness_ms) keeps the
     //    previous data serving as it did, fresh: neither the live pod
     //    rejected (fail-closed) nor the deleted one let through (fail-open).
-    validator.restart(50);
-    validator.set_index(services.clone(), vec![]);
+    validator.restart_with(50, services.clone(), vec![]);
     envoy.eventually("the guard holds the empty reset", WAIT, |e| {
         Ok(e.stat(HOLDING)? == 1)
     })?;
@@ -341,7 +339,8 @@ fn wrong_then_correct(failure_policy: &str) -> Result<()> {
     for (at, live, gone) in &during {
         ensure!(
             live == "served" && gone == "503 destroyed",
-            "{at:?} into the hold ({failure_policy}): live {live}, deleted {gone}"
+            "{at:?} into the hold ({failure_policy}): live {live}, deleted {gone}\n{}",
+            tail(&envoy.log(), 60)
         );
     }
     ensure!(envoy.stat("wasmcustom.staleguard_filter_guard_held_seconds")? >= 5);
@@ -363,8 +362,7 @@ fn wrong_then_correct(failure_policy: &str) -> Result<()> {
         })
         .collect();
     let mut epoch = 100;
-    validator.restart(epoch);
-    validator.set_index(vec![api.clone()], huge);
+    validator.restart_with(epoch, vec![api.clone()], huge);
     let wrong_until = std::time::Instant::now() + Duration::from_secs(11);
     while std::time::Instant::now() < wrong_until {
         std::thread::sleep(Duration::from_millis(900));
@@ -373,18 +371,25 @@ fn wrong_then_correct(failure_policy: &str) -> Result<()> {
         if epoch % 2 == 0 {
             few.push(pod("10.0.0.9", "api-w9", &[&api], false));
         }
-        validator.restart(epoch);
-        validator.set_index(vec![api.clone()], few);
+        validator.restart_with(epoch, vec![api.clone()], few);
     }
 
     // 3. The correct validator answers: its answer is applied within
     //    poll_wait_s + 1 s, and from then on the live pod is served and the
-    //    deleted pod rejected, past max_staleness_ms.
-    std::thread::sleep(Duration::from_millis(500));
+    //    deleted pod rejected, past max_staleness_ms. The reset counter says
+    //    when it is applied, so the wrong validator's last answer must be
+    //    counted first (the poller asks for what follows it), and the
+    //    restart brings the new index in one step (a restart, then a new
+    //    index, may serve the old index once more under the new epoch: one
+    //    more reset, counted before the correct one).
+    let last = format!("/v1/changes?v=1&view=verdict&epoch={epoch}&since=1&");
+    ensure!(
+        validator.wait_for(WAIT, |log| log.iter().any(|r| r.starts_with(&last))),
+        "the wrong validator's last answer (epoch {epoch}) was not applied"
+    );
     let resets = envoy.stat(RESETS)?;
     let asked = std::time::Instant::now();
-    validator.restart(1_000);
-    validator.set_index(services, truth);
+    validator.restart_with(1_000, services, truth);
     let bound = Duration::from_secs(POLL_WAIT_S + 1);
     envoy.eventually("the correct answer applied", bound, |e| {
         Ok(e.stat(RESETS)? > resets)
@@ -394,7 +399,8 @@ fn wrong_then_correct(failure_policy: &str) -> Result<()> {
     for (at, live, gone) in &after {
         ensure!(
             live == "served" && gone == "503 destroyed",
-            "({failure_policy}) {at:?} after the correct answer was applied ({applied:?} after it was served): live {live}, deleted {gone}"
+            "({failure_policy}) {at:?} after the correct answer was applied ({applied:?} after it was served): live {live}, deleted {gone}\n{}",
+            tail(&envoy.log(), 60)
         );
     }
     assert_eq!(envoy.stat(HOLDING)?, 0);

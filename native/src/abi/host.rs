@@ -7,6 +7,7 @@
 use std::ffi::c_void;
 use std::io::{Cursor, Read};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use staleguard_engine::host::{
@@ -125,8 +126,27 @@ pub(super) struct EnvoyHost<'a> {
 pub(super) struct Answer {
     /// Headers, names as text.
     pub(super) headers: RawHeaders,
-    /// The body, whole.
-    pub(super) body: Vec<u8>,
+    /// The body, whole, shared with the reader the poller decodes it from
+    /// ([`Callouts::call_body_reader`]) instead of copied to it.
+    pub(super) body: Body,
+}
+
+/// An answer's body: one exact-size copy of Envoy's chunks, shared.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Body(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for Body {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for Body {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 /// A local reply to send once the lock is released.
@@ -243,8 +263,11 @@ impl Stream for EnvoyHost<'_> {
         match path {
             ["upstream", "address"] => self.attribute(ATTRIBUTE_UPSTREAM_ADDRESS),
             ["xds", "cluster_name"] => self.cluster_name(),
-            // Cluster metadata (Istio's service list) is not read: clusters
-            // map by rules and their names (docs/native.md, "Limits").
+            // Istio's service list (`filter_metadata.istio.services`) is a
+            // list of structs, and the ABI's metadata getters (1.38 to 1.40)
+            // read a namespace's strings, numbers, bools and lists of those
+            // only: its size, never `services[0].host`. Clusters map by rules
+            // and their names (docs/native.md, "Limits").
             _ => None,
         }
     }
@@ -378,18 +401,15 @@ impl Callouts for EnvoyHost<'_> {
     }
 
     fn call_body(&self, offset: usize, len: usize) -> Result<Vec<u8>, String> {
-        let body = self.answer.map_or(&[][..], |a| a.body.as_slice());
+        let body = self.answer.map_or(&[][..], |a| &a.body[..]);
         let end = offset.saturating_add(len).min(body.len());
         Ok(body.get(offset.min(end)..end).unwrap_or_default().to_vec())
     }
 
     fn call_body_reader(&self, size: usize) -> Box<dyn Read> {
-        let body = self.answer.map_or(&[][..], |a| a.body.as_slice());
-        let body = body
-            .get(..size.min(body.len()))
-            .unwrap_or_default()
-            .to_vec();
-        Box::new(Cursor::new(body))
+        // A 150,000-IP snapshot is megabytes: read in place, not copied.
+        let body = self.answer.map(|a| a.body.clone()).unwrap_or_default();
+        Box::new(Cursor::new(body).take(size as u64))
     }
 }
 
@@ -497,10 +517,15 @@ pub(super) unsafe fn copy_answer(
     Answer {
         // SAFETY: each header's key and value are valid for the call.
         headers: unsafe { copy_headers(headers) },
-        body: chunks
-            .iter()
-            // SAFETY: each chunk is valid for the call.
-            .flat_map(|c| unsafe { c.as_bytes() }.iter().copied())
-            .collect(),
+        body: {
+            // Sized once: grown by doubling, a large answer would cost up to
+            // twice its size, which the allocator keeps.
+            let mut body = Vec::with_capacity(chunks.iter().map(|c| c.len).sum());
+            for chunk in chunks {
+                // SAFETY: each chunk is valid for the call.
+                body.extend_from_slice(unsafe { chunk.as_bytes() });
+            }
+            Body(Arc::new(body))
+        },
     }
 }
