@@ -27,6 +27,12 @@
 //! reset before the measurement (the validator restarts between them), since
 //! a Wasm VM's memory never shrinks and a reset's peak could creep.
 //!
+//! Envoy CPU per reset: utime + stime of the Envoy process (every thread,
+//! `/proc/PID/stat`, 10 ms ticks) from the moment the validator's index
+//! changed to the moment the filter counted the reset, the first reset (an
+//! empty index replaced) and the median of the others; it includes
+//! answering the admin `/stats` polls that wait for it (a few ms).
+//!
 //! `BEFORE_WASM`: another staleguard module (an older commit's) measured in
 //! the same run, each round alternating which goes first, so before and
 //! after are paired under the same load. A module that cannot load the index
@@ -40,7 +46,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use staleguard_bench::{env_usize, index_gateway, median, rss_kib, swap_module, synthetic_index};
+use staleguard_bench::{
+    cpu_ticks, env_usize, index_gateway, median, rss_kib, swap_module, synthetic_index, ticks_us,
+};
 use staleguard_tests::envoy::Envoy;
 use staleguard_tests::fake_validator::FakeValidator;
 
@@ -73,7 +81,7 @@ fn main() -> Result<()> {
         Ok(rss)
     };
     // `module`: None for the one the harness runs (STALEGUARD_WASM).
-    let ours_rss = |module: Option<&Path>| -> Result<[u64; 6]> {
+    let ours_rss = |module: Option<&Path>| -> Result<[u64; 8]> {
         let validator = FakeValidator::start(7)?;
         let envoy = started(index_gateway(validator.addr()).start_with(|config| {
             if let Some(module) = module {
@@ -87,17 +95,27 @@ fn main() -> Result<()> {
         std::thread::sleep(settle);
         let empty_rss = rss_kib(envoy.pid())? * 1024;
         let empty_vm = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
+        let ticks = cpu_ticks(envoy.pid())?;
         validator.set_index(keys.clone(), records.clone());
         envoy.eventually("the reset", Duration::from_secs(180), |e| {
             Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 2)
         })?;
+        let first_cpu = cpu_ticks(envoy.pid())?.saturating_sub(ticks);
+        let mut again_cpu = vec![];
         for again in 1..resets {
             // A restarted validator: a new epoch, the same index, a reset.
+            let ticks = cpu_ticks(envoy.pid())?;
             validator.restart(7 + again);
             envoy.eventually("another reset", Duration::from_secs(180), |e| {
                 Ok(e.stat("wasmcustom.staleguard_filter_sync_resets_total")? >= 2 + again)
             })?;
+            again_cpu.push(cpu_ticks(envoy.pid())?.saturating_sub(ticks));
         }
+        let again_cpu = if again_cpu.is_empty() {
+            0
+        } else {
+            median(&mut again_cpu)
+        };
         let entries = envoy.stat("wasmcustom.staleguard_filter_index_entries")?;
         if entries != ips {
             bail!("{entries} entries loaded, not {ips}");
@@ -108,14 +126,16 @@ fn main() -> Result<()> {
         let apply_us = envoy.stat("wasmcustom.staleguard_filter_sync_apply_microseconds")?;
         let bytes = envoy.stat("wasmcustom.staleguard_filter_sync_received_bytes_total")?;
         drop(envoy);
-        Ok([empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes])
+        Ok([
+            empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes, first_cpu, again_cpu,
+        ])
     };
 
     let mut modules: Vec<(&str, Option<&Path>)> = vec![("after", None)];
     if let Some(before) = &before {
         modules.insert(0, ("before", Some(before.as_path())));
     }
-    let mut rows: Vec<Vec<[u64; 6]>> = vec![vec![]; modules.len()];
+    let mut rows: Vec<Vec<[u64; 8]>> = vec![vec![]; modules.len()];
     let mut failed: Vec<Option<String>> = vec![None; modules.len()];
     let mut floors: Vec<u64> = vec![];
     for round in 0..rounds {
@@ -153,15 +173,15 @@ fn main() -> Result<()> {
         println!("  noop module RSS: {:.1} MiB", mib(floor));
     }
     println!();
-    println!("| module | RSS above the no-op, per IP | poller VM (peak) | VM growth, per IP | Envoy's growth, per IP | answer | last reset applied in |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!("| module | RSS above the no-op, per IP | poller VM (peak) | VM growth, per IP | Envoy's growth, per IP | answer | last reset applied in | Envoy CPU per reset (first / others) |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut machine = format!("MACHINE ips={ips} resets={resets}");
     for (i, (label, _)) in modules.iter().enumerate() {
         if let Some(error) = &failed[i] {
             // The first line: the harness appends Envoy's log.
             let first = error.lines().next().unwrap_or_default();
             println!(
-                "| {label} | failed: {} | | | | | |",
+                "| {label} | failed: {} | | | | | | |",
                 first.replace('|', "/")
             );
             machine.push_str(&format!(" {label}_failed=1"));
@@ -170,13 +190,19 @@ fn main() -> Result<()> {
         let col = |c: usize| median(&mut rows[i].iter().map(|r| r[c]).collect::<Vec<_>>());
         let (empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes) =
             (col(0), col(1), col(2), col(3), col(4), col(5));
+        let (first_cpu_s, again_cpu_s) = (ticks_us(col(6)) / 1e6, ticks_us(col(7)) / 1e6);
+        let cpu = if resets > 1 {
+            format!("{first_cpu_s:.2} / {again_cpu_s:.2} s")
+        } else {
+            format!("{first_cpu_s:.2} s")
+        };
         let per_ip = |b: u64| b as f64 / ips as f64;
         let above_noop = floor.map(|f| per_ip(full_rss.saturating_sub(f)));
         let vm_growth = full_vm.saturating_sub(empty_vm);
         let rest = full_rss.saturating_sub(empty_rss).saturating_sub(vm_growth);
         let answer_mb = bytes as f64 / 1e6 / resets as f64;
         println!(
-            "| {label} | {} | {:.1} MiB | {:.0} | {:.0} | {:.1} MB | {:.2} s |",
+            "| {label} | {} | {:.1} MiB | {:.0} | {:.0} | {:.1} MB | {:.2} s | {cpu} |",
             above_noop.map_or("n/a".into(), |b| format!("{b:.0}")),
             mib(full_vm),
             per_ip(vm_growth),
@@ -185,14 +211,14 @@ fn main() -> Result<()> {
             apply_us as f64 / 1e6
         );
         machine.push_str(&format!(
-            " {label}_rss_per_ip={} {label}_vm_mib={:.1} {label}_vm_per_ip={:.0} {label}_answer_mb={answer_mb:.1} {label}_apply_s={:.2}",
+            " {label}_rss_per_ip={} {label}_vm_mib={:.1} {label}_vm_per_ip={:.0} {label}_answer_mb={answer_mb:.1} {label}_apply_s={:.2} {label}_reset_cpu_s={first_cpu_s:.2}",
             above_noop.map_or("n/a".into(), |b| format!("{b:.0}")),
             mib(full_vm),
             per_ip(vm_growth),
             apply_us as f64 / 1e6
         ));
         println!(
-            "  {label} raw [empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes]: {:?}",
+            "  {label} raw [empty_rss, empty_vm, full_rss, full_vm, apply_us, bytes, first_cpu_ticks, other_cpu_ticks]: {:?}",
             rows[i]
         );
     }

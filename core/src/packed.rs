@@ -135,6 +135,12 @@ pub enum PackedError {
         /// The version it carried.
         found: u32,
     },
+    /// The caller's [`Visit`] stopped reading (its own error says why).
+    #[error("reading a packed {what}: stopped by its reader")]
+    Stopped {
+        /// Which document was read.
+        what: &'static str,
+    },
     /// The reader failed.
     #[error("reading a packed {what}: {source}")]
     Io {
@@ -226,5 +232,5 @@ mod read;
 mod tests;
 mod write;
 
-pub use read::{decode_changes, decode_snapshot};
+pub use read::{decode_changes, decode_snapshot, is_whole, visit_snapshot, Visit};
 pub use write::{encode_changes, encode_snapshot, reset_of};

@@ -199,6 +199,34 @@ fn feed(bytes: &[u8]) {
         |s| s.name.len() as u64,
         |r| (r.ip, r.fingerprint, r.pods.len()),
     );
+    // The poller's way with a reset: a record at a time, some skipped
+    // unread; it refuses what decoding refuses.
+    let visited = packed::visit_snapshot(bytes, |s| s.name.len() as u64, &mut Every);
+    let decoded = packed::decode_snapshot(bytes, |s| s.name.len() as u64, |_| ());
+    assert_eq!(visited.is_ok(), decoded.is_ok());
+    let _ = packed::visit_snapshot(bytes, |s| s.name.len() as u64, &mut Ipv4Only);
+}
+
+/// Reads every record.
+struct Every;
+
+impl packed::Visit<u64> for Every {
+    fn record(&mut self, _: packed::Record<u64>) -> std::ops::ControlFlow<()> {
+        std::ops::ControlFlow::Continue(())
+    }
+}
+
+/// Reads the IPv4 records, skips the others.
+struct Ipv4Only;
+
+impl packed::Visit<u64> for Ipv4Only {
+    fn wants(&mut self, ip: std::net::IpAddr) -> bool {
+        ip.is_ipv4()
+    }
+
+    fn record(&mut self, _: packed::Record<u64>) -> std::ops::ControlFlow<()> {
+        std::ops::ControlFlow::Continue(())
+    }
 }
 
 proptest! {

@@ -61,12 +61,21 @@ pub fn outgrown(entries: u64, buckets: u32) -> bool {
 pub fn bucket_of(ip: &IpAddr, buckets: u32) -> u32 {
     // FNV-1a over the canonical text: stable across VMs and releases, which a
     // std hasher is not.
-    let mut hash: u32 = 0x811c_9dc5;
-    for byte in canonical(*ip).to_string().bytes() {
-        hash ^= u32::from(byte);
-        hash = hash.wrapping_mul(0x0100_0193);
+    struct Fnv(u32);
+    impl std::fmt::Write for Fnv {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            for byte in s.bytes() {
+                self.0 ^= u32::from(byte);
+                self.0 = self.0.wrapping_mul(0x0100_0193);
+            }
+            Ok(())
+        }
     }
-    hash & buckets.saturating_sub(1)
+    // Hashed as it is formatted: no string per call (a reset asks for
+    // every IP's bucket once per slice).
+    let mut hash = Fnv(0x811c_9dc5);
+    let _ = std::fmt::Write::write_fmt(&mut hash, format_args!("{}", canonical(*ip)));
+    hash.0 & buckets.saturating_sub(1)
 }
 
 /// The shared-data key of bucket `index` of a layout of `buckets`.
@@ -159,6 +168,62 @@ impl Bucket {
         }
         out
     }
+}
+
+/// The bytes [`push_line`] adds for `record` (not vacant).
+pub fn line_len(record: &CompactRecord) -> usize {
+    struct Count(usize);
+    impl std::fmt::Write for Count {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            self.0 += s.len();
+            Ok(())
+        }
+    }
+    let mut ip = Count(0);
+    let _ = std::fmt::Write::write_fmt(&mut ip, format_args!("{}", record.ip));
+    ip.0 + record.line.len() + 2
+}
+
+/// Appends the bucket line of `record` (not vacant) to `out` as a bucket
+/// value carries it: `\n<ip> <holders>`.
+pub fn push_line(out: &mut Vec<u8>, record: &CompactRecord) {
+    use std::io::Write as _;
+    let _ = write!(out, "\n{} ", record.ip);
+    out.extend_from_slice(&record.line);
+}
+
+/// Writes into `value` the bucket value of load `load` whose lines start
+/// at `starts` in `lines` (each as [`push_line`] wrote it, in the order of
+/// the answer); an IP listed twice keeps its last line, as
+/// [`Bucket::put`] does. Returns the number of IPs.
+pub fn encode_lines(value: &mut Vec<u8>, load: u64, lines: &[u8], starts: &[usize]) -> usize {
+    let line = |start: usize| {
+        let rest = lines.get(start..).unwrap_or_default();
+        let end = rest
+            .iter()
+            .skip(1)
+            .position(|b| *b == b'\n')
+            .map_or(rest.len(), |n| n + 1);
+        &rest[..end]
+    };
+    let ip =
+        |line: &'_ [u8]| -> usize { line.iter().position(|b| *b == b' ').unwrap_or(line.len()) };
+    value.clear();
+    value.extend_from_slice(load.to_string().as_bytes());
+    let mut ips = 0;
+    for (i, start) in starts.iter().enumerate() {
+        let this = line(*start);
+        let key = &this[..ip(this)];
+        let again = starts[i + 1..].iter().any(|later| {
+            let later = line(*later);
+            &later[..ip(later)] == key
+        });
+        if !again {
+            value.extend_from_slice(this);
+            ips += 1;
+        }
+    }
+    ips
 }
 
 /// After the load line, if the load is current; `None` for empty or stale
@@ -463,6 +528,63 @@ pub struct CompactRecord {
     pub fingerprint: u32,
     /// The services its tombstone names, by [`service_id`].
     pub tombstone: Box<[u64]>,
+    /// Counts the records alive on this thread, for the tests that show a
+    /// reset is applied without holding all of them.
+    #[cfg(test)]
+    pub(crate) alive: alive::Alive,
+}
+
+/// How many [`CompactRecord`]s a thread holds at once (tests only).
+#[cfg(test)]
+pub(crate) mod alive {
+    use std::cell::Cell;
+
+    thread_local! {
+        static NOW: Cell<usize> = const { Cell::new(0) };
+        static PEAK: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// One record's share of the count.
+    #[derive(Debug)]
+    pub(crate) struct Alive(());
+
+    impl Alive {
+        pub(crate) fn new() -> Self {
+            NOW.with(|now| {
+                now.set(now.get() + 1);
+                PEAK.with(|peak| peak.set(peak.get().max(now.get())));
+            });
+            Self(())
+        }
+    }
+
+    impl Clone for Alive {
+        fn clone(&self) -> Self {
+            Self::new()
+        }
+    }
+
+    impl Drop for Alive {
+        fn drop(&mut self) {
+            NOW.with(|now| now.set(now.get().saturating_sub(1)));
+        }
+    }
+
+    // A record's count never makes two records differ.
+    impl PartialEq for Alive {
+        fn eq(&self, _: &Self) -> bool {
+            true
+        }
+    }
+
+    impl Eq for Alive {}
+
+    /// The most records alive at once on this thread since the last call;
+    /// starts counting again from those alive now.
+    pub(crate) fn take_peak() -> usize {
+        let now = NOW.with(Cell::get);
+        PEAK.with(|peak| peak.replace(now))
+    }
 }
 
 impl CompactRecord {
@@ -482,6 +604,8 @@ impl CompactRecord {
                 .iter()
                 .flat_map(|t| t.services.iter().map(service_id))
                 .collect(),
+            #[cfg(test)]
+            alive: alive::Alive::new(),
         }
     }
 
@@ -520,6 +644,8 @@ impl CompactRecord {
             line: line.into_boxed_slice(),
             fingerprint,
             tombstone: tombstone.unwrap_or_default().into_boxed_slice(),
+            #[cfg(test)]
+            alive: alive::Alive::new(),
         }
     }
 

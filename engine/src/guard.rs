@@ -48,7 +48,7 @@
 //! is taken for the truth, like any change that persists that long.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
 use serde::Deserialize;
 use staleguard_core::wire::Delta;
@@ -156,56 +156,125 @@ pub enum GuardEvent {
     Released,
 }
 
-/// One IP as the guard remembers it (32 bytes: the baseline has one per IP
-/// of the index).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One IP as the guard remembers it: 12 bytes, 16 with an IPv4 key (the
+/// baseline has one per IP of the index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct IpFacts {
-    /// The services the IP is allowed for, by [`service_id`].
-    allowed: Allowed,
-    /// When an allowed IP that was newly allowed counts as allowed; 0 once
-    /// it does. Until then losing it is no loss.
-    confirm_at_ms: u64,
+    /// The set of services the IP is allowed for ([`Sets`]; 0: none) in the
+    /// low 31 bits, and in the top bit the parity of the last reset that
+    /// listed it ([`Baseline::mark`]).
+    set_mark: u32,
     /// [`CompactRecord::fingerprint`]: who holds it.
     fingerprint: u32,
-    /// The reset that last listed the IP ([`Baseline::mark`]).
-    mark: u32,
+    /// 0 once the IP counts as allowed; until then, the ticket of its
+    /// pending confirmation ([`Baseline::pending`]). Losing an unconfirmed
+    /// IP is no loss.
+    ticket: u32,
 }
+
+const MARK: u32 = 1 << 31;
 
 impl IpFacts {
+    fn set(&self) -> u32 {
+        self.set_mark & !MARK
+    }
+
+    fn mark(&self) -> bool {
+        self.set_mark & MARK != 0
+    }
+
+    fn allowed(&self) -> bool {
+        self.set() != 0
+    }
+
     fn unconfirmed(&self) -> bool {
-        self.confirm_at_ms != 0
+        self.ticket != 0
     }
 }
 
-/// Service ids, inline when there is at most one (almost every IP): the
-/// baseline is one entry per IP of the index, so an allocation per IP would
-/// cost the poller's VM as much again.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Allowed {
-    None,
-    One(u64),
-    Many(Box<[u64]>),
+/// The sets of service ids IPs are allowed for, each kept once and named by
+/// a 4-byte id (a cluster has about as many sets as services): the
+/// baseline's facts name a set, not the services.
+#[derive(Debug, Clone)]
+struct Sets {
+    /// Set id -> its service ids, sorted; id 0 is the empty set.
+    ids: Vec<Box<[u64]>>,
+    index: HashMap<Box<[u64]>, u32>,
+    /// How many IPs name each set.
+    refs: Vec<u32>,
+    /// Confirmed IPs allowed for each set (the guard's counts by service
+    /// are sums of these).
+    confirmed: Vec<u64>,
+    /// Ids of sets no IP names any more, for reuse.
+    free: Vec<u32>,
 }
 
-impl Allowed {
-    fn new(ids: Vec<u64>) -> Self {
-        match ids.as_slice() {
-            [] => Allowed::None,
-            [id] => Allowed::One(*id),
-            _ => Allowed::Many(ids.into_boxed_slice()),
+impl Default for Sets {
+    fn default() -> Self {
+        Self {
+            ids: vec![Box::new([])],
+            index: HashMap::new(),
+            refs: vec![0],
+            confirmed: vec![0],
+            free: Vec::new(),
+        }
+    }
+}
+
+impl Sets {
+    /// The id of the set `ids` (sorted, deduplicated), named once more.
+    fn intern(&mut self, ids: &[u64]) -> u32 {
+        if ids.is_empty() {
+            return 0;
+        }
+        let set = match self.index.get(ids) {
+            Some(set) => *set,
+            None => {
+                let ids: Box<[u64]> = ids.into();
+                let set = match self.free.pop() {
+                    Some(set) => {
+                        if let Some(slot) = self.ids.get_mut(set as usize) {
+                            *slot = ids.clone();
+                        }
+                        set
+                    }
+                    None => {
+                        self.ids.push(ids.clone());
+                        self.refs.push(0);
+                        self.confirmed.push(0);
+                        (self.ids.len() - 1) as u32
+                    }
+                };
+                self.index.insert(ids, set);
+                set
+            }
+        };
+        if let Some(refs) = self.refs.get_mut(set as usize) {
+            *refs += 1;
+        }
+        set
+    }
+
+    /// One IP fewer names `set`; a set no IP names is forgotten.
+    fn release(&mut self, set: u32) {
+        if set == 0 {
+            return;
+        }
+        let Some(refs) = self.refs.get_mut(set as usize) else {
+            return;
+        };
+        *refs = refs.saturating_sub(1);
+        if *refs == 0 {
+            if let Some(ids) = self.ids.get_mut(set as usize) {
+                self.index.remove(&**ids);
+                *ids = Box::new([]);
+            }
+            self.free.push(set);
         }
     }
 
-    fn is_empty(&self) -> bool {
-        matches!(self, Allowed::None)
-    }
-
-    fn iter(&self) -> std::slice::Iter<'_, u64> {
-        match self {
-            Allowed::None => [].iter(),
-            Allowed::One(id) => std::slice::from_ref(id).iter(),
-            Allowed::Many(ids) => ids.iter(),
-        }
+    fn ids(&self, set: u32) -> &[u64] {
+        self.ids.get(set as usize).map_or(&[], |ids| ids)
     }
 }
 
@@ -228,6 +297,7 @@ impl<V> Default for IpTable<V> {
 }
 
 impl<V> IpTable<V> {
+    #[cfg(test)]
     fn len(&self) -> usize {
         self.v4.len() + self.v6.len()
     }
@@ -239,6 +309,7 @@ impl<V> IpTable<V> {
         }
     }
 
+    #[cfg(test)]
     fn get_mut(&mut self, ip: &IpAddr) -> Option<&mut V> {
         match ip {
             IpAddr::V4(v4) => self.v4.get_mut(&u32::from(*v4)),
@@ -260,21 +331,16 @@ impl<V> IpTable<V> {
         }
     }
 
-    /// Room for `ips` more of their families, at once rather than by
-    /// doubling as the table fills.
-    fn reserve<'a>(&mut self, ips: impl Iterator<Item = &'a IpAddr>) {
-        let (mut v4, mut v6) = (0usize, 0usize);
-        for ip in ips {
-            match ip {
-                IpAddr::V4(_) => v4 += 1,
-                IpAddr::V6(_) => v6 += 1,
-            }
-        }
+    /// Room for `v4` and `v6` IPs of each family in all, at once rather
+    /// than by doubling as the table fills.
+    fn reserve(&mut self, v4: usize, v6: usize) {
         self.v4.reserve(v4.saturating_sub(self.v4.len()));
         self.v6.reserve(v6.saturating_sub(self.v6.len()));
     }
 
+    #[cfg(test)]
     fn iter(&self) -> impl Iterator<Item = (IpAddr, &V)> {
+        use std::net::{Ipv4Addr, Ipv6Addr};
         let v4 = self
             .v4
             .iter()
@@ -284,6 +350,10 @@ impl<V> IpTable<V> {
             .iter()
             .map(|(ip, v)| (IpAddr::from(Ipv6Addr::from(*ip)), v));
         v4.chain(v6)
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.v4.values_mut().chain(self.v6.values_mut())
     }
 
     fn retain(&mut self, mut keep: impl FnMut(&mut V) -> bool) {
@@ -296,14 +366,19 @@ impl<V> IpTable<V> {
 #[derive(Debug, Default, Clone)]
 pub struct Baseline {
     ips: IpTable<IpFacts>,
+    sets: Sets,
     counts: Counts,
-    /// When each unconfirmed IP counts, in order (an entry whose IP has
-    /// been removed or re-added since is skipped).
-    pending: VecDeque<(u64, IpAddr)>,
-    /// Counts the resets applied: a reset updates the baseline in place
-    /// (never two baselines in the VM at once) and then drops every IP it
-    /// did not mark.
-    mark: u32,
+    /// Pending confirmations, in order: IPs newly allowed until the time
+    /// said hold tickets up to the one said. Confirming them scans the
+    /// table once for every IP whose ticket has come (an IP removed or
+    /// allowed again since has another ticket, or none).
+    pending: VecDeque<(u64, u32)>,
+    /// The last ticket handed out.
+    ticket: u32,
+    /// The parity of the resets applied: a reset updates the baseline in
+    /// place (never two baselines in the VM at once), marks every IP it
+    /// lists, and then drops every IP it did not mark.
+    mark: bool,
     /// The services the validator knows, by id.
     known: HashSet<u64>,
     /// False until the poller applied a full snapshot itself (a poller that
@@ -311,11 +386,9 @@ pub struct Baseline {
     armed: bool,
 }
 
-/// The baseline's tallies of allowed IPs.
+/// The baseline's tallies of allowed IPs (by service: [`Sets::confirmed`]).
 #[derive(Debug, Default, Clone)]
 struct Counts {
-    /// Confirmed allowed IPs per service id.
-    members: HashMap<u64, u64>,
     /// Confirmed IPs allowed for at least one service.
     allowed_ips: u64,
     /// Allowed IPs not confirmed yet.
@@ -335,13 +408,46 @@ pub struct Guard {
     event: Option<GuardEvent>,
 }
 
-/// An answer about to be applied.
+/// An answer about to be applied, whole (a reset read a record at a time
+/// goes through [`Guard::judging`] and [`Guard::begin_reset`] instead).
 #[derive(Debug, Clone, Copy)]
 pub enum Answer<'a> {
     /// A snapshot or reset: the whole index.
     Reset(&'a Snapshot<CompactRecord>),
     /// A delta that continues the applied generation.
     Delta(&'a Delta<CompactRecord>),
+}
+
+/// An answer being judged a record at a time: what it would do to the IPs
+/// allowed now, tallied as its records go by, without keeping them.
+#[derive(Debug, Clone)]
+pub struct Judging {
+    known: Known,
+    lost_by_service: HashMap<u64, u64>,
+    /// Per set, the confirmed allowed IPs of the baseline the answer lists
+    /// (a reset): the others are the ones it lacks.
+    listed: Vec<u64>,
+    blast: Blast,
+}
+
+/// The services an answer leaves known.
+#[derive(Debug, Clone)]
+enum Known {
+    /// A reset's: those it lists.
+    Reset(HashSet<u64>),
+    /// A delta's: the baseline's, with its additions and removals.
+    Delta {
+        added: HashSet<u64>,
+        removed: HashSet<u64>,
+    },
+}
+
+/// A reset being applied to the baseline a record at a time
+/// ([`Guard::begin_reset`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Applying {
+    first: bool,
+    confirm_at_ms: u64,
 }
 
 /// What an answer's record says, for the guard: the line it decodes to, and
@@ -374,7 +480,7 @@ impl Judged {
         decide(policy, true, &placeholder(id), true, self.record.as_ref()).action == Action::Allow
     }
 
-    /// Every service the record allows the IP for.
+    /// Every service the record allows the IP for, sorted.
     fn allowed(&self, policy: &Policy) -> Vec<u64> {
         let mut ids = self
             .holders
@@ -434,11 +540,40 @@ impl Guard {
     /// [`Guard::applied`].
     pub fn admit(&mut self, now_ms: u64, answer: Answer<'_>) -> bool {
         self.learn_names(answer);
-        if !self.config.enabled || !self.baseline.armed {
+        let Some(mut judging) = self.judging(now_ms, answer) else {
             return true;
+        };
+        self.judge_all(&mut judging, answer);
+        self.conclude(now_ms, judging)
+    }
+
+    fn judging(&mut self, now_ms: u64, answer: Answer<'_>) -> Option<Judging> {
+        self.judges(now_ms).then(|| Judging::of(answer))
+    }
+
+    /// Starts judging a reset at `now_ms`, its records fed to
+    /// [`Guard::judge`] as they are read (its services to
+    /// [`Judging::know`]), then [`Guard::conclude`]. `None`: the guard
+    /// admits every answer (it is off, or has no baseline to judge by).
+    pub fn judging_reset(&mut self, now_ms: u64) -> Option<Judging> {
+        self.judges(now_ms).then(|| Judging::reset(&[]))
+    }
+
+    /// True when answers are judged at all; then the IPs whose time has
+    /// come at `now_ms` are confirmed first.
+    fn judges(&mut self, now_ms: u64) -> bool {
+        if !self.config.enabled || !self.baseline.armed {
+            return false;
         }
         self.baseline.confirm_due(now_ms);
-        let blast = self.assess(answer);
+        true
+    }
+
+    /// Decides on the answer `judging` tallied, at `now_ms` (the names of
+    /// the services it lists learnt first, [`Guard::learn`]). `false`: hold
+    /// it.
+    pub fn conclude(&mut self, now_ms: u64, judging: Judging) -> bool {
+        let blast = self.blast(judging);
         match (blast.tripped.is_some(), self.held_since_ms) {
             (false, None) => true,
             (false, Some(_)) => {
@@ -464,63 +599,89 @@ impl Guard {
     /// unconfirmed for `confirm_ms`, except in the first snapshot.
     pub fn applied(&mut self, now_ms: u64, answer: Answer<'_>) {
         self.learn_names(answer);
-        let confirm_at = now_ms.saturating_add(self.config.confirm_ms).max(1);
         match answer {
             Answer::Reset(snapshot) => {
-                let b = &mut self.baseline;
-                let first = !b.armed;
-                b.armed = true;
-                b.known = snapshot.services.iter().map(service_id).collect();
-                b.mark = b.mark.wrapping_add(1);
-                if first {
-                    b.pending.clear();
-                }
-                // At once, not by doubling as it fills: the table is the
-                // largest thing the guard keeps.
-                b.ips.reserve(snapshot.records.iter().map(|r| &r.ip));
+                let (v4, v6) = families(snapshot.records.iter().map(|r| &r.ip));
+                let applying = self.begin_reset(now_ms, v4, v6);
                 for record in &snapshot.records {
-                    let at = match b.remove(&record.ip) {
-                        _ if first => 0,
-                        Some(before) if !before.allowed.is_empty() => before.confirm_at_ms,
-                        _ => confirm_at,
-                    };
-                    // A standing carried over keeps its place in the queue.
-                    if b.insert(&self.policy, record, at) && at == confirm_at {
-                        b.pending.push_back((at, record.ip));
-                    }
+                    self.apply(&applying, record);
                 }
-                let Baseline {
-                    ips, counts, mark, ..
-                } = b;
-                ips.retain(|facts| {
-                    let listed = facts.mark == *mark;
-                    if !listed {
-                        counts.add(facts, -1);
-                    }
-                    listed
-                });
+                self.end_reset(&snapshot.services);
             }
             Answer::Delta(delta) => {
+                let applying = Applying {
+                    first: false,
+                    confirm_at_ms: self.confirm_at(now_ms),
+                };
                 let b = &mut self.baseline;
                 for s in &delta.services_removed {
                     b.known.remove(&service_id(s));
                 }
                 b.known.extend(delta.services_added.iter().map(service_id));
                 for record in &delta.upserts {
-                    let at = match b.remove(&record.ip) {
-                        Some(before) if !before.allowed.is_empty() => before.confirm_at_ms,
-                        _ => confirm_at,
-                    };
-                    // A standing carried over keeps its place in the queue.
-                    if b.insert(&self.policy, record, at) && at == confirm_at {
-                        b.pending.push_back((at, record.ip));
-                    }
+                    self.apply(&applying, record);
                 }
                 for ip in &delta.removed {
-                    b.remove(ip);
+                    self.baseline.remove(ip);
                 }
             }
         }
+    }
+
+    /// A reset of `v4` + `v6` IPs is about to be applied at `now_ms`, a
+    /// record at a time ([`Guard::apply`], then [`Guard::end_reset`]).
+    pub fn begin_reset(&mut self, now_ms: u64, v4: usize, v6: usize) -> Applying {
+        let b = &mut self.baseline;
+        let first = !b.armed;
+        b.armed = true;
+        b.mark = !b.mark;
+        if first {
+            // Every IP it lists is confirmed; any other is dropped.
+            b.pending.clear();
+        }
+        // At once, not by doubling as it fills: the table is the largest
+        // thing the guard keeps.
+        b.ips.reserve(v4, v6);
+        Applying {
+            first,
+            confirm_at_ms: self.confirm_at(now_ms),
+        }
+    }
+
+    /// One record of an answer being applied: it replaces what the baseline
+    /// knew of its IP.
+    pub fn apply(&mut self, applying: &Applying, record: &CompactRecord) {
+        let b = &mut self.baseline;
+        let ticket = match b.remove(&record.ip) {
+            _ if applying.first => Some(0),
+            // A standing carried over keeps its place in the queue.
+            Some(before) if before.allowed() => Some(before.ticket),
+            _ => None,
+        };
+        b.insert(&self.policy, record, ticket, applying.confirm_at_ms);
+    }
+
+    /// The reset begun with [`Guard::begin_reset`] is applied: it listed
+    /// `services`, and the IPs it did not list are forgotten.
+    pub fn end_reset(&mut self, services: &[ServiceKey]) {
+        self.learn(services);
+        let b = &mut self.baseline;
+        b.known = services.iter().map(service_id).collect();
+        let Baseline {
+            ips,
+            sets,
+            counts,
+            mark,
+            ..
+        } = b;
+        ips.retain(|facts| {
+            let listed = facts.mark() == *mark;
+            if !listed {
+                counts.add(sets, facts, -1);
+                sets.release(facts.set());
+            }
+            listed
+        });
     }
 
     /// Forgets the baseline and any hold (the poller lost its lease).
@@ -529,109 +690,156 @@ impl Guard {
         self.held_since_ms = None;
     }
 
-    /// The records of `answer` that only add: IPs the current data allows for
-    /// no service, which the answer allows for one. Writing them while the
-    /// answer is held can turn a rejection into an allowance, never the
-    /// reverse, so a pod that appeared during a hold is not read as
-    /// destroyed.
+    /// The records of `answer` that only add ([`Guard::is_gain`]).
     pub fn gains<'a>(&self, answer: Answer<'a>) -> Vec<&'a CompactRecord> {
         let records: &'a [CompactRecord] = match answer {
             Answer::Reset(snapshot) => &snapshot.records,
             Answer::Delta(delta) => &delta.upserts,
         };
-        records
-            .iter()
-            .filter(|r| {
-                self.baseline
-                    .ips
-                    .get(&r.ip)
-                    .is_none_or(|old| old.allowed.is_empty())
-            })
-            .filter(|r| !Judged::of(Some(r)).allowed(&self.policy).is_empty())
-            .collect()
+        records.iter().filter(|r| self.is_gain(r)).collect()
+    }
+
+    /// True for a record that only adds: its IP the current data allows for
+    /// no service, and the answer allows for one. Writing it while the
+    /// answer is held can turn a rejection into an allowance, never the
+    /// reverse, so a pod that appeared during a hold is not read as
+    /// destroyed.
+    pub fn is_gain(&self, record: &CompactRecord) -> bool {
+        self.baseline
+            .ips
+            .get(&record.ip)
+            .is_none_or(|old| !old.allowed())
+            && !Judged::of(Some(record)).allowed(&self.policy).is_empty()
     }
 
     /// What `answer` would do to the IPs allowed now.
     pub fn assess(&self, answer: Answer<'_>) -> Blast {
-        let b = &self.baseline;
-        let mut lost_by_service: HashMap<u64, u64> = HashMap::new();
-        let mut blast = Blast {
-            allowed_ips: b.counts.allowed_ips,
-            ..Blast::default()
-        };
-        let in_delta = matches!(answer, Answer::Delta(_));
-        let mut judge =
-            |old: &IpFacts, new: Option<&CompactRecord>, known: &dyn Fn(u64) -> bool| {
-                if old.unconfirmed() || old.allowed.is_empty() {
-                    // Not trusted as allowed (yet): nothing to lose.
-                    return;
-                }
-                let judged = Judged::of(new);
-                let mut lost = false;
-                let mut evidenced = false;
-                for &id in old.allowed.iter() {
-                    // The verdict first: it is cheaper than the set lookup, and
-                    // almost always still allows.
-                    if judged.allows(&self.policy, id) || !known(id) {
-                        continue;
-                    }
-                    if has_evidence(id, old, new, &judged, in_delta) {
-                        evidenced = true;
-                    } else {
-                        lost = true;
-                        *lost_by_service.entry(id).or_default() += 1;
-                    }
-                }
-                if lost {
-                    blast.lost_ips += 1;
-                } else if evidenced {
-                    blast.evidenced_ips += 1;
-                }
-            };
+        let mut judging = Judging::of(answer);
+        self.judge_all(&mut judging, answer);
+        self.blast(judging)
+    }
+
+    fn judge_all(&self, judging: &mut Judging, answer: Answer<'_>) {
         match answer {
             Answer::Reset(snapshot) => {
-                let known: HashSet<u64> = snapshot.services.iter().map(service_id).collect();
-                let known = |id: u64| known.contains(&id);
-                let mut seen = 0usize;
                 for record in &snapshot.records {
-                    if let Some(old) = b.ips.get(&record.ip) {
-                        seen += 1;
-                        judge(old, Some(record), &known);
-                    }
-                }
-                if seen < b.ips.len() {
-                    // Only when the reset lacks some IPs: which ones.
-                    let present: HashSet<IpAddr> = snapshot.records.iter().map(|r| r.ip).collect();
-                    for (ip, old) in b.ips.iter() {
-                        if !present.contains(&ip) {
-                            judge(old, None, &known);
-                        }
-                    }
+                    self.judge(judging, record);
                 }
             }
             Answer::Delta(delta) => {
-                let added: HashSet<u64> = delta.services_added.iter().map(service_id).collect();
-                let removed: HashSet<u64> = delta.services_removed.iter().map(service_id).collect();
-                let known = |id: u64| {
-                    added.contains(&id) || (b.known.contains(&id) && !removed.contains(&id))
-                };
                 for record in &delta.upserts {
-                    if let Some(old) = b.ips.get(&record.ip) {
-                        judge(old, Some(record), &known);
-                    }
+                    self.judge(judging, record);
                 }
                 for ip in &delta.removed {
-                    if let Some(old) = b.ips.get(ip) {
-                        judge(old, None, &known);
-                    }
+                    self.judge_removed(judging, ip);
                 }
             }
         }
+    }
+
+    /// Tallies one record of the answer `judging` judges.
+    pub fn judge(&self, judging: &mut Judging, record: &CompactRecord) {
+        let Some(old) = self.baseline.ips.get(&record.ip) else {
+            return;
+        };
+        if old.unconfirmed() || !old.allowed() {
+            // Not trusted as allowed (yet): nothing to lose.
+            return;
+        }
+        if matches!(judging.known, Known::Reset(_)) {
+            let set = old.set() as usize;
+            if judging.listed.len() <= set {
+                judging.listed.resize(set + 1, 0);
+            }
+            if let Some(listed) = judging.listed.get_mut(set) {
+                *listed += 1;
+            }
+        }
+        let judged = Judged::of(Some(record));
+        let mut lost = false;
+        let mut evidenced = false;
+        let in_delta = matches!(judging.known, Known::Delta { .. });
+        for &id in self.baseline.sets.ids(old.set()) {
+            // The verdict first: it is cheaper than the set lookup, and
+            // almost always still allows.
+            if judged.allows(&self.policy, id) || !self.known(&judging.known, id) {
+                continue;
+            }
+            let evidence = record.tombstone.contains(&id)
+                || (in_delta && judged.has_pods() && record.fingerprint != old.fingerprint);
+            if evidence {
+                evidenced = true;
+            } else {
+                lost = true;
+                *judging.lost_by_service.entry(id).or_default() += 1;
+            }
+        }
+        if lost {
+            judging.blast.lost_ips += 1;
+        } else if evidenced {
+            judging.blast.evidenced_ips += 1;
+        }
+    }
+
+    /// Tallies an IP a delta removes.
+    fn judge_removed(&self, judging: &mut Judging, ip: &IpAddr) {
+        if let Some(old) = self.baseline.ips.get(ip) {
+            if !old.unconfirmed() && old.allowed() {
+                self.judge_gone(judging, old.set(), 1);
+            }
+        }
+    }
+
+    /// `ips` confirmed IPs allowed for `set` that the answer no longer has:
+    /// lost for every service it still knows, without evidence.
+    fn judge_gone(&self, judging: &mut Judging, set: u32, ips: u64) {
+        let none = Judged::of(None);
+        let mut lost = false;
+        for &id in self.baseline.sets.ids(set) {
+            if none.allows(&self.policy, id) || !self.known(&judging.known, id) {
+                continue;
+            }
+            lost = true;
+            *judging.lost_by_service.entry(id).or_default() += ips;
+        }
+        if lost {
+            judging.blast.lost_ips += ips;
+        }
+    }
+
+    fn known(&self, known: &Known, id: u64) -> bool {
+        match known {
+            Known::Reset(listed) => listed.contains(&id),
+            Known::Delta { added, removed } => {
+                added.contains(&id) || (self.baseline.known.contains(&id) && !removed.contains(&id))
+            }
+        }
+    }
+
+    /// What the answer `judging` tallied would do, and the threshold it
+    /// trips.
+    fn blast(&self, mut judging: Judging) -> Blast {
+        let b = &self.baseline;
+        if matches!(judging.known, Known::Reset(_)) {
+            // What the reset lacks, by set: the confirmed IPs it did not list.
+            for (set, confirmed) in b.sets.confirmed.iter().enumerate() {
+                let listed = judging.listed.get(set).copied().unwrap_or(0);
+                let gone = confirmed.saturating_sub(listed);
+                if gone > 0 {
+                    self.judge_gone(&mut judging, set as u32, gone);
+                }
+            }
+        }
+        let mut blast = Blast {
+            allowed_ips: b.counts.allowed_ips,
+            ..judging.blast
+        };
         let c = &self.config;
-        let mut wiped: Vec<ServiceKey> = lost_by_service
+        let mut wiped: Vec<ServiceKey> = judging
+            .lost_by_service
             .iter()
             .filter(|(id, lost)| {
-                let members = b.counts.members.get(id).copied().unwrap_or(0);
+                let members = b.members(**id);
                 members >= c.min_service_ips && **lost >= members
             })
             .map(|(id, _)| self.name(*id))
@@ -647,12 +855,20 @@ impl Guard {
         blast
     }
 
+    fn confirm_at(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_add(self.config.confirm_ms).max(1)
+    }
+
     /// Remembers the names of the services `answer` lists.
     fn learn_names(&mut self, answer: Answer<'_>) {
-        let services = match answer {
-            Answer::Reset(snapshot) => &snapshot.services,
-            Answer::Delta(delta) => &delta.services_added,
-        };
+        match answer {
+            Answer::Reset(snapshot) => self.learn(&snapshot.services),
+            Answer::Delta(delta) => self.learn(&delta.services_added),
+        }
+    }
+
+    /// Remembers the names of `services`, for what the guard reports.
+    pub fn learn(&mut self, services: &[ServiceKey]) {
         for service in services {
             self.names
                 .entry(service_id(service))
@@ -669,55 +885,153 @@ impl Guard {
     }
 }
 
+// === impl Judging ===
+
+impl Judging {
+    fn of(answer: Answer<'_>) -> Self {
+        match answer {
+            Answer::Reset(snapshot) => Self::reset(&snapshot.services),
+            Answer::Delta(delta) => Self {
+                known: Known::Delta {
+                    added: delta.services_added.iter().map(service_id).collect(),
+                    removed: delta.services_removed.iter().map(service_id).collect(),
+                },
+                lost_by_service: HashMap::new(),
+                listed: Vec::new(),
+                blast: Blast::default(),
+            },
+        }
+    }
+
+    /// Judging a reset that lists `services`.
+    fn reset(services: &[ServiceKey]) -> Self {
+        Self {
+            known: Known::Reset(services.iter().map(service_id).collect()),
+            lost_by_service: HashMap::new(),
+            listed: Vec::new(),
+            blast: Blast::default(),
+        }
+    }
+
+    /// The reset's services, when they are read after judging began.
+    pub fn know(&mut self, services: &[ServiceKey]) {
+        if let Known::Reset(known) = &mut self.known {
+            *known = services.iter().map(service_id).collect();
+        }
+    }
+}
+
+/// How many of `ips` are IPv4 and IPv6.
+pub fn families<'a>(ips: impl Iterator<Item = &'a IpAddr>) -> (usize, usize) {
+    ips.fold((0, 0), |(v4, v6), ip| match ip {
+        IpAddr::V4(_) => (v4 + 1, v6),
+        IpAddr::V6(_) => (v4, v6 + 1),
+    })
+}
+
 // === impl Baseline ===
 
 impl Baseline {
-    /// Remembers `record`, unconfirmed until `confirm_at_ms` if that is not
-    /// 0. True when it is allowed and unconfirmed.
-    fn insert(&mut self, policy: &Policy, record: &CompactRecord, confirm_at_ms: u64) -> bool {
+    /// Remembers `record`: confirmed or pending as `ticket` says (`None`: a
+    /// new ticket, due at `confirm_at_ms`).
+    fn insert(
+        &mut self,
+        policy: &Policy,
+        record: &CompactRecord,
+        ticket: Option<u32>,
+        confirm_at_ms: u64,
+    ) {
         let judged = Judged::of(Some(record));
         let allowed = judged.allowed(policy);
         if allowed.is_empty() && !judged.has_pods() {
             // Destroyed or vacant: nothing to lose, nothing to remember.
-            return false;
+            return;
         }
-        let facts = IpFacts {
-            confirm_at_ms: if allowed.is_empty() { 0 } else { confirm_at_ms },
-            allowed: Allowed::new(allowed),
-            fingerprint: record.fingerprint,
-            mark: self.mark,
+        let ticket = match ticket {
+            _ if allowed.is_empty() => 0,
+            Some(ticket) => ticket,
+            None => self.pend(confirm_at_ms),
         };
-        self.counts.add(&facts, 1);
-        let unconfirmed = facts.unconfirmed();
+        let set = self.sets.intern(&allowed);
+        let facts = IpFacts {
+            set_mark: set | if self.mark { MARK } else { 0 },
+            fingerprint: record.fingerprint,
+            ticket,
+        };
+        self.counts.add(&mut self.sets, &facts, 1);
         self.ips.insert(record.ip, facts);
-        unconfirmed
+    }
+
+    /// A new ticket, due at `at_ms`.
+    fn pend(&mut self, at_ms: u64) -> u32 {
+        let Some(ticket) = self.ticket.checked_add(1) else {
+            // Four billion tickets: confirm what is pending early and
+            // count again.
+            self.confirm_all();
+            self.ticket = 1;
+            self.pending.push_back((at_ms, 1));
+            return 1;
+        };
+        self.ticket = ticket;
+        match self.pending.back_mut() {
+            Some((at, last)) if *at == at_ms => *last = ticket,
+            _ => self.pending.push_back((at_ms, ticket)),
+        }
+        ticket
     }
 
     /// Forgets `ip`; returns what was known of it.
     fn remove(&mut self, ip: &IpAddr) -> Option<IpFacts> {
         let old = self.ips.remove(ip)?;
-        self.counts.add(&old, -1);
+        self.counts.add(&mut self.sets, &old, -1);
+        self.sets.release(old.set());
         Some(old)
     }
 
     /// Confirms the IPs whose time has come at `now_ms`.
     fn confirm_due(&mut self, now_ms: u64) {
-        while let Some(&(at, ip)) = self.pending.front() {
+        let mut upto = None;
+        while let Some(&(at, last)) = self.pending.front() {
             if at > now_ms {
                 break;
             }
             self.pending.pop_front();
-            let Some(facts) = self.ips.get_mut(&ip) else {
-                continue;
-            };
-            if facts.confirm_at_ms != at {
-                // Removed and allowed again since: a later entry counts.
-                continue;
-            }
-            self.counts.add(facts, -1);
-            facts.confirm_at_ms = 0;
-            self.counts.add(facts, 1);
+            upto = Some(last);
         }
+        if let Some(upto) = upto {
+            self.confirm_upto(upto);
+        }
+    }
+
+    /// Confirms every pending IP.
+    fn confirm_all(&mut self) {
+        self.pending.clear();
+        self.confirm_upto(u32::MAX);
+    }
+
+    /// Confirms every IP whose ticket is at most `upto`.
+    fn confirm_upto(&mut self, upto: u32) {
+        let Baseline {
+            ips, sets, counts, ..
+        } = self;
+        for facts in ips.values_mut() {
+            if facts.unconfirmed() && facts.ticket <= upto {
+                counts.add(sets, facts, -1);
+                facts.ticket = 0;
+                counts.add(sets, facts, 1);
+            }
+        }
+    }
+
+    /// Confirmed IPs allowed for the service with id `id`.
+    fn members(&self, id: u64) -> u64 {
+        let sets = &self.sets;
+        sets.ids
+            .iter()
+            .zip(&sets.confirmed)
+            .filter(|(ids, _)| ids.contains(&id))
+            .map(|(_, n)| n)
+            .sum()
     }
 }
 
@@ -725,8 +1039,8 @@ impl Baseline {
 
 impl Counts {
     /// Adds (`sign` 1) or takes away (-1) an IP's share.
-    fn add(&mut self, facts: &IpFacts, sign: i64) {
-        if facts.allowed.is_empty() {
+    fn add(&mut self, sets: &mut Sets, facts: &IpFacts, sign: i64) {
+        if !facts.allowed() {
             return;
         }
         if facts.unconfirmed() {
@@ -734,27 +1048,10 @@ impl Counts {
             return;
         }
         self.allowed_ips = self.allowed_ips.saturating_add_signed(sign);
-        for id in facts.allowed.iter() {
-            let n = self.members.entry(*id).or_default();
+        if let Some(n) = sets.confirmed.get_mut(facts.set() as usize) {
             *n = n.saturating_add_signed(sign);
         }
     }
-}
-
-fn has_evidence(
-    id: u64,
-    old: &IpFacts,
-    new: Option<&CompactRecord>,
-    judged: &Judged,
-    in_delta: bool,
-) -> bool {
-    let Some(new) = new else {
-        return false;
-    };
-    if new.tombstone.contains(&id) {
-        return true;
-    }
-    in_delta && judged.has_pods() && new.fingerprint != old.fingerprint
 }
 
 #[cfg(test)]

@@ -142,31 +142,69 @@ fn read_id(store: &dyn SharedData, id: u64, meta_load: u64) -> Vec<Member> {
     }
 }
 
-/// Writes every service's list for a full snapshot under `load`. Services
-/// with no live member get no list: an older one is invalid under the new
-/// load anyway.
+/// Writes every service's list for a full snapshot under `load` (see
+/// [`Lists`]).
 pub fn write_snapshot(
     store: &mut dyn SharedData,
     load: u64,
     records: &[CompactRecord],
 ) -> Result<(), StoreError> {
-    let mut lists: BTreeMap<u64, Vec<Member>> = BTreeMap::new();
+    let mut lists = Lists::default();
     for record in records {
+        lists.add(record);
+    }
+    lists.write(store, load)
+}
+
+/// Every service's live members, gathered a record at a time while a full
+/// snapshot is read, in a few bytes per member: an IPv4 member without
+/// ports is its 4 bytes (the packed form never lists ports).
+#[derive(Debug, Default)]
+pub struct Lists {
+    lists: BTreeMap<u64, List>,
+}
+
+#[derive(Debug, Default)]
+struct List {
+    v4: Vec<u32>,
+    /// IPv6 members, and members with ports.
+    others: Vec<Member>,
+}
+
+impl Lists {
+    /// Adds the IP of `record` to the lists of the services it is a live
+    /// member of.
+    pub fn add(&mut self, record: &CompactRecord) {
         let Some(holders) = record.holders() else {
-            continue;
+            return;
         };
         for (id, ports) in live_memberships(record.ip, &holders) {
-            lists.entry(id).or_default().push(Member {
-                ip: record.ip,
-                ports,
-            });
+            let list = self.lists.entry(id).or_default();
+            match record.ip {
+                IpAddr::V4(v4) if ports.is_empty() => list.v4.push(u32::from(v4)),
+                ip => list.others.push(Member { ip, ports }),
+            }
         }
     }
-    for (id, mut members) in lists {
-        members.sort();
-        store.set(&id_key(id), &encode(load, &members), None)?;
+
+    /// Writes every list under `load`. Services with no live member get no
+    /// list: an older one is invalid under the new load anyway.
+    pub fn write(self, store: &mut dyn SharedData, load: u64) -> Result<(), StoreError> {
+        for (id, list) in self.lists {
+            let List { v4, others } = list;
+            let mut members: Vec<Member> = v4
+                .into_iter()
+                .map(|ip| Member {
+                    ip: IpAddr::from(std::net::Ipv4Addr::from(ip)),
+                    ports: Vec::new(),
+                })
+                .chain(others)
+                .collect();
+            members.sort();
+            store.set(&id_key(id), &encode(load, &members), None)?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Updates the lists for one IP of a delta: `old` is the record the index

@@ -20,7 +20,7 @@ use crate::replay::TwinConfig;
 use crate::request::{Filter, VmState};
 use crate::steer::SteerConfig;
 use crate::store::IndexReader;
-use crate::sync::{Applied, Poller, SyncConfig, SyncError};
+use crate::sync::{Applied, Poller, SyncConfig, SyncError, WithBody};
 
 /// Verdict log lines allowed per VM per second (the counters count all).
 const VERDICT_LOGS_PER_SECOND: u32 = 5;
@@ -440,12 +440,15 @@ impl Root {
             .inc(host, metrics::SYNC_BYTES, body_size as u64);
         // The time this thread spends decoding the answer and writing shared
         // data: what a large snapshot costs the thread that holds the lease.
-        // The body is read from the host in chunks as the decoder goes: a
-        // copy of a whole 150k-IP answer would be 21 MB of the VM's memory,
-        // which a Wasm VM never gives back.
+        // The body is read from the host in chunks as the decoder goes (a
+        // reset more than once): a copy of a whole 150k-IP answer would be
+        // 4.5 MB of the VM's memory, which a Wasm VM never gives back.
         let started_us = host.now_us();
-        let mut body = host.call_body_reader(body_size);
-        let applied = poller.on_response_from(now, status, &mut body, host);
+        let mut answer = WithBody {
+            store: &mut *host,
+            open: |host: &H| host.call_body_reader(body_size),
+        };
+        let applied = poller.on_answer(now, status, &mut answer);
         let spent_us = host.now_us().saturating_sub(started_us);
         if applied.is_ok() {
             self.vm

@@ -15,22 +15,33 @@
 //! ([`staleguard_core::packed`], [`ACCEPT`]) and read as either form, a record
 //! at a time straight into [`CompactRecord`]s.
 //!
+//! A packed snapshot or reset is never held whole in the poller: it is read
+//! once for the guard to judge it (counts, against the guard's baseline) and
+//! to measure its layout, then once per slice of the layout to write it
+//! ([`crate::store::write::Plan`]), each record dropped as soon as it is
+//! used. The first of those readings also updates the guard's baseline and
+//! gathers the member lists. A held reset is read once more for the records
+//! that only add.
+//!
 //! A reset, an epoch that is not ours (a restarted validator, or another
 //! replica behind the same Service), or a delta that does not start at our
 //! generation all lead to a full snapshot under a new load id (see
 //! [`crate::store`]).
 
-use std::io::BufRead as _;
+use std::io::{BufRead as _, BufReader, Read};
+use std::net::IpAddr;
+use std::ops::ControlFlow;
+use std::rc::Rc;
 
 use staleguard_core::packed::{self, PackedError};
 use staleguard_core::wire::{Delta, WireError};
-use staleguard_core::{Changes, Policy, Snapshot};
+use staleguard_core::{Changes, Policy, ServiceKey, Snapshot};
 
 use crate::backoff::Backoff;
 use crate::buckets::{service_id, CompactRecord};
-use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
+use crate::guard::{Answer, Applying, Guard, GuardConfig, GuardEvent, Judging};
 use crate::host::{SharedData, StoreError};
-use crate::store::write::Writer;
+use crate::store::write::{Head, Loading, Plan, Writer};
 use crate::store::{Meta, META_KEY};
 
 /// Why an answer could not be applied.
@@ -109,8 +120,7 @@ pub const BODY_CHUNK: usize = 64 * 1024;
 
 /// The `Accept` of every request to the validator: the packed form
 /// ([`packed::MEDIA_TYPE`]: a fifth of the JSON, so a fifth of what Envoy
-/// buffers, read a record at a time into the sized `Vec`), or JSON from a
-/// validator before it.
+/// buffers, read a record at a time), or JSON from a validator before it.
 pub const ACCEPT: &str = "application/vnd.staleguard.packed, application/json;q=0.5";
 
 /// What the watchdog adds to the host's timeout before it gives up itself.
@@ -396,22 +406,25 @@ impl Poller {
         body: &[u8],
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
-        self.on_response_from(now_ms, status, &mut &body[..], store)
+        let mut answer = WithBody {
+            store,
+            open: in_memory(Rc::from(body)),
+        };
+        self.on_answer(now_ms, status, &mut answer)
     }
 
-    /// Like [`Poller::on_response`], decoding the body as `body` yields it:
-    /// the root reads a large answer from the host in chunks instead of
-    /// copying all of it into the VM first.
-    pub fn on_response_from(
+    /// Like [`Poller::on_response`], reading the body from `answer` as the
+    /// decoder goes, as often as it needs: the root reads a large answer
+    /// from the host in chunks instead of copying all of it into the VM.
+    pub fn on_answer(
         &mut self,
         now_ms: u64,
         status: u32,
-        body: &mut dyn std::io::Read,
-        store: &mut dyn SharedData,
+        answer: &mut dyn Answered,
     ) -> Result<Applied, SyncError> {
         let request = self.in_flight.take();
         let watching = std::mem::take(&mut self.watching);
-        let result = self.apply(now_ms, request, watching, status, body, store);
+        let result = self.apply(now_ms, request, watching, status, answer);
         match &result {
             // Ask again soon: the answer may be corrected, replaced by another
             // validator's, or persist until the guard confirms it. The next
@@ -458,23 +471,28 @@ impl Poller {
         request: Option<Request>,
         watching: bool,
         status: u32,
-        body: &mut dyn std::io::Read,
-        store: &mut dyn SharedData,
+        answer: &mut dyn Answered,
     ) -> Result<Applied, SyncError> {
         if status != 200 {
             return Err(SyncError::Status(status));
         }
         // Both readers go a line or a byte at a time; a buffer makes that a
-        // copy out of memory, and asks `body` for large pieces.
-        let mut body = std::io::BufReader::with_capacity(BODY_CHUNK, body);
+        // copy out of memory, and asks the host for large pieces.
+        let mut body = BufReader::with_capacity(BODY_CHUNK, answer.body());
         // What we asked for ([`ACCEPT`]), or JSON from a validator that does
-        // not serve it: the first bytes tell.
-        let is_packed = body.fill_buf().is_ok_and(packed::starts_packed);
+        // not serve it: the first bytes tell, and a packed answer's first
+        // line its kind.
+        let (is_packed, whole) = match body.fill_buf() {
+            Ok(start) => (packed::starts_packed(start), packed::is_whole(start)),
+            Err(_) => (false, None),
+        };
         let changes = match (request, is_packed) {
-            (Some(Request::Snapshot) | None, true) => Changes::Reset(
-                packed::decode_snapshot(body, service_id, CompactRecord::of_packed)
-                    .map_err(SyncError::DecodePacked)?,
-            ),
+            (Some(Request::Snapshot) | None, true) => {
+                return self.load_snapshot(now_ms, &Records::Packed, answer);
+            }
+            (Some(Request::Changes { .. }), true) if whole == Some(true) => {
+                return self.load_snapshot(now_ms, &Records::Packed, answer);
+            }
             (Some(Request::Snapshot) | None, false) => {
                 Changes::Reset(Snapshot::decode_from(body).map_err(SyncError::Decode)?)
             }
@@ -487,9 +505,11 @@ impl Poller {
             }
         };
         match changes {
-            Changes::Reset(snapshot) => self.load_snapshot(now_ms, snapshot, store),
-            Changes::Delta(delta) if watching => self.watch_delta(now_ms, &delta, store),
-            Changes::Delta(delta) => self.apply_delta(now_ms, delta, store),
+            Changes::Reset(snapshot) => {
+                self.load_snapshot(now_ms, &Records::Decoded(&snapshot), answer)
+            }
+            Changes::Delta(delta) if watching => self.watch_delta(now_ms, &delta, answer),
+            Changes::Delta(delta) => self.apply_delta(now_ms, delta, answer),
         }
     }
 
@@ -519,52 +539,98 @@ impl Poller {
         Ok(Applied::Held)
     }
 
+    /// Judges a snapshot or reset and applies it, or holds it; its records
+    /// are read once per pass (see the module's docs).
     fn load_snapshot(
         &mut self,
         now_ms: u64,
-        mut snapshot: Snapshot<CompactRecord>,
-        store: &mut dyn SharedData,
+        records: &Records<'_>,
+        answer: &mut dyn Answered,
     ) -> Result<Applied, SyncError> {
-        // A packed answer's reader sized the records by the count it states;
-        // JSON's grew them by doubling: give that spare capacity (up to half
-        // of it) to what applying builds next, the guard's baseline and the
-        // member lists, instead of growing the VM further.
-        snapshot.records.shrink_to_fit();
-        let answer = Answer::Reset(&snapshot);
-        if !self.guard.admit(now_ms, answer) {
-            let at = HeldAt {
-                epoch: snapshot.epoch,
-                generation: snapshot.generation,
-            };
-            return self.hold(now_ms, answer, at, snapshot.freshness.fresh, store);
+        let judging = self.guard.judging_reset(now_ms);
+        let mut judge = Judge {
+            guard: &self.guard,
+            judging,
+            plan: Plan::new(0),
+        };
+        let head = read(records, answer, &mut judge)?;
+        let Judge { judging, plan, .. } = judge;
+        self.guard.learn(&head.services);
+        if let Some(judging) = judging {
+            if !self.guard.conclude(now_ms, judging) {
+                let mut gains = Gains {
+                    guard: &self.guard,
+                    gains: Vec::new(),
+                };
+                read(records, answer, &mut gains)?;
+                let at = HeldAt {
+                    epoch: head.epoch,
+                    generation: head.generation,
+                };
+                let gains: Vec<&CompactRecord> = gains.gains.iter().collect();
+                return self.hold(now_ms, &gains, at, head.freshness.fresh, answer);
+            }
         }
         self.held = None;
         self.gains_written = false;
-        let meta = self.writer.write_snapshot(store, now_ms, &mut snapshot)?;
+        let (v4, v6) = plan.families();
+        let mut loading = self.writer.begin_snapshot(answer, plan)?;
+        let applying = self.guard.begin_reset(now_ms, v4, v6);
+        let mut first = Some(applying);
+        loop {
+            let mut apply = Apply {
+                guard: first.map(|applying| (&mut self.guard, applying)),
+                loading: &mut loading,
+            };
+            let read = read(records, answer, &mut apply);
+            if first.take().is_some() {
+                if let Err(e) = read {
+                    // The baseline is half of this answer: start over
+                    // without one, as a new poller does.
+                    self.guard.reset();
+                    return Err(e);
+                }
+                self.guard.end_reset(&head.services);
+            } else {
+                read?;
+            }
+            if !loading.finish_slice(answer)? {
+                break;
+            }
+        }
+        let meta = self.writer.commit_snapshot(
+            answer,
+            now_ms,
+            loading,
+            &Head {
+                epoch: head.epoch,
+                generation: head.generation,
+                fresh: head.freshness.fresh,
+                services: &head.services,
+            },
+        )?;
         self.cursor = Some(Cursor {
             load: meta.load,
             epoch: meta.epoch,
             generation: meta.generation,
         });
-        self.guard.applied(now_ms, Answer::Reset(&snapshot));
         Ok(Applied::Reset {
             entries: meta.entries,
         })
     }
 
-    /// The guard held `answer` (at `at`): its additions are written, the data
-    /// it keeps serving is marked synced (fresh as the validator calls it),
-    /// and the next request watches it.
+    /// The guard held an answer (at `at`): its additions, `gains`, are
+    /// written, the data it keeps serving is marked synced (fresh as the
+    /// validator calls it), and the next request watches it.
     fn hold(
         &mut self,
         now_ms: u64,
-        answer: Answer<'_>,
+        gains: &[&CompactRecord],
         at: HeldAt,
         fresh: bool,
         store: &mut dyn SharedData,
     ) -> Result<Applied, SyncError> {
-        let gains = self.guard.gains(answer);
-        self.writer.write_hold(store, now_ms, fresh, &gains)?;
+        self.writer.write_hold(store, now_ms, fresh, gains)?;
         self.gains_written |= !gains.is_empty();
         self.held = Some(at);
         Ok(Applied::Held)
@@ -589,7 +655,8 @@ impl Poller {
         let answer = Answer::Delta(&delta);
         if !self.guard.admit(now_ms, answer) {
             let at = HeldAt { epoch, generation };
-            return self.hold(now_ms, answer, at, delta.freshness.fresh, store);
+            let gains = self.guard.gains(answer);
+            return self.hold(now_ms, &gains, at, delta.freshness.fresh, store);
         }
         self.held = None;
         let changed = self
@@ -607,6 +674,183 @@ impl Poller {
         }
         self.guard.applied(now_ms, Answer::Delta(&delta));
         Ok(Applied::Delta { changed })
+    }
+}
+
+/// The host as applying an answer needs it: shared data to write to, and
+/// the answer's body, which a reset reads more than once.
+pub trait Answered: SharedData {
+    /// The answer's body, from its first byte.
+    fn body(&self) -> Box<dyn Read>;
+}
+
+/// Shared data, and the body of the answer applied to it, which `open`
+/// opens from the first byte (from the host that holds both, or from
+/// memory).
+pub struct WithBody<'a, S: ?Sized, F> {
+    /// The shared data.
+    pub store: &'a mut S,
+    /// Opens the body.
+    pub open: F,
+}
+
+impl<S: ?Sized, F> std::fmt::Debug for WithBody<'_, S, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WithBody").finish_non_exhaustive()
+    }
+}
+
+impl<S: SharedData + ?Sized, F> SharedData for WithBody<'_, S, F> {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
+        self.store.get(key)
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.store.set(key, value, cas)
+    }
+}
+
+impl<S: SharedData + ?Sized, F: Fn(&S) -> Box<dyn Read>> Answered for WithBody<'_, S, F> {
+    fn body(&self) -> Box<dyn Read> {
+        (self.open)(self.store)
+    }
+}
+
+/// Opens `body`, held in memory, for any store.
+fn in_memory<S: ?Sized>(body: Rc<[u8]>) -> impl Fn(&S) -> Box<dyn Read> {
+    move |_| Box::new(std::io::Cursor::new(Rc::clone(&body)))
+}
+
+/// A snapshot's records, as each pass reads them: from the answer's body
+/// again (packed), or from the records decoded whole (JSON).
+enum Records<'a> {
+    Packed,
+    Decoded(&'a Snapshot<CompactRecord>),
+}
+
+/// What one reading of a snapshot does with its records.
+trait Pass {
+    /// `count` records follow; the snapshot knows `services`.
+    fn begin(&mut self, services: &[ServiceKey], count: usize) {
+        let _ = (services, count);
+    }
+
+    /// Whether this pass needs the record of `ip`.
+    fn wants(&self, ip: &IpAddr) -> bool {
+        let _ = ip;
+        true
+    }
+
+    /// One record.
+    fn record(&mut self, record: &CompactRecord);
+}
+
+/// Reads `records` once through `pass`; returns the snapshot without its
+/// records.
+fn read(
+    records: &Records<'_>,
+    answer: &dyn Answered,
+    pass: &mut dyn Pass,
+) -> Result<Snapshot<()>, SyncError> {
+    match records {
+        Records::Packed => {
+            let body = BufReader::with_capacity(BODY_CHUNK, answer.body());
+            packed::visit_snapshot(body, service_id, &mut Visiting(pass))
+                .map_err(SyncError::DecodePacked)
+        }
+        Records::Decoded(snapshot) => {
+            pass.begin(&snapshot.services, snapshot.records.len());
+            for record in &snapshot.records {
+                if pass.wants(&record.ip) {
+                    pass.record(record);
+                }
+            }
+            Ok(Snapshot {
+                v: snapshot.v,
+                epoch: snapshot.epoch,
+                generation: snapshot.generation,
+                freshness: snapshot.freshness.clone(),
+                services: snapshot.services.clone(),
+                records: Vec::new(),
+            })
+        }
+    }
+}
+
+/// A [`Pass`] over a packed answer: each record as the poller keeps it,
+/// dropped once the pass has used it.
+struct Visiting<'p>(&'p mut dyn Pass);
+
+impl packed::Visit<u64> for Visiting<'_> {
+    fn begin(&mut self, services: &[ServiceKey], count: usize) -> ControlFlow<()> {
+        self.0.begin(services, count);
+        ControlFlow::Continue(())
+    }
+
+    fn wants(&mut self, ip: IpAddr) -> bool {
+        self.0.wants(&ip)
+    }
+
+    fn record(&mut self, record: packed::Record<u64>) -> ControlFlow<()> {
+        self.0.record(&CompactRecord::of_packed(record));
+        ControlFlow::Continue(())
+    }
+}
+
+/// The first reading: the guard's judgement, and the layout's measure.
+struct Judge<'g> {
+    guard: &'g Guard,
+    judging: Option<Judging>,
+    plan: Plan,
+}
+
+impl Pass for Judge<'_> {
+    fn begin(&mut self, services: &[ServiceKey], count: usize) {
+        if let Some(judging) = self.judging.as_mut() {
+            judging.know(services);
+        }
+        self.plan = Plan::new(count);
+    }
+
+    fn record(&mut self, record: &CompactRecord) {
+        if let Some(judging) = self.judging.as_mut() {
+            self.guard.judge(judging, record);
+        }
+        self.plan.measure(record);
+    }
+}
+
+/// The reading of a held answer: the records that only add.
+struct Gains<'g> {
+    guard: &'g Guard,
+    gains: Vec<CompactRecord>,
+}
+
+impl Pass for Gains<'_> {
+    fn record(&mut self, record: &CompactRecord) {
+        if self.guard.is_gain(record) {
+            self.gains.push(record.clone());
+        }
+    }
+}
+
+/// A reading that writes a slice of the layout; the first also makes the
+/// answer the guard's baseline.
+struct Apply<'a> {
+    guard: Option<(&'a mut Guard, Applying)>,
+    loading: &'a mut Loading,
+}
+
+impl Pass for Apply<'_> {
+    fn wants(&self, ip: &IpAddr) -> bool {
+        self.loading.wants(ip)
+    }
+
+    fn record(&mut self, record: &CompactRecord) {
+        if let Some((guard, applying)) = self.guard.as_mut() {
+            guard.apply(applying, record);
+        }
+        self.loading.put(record);
     }
 }
 

@@ -1,5 +1,7 @@
 //! Reading the packed form a line at a time, a record at a time, without a tree of the whole answer.
 
+use std::ops::ControlFlow;
+
 use super::*;
 
 /// Reads a packed snapshot (or reset) from `reader` a line at a time: each
@@ -12,12 +14,114 @@ pub fn decode_snapshot<S: Clone, R>(
     service: impl FnMut(&ServiceKey) -> S,
     keep: impl FnMut(Record<S>) -> R,
 ) -> Result<Snapshot<R>, PackedError> {
+    read_snapshot(reader, service, &mut Keeping(keep))
+}
+
+/// What a reader does with a document's records as they are read, one at a
+/// time, instead of keeping them (see [`visit_snapshot`]).
+pub trait Visit<S> {
+    /// The records' list begins: `count` records follow. `services` are the
+    /// document's `[services]` (every service a snapshot knows).
+    fn begin(&mut self, services: &[ServiceKey], count: usize) -> ControlFlow<()> {
+        let _ = (services, count);
+        ControlFlow::Continue(())
+    }
+
+    /// Whether to read the record of `ip`: a record not wanted is skipped
+    /// after its IP, unread and unchecked (a reader that skips records has
+    /// read the same bytes whole before).
+    fn wants(&mut self, ip: IpAddr) -> bool {
+        let _ = ip;
+        true
+    }
+
+    /// One record, read. `Break` stops reading: the document is refused
+    /// with [`PackedError::Stopped`].
+    fn record(&mut self, record: Record<S>) -> ControlFlow<()>;
+}
+
+/// Reads a packed snapshot (or reset) from `reader` as [`decode_snapshot`]
+/// does, handing each record to `visit` as it is read: the answer is checked
+/// whole (its `end`, its counts) and its records are never all held at once.
+/// The snapshot returned keeps a `()` for each record read, which takes no
+/// memory.
+pub fn visit_snapshot<S: Clone>(
+    reader: impl BufRead,
+    service: impl FnMut(&ServiceKey) -> S,
+    visit: &mut dyn Visit<S>,
+) -> Result<Snapshot<()>, PackedError> {
+    read_snapshot(reader, service, &mut Visiting(visit))
+}
+
+/// The kind on the first line of a packed document, `start` being at least
+/// that line: `Some(true)` for a snapshot or reset, `Some(false)` for a
+/// delta, `None` when it is neither (the reader then says why).
+pub fn is_whole(start: &[u8]) -> Option<bool> {
+    let line = start.split(|b| *b == b'\n').next()?;
+    let kind = std::str::from_utf8(line).ok()?.rsplit(' ').next()?;
+    match kind {
+        "snapshot" | "reset" => Some(true),
+        "delta" => Some(false),
+        _ => None,
+    }
+}
+
+fn read_snapshot<S: Clone, R>(
+    reader: impl BufRead,
+    service: impl FnMut(&ServiceKey) -> S,
+    sink: &mut dyn Sink<S, R>,
+) -> Result<Snapshot<R>, PackedError> {
     const WHAT: &str = "snapshot";
     let mut read = Reader::new(WHAT, reader);
-    let document = read.document(service, keep)?;
+    let document = read.document(service, sink)?;
     match document.kind {
         Kind::Snapshot | Kind::Reset => document.into_snapshot(&read),
         Kind::Delta => Err(read.malformed(1, "a delta where a snapshot was expected")),
+    }
+}
+
+/// Where [`Reader::document`] puts the records it reads.
+trait Sink<S, R> {
+    fn begin(&mut self, services: &[ServiceKey], count: usize) -> ControlFlow<()>;
+    fn wants(&mut self, ip: IpAddr) -> bool;
+    /// `None`: stop reading.
+    fn keep(&mut self, record: Record<S>) -> Option<R>;
+}
+
+/// Every record, as `keep` makes it.
+struct Keeping<F>(F);
+
+impl<S, R, F: FnMut(Record<S>) -> R> Sink<S, R> for Keeping<F> {
+    fn begin(&mut self, _: &[ServiceKey], _: usize) -> ControlFlow<()> {
+        ControlFlow::Continue(())
+    }
+
+    fn wants(&mut self, _: IpAddr) -> bool {
+        true
+    }
+
+    fn keep(&mut self, record: Record<S>) -> Option<R> {
+        Some((self.0)(record))
+    }
+}
+
+/// Every record handed to a [`Visit`], none kept.
+struct Visiting<'a, S>(&'a mut dyn Visit<S>);
+
+impl<S> Sink<S, ()> for Visiting<'_, S> {
+    fn begin(&mut self, services: &[ServiceKey], count: usize) -> ControlFlow<()> {
+        self.0.begin(services, count)
+    }
+
+    fn wants(&mut self, ip: IpAddr) -> bool {
+        self.0.wants(ip)
+    }
+
+    fn keep(&mut self, record: Record<S>) -> Option<()> {
+        match self.0.record(record) {
+            ControlFlow::Continue(()) => Some(()),
+            ControlFlow::Break(()) => None,
+        }
     }
 }
 
@@ -30,7 +134,7 @@ pub fn decode_changes<S: Clone, R>(
 ) -> Result<Changes<R>, PackedError> {
     const WHAT: &str = "changes";
     let mut read = Reader::new(WHAT, reader);
-    let document = read.document(service, keep)?;
+    let document = read.document(service, &mut Keeping(keep))?;
     match document.kind {
         Kind::Reset => Ok(Changes::Reset(document.into_snapshot(&read)?)),
         Kind::Delta => Ok(Changes::Delta(document.into_delta(&read)?)),
@@ -194,7 +298,7 @@ impl<B: BufRead> Reader<B> {
     fn document<S: Clone, R>(
         &mut self,
         mut service: impl FnMut(&ServiceKey) -> S,
-        mut keep: impl FnMut(Record<S>) -> R,
+        sink: &mut dyn Sink<S, R>,
     ) -> Result<Document<R>, PackedError> {
         let kind = self.first_line()?;
         let mut document = Document::new(kind);
@@ -254,12 +358,25 @@ impl<B: BufRead> Reader<B> {
                     }
                     "records" | "upserts" => {
                         records_begun = true;
+                        let known = document.services.as_deref().unwrap_or_default();
+                        if sink.begin(known, count).is_break() {
+                            return Err(PackedError::Stopped { what: self.what });
+                        }
                         let mut records = Vec::with_capacity(count.min(MAX_RESERVE));
+                        let what = self.what;
                         for _ in 0..count {
                             let (line, text) = self.expect()?;
-                            let record = parse_record(text, &table)
-                                .map_err(|reason| self.malformed(line, reason))?;
-                            records.push(keep(record));
+                            let (ip, rest) =
+                                record_ip(text).map_err(|reason| malformed(what, line, reason))?;
+                            if !sink.wants(ip) {
+                                continue;
+                            }
+                            let record = parse_record(ip, rest, &table)
+                                .map_err(|reason| malformed(what, line, reason))?;
+                            match sink.keep(record) {
+                                Some(kept) => records.push(kept),
+                                None => return Err(PackedError::Stopped { what: self.what }),
+                            }
                         }
                         let slot = if name == "records" {
                             &mut document.records
@@ -377,12 +494,22 @@ fn number(text: &str) -> Option<u64> {
     text.parse().ok()
 }
 
-fn parse_record<S: Clone>(text: &str, table: &[S]) -> Result<Record<S>, String> {
-    let mut tokens = text.split(' ');
-    let ip: IpAddr = tokens
-        .next()
-        .and_then(|ip| ip.parse().ok())
-        .ok_or("a record starts with its IP")?;
+/// A record line's IP, and its tokens after it (`None`: the IP alone).
+fn record_ip(text: &str) -> Result<(IpAddr, Option<&str>), String> {
+    let (ip, rest) = match text.split_once(' ') {
+        Some((ip, rest)) => (ip, Some(rest)),
+        None => (text, None),
+    };
+    let ip: IpAddr = ip.parse().map_err(|_| "a record starts with its IP")?;
+    Ok((ip, rest))
+}
+
+fn parse_record<S: Clone>(
+    ip: IpAddr,
+    rest: Option<&str>,
+    table: &[S],
+) -> Result<Record<S>, String> {
+    let tokens = rest.into_iter().flat_map(|rest| rest.split(' '));
     let named = |n: &str| {
         number(n)
             .and_then(|n| usize::try_from(n).ok())

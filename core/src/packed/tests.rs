@@ -396,3 +396,106 @@ fn the_fingerprint_follows_the_holders() {
         fingerprint([&a])
     );
 }
+
+/// Collects what [`visit_snapshot`] hands over, keeping only the IPs it is
+/// told to want.
+struct Collect {
+    services: Vec<ServiceKey>,
+    count: usize,
+    keep: fn(&IpAddr) -> bool,
+    records: Vec<Record<ServiceKey>>,
+    stop_after: Option<usize>,
+}
+
+impl Visit<ServiceKey> for Collect {
+    fn begin(&mut self, services: &[ServiceKey], count: usize) -> std::ops::ControlFlow<()> {
+        self.services = services.to_vec();
+        self.count = count;
+        std::ops::ControlFlow::Continue(())
+    }
+
+    fn wants(&mut self, ip: IpAddr) -> bool {
+        (self.keep)(&ip)
+    }
+
+    fn record(&mut self, record: Record<ServiceKey>) -> std::ops::ControlFlow<()> {
+        self.records.push(record);
+        match self.stop_after {
+            Some(n) if self.records.len() >= n => std::ops::ControlFlow::Break(()),
+            _ => std::ops::ControlFlow::Continue(()),
+        }
+    }
+}
+
+fn collect(keep: fn(&IpAddr) -> bool) -> Collect {
+    Collect {
+        services: vec![],
+        count: 0,
+        keep,
+        records: vec![],
+        stop_after: None,
+    }
+}
+
+#[test]
+fn a_visited_snapshot_hands_over_each_record_as_decode_keeps_it() {
+    let snapshot = snapshot();
+    let bytes = encode_changes(&Changes::Reset(snapshot.clone()));
+    let whole = read_snapshot(&bytes).unwrap();
+    let mut all = collect(|_| true);
+    let head = visit_snapshot(&bytes[..], ServiceKey::clone, &mut all).unwrap();
+    assert_eq!(all.records, whole.records);
+    assert_eq!(
+        (all.count, &all.services),
+        (whole.records.len(), &whole.services)
+    );
+    assert_eq!(
+        (head.epoch, head.generation),
+        (whole.epoch, whole.generation)
+    );
+    assert_eq!(head.services, whole.services);
+    // Nothing is kept: a `()` per record, which takes no memory.
+    assert_eq!(head.records.len(), whole.records.len());
+    // A record not wanted is skipped, the others read as before.
+    let mut v4 = collect(IpAddr::is_ipv4);
+    visit_snapshot(&bytes[..], ServiceKey::clone, &mut v4).unwrap();
+    let want: Vec<_> = whole
+        .records
+        .iter()
+        .filter(|r| r.ip.is_ipv4())
+        .cloned()
+        .collect();
+    assert!(!want.is_empty() && want.len() < whole.records.len());
+    assert_eq!(v4.records, want);
+    // A visitor that stops refuses the document.
+    let mut stop = collect(|_| true);
+    stop.stop_after = Some(1);
+    let err = visit_snapshot(&bytes[..], ServiceKey::clone, &mut stop).unwrap_err();
+    assert!(matches!(err, PackedError::Stopped { .. }), "{err}");
+    // A cut answer is refused as decode refuses it.
+    let cut = &bytes[..bytes.len() - 4];
+    assert!(visit_snapshot(cut, ServiceKey::clone, &mut collect(|_| true)).is_err());
+}
+
+#[test]
+fn the_first_line_tells_a_whole_index_from_a_delta() {
+    let snapshot = snapshot();
+    assert_eq!(is_whole(&encode_snapshot(&snapshot)), Some(true));
+    assert_eq!(
+        is_whole(&encode_changes(&Changes::Reset(snapshot))),
+        Some(true)
+    );
+    let delta = Changes::Delta(Delta {
+        v: WIRE_VERSION,
+        epoch: 1,
+        since: 1,
+        generation: 2,
+        freshness: Freshness::default(),
+        services_added: vec![],
+        services_removed: vec![],
+        upserts: vec![],
+        removed: vec![],
+    });
+    assert_eq!(is_whole(&encode_changes(&delta)), Some(false));
+    assert_eq!(is_whole(b"{\"kind\":\"reset\"}"), None);
+}

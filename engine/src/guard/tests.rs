@@ -232,7 +232,8 @@ fn the_ip_table_keeps_both_families_apart_and_whole() {
         .iter()
         .map(|ip| ip.parse().unwrap())
         .collect();
-    t.reserve(ips.iter());
+    let (v4, v6) = families(ips.iter());
+    t.reserve(v4, v6);
     for (n, ip) in ips.iter().enumerate() {
         assert_eq!(t.insert(*ip, n as u32), None);
     }
@@ -263,7 +264,7 @@ fn deltas_keep_the_baseline_in_step() {
         assert!(g.admit(1, Answer::Delta(&d)));
         g.applied(0, Answer::Delta(&d));
     }
-    assert_eq!(g.baseline.counts.members[&service_id(&svc("api"))], 8);
+    assert_eq!(g.baseline.members(service_id(&svc("api"))), 8);
     // Now the remaining eight vanish without evidence: every IP of api.
     let d = delta(vec![], (12..20).map(ip).collect());
     assert_eq!(

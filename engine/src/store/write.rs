@@ -65,30 +65,15 @@ impl Writer {
     }
 
     /// Writes `snapshot` as a new load and flips `meta` to it; returns
-    /// `meta`. Sorts the snapshot's records by bucket.
-    ///
-    /// Until the flip, readers on other workers keep reading the index of
-    /// before through its `meta`: nothing of it is cleared before the flip
-    /// (a bucket of the old layout read empty would reject its live pods as
-    /// destroyed). What the new load leaves behind is cleared at the next
-    /// write, only to give its memory back: once `meta` names the new load,
-    /// every entry of an older load is invalid for readers anyway. When the
-    /// flip fails, the writer keeps describing the index of before, which
-    /// `meta` still names.
+    /// `meta`: [`Writer::begin_snapshot`], its records slice by slice, then
+    /// [`Writer::commit_snapshot`], from records held whole (a JSON answer,
+    /// a test's, the native module's seed).
     pub fn write_snapshot(
         &mut self,
         store: &mut dyn SharedData,
         now_ms: u64,
         snapshot: &mut Snapshot<CompactRecord>,
     ) -> Result<Meta, StoreError> {
-        self.clear_retired(store);
-        let load = next_id(store, LOADS_KEY)?;
-        // Lay the IPs out bucket by bucket: sorted by bucket, each bucket is
-        // built and written once, and only one is held at a time.
-        let layout = buckets::bucket_count(snapshot.records.len() as u64);
-        snapshot
-            .records
-            .sort_by_cached_key(|r| buckets::bucket_of(&r.ip, layout));
         let Snapshot {
             v: _,
             epoch,
@@ -97,26 +82,83 @@ impl Writer {
             services,
             records,
         } = &*snapshot;
-        let mut written = HashSet::new();
-        let mut entries = 0u64;
-        let mut current: Option<(u32, Bucket)> = None;
+        let mut plan = Plan::new(records.len());
         for record in records {
-            let index = buckets::bucket_of(&record.ip, layout);
-            if current.as_ref().is_some_and(|(i, _)| *i != index) {
-                if let Some((i, bucket)) = current.take() {
-                    entries += write_bucket(store, load, layout, i, &bucket, &mut written)?;
+            plan.measure(record);
+        }
+        let mut loading = self.begin_snapshot(store, plan)?;
+        loop {
+            for record in records {
+                if loading.wants(&record.ip) {
+                    loading.put(record);
                 }
             }
-            current
-                .get_or_insert_with(|| (index, Bucket::default()))
-                .1
-                .put(record);
+            if !loading.finish_slice(store)? {
+                break;
+            }
         }
-        if let Some((i, bucket)) = current.take() {
-            entries += write_bucket(store, load, layout, i, &bucket, &mut written)?;
-        }
-        members::write_snapshot(store, load, records)?;
-        let services: HashSet<ServiceKey> = services.iter().cloned().collect();
+        let head = Head {
+            epoch: *epoch,
+            generation: *generation,
+            fresh: freshness.fresh,
+            services,
+        };
+        self.commit_snapshot(store, now_ms, loading, &head)
+    }
+
+    /// Begins writing a snapshot laid out as `plan` says, under a new load:
+    /// the caller hands every record to the [`Loading`] once per slice
+    /// ([`Loading::wants`], [`Loading::put`], [`Loading::finish_slice`]),
+    /// then flips `meta` with [`Writer::commit_snapshot`].
+    ///
+    /// Until the flip, readers on other workers keep reading the index of
+    /// before through its `meta`: nothing of it is cleared before the flip
+    /// (a bucket of the old layout read empty would reject its live pods as
+    /// destroyed), and each bucket of the new load is written once, whole.
+    /// What the new load leaves behind is cleared at the next write, only to
+    /// give its memory back: once `meta` names the new load, every entry of
+    /// an older load is invalid for readers anyway.
+    pub fn begin_snapshot(
+        &mut self,
+        store: &mut dyn SharedData,
+        plan: Plan,
+    ) -> Result<Loading, StoreError> {
+        self.clear_retired(store);
+        let load = next_id(store, LOADS_KEY)?;
+        let mut loading = Loading {
+            load,
+            plan,
+            slice: 0,
+            arena: Vec::new(),
+            lines: Vec::new(),
+            members: Some(members::Lists::default()),
+            written: HashSet::new(),
+            entries: 0,
+        };
+        loading.reserve();
+        Ok(loading)
+    }
+
+    /// Writes the services of the snapshot `loading` wrote and flips `meta`
+    /// to its load (the commit); returns `meta`. When the flip fails, the
+    /// writer keeps describing the index of before, which `meta` still
+    /// names.
+    pub fn commit_snapshot(
+        &mut self,
+        store: &mut dyn SharedData,
+        now_ms: u64,
+        loading: Loading,
+        head: &Head<'_>,
+    ) -> Result<Meta, StoreError> {
+        let Loading {
+            load,
+            plan,
+            written,
+            entries,
+            ..
+        } = loading;
+        let layout = plan.layout;
+        let services: HashSet<ServiceKey> = head.services.iter().cloned().collect();
         for service in &services {
             store.set(&service_key(service), &encode_service(load), None)?;
         }
@@ -130,14 +172,14 @@ impl Writer {
                 retired: Vec::new(),
             },
         );
-        let meta = match self.write_meta(store, load, now_ms, *epoch, *generation, freshness.fresh)
-        {
-            Ok(meta) => meta,
-            Err(e) => {
-                *self = before;
-                return Err(e);
-            }
-        };
+        let meta =
+            match self.write_meta(store, load, now_ms, head.epoch, head.generation, head.fresh) {
+                Ok(meta) => meta,
+                Err(e) => {
+                    *self = before;
+                    return Err(e);
+                }
+            };
         self.retired = before
             .known_buckets
             .iter()
@@ -343,25 +385,193 @@ fn refreshed(
     store.set(META_KEY, &meta.encode(), None)
 }
 
-/// Writes one bucket of a new load; returns its number of IPs.
-fn write_bucket(
-    store: &mut dyn SharedData,
-    load: u64,
+/// What a snapshot's commit writes besides its records.
+#[derive(Debug, Clone, Copy)]
+pub struct Head<'a> {
+    /// The validator's epoch.
+    pub epoch: u64,
+    /// The generation of the snapshot.
+    pub generation: u64,
+    /// The validator called its data fresh.
+    pub fresh: bool,
+    /// The services it knows.
+    pub services: &'a [ServiceKey],
+}
+
+/// Bucket lines a slice of a snapshot's layout holds in the poller at
+/// once, at most (unless that would take more than [`MAX_SLICES`] slices):
+/// a slice's lines are all read before its buckets are written.
+pub const SLICE_BYTES: usize = 1 << 20;
+
+/// The most slices a snapshot is written in: each is one more reading of
+/// the answer.
+pub const MAX_SLICES: usize = 4;
+
+/// How a snapshot is written: its layout (from its size), and the slices of
+/// the layout written one after another, each from one reading of the
+/// records, so that the poller holds one slice's bucket lines at a time
+/// and never the whole answer.
+#[derive(Debug, Clone)]
+pub struct Plan {
     layout: u32,
-    index: u32,
-    bucket: &Bucket,
-    written: &mut HashSet<u32>,
-) -> Result<u64, StoreError> {
-    if bucket.is_empty() {
-        return Ok(0);
+    /// Per quarter of the layout: records, and bytes of bucket lines.
+    quarters: [(usize, usize); MAX_SLICES],
+    /// IPv4 and IPv6 records.
+    families: (usize, usize),
+}
+
+impl Plan {
+    /// The plan of a snapshot of `records` records, to be measured.
+    pub fn new(records: usize) -> Self {
+        Self {
+            layout: buckets::bucket_count(records as u64),
+            quarters: [(0, 0); MAX_SLICES],
+            families: (0, 0),
+        }
     }
-    store.set(
-        &buckets::bucket_key(layout, index),
-        &bucket.encode(load),
-        None,
-    )?;
-    written.insert(index);
-    Ok(bucket.len() as u64)
+
+    /// Counts one record of the snapshot.
+    pub fn measure(&mut self, record: &CompactRecord) {
+        match record.ip {
+            IpAddr::V4(_) => self.families.0 += 1,
+            IpAddr::V6(_) => self.families.1 += 1,
+        }
+        if record.is_vacant() {
+            return;
+        }
+        let quarter = self.quarter(buckets::bucket_of(&record.ip, self.layout));
+        if let Some((records, bytes)) = self.quarters.get_mut(quarter) {
+            *records += 1;
+            *bytes += buckets::line_len(record);
+        }
+    }
+
+    /// The snapshot's IPv4 and IPv6 records.
+    pub fn families(&self) -> (usize, usize) {
+        self.families
+    }
+
+    /// How many slices the snapshot is written in: 1, 2 or 4.
+    pub fn slices(&self) -> usize {
+        let bytes: usize = self.quarters.iter().map(|(_, b)| b).sum();
+        bytes
+            .div_ceil(SLICE_BYTES)
+            .clamp(1, MAX_SLICES)
+            .next_power_of_two()
+    }
+
+    fn quarter(&self, bucket: u32) -> usize {
+        (u64::from(bucket) * MAX_SLICES as u64 / u64::from(self.layout)) as usize
+    }
+
+    /// The slice bucket `bucket` is written in.
+    fn slice_of(&self, bucket: u32) -> usize {
+        self.quarter(bucket) * self.slices() / MAX_SLICES
+    }
+
+    /// Records and bytes of bucket lines of slice `slice`.
+    fn size_of(&self, slice: usize) -> (usize, usize) {
+        let per = MAX_SLICES / self.slices();
+        self.quarters
+            .iter()
+            .skip(slice * per)
+            .take(per)
+            .fold((0, 0), |(r, b), (records, bytes)| (r + records, b + bytes))
+    }
+}
+
+/// A snapshot being written, a slice of its layout at a time (see
+/// [`Writer::begin_snapshot`]).
+#[derive(Debug)]
+pub struct Loading {
+    load: u64,
+    plan: Plan,
+    slice: usize,
+    /// The bucket lines of the slice being read, `\n<ip> <holders>` each,
+    /// in the order of the answer.
+    arena: Vec<u8>,
+    /// Each line's bucket and where it starts in `arena`.
+    lines: Vec<(u32, u32)>,
+    /// The member lists, gathered while the first slice is read (which
+    /// reads every record).
+    members: Option<members::Lists>,
+    written: HashSet<u32>,
+    entries: u64,
+}
+
+impl Loading {
+    /// True when the slice being read needs the record of `ip`: every
+    /// record in the first slice (for the member lists), then only its own.
+    pub fn wants(&self, ip: &IpAddr) -> bool {
+        self.slice == 0
+            || self.plan.slice_of(buckets::bucket_of(ip, self.plan.layout)) == self.slice
+    }
+
+    /// True while the first slice is read (every record goes by).
+    pub fn first_slice(&self) -> bool {
+        self.slice == 0
+    }
+
+    /// One record of the snapshot.
+    pub fn put(&mut self, record: &CompactRecord) {
+        if let Some(members) = self.members.as_mut() {
+            members.add(record);
+        }
+        if record.is_vacant() {
+            return;
+        }
+        let bucket = buckets::bucket_of(&record.ip, self.plan.layout);
+        if self.plan.slice_of(bucket) != self.slice {
+            return;
+        }
+        let Ok(start) = u32::try_from(self.arena.len()) else {
+            return;
+        };
+        self.lines.push((bucket, start));
+        buckets::push_line(&mut self.arena, record);
+    }
+
+    /// Writes the buckets of the slice read (after the first, the member
+    /// lists too) and moves to the next; false when none is left.
+    pub fn finish_slice(&mut self, store: &mut dyn SharedData) -> Result<bool, StoreError> {
+        // A bucket's lines together, each bucket's in the answer's order.
+        self.lines.sort_unstable();
+        let mut value = Vec::new();
+        let mut at = 0;
+        while let Some(&(bucket, _)) = self.lines.get(at) {
+            let end = self.lines[at..]
+                .iter()
+                .position(|(b, _)| *b != bucket)
+                .map_or(self.lines.len(), |n| at + n);
+            let starts: Vec<usize> = self.lines[at..end]
+                .iter()
+                .map(|(_, start)| *start as usize)
+                .collect();
+            let ips = buckets::encode_lines(&mut value, self.load, &self.arena, &starts);
+            store.set(&buckets::bucket_key(self.plan.layout, bucket), &value, None)?;
+            self.written.insert(bucket);
+            self.entries += ips as u64;
+            at = end;
+        }
+        if let Some(members) = self.members.take() {
+            members.write(store, self.load)?;
+        }
+        self.arena.clear();
+        self.lines.clear();
+        self.slice += 1;
+        if self.slice >= self.plan.slices() {
+            return Ok(false);
+        }
+        self.reserve();
+        Ok(true)
+    }
+
+    /// Room for the slice about to be read, at once.
+    fn reserve(&mut self) {
+        let (records, bytes) = self.plan.size_of(self.slice);
+        self.arena.reserve_exact(bytes);
+        self.lines.reserve_exact(records);
+    }
 }
 
 /// One change to a bucket.
@@ -500,6 +710,48 @@ mod tests {
         for key in retired {
             assert_eq!(store.get(&key).unwrap().0.unwrap_or_default(), b"");
         }
+    }
+
+    #[test]
+    fn a_large_snapshot_is_written_in_slices_as_whole_buckets_of_its_lines() {
+        let mut snapshot = snapshot(1, 40_000);
+        let mut plan = Plan::new(snapshot.records.len());
+        for record in &snapshot.records {
+            plan.measure(record);
+        }
+        assert_eq!(plan.slices(), 2, "{plan:?}");
+        assert_eq!(plan.families(), (40_000, 0));
+        let mut store = MemoryStore::default();
+        let meta = Writer::default()
+            .write_snapshot(&mut store, 1, &mut snapshot)
+            .unwrap();
+        assert_eq!(meta.entries, 40_000);
+        // Each bucket is what a bucket of the same records encodes to.
+        let mut expected: BTreeMap<u32, Bucket> = BTreeMap::new();
+        for record in &snapshot.records {
+            let index = buckets::bucket_of(&record.ip, meta.buckets);
+            expected.entry(index).or_default().put(record);
+        }
+        for (index, bucket) in expected {
+            let key = buckets::bucket_key(meta.buckets, index);
+            assert_eq!(store.get(&key).unwrap().0, Some(bucket.encode(meta.load)));
+        }
+        // An IP listed twice keeps its last line.
+        let mut twice = self::snapshot(2, 3);
+        let mut last = twice.records[0].clone();
+        last.line = b"pt".to_vec().into_boxed_slice();
+        twice.records.push(last);
+        let meta = Writer::default()
+            .write_snapshot(&mut store, 2, &mut twice)
+            .unwrap();
+        assert_eq!(meta.entries, 3);
+        let ip = twice.records[0].ip;
+        let value = store.get(&buckets::key_of(&ip, meta.buckets)).unwrap().0;
+        let holders = buckets::find(&value.unwrap(), &ip, meta.load);
+        assert_eq!(
+            holders,
+            Entry::Present(buckets::Holders::decode(b"pt").unwrap())
+        );
     }
 
     #[test]

@@ -775,3 +775,45 @@ fn unfresh_answers_are_recorded_as_not_fresh() {
     p.on_response(0, 200, &json(&s), &mut store).unwrap();
     assert!(!IndexReader::new(&store).meta().unwrap().fresh);
 }
+
+#[test]
+fn a_packed_reset_is_applied_holding_one_record_at_a_time() {
+    use crate::buckets::alive;
+    use staleguard_core::packed;
+    // 40,000 IPs: about 1.3 MB of bucket lines, written in two slices.
+    let ips: Vec<String> = (0..40_000u32)
+        .map(|i| std::net::Ipv4Addr::from(0x0a00_0000 + i).to_string())
+        .collect();
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    let mut store = MemoryStore::default();
+    let mut p = Poller::new(CFG, 7);
+    p.next_request(0, &store);
+    let first = packed::encode_snapshot(&snapshot(9, 3, &ips));
+    alive::take_peak();
+    assert_eq!(
+        p.on_response(0, 200, &first, &mut store).unwrap(),
+        Applied::Reset { entries: 40_000 }
+    );
+    assert_eq!(alive::take_peak(), 1, "one record alive at a time");
+    // A reset the guard judges against that baseline, all of it kept but
+    // one IP: the same, and the IP it lacks is gone.
+    let request = p.next_request(1, &store).unwrap();
+    assert!(matches!(request, Request::Changes { .. }));
+    let reset = packed::encode_changes(&Changes::Reset(snapshot(10, 1, &ips[1..])));
+    alive::take_peak();
+    assert_eq!(
+        p.on_response(1, 200, &reset, &mut store).unwrap(),
+        Applied::Reset { entries: 39_999 }
+    );
+    assert_eq!(alive::take_peak(), 1, "one record alive at a time");
+    assert!(!present(&store, ips[0]));
+    assert!(ips[1..].iter().step_by(97).all(|ip| present(&store, ip)));
+    // A reset the guard holds (every IP gone) keeps none of its records.
+    p.next_request(2, &store);
+    let empty = packed::encode_changes(&Changes::Reset(snapshot(11, 1, &[])));
+    assert_eq!(
+        p.on_response(2, 200, &empty, &mut store).unwrap(),
+        Applied::Held
+    );
+    assert!(present(&store, ips[1]));
+}
