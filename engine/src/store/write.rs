@@ -692,25 +692,7 @@ mod tests {
         // The next write clears them, and readers still find every pod.
         let retired = writer.retired.clone();
         writer
-            .write_delta(
-                &mut store,
-                3,
-                meta.load,
-                &Delta {
-                    v: 1,
-                    epoch: 1,
-                    since: 2,
-                    generation: 3,
-                    freshness: Freshness {
-                        fresh: true,
-                        age_ms: Some(0),
-                    },
-                    services_added: vec![],
-                    services_removed: vec![],
-                    upserts: vec![],
-                    removed: vec![],
-                },
-            )
+            .write_delta(&mut store, 3, meta.load, &delta(2, vec![]))
             .unwrap();
         assert!(writer.retired.is_empty());
         for key in retired {
@@ -718,13 +700,13 @@ mod tests {
         }
     }
 
-    /// A delta removing `n` IPs of shop/cart from a snapshot of `n`.
-    fn scale_down(n: u32) -> Delta<CompactRecord> {
+    /// A delta from generation `since` to the next, removing `removed`.
+    fn delta(since: u64, removed: Vec<IpAddr>) -> Delta<CompactRecord> {
         Delta {
             v: 1,
             epoch: 1,
-            since: 1,
-            generation: 2,
+            since,
+            generation: since + 1,
             freshness: Freshness {
                 fresh: true,
                 age_ms: Some(0),
@@ -732,8 +714,13 @@ mod tests {
             services_added: vec![],
             services_removed: vec![],
             upserts: vec![],
-            removed: snapshot(0, n).records.iter().map(|r| r.ip).collect(),
+            removed,
         }
+    }
+
+    /// A delta removing `n` IPs of shop/cart from a snapshot of `n`.
+    fn scale_down(n: u32) -> Delta<CompactRecord> {
+        delta(1, snapshot(0, n).records.iter().map(|r| r.ip).collect())
     }
 
     /// Counts the writes of each key.
