@@ -17,9 +17,11 @@
 //! [`Reason::Member`] (the one rule, [`staleguard_core::decide`]) and which a
 //! *ready* pod holds (or a slice lists without a pod): the hosts a request can
 //! be sent to now. A full snapshot writes every list under its new load; a
-//! delta reads the IP's old line and rewrites only the lists whose
-//! membership changed, so a poller that took over from another keeps them
-//! right without knowing what its predecessor wrote.
+//! delta reads each IP's old line, gathers the changes of membership per
+//! service ([`Updates`]) and rewrites each list that changed once, so a
+//! poller that took over from another keeps them right without knowing what
+//! its predecessor wrote, and a scale-down of one large service costs one
+//! write of its list, not one per pod.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -207,39 +209,62 @@ impl Lists {
     }
 }
 
-/// Updates the lists for one IP of a delta: `old` is the record the index
-/// held (read before it is overwritten), `new` its new record, `None` when
-/// the IP is removed.
-pub fn apply_change(
-    store: &mut dyn SharedData,
-    load: u64,
-    ip: IpAddr,
-    old: Option<&Holders>,
-    new: Option<&CompactRecord>,
-) -> Result<(), StoreError> {
-    let old = old.map(|h| live_memberships(ip, h)).unwrap_or_default();
-    let new = new
-        .and_then(CompactRecord::holders)
-        .map(|h| live_memberships(ip, &h))
-        .unwrap_or_default();
-    let services = old.keys().chain(new.keys()).collect::<Vec<_>>();
-    for id in services {
-        let (before, after) = (old.get(id), new.get(id));
-        if before == after {
-            continue;
+/// A batch's changes to the member lists (a delta's, a hold's gains),
+/// gathered per service an IP at a time ([`Updates::change`]), then written
+/// with each touched list read, edited and written once
+/// ([`Updates::write`]): a delta removing N IPs of one service costs one
+/// read and one write of its list, not N of each.
+#[derive(Debug, Default)]
+pub struct Updates {
+    /// Per service, the IPs whose membership changed: the ports of the IP
+    /// as a member now, `None` when it no longer is one.
+    services: BTreeMap<u64, BTreeMap<IpAddr, Option<Vec<u16>>>>,
+}
+
+impl Updates {
+    /// Notes the change of one IP: `old` is the record the index held (read
+    /// before it is overwritten), `new` its new record, `None` when the IP
+    /// is removed. Only the services whose membership of the IP changes are
+    /// noted; a later change of the same IP replaces an earlier one.
+    pub fn change(&mut self, ip: IpAddr, old: Option<&Holders>, new: Option<&CompactRecord>) {
+        let old = old.map(|h| live_memberships(ip, h)).unwrap_or_default();
+        let mut new = new
+            .and_then(CompactRecord::holders)
+            .map(|h| live_memberships(ip, &h))
+            .unwrap_or_default();
+        for (id, before) in &old {
+            let after = new.remove(id);
+            if after.as_ref() != Some(before) {
+                self.services.entry(*id).or_default().insert(ip, after);
+            }
         }
-        let mut members = read_id(store, *id, load);
-        members.retain(|m| m.ip != ip);
-        if let Some(ports) = after {
-            members.push(Member {
-                ip,
-                ports: ports.clone(),
-            });
-            members.sort();
+        for (id, after) in new {
+            self.services.entry(id).or_default().insert(ip, Some(after));
         }
-        store.set(&id_key(*id), &encode(load, &members), None)?;
     }
-    Ok(())
+
+    /// Writes each touched list under `load`: its members read at `load`,
+    /// the changed IPs taken out, those still members put back with their
+    /// ports, sorted; the bytes one IP at a time in the batch's order would
+    /// have written.
+    pub fn write(self, store: &mut dyn SharedData, load: u64) -> Result<(), StoreError> {
+        for (id, changes) in self.services {
+            let mut members = read_id(store, id, load);
+            members.retain(|m| !changes.contains_key(&m.ip));
+            let kept = members.len();
+            members.extend(
+                changes
+                    .into_iter()
+                    .filter_map(|(ip, ports)| ports.map(|ports| Member { ip, ports })),
+            );
+            // A list only loses members in place; one that gains is sorted.
+            if members.len() > kept {
+                members.sort();
+            }
+            store.set(&id_key(id), &encode(load, &members), None)?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -436,12 +461,16 @@ mod tests {
             rec("10.0.0.4", &cart(), true, false),
         ] {
             let old = index.get(&r.ip).map(Holders::from_record);
-            apply_change(&mut s, 1, r.ip, old.as_ref(), Some(&CompactRecord::of(&r))).unwrap();
+            let mut updates = Updates::default();
+            updates.change(r.ip, old.as_ref(), Some(&CompactRecord::of(&r)));
+            updates.write(&mut s, 1).unwrap();
             index.insert(r.ip, r);
         }
         let gone: IpAddr = "10.0.0.3".parse().unwrap();
         let old = index.get(&gone).map(Holders::from_record);
-        apply_change(&mut s, 1, gone, old.as_ref(), None).unwrap();
+        let mut updates = Updates::default();
+        updates.change(gone, old.as_ref(), None);
+        updates.write(&mut s, 1).unwrap();
         assert_eq!(ips(&read(&s, &cart(), 1)), ["10.0.0.4"]);
         assert_eq!(ips(&read(&s, &pay(), 1)), ["10.0.0.2"]);
         // A new load hides every list the snapshot did not write.

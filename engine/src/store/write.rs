@@ -244,11 +244,13 @@ impl Writer {
             edits.entry(index).or_default().push(Edit::Remove(ip));
         }
         let changed = (upserts.len() + removed.len()) as u64;
+        let mut lists = members::Updates::default();
         for (index, edits) in edits {
             let key = buckets::bucket_key(self.buckets, index);
             let (value, _) = store.get(&key)?;
             let value = value.unwrap_or_default();
-            // Member lists first: they need each IP's old record.
+            // The member lists' changes first: they need each IP's old
+            // record. They are written once per service, after the buckets.
             for edit in &edits {
                 let (ip, new) = match edit {
                     Edit::Put(record) => (record.ip, Some(*record)),
@@ -258,7 +260,7 @@ impl Writer {
                     Entry::Present(holders) => Some(holders),
                     Entry::Absent | Entry::Corrupt => None,
                 };
-                members::apply_change(store, load, ip, old.as_ref(), new)?;
+                lists.change(ip, old.as_ref(), new);
             }
             // A bucket of an older load is empty for readers: start afresh.
             let mut bucket = Bucket::read(&value, load);
@@ -277,6 +279,8 @@ impl Writer {
             }
             self.entries = self.entries.saturating_add_signed(delta);
         }
+        // Entries (buckets, member lists) before `meta`, the commit.
+        lists.write(store, load)?;
         self.write_meta(store, load, now_ms, *epoch, *generation, freshness.fresh)?;
         Ok(changed)
     }
@@ -326,6 +330,7 @@ impl Writer {
             let index = buckets::bucket_of(&record.ip, meta.buckets);
             edits.entry(index).or_default().push(record);
         }
+        let mut lists = members::Updates::default();
         for (index, records) in edits {
             let key = buckets::bucket_key(meta.buckets, index);
             let (value, _) = store.get(&key)?;
@@ -337,7 +342,7 @@ impl Writer {
                     Entry::Present(old) => Some(old),
                     Entry::Absent | Entry::Corrupt => None,
                 };
-                members::apply_change(store, meta.load, record.ip, old.as_ref(), Some(record))?;
+                lists.change(record.ip, old.as_ref(), Some(record));
             }
             let mut bucket = Bucket::read(&value, meta.load);
             for record in records {
@@ -348,6 +353,7 @@ impl Writer {
                 self.known_buckets.insert(index);
             }
         }
+        lists.write(store, meta.load)?;
         // The writes above leave `meta` as it was read.
         refreshed(store, meta, now_ms, fresh)
     }
@@ -686,30 +692,147 @@ mod tests {
         // The next write clears them, and readers still find every pod.
         let retired = writer.retired.clone();
         writer
-            .write_delta(
-                &mut store,
-                3,
-                meta.load,
-                &Delta {
-                    v: 1,
-                    epoch: 1,
-                    since: 2,
-                    generation: 3,
-                    freshness: Freshness {
-                        fresh: true,
-                        age_ms: Some(0),
-                    },
-                    services_added: vec![],
-                    services_removed: vec![],
-                    upserts: vec![],
-                    removed: vec![],
-                },
-            )
+            .write_delta(&mut store, 3, meta.load, &delta(2, vec![]))
             .unwrap();
         assert!(writer.retired.is_empty());
         for key in retired {
             assert_eq!(store.get(&key).unwrap().0.unwrap_or_default(), b"");
         }
+    }
+
+    /// A delta from generation `since` to the next, removing `removed`.
+    fn delta(since: u64, removed: Vec<IpAddr>) -> Delta<CompactRecord> {
+        Delta {
+            v: 1,
+            epoch: 1,
+            since,
+            generation: since + 1,
+            freshness: Freshness {
+                fresh: true,
+                age_ms: Some(0),
+            },
+            services_added: vec![],
+            services_removed: vec![],
+            upserts: vec![],
+            removed,
+        }
+    }
+
+    /// A delta removing `n` IPs of shop/cart from a snapshot of `n`.
+    fn scale_down(n: u32) -> Delta<CompactRecord> {
+        delta(1, snapshot(0, n).records.iter().map(|r| r.ip).collect())
+    }
+
+    /// Counts the writes of each key.
+    #[derive(Default)]
+    struct Counted {
+        store: MemoryStore,
+        writes: BTreeMap<String, usize>,
+    }
+
+    impl SharedData for Counted {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
+            self.store.get(key)
+        }
+
+        fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            *self.writes.entry(key.to_owned()).or_default() += 1;
+            self.store.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_delta_writes_each_touched_member_list_once_as_one_ip_at_a_time_would() {
+        let pay = ServiceKey::new("shop", "pay");
+        let mut store = Counted::default();
+        let mut writer = Writer::default();
+        let meta = writer
+            .write_snapshot(&mut store, 1, &mut snapshot(1, 300))
+            .unwrap();
+        // A scale-down of cart (300 -> 20), and one IP recycled into pay.
+        let mut delta = scale_down(300);
+        let recycled = delta.removed.remove(0);
+        delta.removed.truncate(279);
+        delta.upserts = vec![CompactRecord::of(&IpRecord::held_by(
+            recycled,
+            vec![PodHolder::ready_member(
+                "shop",
+                "pay-1",
+                "pay-1",
+                pay.clone(),
+            )],
+        ))];
+        // The per-IP path: each IP's change written on its own, in the
+        // delta's order, from the index before the delta.
+        let mut per_ip = store.store.clone();
+        let ips = delta
+            .upserts
+            .iter()
+            .map(|r| (r.ip, Some(r)))
+            .chain(delta.removed.iter().map(|ip| (*ip, None)));
+        for (ip, new) in ips {
+            let key = buckets::key_of(&ip, meta.buckets);
+            let value = store.store.get(&key).unwrap().0.unwrap_or_default();
+            let old = match buckets::find(&value, &ip, meta.load) {
+                Entry::Present(holders) => Some(holders),
+                Entry::Absent | Entry::Corrupt => None,
+            };
+            let mut one = members::Updates::default();
+            one.change(ip, old.as_ref(), new);
+            one.write(&mut per_ip, meta.load).unwrap();
+        }
+
+        store.writes.clear();
+        writer
+            .write_delta(&mut store, 2, meta.load, &delta)
+            .unwrap();
+        for service in [cart(), pay.clone()] {
+            let key = members::members_key(&service);
+            assert_eq!(
+                store.writes.get(&key),
+                Some(&1),
+                "{key}: {:?}",
+                store.writes
+            );
+            assert_eq!(
+                store.store.get(&key).unwrap().0,
+                per_ip.get(&key).unwrap().0
+            );
+        }
+        let cart_left = members::read(&store.store, &cart(), meta.load);
+        assert_eq!(cart_left.len(), 20);
+        assert_eq!(
+            members::read(&store.store, &pay, meta.load)
+                .iter()
+                .map(|m| m.ip)
+                .collect::<Vec<_>>(),
+            [recycled]
+        );
+    }
+
+    /// The time a scale-down of one large service takes to write (see
+    /// docs/benchmarks.md, "A delta of one large service"):
+    /// `cargo test --release -p staleguard-engine --lib -- --ignored --nocapture delta_of_one_large_service`.
+    #[test]
+    #[ignore = "a measurement: run it in release mode"]
+    fn delta_of_one_large_service() {
+        let n: u32 = std::env::var("IPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(20_000);
+        let mut store = MemoryStore::default();
+        let mut writer = Writer::default();
+        let meta = writer
+            .write_snapshot(&mut store, 1, &mut snapshot(1, n))
+            .unwrap();
+        let delta = scale_down(n);
+        let started = std::time::Instant::now();
+        writer
+            .write_delta(&mut store, 2, meta.load, &delta)
+            .unwrap();
+        let took = started.elapsed();
+        assert_eq!(writer.entries(), 0);
+        println!("a delta removing {n} IPs of one service: {took:?}");
     }
 
     #[test]
