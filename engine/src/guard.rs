@@ -176,7 +176,7 @@ pub struct Guard {
 }
 
 /// An answer about to be applied, whole (a reset read a record at a time
-/// goes through [`Guard::judging`] and [`Guard::begin_reset`] instead).
+/// goes through [`Guard::judging_reset`] and [`Guard::begin_reset`] instead).
 #[derive(Debug, Clone, Copy)]
 pub enum Answer<'a> {
     /// A snapshot or reset: the whole index.
