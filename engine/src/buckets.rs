@@ -724,6 +724,18 @@ mod tests {
         }
     }
 
+    /// A snapshot of `records` and no services.
+    fn snapshot(records: Vec<IpRecord>) -> staleguard_core::Snapshot {
+        staleguard_core::Snapshot {
+            v: 1,
+            epoch: 1,
+            generation: 1,
+            freshness: Default::default(),
+            services: vec![],
+            records,
+        }
+    }
+
     #[test]
     fn bucket_counts_follow_the_index_within_bounds() {
         assert_eq!(bucket_count(0), MIN_BUCKETS);
@@ -913,14 +925,7 @@ mod tests {
                 since_ms: 7,
             }),
         };
-        let snapshot = staleguard_core::Snapshot {
-            v: 1,
-            epoch: 1,
-            generation: 1,
-            freshness: Default::default(),
-            services: vec![],
-            records: vec![held, tombstoned],
-        };
+        let snapshot = snapshot(vec![held, tombstoned]);
         let bytes = packed::encode_snapshot(&snapshot);
         let read =
             packed::decode_snapshot(&bytes[..], service_id, CompactRecord::of_packed).unwrap();
@@ -940,14 +945,7 @@ mod tests {
             r.pods[0].ready = flags.ready;
             r.pods[0].terminating = flags.terminating;
             r.pods[0].host_network = flags.host_network;
-            let snapshot = staleguard_core::Snapshot {
-                v: 1,
-                epoch: 1,
-                generation: 1,
-                freshness: Default::default(),
-                services: vec![],
-                records: vec![r.clone()],
-            };
+            let snapshot = snapshot(vec![r.clone()]);
             let bytes = packed::encode_snapshot(&snapshot);
             let read = packed::decode_snapshot(&bytes[..], service_id, |p| p).unwrap();
             assert_eq!(read.records[0].pods[0].flags, flags, "packed, {mask:03b}");
