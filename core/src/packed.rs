@@ -46,8 +46,8 @@
 //!
 //! A record line is the IP, then tokens separated by one space: `f` and 8 hex
 //! digits, the [`fingerprint`] of its pods (absent when no pod holds the IP);
-//! `p` and the pod's flags (`r` ready, `t` terminating, `h` host network) opens
-//! a pod; `s<n>` is a service of the pod opened last; `b<n>` a bare service;
+//! `p` and the pod's flags ([`PodFlags`]: `r` ready, `t` terminating, `h` host
+//! network, as a gateway's bucket line writes them too) opens a pod; `s<n>` is a service of the pod opened last; `b<n>` a bare service;
 //! `t` a tombstone, with the services it names as `t<n>,<n>`.
 //!
 //! As in JSON, readers ignore what they do not know: a field or list of
@@ -171,12 +171,8 @@ pub struct Record<S> {
 /// A pod holding an IP, as a packed record carries it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Pod<S> {
-    /// The pod is ready.
-    pub ready: bool,
-    /// The pod is terminating.
-    pub terminating: bool,
-    /// The pod runs in the node's network namespace.
-    pub host_network: bool,
+    /// Its flags.
+    pub flags: PodFlags,
     /// The services it is a member of.
     pub services: Vec<S>,
 }
@@ -211,9 +207,9 @@ impl Record<ServiceKey> {
                             conditions: None,
                         })
                         .collect(),
-                    ready: pod.ready,
-                    terminating: pod.terminating,
-                    host_network: pod.host_network,
+                    ready: pod.flags.ready,
+                    terminating: pod.flags.terminating,
+                    host_network: pod.flags.host_network,
                 })
                 .collect(),
             bare_services,
@@ -227,10 +223,12 @@ impl Record<ServiceKey> {
     }
 }
 
+mod flags;
 mod read;
 #[cfg(test)]
 mod tests;
 mod write;
 
+pub use flags::{FlagError, PodFlags, UnknownFlag};
 pub use read::{decode_changes, decode_snapshot, is_whole, visit_snapshot, Visit};
 pub use write::{encode_changes, encode_snapshot, reset_of};

@@ -23,7 +23,7 @@ use std::net::IpAddr;
 
 use serde::Deserialize;
 use staleguard_core::ip::canonical;
-use staleguard_core::packed;
+use staleguard_core::packed::{self, PodFlags, UnknownFlag};
 use staleguard_core::wire::{Membership, Tombstone, Via};
 use staleguard_core::{IpRecord, PodHolder, ServiceKey};
 
@@ -303,11 +303,37 @@ pub struct Pod {
     pub services: Vec<(u64, Vec<u16>)>,
 }
 
+impl Pod {
+    /// A pod of no service with `flags`.
+    pub fn with_flags(flags: PodFlags) -> Self {
+        let PodFlags {
+            ready,
+            terminating,
+            host_network,
+        } = flags;
+        Self {
+            ready,
+            terminating,
+            host_network,
+            services: Vec::new(),
+        }
+    }
+
+    /// Its flags, as [`PodFlags`] writes them.
+    pub fn flags(&self) -> PodFlags {
+        PodFlags {
+            ready: self.ready,
+            terminating: self.terminating,
+            host_network: self.host_network,
+        }
+    }
+}
+
 /// An IP's entry as a bucket line keeps it: what [`staleguard_core::decide`]
 /// and the member lists need, and no more (no pod names, uids or conditions).
 ///
-/// Encoded as tokens separated by one space: `p` and the pod's flags (`r`
-/// ready, `t` terminating, `h` host network) open a pod; `s<id>` (16 hex
+/// Encoded as tokens separated by one space: `p` and the pod's flags
+/// ([`PodFlags`], as the packed form writes them) open a pod; `s<id>` (16 hex
 /// digits) is a service of the pod opened last, with `/PORT,PORT` when the
 /// index lists ports; `b<id>` a bare service; `t` a tombstone. A pod line of
 /// one service is 20 bytes.
@@ -361,15 +387,7 @@ impl Holders {
         for pod in &self.pods {
             token(&mut out);
             out.push('p');
-            for (set, flag) in [
-                (pod.ready, 'r'),
-                (pod.terminating, 't'),
-                (pod.host_network, 'h'),
-            ] {
-                if set {
-                    out.push(flag);
-                }
-            }
+            pod.flags().write(&mut out);
             for (id, ports) in &pod.services {
                 token(&mut out);
                 let _ = write!(out, "s{id:016x}");
@@ -402,19 +420,10 @@ impl Holders {
             let (kind, rest) = token.split_at_checked(1)?;
             match kind {
                 "p" => {
-                    let mut pod = Pod::default();
-                    for flag in rest.chars() {
-                        let slot = match flag {
-                            'r' => &mut pod.ready,
-                            't' => &mut pod.terminating,
-                            'h' => &mut pod.host_network,
-                            _ => return None,
-                        };
-                        if std::mem::replace(slot, true) {
-                            return None;
-                        }
-                    }
-                    holders.pods.push(pod);
+                    // Unlike a packed answer, a line this build did not
+                    // write is refused, an unknown flag with it.
+                    let flags = PodFlags::read(rest, UnknownFlag::Refuse).ok()?;
+                    holders.pods.push(Pod::with_flags(flags));
                 }
                 "s" => {
                     let (id, ports) = match rest.split_once('/') {
@@ -624,14 +633,12 @@ impl CompactRecord {
             pods: pods
                 .into_iter()
                 .map(|pod| Pod {
-                    ready: pod.ready,
-                    terminating: pod.terminating,
-                    host_network: pod.host_network,
                     services: pod
                         .services
                         .into_iter()
                         .map(|id| (id, Vec::new()))
                         .collect(),
+                    ..Pod::with_flags(pod.flags)
                 })
                 .collect(),
             bare: bare_services,
@@ -714,6 +721,18 @@ mod tests {
             }],
             bare_services: vec![],
             tombstone: None,
+        }
+    }
+
+    /// A snapshot of `records` and no services.
+    fn snapshot(records: Vec<IpRecord>) -> staleguard_core::Snapshot {
+        staleguard_core::Snapshot {
+            v: 1,
+            epoch: 1,
+            generation: 1,
+            freshness: Default::default(),
+            services: vec![],
+            records,
         }
     }
 
@@ -906,18 +925,52 @@ mod tests {
                 since_ms: 7,
             }),
         };
-        let snapshot = staleguard_core::Snapshot {
-            v: 1,
-            epoch: 1,
-            generation: 1,
-            freshness: Default::default(),
-            services: vec![],
-            records: vec![held, tombstoned],
-        };
+        let snapshot = snapshot(vec![held, tombstoned]);
         let bytes = packed::encode_snapshot(&snapshot);
         let read =
             packed::decode_snapshot(&bytes[..], service_id, CompactRecord::of_packed).unwrap();
         let json: Vec<CompactRecord> = snapshot.records.iter().map(CompactRecord::of).collect();
         assert_eq!(read.records, json);
+    }
+
+    #[test]
+    fn every_pod_flag_set_round_trips_through_the_packed_form_and_a_bucket_line() {
+        for mask in 0..8u8 {
+            let flags = PodFlags {
+                ready: mask & 1 != 0,
+                terminating: mask & 2 != 0,
+                host_network: mask & 4 != 0,
+            };
+            let mut r = record("10.0.0.1");
+            r.pods[0].ready = flags.ready;
+            r.pods[0].terminating = flags.terminating;
+            r.pods[0].host_network = flags.host_network;
+            let snapshot = snapshot(vec![r.clone()]);
+            let bytes = packed::encode_snapshot(&snapshot);
+            let read = packed::decode_snapshot(&bytes[..], service_id, |p| p).unwrap();
+            assert_eq!(read.records[0].pods[0].flags, flags, "packed, {mask:03b}");
+            let line = Holders::from_record(&r).encode();
+            let decoded = Holders::decode(&line).unwrap();
+            assert_eq!(decoded.pods[0].flags(), flags, "bucket line, {mask:03b}");
+            // The same letters in both forms.
+            let text = String::from_utf8(bytes).unwrap();
+            let packed_token = text
+                .lines()
+                .find(|l| l.starts_with("10.0.0.1 "))
+                .and_then(|l| l.split(' ').find(|t| t.starts_with('p')))
+                .unwrap();
+            let line = String::from_utf8(line).unwrap();
+            assert_eq!(line.split(' ').next(), Some(packed_token));
+        }
+        // The rules differ on a letter neither knows: a packed answer of a
+        // later release skips it, a bucket line refuses it.
+        assert!(Holders::decode(b"prx").is_none());
+        assert_eq!(
+            PodFlags::read("rx", UnknownFlag::Skip),
+            Ok(PodFlags {
+                ready: true,
+                ..PodFlags::default()
+            })
+        );
     }
 }

@@ -47,14 +47,20 @@
 //! judge it by). A wrong validator that serves for longer than `confirm_ms`
 //! is taken for the truth, like any change that persists that long.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 
 use serde::Deserialize;
 use staleguard_core::wire::Delta;
-use staleguard_core::{decide, Action, IpRecord, Policy, ServiceKey, Snapshot};
+use staleguard_core::{Policy, ServiceKey, Snapshot};
 
-use crate::buckets::{placeholder, service_id, CompactRecord, Holders};
+use crate::buckets::{placeholder, service_id, CompactRecord};
+
+mod baseline;
+mod judged;
+
+pub use baseline::Baseline;
+use judged::Judged;
 
 /// The guard's knobs (`guard` in the plugin configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -156,245 +162,6 @@ pub enum GuardEvent {
     Released,
 }
 
-/// One IP as the guard remembers it: 12 bytes, 16 with an IPv4 key (the
-/// baseline has one per IP of the index).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct IpFacts {
-    /// The set of services the IP is allowed for ([`Sets`]; 0: none) in the
-    /// low 31 bits, and in the top bit the parity of the last reset that
-    /// listed it ([`Baseline::mark`]).
-    set_mark: u32,
-    /// [`CompactRecord::fingerprint`]: who holds it.
-    fingerprint: u32,
-    /// 0 once the IP counts as allowed; until then, the ticket of its
-    /// pending confirmation ([`Baseline::pending`]). Losing an unconfirmed
-    /// IP is no loss.
-    ticket: u32,
-}
-
-const MARK: u32 = 1 << 31;
-
-impl IpFacts {
-    fn set(&self) -> u32 {
-        self.set_mark & !MARK
-    }
-
-    fn mark(&self) -> bool {
-        self.set_mark & MARK != 0
-    }
-
-    fn allowed(&self) -> bool {
-        self.set() != 0
-    }
-
-    fn unconfirmed(&self) -> bool {
-        self.ticket != 0
-    }
-}
-
-/// The sets of service ids IPs are allowed for, each kept once and named by
-/// a 4-byte id (a cluster has about as many sets as services): the
-/// baseline's facts name a set, not the services.
-#[derive(Debug, Clone)]
-struct Sets {
-    /// Set id -> its service ids, sorted; id 0 is the empty set.
-    ids: Vec<Box<[u64]>>,
-    index: HashMap<Box<[u64]>, u32>,
-    /// How many IPs name each set.
-    refs: Vec<u32>,
-    /// Confirmed IPs allowed for each set (the guard's counts by service
-    /// are sums of these).
-    confirmed: Vec<u64>,
-    /// Ids of sets no IP names any more, for reuse.
-    free: Vec<u32>,
-}
-
-impl Default for Sets {
-    fn default() -> Self {
-        Self {
-            ids: vec![Box::new([])],
-            index: HashMap::new(),
-            refs: vec![0],
-            confirmed: vec![0],
-            free: Vec::new(),
-        }
-    }
-}
-
-impl Sets {
-    /// The id of the set `ids` (sorted, deduplicated), named once more.
-    fn intern(&mut self, ids: &[u64]) -> u32 {
-        if ids.is_empty() {
-            return 0;
-        }
-        let set = match self.index.get(ids) {
-            Some(set) => *set,
-            None => {
-                let ids: Box<[u64]> = ids.into();
-                let set = match self.free.pop() {
-                    Some(set) => {
-                        if let Some(slot) = self.ids.get_mut(set as usize) {
-                            *slot = ids.clone();
-                        }
-                        set
-                    }
-                    None => {
-                        self.ids.push(ids.clone());
-                        self.refs.push(0);
-                        self.confirmed.push(0);
-                        (self.ids.len() - 1) as u32
-                    }
-                };
-                self.index.insert(ids, set);
-                set
-            }
-        };
-        if let Some(refs) = self.refs.get_mut(set as usize) {
-            *refs += 1;
-        }
-        set
-    }
-
-    /// One IP fewer names `set`; a set no IP names is forgotten.
-    fn release(&mut self, set: u32) {
-        if set == 0 {
-            return;
-        }
-        let Some(refs) = self.refs.get_mut(set as usize) else {
-            return;
-        };
-        *refs = refs.saturating_sub(1);
-        if *refs == 0 {
-            if let Some(ids) = self.ids.get_mut(set as usize) {
-                self.index.remove(&**ids);
-                *ids = Box::new([]);
-            }
-            self.free.push(set);
-        }
-    }
-
-    fn ids(&self, set: u32) -> &[u64] {
-        self.ids.get(set as usize).map_or(&[], |ids| ids)
-    }
-}
-
-/// IPs to `V`, an IPv4 address keyed by its 4 bytes and an IPv6 one by its
-/// 16: an `IpAddr` key takes 17 bytes and 24 with the facts' alignment, and
-/// the baseline holds one entry per IP of the index (most of them IPv4).
-#[derive(Debug, Clone)]
-struct IpTable<V> {
-    v4: HashMap<u32, V>,
-    v6: HashMap<u128, V>,
-}
-
-impl<V> Default for IpTable<V> {
-    fn default() -> Self {
-        Self {
-            v4: HashMap::new(),
-            v6: HashMap::new(),
-        }
-    }
-}
-
-impl<V> IpTable<V> {
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.v4.len() + self.v6.len()
-    }
-
-    fn get(&self, ip: &IpAddr) -> Option<&V> {
-        match ip {
-            IpAddr::V4(v4) => self.v4.get(&u32::from(*v4)),
-            IpAddr::V6(v6) => self.v6.get(&u128::from(*v6)),
-        }
-    }
-
-    #[cfg(test)]
-    fn get_mut(&mut self, ip: &IpAddr) -> Option<&mut V> {
-        match ip {
-            IpAddr::V4(v4) => self.v4.get_mut(&u32::from(*v4)),
-            IpAddr::V6(v6) => self.v6.get_mut(&u128::from(*v6)),
-        }
-    }
-
-    fn insert(&mut self, ip: IpAddr, value: V) -> Option<V> {
-        match ip {
-            IpAddr::V4(v4) => self.v4.insert(u32::from(v4), value),
-            IpAddr::V6(v6) => self.v6.insert(u128::from(v6), value),
-        }
-    }
-
-    fn remove(&mut self, ip: &IpAddr) -> Option<V> {
-        match ip {
-            IpAddr::V4(v4) => self.v4.remove(&u32::from(*v4)),
-            IpAddr::V6(v6) => self.v6.remove(&u128::from(*v6)),
-        }
-    }
-
-    /// Room for `v4` and `v6` IPs of each family in all, at once rather
-    /// than by doubling as the table fills.
-    fn reserve(&mut self, v4: usize, v6: usize) {
-        self.v4.reserve(v4.saturating_sub(self.v4.len()));
-        self.v6.reserve(v6.saturating_sub(self.v6.len()));
-    }
-
-    #[cfg(test)]
-    fn iter(&self) -> impl Iterator<Item = (IpAddr, &V)> {
-        use std::net::{Ipv4Addr, Ipv6Addr};
-        let v4 = self
-            .v4
-            .iter()
-            .map(|(ip, v)| (IpAddr::from(Ipv4Addr::from(*ip)), v));
-        let v6 = self
-            .v6
-            .iter()
-            .map(|(ip, v)| (IpAddr::from(Ipv6Addr::from(*ip)), v));
-        v4.chain(v6)
-    }
-
-    fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
-        self.v4.values_mut().chain(self.v6.values_mut())
-    }
-
-    fn retain(&mut self, mut keep: impl FnMut(&mut V) -> bool) {
-        self.v4.retain(|_, v| keep(v));
-        self.v6.retain(|_, v| keep(v));
-    }
-}
-
-/// What the poller last applied, reduced to what the guard compares.
-#[derive(Debug, Default, Clone)]
-pub struct Baseline {
-    ips: IpTable<IpFacts>,
-    sets: Sets,
-    counts: Counts,
-    /// Pending confirmations, in order: IPs newly allowed until the time
-    /// said hold tickets up to the one said. Confirming them scans the
-    /// table once for every IP whose ticket has come (an IP removed or
-    /// allowed again since has another ticket, or none).
-    pending: VecDeque<(u64, u32)>,
-    /// The last ticket handed out.
-    ticket: u32,
-    /// The parity of the resets applied: a reset updates the baseline in
-    /// place (never two baselines in the VM at once), marks every IP it
-    /// lists, and then drops every IP it did not mark.
-    mark: bool,
-    /// The services the validator knows, by id.
-    known: HashSet<u64>,
-    /// False until the poller applied a full snapshot itself (a poller that
-    /// took over from a dead one has nothing to compare with).
-    armed: bool,
-}
-
-/// The baseline's tallies of allowed IPs (by service: [`Sets::confirmed`]).
-#[derive(Debug, Default, Clone)]
-struct Counts {
-    /// Confirmed IPs allowed for at least one service.
-    allowed_ips: u64,
-    /// Allowed IPs not confirmed yet.
-    unconfirmed_ips: u64,
-}
-
 /// The guard: its knobs, the baseline, and the hold in progress.
 #[derive(Debug, Clone)]
 pub struct Guard {
@@ -409,7 +176,7 @@ pub struct Guard {
 }
 
 /// An answer about to be applied, whole (a reset read a record at a time
-/// goes through [`Guard::judging`] and [`Guard::begin_reset`] instead).
+/// goes through [`Guard::judging_reset`] and [`Guard::begin_reset`] instead).
 #[derive(Debug, Clone, Copy)]
 pub enum Answer<'a> {
     /// A snapshot or reset: the whole index.
@@ -448,48 +215,6 @@ enum Known {
 pub struct Applying {
     first: bool,
     confirm_at_ms: u64,
-}
-
-/// What an answer's record says, for the guard: the line it decodes to, and
-/// the record a verdict reads (services as [`placeholder`]s of their ids).
-struct Judged {
-    holders: Option<Holders>,
-    record: Option<IpRecord>,
-}
-
-impl Judged {
-    fn of(record: Option<&CompactRecord>) -> Self {
-        let holders = record.and_then(CompactRecord::holders);
-        Self {
-            record: record
-                .zip(holders.as_ref())
-                .map(|(r, h)| h.record_by_ids(r.ip)),
-            holders,
-        }
-    }
-
-    /// True when a pod holds the IP.
-    fn has_pods(&self) -> bool {
-        self.holders.as_ref().is_some_and(|h| !h.pods.is_empty())
-    }
-
-    /// True when the verdict for service `id` on fresh data allows. The
-    /// verdict rules themselves, so "allowed" cannot drift from what requests
-    /// get.
-    fn allows(&self, policy: &Policy, id: u64) -> bool {
-        decide(policy, true, &placeholder(id), true, self.record.as_ref()).action == Action::Allow
-    }
-
-    /// Every service the record allows the IP for, sorted.
-    fn allowed(&self, policy: &Policy) -> Vec<u64> {
-        let mut ids = self
-            .holders
-            .as_ref()
-            .map(Holders::service_ids)
-            .unwrap_or_default();
-        ids.retain(|id| self.allows(policy, *id));
-        ids
-    }
 }
 
 // === impl Guard ===
@@ -927,131 +652,6 @@ pub fn families<'a>(ips: impl Iterator<Item = &'a IpAddr>) -> (usize, usize) {
         IpAddr::V4(_) => (v4 + 1, v6),
         IpAddr::V6(_) => (v4, v6 + 1),
     })
-}
-
-// === impl Baseline ===
-
-impl Baseline {
-    /// Remembers `record`: confirmed or pending as `ticket` says (`None`: a
-    /// new ticket, due at `confirm_at_ms`).
-    fn insert(
-        &mut self,
-        policy: &Policy,
-        record: &CompactRecord,
-        ticket: Option<u32>,
-        confirm_at_ms: u64,
-    ) {
-        let judged = Judged::of(Some(record));
-        let allowed = judged.allowed(policy);
-        if allowed.is_empty() && !judged.has_pods() {
-            // Destroyed or vacant: nothing to lose, nothing to remember.
-            return;
-        }
-        let ticket = match ticket {
-            _ if allowed.is_empty() => 0,
-            Some(ticket) => ticket,
-            None => self.pend(confirm_at_ms),
-        };
-        let set = self.sets.intern(&allowed);
-        let facts = IpFacts {
-            set_mark: set | if self.mark { MARK } else { 0 },
-            fingerprint: record.fingerprint,
-            ticket,
-        };
-        self.counts.add(&mut self.sets, &facts, 1);
-        self.ips.insert(record.ip, facts);
-    }
-
-    /// A new ticket, due at `at_ms`.
-    fn pend(&mut self, at_ms: u64) -> u32 {
-        let Some(ticket) = self.ticket.checked_add(1) else {
-            // Four billion tickets: confirm what is pending early and
-            // count again.
-            self.confirm_all();
-            self.ticket = 1;
-            self.pending.push_back((at_ms, 1));
-            return 1;
-        };
-        self.ticket = ticket;
-        match self.pending.back_mut() {
-            Some((at, last)) if *at == at_ms => *last = ticket,
-            _ => self.pending.push_back((at_ms, ticket)),
-        }
-        ticket
-    }
-
-    /// Forgets `ip`; returns what was known of it.
-    fn remove(&mut self, ip: &IpAddr) -> Option<IpFacts> {
-        let old = self.ips.remove(ip)?;
-        self.counts.add(&mut self.sets, &old, -1);
-        self.sets.release(old.set());
-        Some(old)
-    }
-
-    /// Confirms the IPs whose time has come at `now_ms`.
-    fn confirm_due(&mut self, now_ms: u64) {
-        let mut upto = None;
-        while let Some(&(at, last)) = self.pending.front() {
-            if at > now_ms {
-                break;
-            }
-            self.pending.pop_front();
-            upto = Some(last);
-        }
-        if let Some(upto) = upto {
-            self.confirm_upto(upto);
-        }
-    }
-
-    /// Confirms every pending IP.
-    fn confirm_all(&mut self) {
-        self.pending.clear();
-        self.confirm_upto(u32::MAX);
-    }
-
-    /// Confirms every IP whose ticket is at most `upto`.
-    fn confirm_upto(&mut self, upto: u32) {
-        let Baseline {
-            ips, sets, counts, ..
-        } = self;
-        for facts in ips.values_mut() {
-            if facts.unconfirmed() && facts.ticket <= upto {
-                counts.add(sets, facts, -1);
-                facts.ticket = 0;
-                counts.add(sets, facts, 1);
-            }
-        }
-    }
-
-    /// Confirmed IPs allowed for the service with id `id`.
-    fn members(&self, id: u64) -> u64 {
-        let sets = &self.sets;
-        sets.ids
-            .iter()
-            .zip(&sets.confirmed)
-            .filter(|(ids, _)| ids.contains(&id))
-            .map(|(_, n)| n)
-            .sum()
-    }
-}
-
-// === impl Counts ===
-
-impl Counts {
-    /// Adds (`sign` 1) or takes away (-1) an IP's share.
-    fn add(&mut self, sets: &mut Sets, facts: &IpFacts, sign: i64) {
-        if !facts.allowed() {
-            return;
-        }
-        if facts.unconfirmed() {
-            self.unconfirmed_ips = self.unconfirmed_ips.saturating_add_signed(sign);
-            return;
-        }
-        self.allowed_ips = self.allowed_ips.saturating_add_signed(sign);
-        if let Some(n) = sets.confirmed.get_mut(facts.set() as usize) {
-            *n = n.saturating_add_signed(sign);
-        }
-    }
 }
 
 #[cfg(test)]

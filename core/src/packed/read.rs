@@ -541,25 +541,13 @@ fn parse_record<S: Clone>(
                 }
             }
             "p" => {
-                let mut pod = Pod {
-                    ready: false,
-                    terminating: false,
-                    host_network: false,
+                // A flag of a later release is skipped: an older gateway
+                // reads a newer validator's answers.
+                let flags = PodFlags::read(rest, UnknownFlag::Skip).map_err(|e| e.to_string())?;
+                record.pods.push(Pod {
+                    flags,
                     services: Vec::new(),
-                };
-                for flag in rest.chars() {
-                    let slot = match flag {
-                        'r' => &mut pod.ready,
-                        't' => &mut pod.terminating,
-                        'h' => &mut pod.host_network,
-                        // A flag of a later release.
-                        _ => continue,
-                    };
-                    if std::mem::replace(slot, true) {
-                        return Err(format!("pod flag `{flag}` twice"));
-                    }
-                }
-                record.pods.push(pod);
+                });
             }
             "s" => {
                 let service = named(rest)?;

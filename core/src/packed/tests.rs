@@ -294,7 +294,7 @@ fn fields_lists_and_tokens_of_a_later_release_are_skipped() {
         10.0.0.1 pxr s0 z9 q\nend\n";
     let read = read_snapshot(text.as_bytes()).unwrap();
     let record = &read.records[0];
-    assert!(record.pods[0].ready);
+    assert!(record.pods[0].flags.ready);
     assert_eq!(record.pods[0].services, vec![key("shop/cart")]);
     assert_eq!(record.fingerprint, NO_PODS);
 }

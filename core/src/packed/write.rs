@@ -142,15 +142,12 @@ impl Writer {
         }
         for pod in &record.pods {
             out.push_str(" p");
-            for (set, flag) in [
-                (pod.ready, 'r'),
-                (pod.terminating, 't'),
-                (pod.host_network, 'h'),
-            ] {
-                if set {
-                    out.push(flag);
-                }
+            PodFlags {
+                ready: pod.ready,
+                terminating: pod.terminating,
+                host_network: pod.host_network,
             }
+            .write(out);
             for membership in &pod.services {
                 let _ = write!(out, " s{}", at(&membership.service));
             }

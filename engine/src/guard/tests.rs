@@ -1,6 +1,7 @@
+use super::baseline::IpTable;
 use super::*;
 use staleguard_core::wire::Tombstone;
-use staleguard_core::{Freshness, PodHolder};
+use staleguard_core::{Action, Freshness, IpRecord, PodHolder};
 
 fn svc(name: &str) -> ServiceKey {
     ServiceKey::new("shop", name)
