@@ -293,12 +293,8 @@ pub fn service_id(service: &ServiceKey) -> u64 {
 /// One pod holding an IP, as a bucket line keeps it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Pod {
-    /// The pod is ready.
-    pub ready: bool,
-    /// The pod is terminating.
-    pub terminating: bool,
-    /// The pod runs in the node's network namespace.
-    pub host_network: bool,
+    /// Ready, terminating, in the node's network namespace.
+    pub flags: PodFlags,
     /// Its services (by [`service_id`]), with the ports the index lists.
     pub services: Vec<(u64, Vec<u16>)>,
 }
@@ -306,25 +302,9 @@ pub struct Pod {
 impl Pod {
     /// A pod of no service with `flags`.
     pub fn with_flags(flags: PodFlags) -> Self {
-        let PodFlags {
-            ready,
-            terminating,
-            host_network,
-        } = flags;
         Self {
-            ready,
-            terminating,
-            host_network,
+            flags,
             services: Vec::new(),
-        }
-    }
-
-    /// Its flags, as [`PodFlags`] writes them.
-    pub fn flags(&self) -> PodFlags {
-        PodFlags {
-            ready: self.ready,
-            terminating: self.terminating,
-            host_network: self.host_network,
         }
     }
 }
@@ -355,9 +335,11 @@ impl Holders {
                 .pods
                 .iter()
                 .map(|p| Pod {
-                    ready: p.ready,
-                    terminating: p.terminating,
-                    host_network: p.host_network,
+                    flags: PodFlags {
+                        ready: p.ready,
+                        terminating: p.terminating,
+                        host_network: p.host_network,
+                    },
                     services: p
                         .services
                         .iter()
@@ -387,7 +369,7 @@ impl Holders {
         for pod in &self.pods {
             token(&mut out);
             out.push('p');
-            pod.flags().write(&mut out);
+            pod.flags.write(&mut out);
             for (id, ports) in &pod.services {
                 token(&mut out);
                 let _ = write!(out, "s{id:016x}");
@@ -488,9 +470,9 @@ impl Holders {
                             conditions: None,
                         })
                         .collect(),
-                    ready: p.ready,
-                    terminating: p.terminating,
-                    host_network: p.host_network,
+                    ready: p.flags.ready,
+                    terminating: p.flags.terminating,
+                    host_network: p.flags.host_network,
                 })
                 .collect(),
             bare_services: self.bare.iter().map(|id| key(*id)).collect(),
@@ -951,7 +933,7 @@ mod tests {
             assert_eq!(read.records[0].pods[0].flags, flags, "packed, {mask:03b}");
             let line = Holders::from_record(&r).encode();
             let decoded = Holders::decode(&line).unwrap();
-            assert_eq!(decoded.pods[0].flags(), flags, "bucket line, {mask:03b}");
+            assert_eq!(decoded.pods[0].flags, flags, "bucket line, {mask:03b}");
             // The same letters in both forms.
             let text = String::from_utf8(bytes).unwrap();
             let packed_token = text

@@ -72,7 +72,7 @@ pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>
         let ready_pod = holders
             .pods
             .iter()
-            .filter(|p| p.ready && !p.terminating)
+            .filter(|p| p.flags.ready && !p.flags.terminating)
             .flat_map(|p| p.services.iter())
             .filter(|(sid, _)| *sid == id)
             .collect::<Vec<_>>();
