@@ -77,6 +77,7 @@ fn main() -> Result<()> {
         })?)?;
         std::thread::sleep(settle);
         let rss = rss_kib(envoy.pid())? * 1024;
+        println!("  noop: {}", wasm_vms(&envoy)?);
         drop(envoy);
         Ok(rss)
     };
@@ -95,6 +96,7 @@ fn main() -> Result<()> {
         std::thread::sleep(settle);
         let empty_rss = rss_kib(envoy.pid())? * 1024;
         let empty_vm = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
+        println!("  staleguard, empty index: {}", wasm_vms(&envoy)?);
         let ticks = cpu_ticks(envoy.pid())?;
         validator.set_index(keys.clone(), records.clone());
         envoy.eventually("the reset", Duration::from_secs(180), |e| {
@@ -225,6 +227,27 @@ fn main() -> Result<()> {
     println!("  noop rss {floors:?}");
     println!("{machine}");
     Ok(())
+}
+
+/// Where a gateway's fixed cost goes: how many Wasm VMs Envoy runs (every
+/// `vm_id` has a base VM and one per thread, main thread included) and what
+/// Envoy's allocator holds (`/memory`; V8's own pages are not in it).
+fn wasm_vms(envoy: &Envoy) -> Result<String> {
+    let active = envoy.stat("wasm.envoy.wasm.runtime.v8.active")?;
+    let created = envoy.stat("wasm.envoy.wasm.runtime.v8.created")?;
+    let memory: serde_json::Value = serde_json::from_str(&envoy.admin("/memory")?)?;
+    let field = |name: &str| {
+        memory[name]
+            .as_str()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Ok(format!(
+        "{active} V8 VMs active ({created} created), Envoy allocated {:.1} MiB (heap {:.1} MiB), RSS {:.1} MiB",
+        mib(field("allocated")),
+        mib(field("heap_size")),
+        mib(rss_kib(envoy.pid())? * 1024)
+    ))
 }
 
 fn mib(b: u64) -> f64 {
