@@ -33,6 +33,10 @@
 //! empty index replaced) and the median of the others; it includes
 //! answering the admin `/stats` polls that wait for it (a few ms).
 //!
+//! `RELEASE=<bytes>`: every gateway gets Envoy's `memory_allocator_manager`
+//! (that many bytes of free memory given back each second, as
+//! `deploy/native/` ships it); unset, none, as the Wasm gateway ships.
+//!
 //! `BEFORE_WASM`: another staleguard module (an older commit's) measured in
 //! the same run, each round alternating which goes first, so before and
 //! after are paired under the same load. A module that cannot load the index
@@ -73,6 +77,7 @@ fn main() -> Result<()> {
         let validator = FakeValidator::start(7)?;
         let envoy = started(index_gateway(validator.addr()).start_with(|config| {
             swap_module(config, module);
+            release_free_memory(config);
             Ok(())
         })?)?;
         std::thread::sleep(settle);
@@ -88,6 +93,7 @@ fn main() -> Result<()> {
             if let Some(module) = module {
                 swap_module(config, module);
             }
+            release_free_memory(config);
             Ok(())
         })?)?;
         envoy.eventually("the first answer", Duration::from_secs(120), |e| {
@@ -227,6 +233,17 @@ fn main() -> Result<()> {
     println!("  noop rss {floors:?}");
     println!("{machine}");
     Ok(())
+}
+
+/// `RELEASE`: Envoy gives that many bytes of free memory back every second.
+fn release_free_memory(bootstrap: &mut serde_json::Value) {
+    if let Some(bytes) = std::env::var("RELEASE")
+        .ok()
+        .and_then(|r| r.parse::<u64>().ok())
+    {
+        bootstrap["memory_allocator_manager"] =
+            serde_json::json!({"bytes_to_release": bytes, "memory_release_interval": "1s"});
+    }
 }
 
 /// Where a gateway's fixed cost goes: how many Wasm VMs Envoy runs (every
