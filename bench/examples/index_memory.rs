@@ -33,6 +33,10 @@
 //! empty index replaced) and the median of the others; it includes
 //! answering the admin `/stats` polls that wait for it (a few ms).
 //!
+//! `RELEASE=<bytes>`: every gateway gets Envoy's `memory_allocator_manager`
+//! (that many bytes of free memory given back each second, as
+//! `deploy/native/` ships it); unset, none, as the Wasm gateway ships.
+//!
 //! `BEFORE_WASM`: another staleguard module (an older commit's) measured in
 //! the same run, each round alternating which goes first, so before and
 //! after are paired under the same load. A module that cannot load the index
@@ -73,10 +77,12 @@ fn main() -> Result<()> {
         let validator = FakeValidator::start(7)?;
         let envoy = started(index_gateway(validator.addr()).start_with(|config| {
             swap_module(config, module);
+            release_free_memory(config);
             Ok(())
         })?)?;
         std::thread::sleep(settle);
         let rss = rss_kib(envoy.pid())? * 1024;
+        println!("  noop: {}", wasm_vms(&envoy)?);
         drop(envoy);
         Ok(rss)
     };
@@ -87,6 +93,7 @@ fn main() -> Result<()> {
             if let Some(module) = module {
                 swap_module(config, module);
             }
+            release_free_memory(config);
             Ok(())
         })?)?;
         envoy.eventually("the first answer", Duration::from_secs(120), |e| {
@@ -95,6 +102,7 @@ fn main() -> Result<()> {
         std::thread::sleep(settle);
         let empty_rss = rss_kib(envoy.pid())? * 1024;
         let empty_vm = envoy.stat("wasmcustom.staleguard_filter_vm_memory_bytes")?;
+        println!("  staleguard, empty index: {}", wasm_vms(&envoy)?);
         let ticks = cpu_ticks(envoy.pid())?;
         validator.set_index(keys.clone(), records.clone());
         envoy.eventually("the reset", Duration::from_secs(180), |e| {
@@ -225,6 +233,38 @@ fn main() -> Result<()> {
     println!("  noop rss {floors:?}");
     println!("{machine}");
     Ok(())
+}
+
+/// `RELEASE`: Envoy gives that many bytes of free memory back every second.
+fn release_free_memory(bootstrap: &mut serde_json::Value) {
+    if let Some(bytes) = std::env::var("RELEASE")
+        .ok()
+        .and_then(|r| r.parse::<u64>().ok())
+    {
+        bootstrap["memory_allocator_manager"] =
+            serde_json::json!({"bytes_to_release": bytes, "memory_release_interval": "1s"});
+    }
+}
+
+/// Where a gateway's fixed cost goes: how many Wasm VMs Envoy runs (every
+/// `vm_id` has a base VM and one per thread, main thread included) and what
+/// Envoy's allocator holds (`/memory`; V8's own pages are not in it).
+fn wasm_vms(envoy: &Envoy) -> Result<String> {
+    let active = envoy.stat("wasm.envoy.wasm.runtime.v8.active")?;
+    let created = envoy.stat("wasm.envoy.wasm.runtime.v8.created")?;
+    let memory: serde_json::Value = serde_json::from_str(&envoy.admin("/memory")?)?;
+    let field = |name: &str| {
+        memory[name]
+            .as_str()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Ok(format!(
+        "{active} V8 VMs active ({created} created), Envoy allocated {:.1} MiB (heap {:.1} MiB), RSS {:.1} MiB",
+        mib(field("allocated")),
+        mib(field("heap_size")),
+        mib(rss_kib(envoy.pid())? * 1024)
+    ))
 }
 
 fn mib(b: u64) -> f64 {
