@@ -105,6 +105,7 @@ extern "C" {
 }
 
 mod counters;
+use counters::CalloutFn;
 pub(super) use counters::{Metrics, Surface, Update};
 
 // === impl EnvoyHost ===
@@ -354,29 +355,27 @@ impl Callouts for EnvoyHost<'_> {
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
         let cluster = ModuleBuffer::of(cluster.as_bytes());
         let body = ModuleBuffer::of(&[]);
-        // SAFETY: the request's (or, without one, the config's on the main
-        // thread) live handle; every buffer outlives the call.
+        // A request's callout goes through its filter; without one, through
+        // the config's (main thread) entry of the surface it was made for.
+        let (handle, callout): (*mut c_void, CalloutFn) = match self.filter {
+            Some(filter) => (
+                filter,
+                envoy_dynamic_module_callback_http_filter_http_callout,
+            ),
+            None => (self.config, self.metrics.surface.callout),
+        };
+        // SAFETY: a live handle of the kind `callout` takes; every buffer
+        // outlives the call.
         let result = unsafe {
-            match self.filter {
-                Some(filter) => envoy_dynamic_module_callback_http_filter_http_callout(
-                    filter,
-                    &mut callout_id,
-                    cluster,
-                    module_headers.as_ptr(),
-                    module_headers.len(),
-                    body,
-                    timeout_ms,
-                ),
-                None => (self.metrics.surface.callout)(
-                    self.config,
-                    &mut callout_id,
-                    cluster,
-                    module_headers.as_ptr(),
-                    module_headers.len(),
-                    body,
-                    timeout_ms,
-                ),
-            }
+            callout(
+                handle,
+                &mut callout_id,
+                cluster,
+                module_headers.as_ptr(),
+                module_headers.len(),
+                body,
+                timeout_ms,
+            )
         };
         if result == CALLOUT_INIT_SUCCESS {
             // Callout ids count up from 1 per config: a u32 names them for
