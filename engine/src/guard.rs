@@ -58,9 +58,12 @@ use crate::buckets::{placeholder, service_id, CompactRecord};
 
 mod baseline;
 mod judged;
+mod seed;
 
 pub use baseline::Baseline;
+use baseline::UNKNOWN_HOLDER;
 use judged::Judged;
+pub use seed::Seeded;
 
 /// The guard's knobs (`guard` in the plugin configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -409,7 +412,8 @@ impl Guard {
         });
     }
 
-    /// Forgets the baseline and any hold (the poller lost its lease).
+    /// Forgets the baseline and any hold (the poller lost its lease; a
+    /// successor seeds its own from the index, [`Guard::seed`]).
     pub fn reset(&mut self) {
         self.baseline = Baseline::default();
         self.held_since_ms = None;
@@ -491,7 +495,10 @@ impl Guard {
                 continue;
             }
             let evidence = record.tombstone.contains(&id)
-                || (in_delta && judged.has_pods() && record.fingerprint != old.fingerprint);
+                || (in_delta
+                    && judged.has_pods()
+                    && old.fingerprint != UNKNOWN_HOLDER
+                    && record.fingerprint != old.fingerprint);
             if evidence {
                 evidenced = true;
             } else {

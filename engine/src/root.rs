@@ -170,7 +170,8 @@ impl Root {
         self.lease = Some(lease);
         self.poller = Some(
             Poller::new(sync, host.random_u64())
-                .with_guard(Guard::new(config.guard, config.policy)),
+                .with_guard(Guard::new(config.guard, config.policy))
+                .with_seed_max_age(config.max_staleness_ms),
         );
         self.in_flight = None;
         self.lease_due_ms = 0;
@@ -323,7 +324,17 @@ impl Root {
         let (Some(config), Some(poller)) = (self.vm.config.clone(), self.poller.as_mut()) else {
             return;
         };
-        let Some(request) = poller.next_request(now, &*host) else {
+        let request = poller.next_request(now, &*host);
+        if let Some(seeded) = poller.take_seeded() {
+            log::info!(
+                "[ctx {}] staleguard: the guard's baseline is the index's: {} IPs, {} allowed, {} unreadable buckets or lines",
+                self.id,
+                seeded.ips,
+                seeded.allowed_ips,
+                seeded.unreadable
+            );
+        }
+        let Some(request) = request else {
             return;
         };
         let path = request.path();
