@@ -44,7 +44,9 @@
 //! reference, and the correct validator's next answer, which drops all of it,
 //! would be held for a minute as a loss of everything. The first snapshot a
 //! poller applies is its reference as it stands (there is nothing older to
-//! judge it by). A wrong validator that serves for longer than `confirm_ms`
+//! judge it by), unless the index already holds one: a poller that takes the
+//! lease over seeds its baseline from the index ([`Guard::seed`], see
+//! `seed`), so what its predecessor held stays held. A wrong validator that serves for longer than `confirm_ms`
 //! is taken for the truth, like any change that persists that long.
 
 use std::collections::{HashMap, HashSet};
