@@ -324,14 +324,18 @@ impl Root {
         let (Some(config), Some(poller)) = (self.vm.config.clone(), self.poller.as_mut()) else {
             return;
         };
+        // A poller's first request seeds the guard from the index: the
+        // time it takes is the takeover's cost to this thread.
+        let started_us = host.now_us();
         let request = poller.next_request(now, &*host);
         if let Some(seeded) = poller.take_seeded() {
             log::info!(
-                "[ctx {}] staleguard: the guard's baseline is the index's: {} IPs, {} allowed, {} unreadable buckets or lines",
+                "[ctx {}] staleguard: the guard's baseline is the index's: {} IPs, {} allowed, {} unreadable buckets or lines, read in {} ms",
                 self.id,
                 seeded.ips,
                 seeded.allowed_ips,
-                seeded.unreadable
+                seeded.unreadable,
+                host.now_us().saturating_sub(started_us) / 1000
             );
         }
         let Some(request) = request else {
