@@ -679,4 +679,4 @@ fn in_memory<S: ?Sized>(body: Rc<[u8]>) -> impl Fn(&S) -> Box<dyn Read> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

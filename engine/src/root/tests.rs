@@ -312,10 +312,7 @@ fn a_call_of_another_context_is_not_this_roots() {
 
 // === a takeover ===
 
-/// 10.0.0.1 to 10.0.0.20.
-fn twenty_ips() -> Vec<String> {
-    (1..=20).map(|i| format!("10.0.0.{i}")).collect()
-}
+use crate::sync::tests::twenty_ips;
 
 /// The validator's next answer, served as a reset at generation 4: only
 /// `ips` are left.

@@ -2,81 +2,23 @@
 
 use std::net::IpAddr;
 
-use staleguard_core::wire::{Delta, Tombstone};
-use staleguard_core::{Changes, Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
+use staleguard_core::{Changes, IpRecord, PodHolder, ServiceKey, Snapshot};
 
 use crate::buckets::{self, Bucket, CompactRecord};
-use crate::entry::Entry;
 use crate::guard::{GuardConfig, GuardEvent};
 use crate::store::{IndexReader, MemoryStore};
-use crate::sync::{Applied, Poller, SyncConfig};
+use crate::sync::tests::{delta, json, present, rec, snapshot, tombstoned, twenty_ips, CFG};
+use crate::sync::{Applied, Poller};
 
 use super::*;
-
-const CFG: SyncConfig = SyncConfig {
-    wait_s: 5,
-    backoff_initial_ms: 100,
-    backoff_max_ms: 1_000,
-    min_interval_ms: 0,
-};
 
 /// The default `max_staleness_ms`, which a poller seeds within.
 const MAX_AGE_MS: u64 = 60_000;
 
-fn cart() -> ServiceKey {
-    ServiceKey::new("shop", "cart")
-}
-
-fn rec(ip: &str) -> IpRecord {
-    IpRecord::held_by(
-        ip.parse().unwrap(),
-        vec![PodHolder::ready_member(
-            "shop",
-            format!("cart-{ip}"),
-            ip,
-            cart(),
-        )],
-    )
-}
-
-fn snapshot(generation: u64, ips: &[String]) -> Snapshot {
-    Snapshot {
-        v: 1,
-        epoch: 9,
-        generation,
-        freshness: Freshness {
-            fresh: true,
-            age_ms: Some(5),
-        },
-        services: vec![cart()],
-        records: ips.iter().map(|ip| rec(ip)).collect(),
-    }
-}
-
-fn delta(since: u64, generation: u64) -> Delta {
-    Delta {
-        v: 1,
-        epoch: 9,
-        since,
-        generation,
-        freshness: Freshness {
-            fresh: true,
-            age_ms: None,
-        },
-        services_added: vec![],
-        services_removed: vec![],
-        upserts: vec![],
-        removed: vec![],
-    }
-}
-
-fn json<T: serde::Serialize>(t: &T) -> Vec<u8> {
-    serde_json::to_vec(t).unwrap()
-}
-
-/// 10.0.0.1 to 10.0.0.20.
-fn twenty_ips() -> Vec<String> {
-    (1..=20).map(|i| format!("10.0.0.{i}")).collect()
+/// The validator's snapshot of `ips` at `generation` (epoch 9).
+fn snapshot_of(generation: u64, ips: &[String]) -> Snapshot {
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    snapshot(9, generation, &ips)
 }
 
 /// The shared data a poller left when it stopped: a snapshot of `ips`
@@ -85,7 +27,7 @@ fn left_by_predecessor(ips: &[String]) -> MemoryStore {
     let mut store = MemoryStore::default();
     let mut a = Poller::new(CFG, 1);
     a.next_request(0, &store);
-    a.on_response(0, 200, &json(&snapshot(3, ips)), &mut store)
+    a.on_response(0, 200, &json(&snapshot_of(3, ips)), &mut store)
         .unwrap();
     store
 }
@@ -99,16 +41,7 @@ fn successor(store: &MemoryStore, now_ms: u64) -> Poller {
 
 /// The validator's answer that keeps only the first two of `ips`.
 fn dropping(ips: &[String]) -> Vec<u8> {
-    json(&Changes::Reset(snapshot(4, &ips[..2])))
-}
-
-fn present(store: &MemoryStore, ip: &str) -> bool {
-    matches!(
-        IndexReader::new(store)
-            .lookup(&cart(), &ip.parse().unwrap())
-            .record,
-        Entry::Present(_)
-    )
+    json(&Changes::Reset(snapshot_of(4, &ips[..2])))
 }
 
 #[test]
@@ -152,7 +85,7 @@ fn a_successor_holds_a_delta_that_removes_most_of_the_index() {
     let ips = twenty_ips();
     let mut store = left_by_predecessor(&ips);
     let mut b = successor(&store, 10_000);
-    let mut d = delta(3, 4);
+    let mut d = delta(9, 3, 4);
     d.removed = ips[2..].iter().map(|ip| ip.parse().unwrap()).collect();
     assert_eq!(
         b.on_response(10_000, 200, &json(&Changes::Delta(d)), &mut store)
@@ -167,20 +100,8 @@ fn a_successor_lets_tombstones_through_at_once() {
     let ips = twenty_ips();
     let mut store = left_by_predecessor(&ips);
     let mut b = successor(&store, 10_000);
-    let mut d = delta(3, 4);
-    d.upserts = ips[2..]
-        .iter()
-        .map(|ip| IpRecord {
-            pods: vec![],
-            tombstone: Some(Tombstone {
-                pod: format!("shop/cart-{ip}"),
-                uid: String::new(),
-                services: vec![cart()],
-                since_ms: 1,
-            }),
-            ..rec(ip)
-        })
-        .collect();
+    let mut d = delta(9, 3, 4);
+    d.upserts = ips[2..].iter().map(|ip| tombstoned(ip)).collect();
     assert_eq!(
         b.on_response(10_000, 200, &json(&Changes::Delta(d)), &mut store)
             .unwrap(),
@@ -197,7 +118,7 @@ fn a_new_holder_of_a_seeded_ip_is_no_evidence_until_an_answer_names_its_holder()
     let mut store = left_by_predecessor(&ips);
     let mut b = successor(&store, 10_000);
     let other = ServiceKey::new("shop", "other");
-    let mut d = delta(3, 4);
+    let mut d = delta(9, 3, 4);
     d.services_added = vec![other.clone()];
     d.upserts = ips[2..]
         .iter()
@@ -222,7 +143,7 @@ fn a_new_holder_of_a_seeded_ip_is_no_evidence_until_an_answer_names_its_holder()
     let mut a = Poller::new(CFG, 1);
     let mut store = MemoryStore::default();
     a.next_request(0, &store);
-    a.on_response(0, 200, &json(&snapshot(3, &ips)), &mut store)
+    a.on_response(0, 200, &json(&snapshot_of(3, &ips)), &mut store)
         .unwrap();
     a.next_request(10_000, &store);
     assert_eq!(
