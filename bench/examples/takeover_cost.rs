@@ -1,0 +1,90 @@
+//! What a takeover of the poller lease costs the Wasm filter: the
+//! successor reads the guard's baseline from the index (docs/filter.md, "The
+//! blast-radius guard"), one `get_shared_data` per bucket.
+//!
+//! ```text
+//! . scripts/setup.sh && sg_setup_all
+//! cargo run --release -p staleguard-bench --example takeover_cost   # PODS=150000 SERVICES=1000 ROUNDS=3
+//! ```
+//!
+//! One gateway (one worker) with the synthetic index of `PODS` IPs in
+//! `SERVICES` services loaded, its guarded cluster over CDS. Each of
+//! `ROUNDS` rounds replaces the cluster's plugin configuration (`tick_ms`
+//! alternating 500 and 600), which replaces every root context: one of the
+//! new ones takes the lease and seeds its baseline. Printed per round: the
+//! time the successor's log line gives for reading the index (wall time of
+//! its thread, in V8), and the IPs it read.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use staleguard_bench::{env_usize, loadavg, median, synthetic_index, wait_loaded, MISSING};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_tests::fake_validator::FakeValidator;
+
+const CLUSTER: &str = "outbound|80||svc-0.bench.svc.cluster.local";
+const LEASE_ACQUIRED: &str = "wasmcustom.staleguard_filter_sync_lease_acquired_total";
+const SEEDED: &str = "the guard's baseline is the index's: ";
+
+fn cluster(tick_ms: u64) -> Cluster {
+    Cluster::new(
+        CLUSTER,
+        SocketAddr::from(([127, 0, 1, 250], 9)),
+        Some(shipped_plugin(json!({ "tick_ms": tick_ms }))),
+    )
+}
+
+/// The IPs and milliseconds of every seeding line in `log`.
+fn seedings(log: &str) -> Vec<(u64, u64)> {
+    log.lines()
+        .filter_map(|line| {
+            let rest = &line[line.find(SEEDED)? + SEEDED.len()..];
+            let ips = rest.split(' ').next()?.parse().ok()?;
+            let ms = rest.rsplit_once("read in ")?.1.strip_suffix(" ms")?;
+            Some((ips, ms.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+fn main() -> Result<()> {
+    let services = env_usize("SERVICES", 1000);
+    let pods = env_usize("PODS", 150_000);
+    let rounds = env_usize("ROUNDS", 3).max(1);
+    let (keys, records) = synthetic_index(services, pods);
+    let ips = records.len();
+    let validator = FakeValidator::start(7)?;
+    validator.set_index(keys, records);
+    let gateway = Gateway {
+        dynamic: vec![cluster(1_000)],
+        ..Gateway::new(validator.addr(), vec![])
+    };
+    let envoy = gateway.start()?.context(MISSING)?;
+    wait_loaded(&envoy, Duration::from_secs(180))?;
+    println!(
+        "{ips} IPs in {services} services, load average {}",
+        loadavg()
+    );
+    let mut ms = Vec::new();
+    for round in 0..rounds {
+        let before = seedings(&envoy.log()).len();
+        let acquired = envoy.stat(LEASE_ACQUIRED)?;
+        envoy.update_clusters(&[cluster(if round % 2 == 0 { 500 } else { 600 })])?;
+        envoy.eventually("the lease taken over", Duration::from_secs(60), |e| {
+            Ok(e.stat(LEASE_ACQUIRED)? > acquired && seedings(&e.log()).len() > before)
+        })?;
+        let Some(&(read, took)) = seedings(&envoy.log()).last() else {
+            bail!("no seeding logged");
+        };
+        println!("  round {round}: {read} IPs read in {took} ms");
+        ms.push(took);
+    }
+    println!(
+        "  median of {rounds}: {} ms (load average {})",
+        median(&mut ms),
+        loadavg()
+    );
+    Ok(())
+}
