@@ -13,7 +13,10 @@
 //! alternating 500 and 600), which replaces every root context: one of the
 //! new ones takes the lease and seeds its baseline. Printed per round: the
 //! time the successor's log line gives for reading the index (wall time of
-//! its thread, in V8), and the IPs it read.
+//! its thread, in V8), the IPs it read, and the Envoy process's CPU from the
+//! update to the seeding (utime + stime, 10 ms ticks), paired with the same
+//! takeover on a gateway that indexes 2 IPs (the update's own cost: new VMs
+//! compiled), alternated in each round.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -21,8 +24,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::json;
-use staleguard_bench::{env_usize, loadavg, median, synthetic_index, wait_loaded, MISSING};
-use staleguard_tests::envoy::{shipped_plugin, Cluster, Gateway};
+use staleguard_bench::{
+    cpu_ticks, env_usize, loadavg, median, synthetic_index, ticks_us, wait_loaded, MISSING,
+};
+use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
 use staleguard_tests::fake_validator::FakeValidator;
 
 const CLUSTER: &str = "outbound|80||svc-0.bench.svc.cluster.local";
@@ -49,41 +54,69 @@ fn seedings(log: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
-fn main() -> Result<()> {
-    let services = env_usize("SERVICES", 1000);
-    let pods = env_usize("PODS", 150_000);
-    let rounds = env_usize("ROUNDS", 3).max(1);
-    let (keys, records) = synthetic_index(services, pods);
-    let ips = records.len();
-    let validator = FakeValidator::start(7)?;
-    validator.set_index(keys, records);
+/// A gateway with `records` indexed, loaded.
+fn loaded(validator: &FakeValidator) -> Result<Envoy> {
     let gateway = Gateway {
         dynamic: vec![cluster(1_000)],
         ..Gateway::new(validator.addr(), vec![])
     };
     let envoy = gateway.start()?.context(MISSING)?;
     wait_loaded(&envoy, Duration::from_secs(180))?;
+    Ok(envoy)
+}
+
+/// One takeover on `envoy` (`round` picks the configuration): the IPs the
+/// successor read, the milliseconds its log line gives, and the Envoy
+/// process's CPU from the update to that line.
+fn takeover(envoy: &Envoy, round: usize) -> Result<(u64, u64, u64)> {
+    let before = seedings(&envoy.log()).len();
+    let acquired = envoy.stat(LEASE_ACQUIRED)?;
+    let ticks = cpu_ticks(envoy.pid())?;
+    envoy.update_clusters(&[cluster(if round % 2 == 0 { 500 } else { 600 })])?;
+    envoy.eventually("the lease taken over", Duration::from_secs(60), |e| {
+        Ok(e.stat(LEASE_ACQUIRED)? > acquired && seedings(&e.log()).len() > before)
+    })?;
+    let cpu = cpu_ticks(envoy.pid())?.saturating_sub(ticks);
+    let Some(&(read, took)) = seedings(&envoy.log()).last() else {
+        bail!("no seeding logged");
+    };
+    Ok((read, took, cpu))
+}
+
+fn main() -> Result<()> {
+    let services = env_usize("SERVICES", 1000);
+    let pods = env_usize("PODS", 150_000);
+    let rounds = env_usize("ROUNDS", 3).max(1);
+    let (keys, records) = synthetic_index(services, pods);
+    let ips = records.len();
+    let full = FakeValidator::start(7)?;
+    full.set_index(keys.clone(), records.clone());
+    let small = FakeValidator::start(8)?;
+    small.set_index(keys, records.into_iter().take(2).collect());
+    let full = (loaded(&full)?, full);
+    let small = (loaded(&small)?, small);
     println!(
         "{ips} IPs in {services} services, load average {}",
         loadavg()
     );
-    let mut ms = Vec::new();
+    let (mut ms, mut full_cpu, mut small_cpu) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
-        let before = seedings(&envoy.log()).len();
-        let acquired = envoy.stat(LEASE_ACQUIRED)?;
-        envoy.update_clusters(&[cluster(if round % 2 == 0 { 500 } else { 600 })])?;
-        envoy.eventually("the lease taken over", Duration::from_secs(60), |e| {
-            Ok(e.stat(LEASE_ACQUIRED)? > acquired && seedings(&e.log()).len() > before)
-        })?;
-        let Some(&(read, took)) = seedings(&envoy.log()).last() else {
-            bail!("no seeding logged");
-        };
-        println!("  round {round}: {read} IPs read in {took} ms");
+        let (read, took, cpu) = takeover(&full.0, round)?;
+        let (_, _, idle) = takeover(&small.0, round)?;
+        println!(
+            "  round {round}: {read} IPs read in {took} ms (wall); Envoy CPU from the update to the seeding {:.0} ms, {:.0} ms with 2 IPs",
+            ticks_us(cpu) / 1e3,
+            ticks_us(idle) / 1e3
+        );
         ms.push(took);
+        full_cpu.push(cpu);
+        small_cpu.push(idle);
     }
     println!(
-        "  median of {rounds}: {} ms (load average {})",
+        "  medians of {rounds}: {} ms wall; Envoy CPU {:.0} ms, {:.0} ms with 2 IPs (load average {})",
         median(&mut ms),
+        ticks_us(median(&mut full_cpu)) / 1e3,
+        ticks_us(median(&mut small_cpu)) / 1e3,
         loadavg()
     );
     Ok(())
