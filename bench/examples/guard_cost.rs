@@ -8,7 +8,10 @@
 //! `IPS` (150000) IPs in `SERVICES` (1000) services, `ROUNDS` (7), medians.
 //! For a reset: building the baseline from it (`applied`), and judging a
 //! second reset against it (`assess`: one with nothing lost, one empty); for
-//! a delta of `CHANGES` (100) deletions with tombstones: `assess`.
+//! a delta of `CHANGES` (100) deletions with tombstones: `assess`. And the
+//! baseline a poller that takes the lease over seeds from the index the
+//! reset was written to (`seed`: every bucket read from shared data, here
+//! the engine's in-memory store), paired with `applied` in the same run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::{Duration, Instant};
@@ -18,6 +21,8 @@ use staleguard_core::wire::{Delta, Tombstone};
 use staleguard_core::{IpRecord, PodHolder, Policy, ServiceKey, Snapshot};
 use staleguard_engine::buckets::CompactRecord;
 use staleguard_engine::guard::{Answer, Guard, GuardConfig};
+use staleguard_engine::store::{IndexReader, MemoryStore};
+use staleguard_engine::sync::{Poller, SyncConfig};
 
 fn service(i: usize) -> ServiceKey {
     ServiceKey::new("shop", format!("svc-{i}"))
@@ -109,6 +114,27 @@ fn main() {
     let tombstones = time(rounds.max(101), || guard.assess(Answer::Delta(&delta)));
     assert!(guard.assess(Answer::Delta(&delta)).tripped.is_none());
 
+    // The index the reset makes in shared data, and a successor's seeding
+    // from it.
+    let mut store = MemoryStore::default();
+    let mut poller = Poller::new(
+        SyncConfig {
+            wait_s: 30,
+            backoff_initial_ms: 500,
+            backoff_max_ms: 30_000,
+            min_interval_ms: 0,
+        },
+        1,
+    );
+    poller.next_request(0, &store);
+    poller.on_response(0, 200, &json, &mut store).unwrap();
+    let meta = IndexReader::new(&store).meta().unwrap();
+    let mut successor = Guard::new(GuardConfig::default(), Policy::default());
+    let seed = time(rounds, || successor.seed(&store, &meta));
+    let seeded = successor.seed(&store, &meta).unwrap();
+    assert_eq!(seeded.allowed_ips, ips as u64);
+    assert!(successor.assess(Answer::Reset(&empty)).tripped.is_some());
+
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "{ips} IPs in {services} services, snapshot {} MB, medians of {rounds}:",
@@ -129,6 +155,11 @@ fn main() {
         "  guard: baseline from the reset         {:>9.1} ms ({:.0}% of decode)",
         ms(baseline),
         100.0 * baseline.as_secs_f64() / decode.as_secs_f64()
+    );
+    println!(
+        "  guard: baseline seeded from the index  {:>9.1} ms ({} buckets read)",
+        ms(seed),
+        meta.buckets
     );
     println!(
         "  guard: assess a reset, nothing lost    {:>9.1} ms ({:.0}% of decode)",

@@ -122,6 +122,15 @@ impl Bucket {
         self.lines.is_empty()
     }
 
+    /// Each IP of the bucket and its line decoded (`None`: a line this
+    /// build cannot read), for a poller that takes over the guard's
+    /// baseline from the index (`crate::guard`'s seeding).
+    pub fn holders(&self) -> impl Iterator<Item = (IpAddr, Option<Holders>)> + '_ {
+        self.lines
+            .iter()
+            .map(|(ip, line)| (*ip, Holders::decode(line)))
+    }
+
     /// Sets `record` (vacant: removes its IP). Returns the change in the
     /// number of IPs: +1 added, -1 removed, 0 replaced or nothing to remove.
     pub fn put(&mut self, record: &CompactRecord) -> i64 {

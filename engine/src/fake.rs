@@ -88,6 +88,9 @@ pub(crate) struct FakeHost {
     pub(crate) counters: HashMap<String, u64>,
     pub(crate) gauges: HashMap<String, u64>,
     pub(crate) tick_periods: Vec<u64>,
+    /// Mixed into what `random_u64` returns: two roots on one host take
+    /// different lease owner ids when a test changes it between them.
+    pub(crate) random: u64,
 }
 
 impl FakeHost {
@@ -126,7 +129,7 @@ impl Clock for FakeHost {
     }
 
     fn random_u64(&self) -> u64 {
-        42
+        42 ^ self.random
     }
 }
 

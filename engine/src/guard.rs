@@ -44,7 +44,9 @@
 //! reference, and the correct validator's next answer, which drops all of it,
 //! would be held for a minute as a loss of everything. The first snapshot a
 //! poller applies is its reference as it stands (there is nothing older to
-//! judge it by). A wrong validator that serves for longer than `confirm_ms`
+//! judge it by), unless the index already holds one: a poller that takes the
+//! lease over seeds its baseline from the index ([`Guard::seed`], see
+//! `seed`), so what its predecessor held stays held. A wrong validator that serves for longer than `confirm_ms`
 //! is taken for the truth, like any change that persists that long.
 
 use std::collections::{HashMap, HashSet};
@@ -58,9 +60,12 @@ use crate::buckets::{placeholder, service_id, CompactRecord};
 
 mod baseline;
 mod judged;
+mod seed;
 
 pub use baseline::Baseline;
+use baseline::UNKNOWN_HOLDER;
 use judged::Judged;
+pub use seed::Seeded;
 
 /// The guard's knobs (`guard` in the plugin configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -409,7 +414,8 @@ impl Guard {
         });
     }
 
-    /// Forgets the baseline and any hold (the poller lost its lease).
+    /// Forgets the baseline and any hold (the poller lost its lease; a
+    /// successor seeds its own from the index, [`Guard::seed`]).
     pub fn reset(&mut self) {
         self.baseline = Baseline::default();
         self.held_since_ms = None;
@@ -491,7 +497,10 @@ impl Guard {
                 continue;
             }
             let evidence = record.tombstone.contains(&id)
-                || (in_delta && judged.has_pods() && record.fingerprint != old.fingerprint);
+                || (in_delta
+                    && judged.has_pods()
+                    && old.fingerprint != UNKNOWN_HOLDER
+                    && record.fingerprint != old.fingerprint);
             if evidence {
                 evidenced = true;
             } else {

@@ -170,7 +170,8 @@ impl Root {
         self.lease = Some(lease);
         self.poller = Some(
             Poller::new(sync, host.random_u64())
-                .with_guard(Guard::new(config.guard, config.policy)),
+                .with_guard(Guard::new(config.guard, config.policy))
+                .with_seed_max_age(config.max_staleness_ms),
         );
         self.in_flight = None;
         self.lease_due_ms = 0;
@@ -323,7 +324,21 @@ impl Root {
         let (Some(config), Some(poller)) = (self.vm.config.clone(), self.poller.as_mut()) else {
             return;
         };
-        let Some(request) = poller.next_request(now, &*host) else {
+        // A poller's first request seeds the guard from the index: the
+        // time it takes is the takeover's cost to this thread.
+        let started_us = host.now_us();
+        let request = poller.next_request(now, &*host);
+        if let Some(seeded) = poller.take_seeded() {
+            log::info!(
+                "[ctx {}] staleguard: the guard's baseline is the index's: {} IPs, {} allowed, {} unreadable buckets or lines, read in {} ms",
+                self.id,
+                seeded.ips,
+                seeded.allowed_ips,
+                seeded.unreadable,
+                host.now_us().saturating_sub(started_us) / 1000
+            );
+        }
+        let Some(request) = request else {
             return;
         };
         let path = request.path();

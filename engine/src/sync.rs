@@ -11,7 +11,8 @@
 //! that has been out longer than any answer can take. The cursor (epoch,
 //! generation, load) is taken from `meta` when the poller starts, so a context
 //! that takes the lease over from a dead poller continues with deltas instead
-//! of reloading everything. Answers are asked for packed
+//! of reloading everything; it takes the guard's baseline from the index then
+//! too ([`Guard::seed`]), so it holds what its predecessor held. Answers are asked for packed
 //! ([`staleguard_core::packed`], [`ACCEPT`]) and read as either form, a record
 //! at a time straight into [`CompactRecord`]s.
 //!
@@ -37,7 +38,7 @@ use staleguard_core::{Changes, Policy, Snapshot};
 
 use crate::backoff::Backoff;
 use crate::buckets::{service_id, CompactRecord};
-use crate::guard::{Answer, Guard, GuardConfig, GuardEvent};
+use crate::guard::{Answer, Guard, GuardConfig, GuardEvent, Seeded};
 use crate::host::{SharedData, StoreError};
 use crate::store::write::Writer;
 use crate::store::{Meta, META_KEY};
@@ -244,6 +245,10 @@ pub struct Poller {
     /// A hold wrote additions into the index: if a delta ends the hold, the
     /// next request is a snapshot, which replaces them with the truth.
     gains_written: bool,
+    /// The oldest index the guard's baseline is seeded from.
+    seed_max_age_ms: u64,
+    /// What the last seeding found, until taken.
+    seeded: Option<Seeded>,
 }
 
 impl Poller {
@@ -263,6 +268,8 @@ impl Poller {
             held: None,
             watching: false,
             gains_written: false,
+            seed_max_age_ms: crate::config::default_max_staleness_ms(),
+            seeded: None,
         }
     }
 
@@ -270,6 +277,14 @@ impl Poller {
     /// default policy).
     pub fn with_guard(mut self, guard: Guard) -> Self {
         self.guard = guard;
+        self
+    }
+
+    /// Seeds the guard's baseline from an index synced at most
+    /// `max_age_ms` ago when this poller starts (`max_staleness_ms`; the
+    /// default is that knob's default).
+    pub fn with_seed_max_age(mut self, max_age_ms: u64) -> Self {
+        self.seed_max_age_ms = max_age_ms;
         self
     }
 
@@ -286,6 +301,24 @@ impl Poller {
     /// The blast-radius guard, for its gauges.
     pub fn guard(&self) -> &Guard {
         &self.guard
+    }
+
+    /// Seeds the guard's baseline from the index `meta` describes (see
+    /// [`crate::guard`]'s seeding), unless that index is older than
+    /// `seed_max_age_ms`: requests no longer trust it (the failure policy
+    /// answers them), so it is no reference, and the next answer is taken
+    /// as the first one is.
+    fn seed_guard(&mut self, now_ms: u64, store: &dyn SharedData, meta: &Meta) {
+        if now_ms.saturating_sub(meta.synced_ms) > self.seed_max_age_ms {
+            return;
+        }
+        self.seeded = self.guard.seed(store, meta);
+    }
+
+    /// What seeding the guard's baseline from the index found, once (`None`
+    /// when this poller did not seed it since the last call).
+    pub fn take_seeded(&mut self) -> Option<Seeded> {
+        self.seeded.take()
     }
 
     /// The request to send now, if one is due and none is in flight. The
@@ -309,6 +342,7 @@ impl Poller {
                         generation: meta.generation,
                     });
                     self.writer.adopt(&meta);
+                    self.seed_guard(now_ms, store, &meta);
                 }
             }
         }
@@ -388,6 +422,7 @@ impl Poller {
         self.held = None;
         self.watching = false;
         self.gains_written = false;
+        self.seeded = None;
     }
 
     /// The generation applied last, if any.
@@ -644,4 +679,4 @@ fn in_memory<S: ?Sized>(body: Rc<[u8]>) -> impl Fn(&S) -> Box<dyn Read> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use staleguard_core::Policy;
 
 use super::judged::Judged;
-use crate::buckets::CompactRecord;
+use crate::buckets::{CompactRecord, Holders};
 
 /// One IP as the guard remembers it: 12 bytes, 16 with an IPv4 key (the
 /// baseline has one per IP of the index).
@@ -18,7 +18,8 @@ pub(super) struct IpFacts {
     /// low 31 bits, and in the top bit the parity of the last reset that
     /// listed it ([`Baseline::mark`]).
     set_mark: u32,
-    /// [`CompactRecord::fingerprint`]: who holds it.
+    /// [`CompactRecord::fingerprint`]: who holds it ([`UNKNOWN_HOLDER`]
+    /// when the index, not an answer, said it).
     pub(super) fingerprint: u32,
     /// 0 once the IP counts as allowed; until then, the ticket of its
     /// pending confirmation ([`Baseline::pending`]). Losing an unconfirmed
@@ -27,6 +28,12 @@ pub(super) struct IpFacts {
 }
 
 pub(super) const MARK: u32 = 1 << 31;
+
+/// The fingerprint of an IP the baseline learnt from a bucket line, which
+/// does not say who holds it: a new holder of that IP is no evidence (its
+/// loss counts as a loss). A real fingerprint that happens to be 0 only
+/// loses that evidence for its IP.
+pub(super) const UNKNOWN_HOLDER: u32 = 0;
 
 impl IpFacts {
     pub(super) fn set(&self) -> u32 {
@@ -235,8 +242,9 @@ pub struct Baseline {
     pub(super) mark: bool,
     /// The services the validator knows, by id.
     pub(super) known: HashSet<u64>,
-    /// False until the poller applied a full snapshot itself (a poller that
-    /// took over from a dead one has nothing to compare with).
+    /// False until the poller applied a full snapshot or seeded the
+    /// baseline from the index ([`super::Guard::seed`]): before, there is
+    /// nothing to compare with.
     pub(super) armed: bool,
 }
 
@@ -262,10 +270,35 @@ impl Baseline {
         confirm_at_ms: u64,
     ) {
         let judged = Judged::of(Some(record));
+        let facts = self.facts(policy, &judged, record.fingerprint, ticket, confirm_at_ms);
+        if let Some(facts) = facts {
+            self.ips.insert(record.ip, facts);
+        }
+    }
+
+    /// Remembers `ip` as a bucket line of the index says it is, confirmed,
+    /// its holder unknown ([`UNKNOWN_HOLDER`]).
+    pub(super) fn insert_line(&mut self, policy: &Policy, ip: IpAddr, holders: Holders) {
+        let judged = Judged::of_line(ip, Some(holders));
+        if let Some(facts) = self.facts(policy, &judged, UNKNOWN_HOLDER, Some(0), 0) {
+            self.ips.insert(ip, facts);
+        }
+    }
+
+    /// What to remember of an IP `judged` says this of, counted; `None`
+    /// when there is nothing to remember.
+    fn facts(
+        &mut self,
+        policy: &Policy,
+        judged: &Judged,
+        fingerprint: u32,
+        ticket: Option<u32>,
+        confirm_at_ms: u64,
+    ) -> Option<IpFacts> {
         let allowed = judged.allowed(policy);
         if allowed.is_empty() && !judged.has_pods() {
             // Destroyed or vacant: nothing to lose, nothing to remember.
-            return;
+            return None;
         }
         let ticket = match ticket {
             _ if allowed.is_empty() => 0,
@@ -275,11 +308,11 @@ impl Baseline {
         let set = self.sets.intern(&allowed);
         let facts = IpFacts {
             set_mark: set | if self.mark { MARK } else { 0 },
-            fingerprint: record.fingerprint,
+            fingerprint,
             ticket,
         };
         self.counts.add(&mut self.sets, &facts, 1);
-        self.ips.insert(record.ip, facts);
+        Some(facts)
     }
 
     /// A new ticket, due at `at_ms`.

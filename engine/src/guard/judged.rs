@@ -1,6 +1,8 @@
 //! What one record of an answer says, for the guard: its holders, and whether
 //! the verdict rules allow its IP for a service.
 
+use std::net::IpAddr;
+
 use staleguard_core::{decide, Action, IpRecord, Policy};
 
 use crate::buckets::{placeholder, CompactRecord, Holders};
@@ -14,11 +16,16 @@ pub(super) struct Judged {
 
 impl Judged {
     pub(super) fn of(record: Option<&CompactRecord>) -> Self {
-        let holders = record.and_then(CompactRecord::holders);
+        match record {
+            Some(record) => Self::of_line(record.ip, record.holders()),
+            None => Self::of_line(IpAddr::from([0, 0, 0, 0]), None),
+        }
+    }
+
+    /// What a line of `ip` says (`None`: no line, or a vacant one).
+    pub(super) fn of_line(ip: IpAddr, holders: Option<Holders>) -> Self {
         Self {
-            record: record
-                .zip(holders.as_ref())
-                .map(|(r, h)| h.record_by_ids(r.ip)),
+            record: holders.as_ref().map(|h| h.record_by_ids(ip)),
             holders,
         }
     }

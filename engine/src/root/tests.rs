@@ -309,3 +309,71 @@ fn a_call_of_another_context_is_not_this_roots() {
     root.call_response(&mut host, 77, 0, 0);
     assert_eq!(host.counter(&metrics::sync_errors("transport")), 0);
 }
+
+// === a takeover ===
+
+use crate::sync::tests::twenty_ips;
+
+/// The validator's next answer, served as a reset at generation 4: only
+/// `ips` are left.
+fn reset_body(ips: &[&str]) -> Vec<u8> {
+    let snapshot: Snapshot = serde_json::from_slice(&snapshot_body(ips)).unwrap();
+    let reset = staleguard_core::Changes::Reset(Snapshot {
+        generation: 4,
+        ..snapshot
+    });
+    serde_json::to_vec(&reset).unwrap()
+}
+
+/// The token of the last call dispatched.
+fn last_token(host: &FakeHost) -> u32 {
+    host.calls.last().unwrap().token
+}
+
+/// Root A (lease owner 42) loaded a snapshot of twenty IPs and holds the
+/// validator's next answer, which keeps two; root B (owner 43), on the same
+/// shared data, watches the lease. Returns A, B, the host and that answer.
+fn a_holds_and_b_waits() -> (Root, Root, FakeHost, Vec<u8>) {
+    let ips = twenty_ips();
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    let (mut a, mut host) = loaded("{}", &ips);
+    fire(&mut a, &mut host);
+    let dropping = reset_body(&ips[..2]);
+    let token = last_token(&host);
+    answer(&mut a, &mut host, token, dropping.clone());
+    assert_eq!(host.counter(metrics::GUARD_HELD_TOTAL), 1, "A holds it");
+    host.random = 1;
+    let mut b = Root::new(2);
+    assert!(b.configure(&mut host, &shipped_config("{}")));
+    b.tick(&mut host);
+    assert_eq!(host.counter(metrics::SYNC_LEASE_ACQUIRED), 1, "A's lease");
+    (a, b, host, dropping)
+}
+
+/// B takes the lease of A, which stopped renewing it (its thread stalled),
+/// and has its first call out.
+fn b_takes_over(b: &mut Root, host: &mut FakeHost) {
+    let ttl = Config::parse(&shipped_config("{}")).unwrap().lease_ttl_ms;
+    host.now_ms += ttl + 1;
+    b.tick(host);
+    assert_eq!(host.counter(metrics::SYNC_LEASE_ACQUIRED), 2, "B took it");
+    let calls = host.calls.len();
+    fire(b, host);
+    assert_eq!(host.calls.len(), calls + 1, "B polls");
+}
+
+#[test]
+fn a_root_that_takes_the_lease_over_holds_what_its_predecessor_held() {
+    let (_a, mut b, mut host, dropping) = a_holds_and_b_waits();
+    b_takes_over(&mut b, &mut host);
+    assert_eq!(
+        host.calls.last().unwrap().header(":path"),
+        Some("/v1/changes?v=1&view=verdict&epoch=9&since=3&wait=30"),
+        "B continues from the applied generation"
+    );
+    let token = last_token(&host);
+    answer(&mut b, &mut host, token, dropping);
+    assert_eq!(host.counter(metrics::SYNC_RESETS), 1, "not applied");
+    assert_eq!(host.counter(metrics::GUARD_HELD_TOTAL), 2, "B holds it too");
+    assert_eq!(host.gauges.get(metrics::GAUGE_ENTRIES), Some(&20));
+}

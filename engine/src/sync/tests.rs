@@ -6,7 +6,7 @@ use crate::store::{IndexReader, MemoryStore};
 use staleguard_core::{Freshness, IpRecord, PodHolder, ServiceKey};
 use std::net::IpAddr;
 
-const CFG: SyncConfig = SyncConfig {
+pub(crate) const CFG: SyncConfig = SyncConfig {
     wait_s: 5,
     backoff_initial_ms: 100,
     backoff_max_ms: 1_000,
@@ -21,11 +21,11 @@ const SHIPPED: SyncConfig = SyncConfig {
     min_interval_ms: 50,
 };
 
-fn cart() -> ServiceKey {
+pub(crate) fn cart() -> ServiceKey {
     ServiceKey::new("shop", "cart")
 }
 
-fn rec(ip: &str) -> IpRecord {
+pub(crate) fn rec(ip: &str) -> IpRecord {
     IpRecord::held_by(
         ip.parse().unwrap(),
         vec![PodHolder::ready_member(
@@ -37,7 +37,7 @@ fn rec(ip: &str) -> IpRecord {
     )
 }
 
-fn snapshot(epoch: u64, generation: u64, ips: &[&str]) -> Snapshot {
+pub(crate) fn snapshot(epoch: u64, generation: u64, ips: &[&str]) -> Snapshot {
     Snapshot {
         v: 1,
         epoch,
@@ -51,7 +51,7 @@ fn snapshot(epoch: u64, generation: u64, ips: &[&str]) -> Snapshot {
     }
 }
 
-fn delta(epoch: u64, since: u64, generation: u64) -> Delta {
+pub(crate) fn delta(epoch: u64, since: u64, generation: u64) -> Delta {
     Delta {
         v: 1,
         epoch,
@@ -68,7 +68,7 @@ fn delta(epoch: u64, since: u64, generation: u64) -> Delta {
     }
 }
 
-fn present(store: &MemoryStore, ip: &str) -> bool {
+pub(crate) fn present(store: &MemoryStore, ip: &str) -> bool {
     matches!(
         IndexReader::new(store)
             .lookup(&cart(), &ip.parse().unwrap())
@@ -77,7 +77,7 @@ fn present(store: &MemoryStore, ip: &str) -> bool {
     )
 }
 
-fn json<T: serde::Serialize>(t: &T) -> Vec<u8> {
+pub(crate) fn json<T: serde::Serialize>(t: &T) -> Vec<u8> {
     serde_json::to_vec(t).unwrap()
 }
 
@@ -92,8 +92,22 @@ fn loaded(ips: &[&str]) -> (Poller, MemoryStore) {
     (p, store)
 }
 
+/// `ip`, its cart pod deleted: only the tombstone is left.
+pub(crate) fn tombstoned(ip: &str) -> IpRecord {
+    IpRecord {
+        pods: vec![],
+        tombstone: Some(staleguard_core::wire::Tombstone {
+            pod: format!("shop/cart-{ip}"),
+            uid: String::new(),
+            services: vec![cart()],
+            since_ms: 1,
+        }),
+        ..rec(ip)
+    }
+}
+
 /// 10.0.0.1 to 10.0.0.20.
-fn twenty_ips() -> Vec<String> {
+pub(crate) fn twenty_ips() -> Vec<String> {
     (1..=20).map(|i| format!("10.0.0.{i}")).collect()
 }
 
@@ -735,19 +749,7 @@ fn the_guard_lets_a_delta_of_tombstones_through_at_once() {
     let (mut p, mut store) = loaded(&ips.iter().map(String::as_str).collect::<Vec<_>>());
     p.next_request(0, &store);
     let mut d = delta(9, 3, 233);
-    d.upserts = ips[20..]
-        .iter()
-        .map(|ip| IpRecord {
-            pods: vec![],
-            tombstone: Some(staleguard_core::wire::Tombstone {
-                pod: format!("shop/cart-{ip}"),
-                uid: String::new(),
-                services: vec![cart()],
-                since_ms: 1,
-            }),
-            ..rec(ip)
-        })
-        .collect();
+    d.upserts = ips[20..].iter().map(|ip| tombstoned(ip)).collect();
     assert_eq!(
         p.on_response(5, 200, &json(&Changes::Delta(d)), &mut store)
             .unwrap(),
