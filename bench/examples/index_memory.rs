@@ -33,9 +33,15 @@
 //! empty index replaced) and the median of the others; it includes
 //! answering the admin `/stats` polls that wait for it (a few ms).
 //!
-//! `RELEASE=<bytes>`: every gateway gets Envoy's `memory_allocator_manager`
-//! (that many bytes of free memory given back each second, as
-//! `deploy/native/` ships it); unset, none, as the Wasm gateway ships.
+//! `RELEASE=<bytes>`: every gateway's Envoy `memory_allocator_manager` gives
+//! that many bytes of free memory back each second; `RELEASE=0`: none (as
+//! the Wasm gateway shipped before it had one); unset: as
+//! `deploy/envoy/envoy.yaml` ships it (64 MiB a second).
+//!
+//! `TWIN_WASM`: the twin's VMs (`vm_id: staleguard-twin`) of the staleguard
+//! gateways run this module instead (e.g. the no-op: what the twin's three
+//! VMs cost above the floor, the most a smaller module for the twin's role
+//! could save; no request is sent, so the twin is never called).
 //!
 //! `BEFORE_WASM`: another staleguard module (an older commit's) measured in
 //! the same run, each round alternating which goes first, so before and
@@ -92,6 +98,9 @@ fn main() -> Result<()> {
         let envoy = started(index_gateway(validator.addr()).start_with(|config| {
             if let Some(module) = module {
                 swap_module(config, module);
+            }
+            if let Some(twin) = std::env::var_os("TWIN_WASM") {
+                swap_twin_module(config, Path::new(&twin));
             }
             release_free_memory(config);
             Ok(())
@@ -235,14 +244,38 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// `RELEASE`: Envoy gives that many bytes of free memory back every second.
+/// `TWIN_WASM`: every VM of `vm_id: staleguard-twin` loads `wasm`.
+fn swap_twin_module(bootstrap: &mut serde_json::Value, wasm: &Path) {
+    match bootstrap {
+        serde_json::Value::Object(map) => {
+            if map.get("vm_id").and_then(|v| v.as_str()) == Some("staleguard-twin") {
+                swap_module(bootstrap, wasm);
+                return;
+            }
+            map.values_mut().for_each(|c| swap_twin_module(c, wasm));
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(|c| swap_twin_module(c, wasm)),
+        _ => {}
+    }
+}
+
+/// `RELEASE`: Envoy gives that many bytes of free memory back every second
+/// (0: none; unset: as shipped).
 fn release_free_memory(bootstrap: &mut serde_json::Value) {
-    if let Some(bytes) = std::env::var("RELEASE")
+    match std::env::var("RELEASE")
         .ok()
         .and_then(|r| r.parse::<u64>().ok())
     {
-        bootstrap["memory_allocator_manager"] =
-            serde_json::json!({"bytes_to_release": bytes, "memory_release_interval": "1s"});
+        None => {}
+        Some(0) => {
+            if let Some(b) = bootstrap.as_object_mut() {
+                b.remove("memory_allocator_manager");
+            }
+        }
+        Some(bytes) => {
+            bootstrap["memory_allocator_manager"] =
+                serde_json::json!({"bytes_to_release": bytes, "memory_release_interval": "1s"});
+        }
     }
 }
 

@@ -610,3 +610,61 @@ fn the_gateway_polls_the_real_validator_over_kept_alive_connections() -> Result<
     drop(validator);
     Ok(())
 }
+
+/// The optional allocator release for an Istio gateway
+/// (`deploy/istio/bootstrap-override.yaml`, docs/operations.md "Give freed
+/// memory back"): pilot-agent hands the override to Envoy with
+/// `--config-yaml`, and Envoy merges it into the bootstrap Istio generated:
+/// the block is there, Istio's node and admin are kept.
+#[test]
+fn the_bootstrap_override_gives_an_istio_gateway_the_memory_allocator_manager() -> Result<()> {
+    use staleguard_tests::process::{free_addr, free_port, wait_for_port, OwnedProcess};
+    let Some((envoy, _)) = dependencies() else {
+        return Ok(());
+    };
+    let over = istio::read_yaml("deploy/istio/bootstrap-override.yaml")?;
+    let wanted = over["memory_allocator_manager"].clone();
+    assert!(wanted.is_object(), "no memory_allocator_manager in {over}");
+    let admin = free_addr()?;
+    let node =
+        "router~10.0.0.1~istio-ingressgateway-1.istio-ingress~istio-ingress.svc.cluster.local";
+    let generated = json!({
+        "node": {"id": node, "cluster": "istio-ingressgateway.istio-ingress"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
+    });
+    let path = std::env::temp_dir().join(format!(
+        "staleguard-istio-override-{}.json",
+        std::process::id()
+    ));
+    std::fs::write(&path, serde_json::to_vec(&generated)?)?;
+    let mut cmd = Command::new(&envoy);
+    cmd.arg("-c")
+        .arg(&path)
+        .args(["--config-yaml", &over.to_string()])
+        .args(["--concurrency", "1", "--disable-hot-restart"])
+        .args(["--base-id", &free_port()?.to_string()]);
+    let proc = OwnedProcess::spawn("envoy-istio-override", cmd)?;
+    wait_for_port(&proc, admin, WAIT)?;
+    let dump: Value = serde_json::from_str(&blocking::get(admin, "/config_dump", &[])?.body)?;
+    let bootstrap = dump["configs"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["bootstrap"].is_object()))
+        .map(|c| c["bootstrap"].clone())
+        .context("no bootstrap in /config_dump")?;
+    assert_eq!(
+        bootstrap["memory_allocator_manager"]["memory_release_interval"],
+        wanted["memory_release_interval"]
+    );
+    assert_eq!(
+        bootstrap["memory_allocator_manager"]["bytes_to_release"]
+            .to_string()
+            .trim_matches('"'),
+        wanted["bytes_to_release"].to_string(),
+        "{bootstrap}"
+    );
+    assert_eq!(
+        bootstrap["node"]["id"], node,
+        "the override replaced Istio's node"
+    );
+    Ok(())
+}

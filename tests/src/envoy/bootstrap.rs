@@ -18,7 +18,8 @@ use serde_json::{json, Value};
 use staleguard_engine::config::{Config, RetryConfig};
 
 use super::shipped::{
-    shipped_circuit_breakers, shipped_stats_tags, shipped_twin_lb_policy, shipped_upstream_options,
+    shipped_circuit_breakers, shipped_memory_allocator_manager, shipped_stats_tags,
+    shipped_twin_lb_policy, shipped_upstream_options,
 };
 use super::{dependencies, Envoy, Launch};
 use crate::eds::EdsFile;
@@ -188,6 +189,7 @@ impl Gateway {
             "node": {"id": format!("staleguard-{}", self.name), "cluster": "staleguard-gateway"},
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
             "stats_config": {"stats_tags": stats_tags()},
+            "memory_allocator_manager": shipped_memory_allocator_manager(),
             "static_resources": {
                 "listeners": [gateway_listener(listener.port(), Value::Array(vhosts))],
                 "clusters": clusters

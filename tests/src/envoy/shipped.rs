@@ -232,3 +232,13 @@ pub fn shipped_stats_tags() -> Value {
     assert!(tags.is_array(), "no stats_config.stats_tags in {PATH}");
     tags
 }
+
+/// The `memory_allocator_manager` of `deploy/envoy/envoy.yaml`: Envoy gives
+/// the pages its allocator freed back to the system. Every test gateway runs
+/// it, since what the gateway holds (benchmarks.md, "The index in the
+/// gateway's memory") depends on it.
+pub fn shipped_memory_allocator_manager() -> Value {
+    let manager = shipped_envoy_doc()["memory_allocator_manager"].clone();
+    assert!(manager.is_object(), "no memory_allocator_manager in {PATH}");
+    manager
+}
