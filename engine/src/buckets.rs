@@ -105,8 +105,10 @@ pub struct Bucket {
 
 impl Bucket {
     /// Reads a bucket value for editing: absent, stale (an older load than
-    /// `meta_load`) or unreadable values are an empty bucket, which the next
-    /// write replaces whole.
+    /// `meta_load`, a text value of an earlier layout) or unreadable values
+    /// are an empty bucket, which the next write replaces whole; of a value
+    /// whose lines stop framing part way, the lines before (those a reader
+    /// finds) are kept.
     pub fn read(bytes: &[u8], meta_load: u64) -> Self {
         let mut lines = Vec::new();
         let Some(rest) = valid_lines(bytes, meta_load) else {
@@ -910,6 +912,14 @@ mod tests {
         expected.push(0x01);
         assert_eq!(b.encode(300), expected);
         assert_eq!(Bucket::read(&expected, 300), b);
+        let mut cut = expected.clone();
+        cut.extend([0x02, 10, 0]);
+        assert_eq!(Bucket::read(&cut, 300), b, "the lines before a cut one");
+        assert_eq!(
+            find(&cut, &"10.0.0.9".parse().unwrap(), 300),
+            Entry::Corrupt,
+            "an IP not before the cut line may be in it"
+        );
         let two: IpAddr = "::ffff:10.0.0.2".parse().unwrap();
         assert_eq!(
             find_line(&expected, &two, 300),
