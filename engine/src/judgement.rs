@@ -461,7 +461,8 @@ mod tests {
         let ip = "10.0.0.7".parse().unwrap();
         s.set(
             &buckets::key_of(&ip, MIN_BUCKETS),
-            b"1\n10.0.0.7 {broken",
+            // Load 1, then a line cut inside its holders.
+            &[0xb4, 1, 0x14, 10, 0, 0, 7, 0x01],
             None,
         )
         .unwrap();

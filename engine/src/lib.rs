@@ -37,13 +37,14 @@
 //!   [`members`] (each service's live members), [`guard`] (the
 //!   blast-radius guard on the validator's answers).
 //! - [`buckets`] (IP entries in hash buckets).
-//! - [`host`], [`entry`], [`backoff`], [`log_budget`],
-//!   [`secret`].
+//! - [`binary`] (the bytes bucket lines and member lists are made of),
+//!   [`host`], [`entry`], [`backoff`], [`log_budget`], [`secret`].
 //!
 //! The design and its reasons are in `docs/filter.md`.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod backoff;
+pub mod binary;
 pub mod buckets;
 pub mod cache;
 pub mod config;

@@ -8,10 +8,16 @@
 //!
 //! | key                              | value                                  |
 //! |----------------------------------|----------------------------------------|
-//! | `staleguard/members/<id>`        | `LOAD IP[/PORT,PORT] IP ...`, or empty |
+//! | `staleguard/members/<id>`        | `LOAD` and the members, in binary, or empty |
 //!
 //! `<id>` is the service's [`service_id`] in 16 hex digits, the name bucket
-//! lines know it by.
+//! lines know it by. The value ([`encode`]) is [`binary::MAGIC`], the load
+//! as a LEB128 number, then runs of members in the list's order, each run a
+//! LEB128 header `(count << 2) | is IPv6 << 1 | with ports` and its members:
+//! the address (4 or 16 bytes), and with ports a LEB128 port count and the
+//! ports (2 bytes each, little-endian). A run holds members of one family
+//! and kind: a sorted list of IPv4 members without ports is one run, 4 bytes
+//! a member.
 //!
 //! A member here is an IP whose verdict for the service is
 //! [`Reason::Member`] (the one rule, [`staleguard_core::decide`]) and which a
@@ -28,6 +34,7 @@ use std::net::IpAddr;
 
 use staleguard_core::{decide, Policy, Reason, ServiceKey};
 
+use crate::binary::{self, Opening, Reader};
 use crate::buckets::{placeholder, service_id, CompactRecord, Holders};
 use crate::host::{SharedData, StoreError};
 
@@ -90,46 +97,70 @@ pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>
     out
 }
 
-/// Encodes a member list under `load`.
+/// Encodes a member list under `load`, in its order.
 pub fn encode(load: u64, members: &[Member]) -> Vec<u8> {
-    let mut out = load.to_string();
-    for m in members {
-        out.push(' ');
-        out.push_str(&m.ip.to_string());
-        for (i, port) in m.ports.iter().enumerate() {
-            out.push(if i == 0 { '/' } else { ',' });
-            out.push_str(&port.to_string());
+    let mut out = Vec::with_capacity(12 + 4 * members.len());
+    binary::push_opening(&mut out, load);
+    let kind = |m: &Member| (m.ip.is_ipv6(), !m.ports.is_empty());
+    for run in members.chunk_by(|a, b| kind(a) == kind(b)) {
+        let (v6, ports) = run.first().map(kind).unwrap_or_default();
+        binary::push_varint(
+            &mut out,
+            (run.len() as u64) << 2 | u64::from(v6) << 1 | u64::from(ports),
+        );
+        for m in run {
+            binary::push_ip(&mut out, &m.ip);
+            if ports {
+                binary::push_varint(&mut out, m.ports.len() as u64);
+                for port in &m.ports {
+                    out.extend_from_slice(&port.to_le_bytes());
+                }
+            }
         }
     }
-    out.into_bytes()
+    out
 }
 
-/// Decodes a member list; a list from an older load, an empty value or
-/// garbage is no list (`None`), which the replay treats as "no member known".
+/// Decodes a member list; a list from an older load (a text list of an
+/// earlier layout among them), an empty value or garbage is no list
+/// (`None`), which the replay treats as "no member known". Reads nothing
+/// past `bytes` and allocates no more than `bytes` can fill.
 pub fn decode(bytes: &[u8], meta_load: u64) -> Option<Vec<Member>> {
-    let text = std::str::from_utf8(bytes).ok()?;
-    let mut parts = text.split(' ');
-    let load: u64 = parts.next()?.parse().ok()?;
+    let Opening::Load(load, rest) = binary::opening(bytes) else {
+        return None;
+    };
     if load < meta_load {
         return None;
     }
-    parts
-        .map(|part| {
-            let (ip, ports) = part.split_once('/').unwrap_or((part, ""));
-            let ports = if ports.is_empty() {
-                Vec::new()
+    let mut reader = Reader::new(rest);
+    let mut members = Vec::new();
+    while !reader.is_empty() {
+        let header = reader.varint()?;
+        let (v6, with_ports) = (header & 2 != 0, header & 1 != 0);
+        let count = usize::try_from(header >> 2).ok().filter(|n| *n > 0)?;
+        let size = if v6 { 16 } else { 4 };
+        if count > reader.rest().len() / size {
+            return None;
+        }
+        members.reserve(count);
+        for _ in 0..count {
+            let ip = if v6 {
+                IpAddr::from(reader.array::<16>()?)
             } else {
-                ports
-                    .split(',')
-                    .map(|p| p.parse::<u16>().ok())
-                    .collect::<Option<Vec<_>>>()?
+                IpAddr::from(reader.array::<4>()?)
             };
-            Some(Member {
-                ip: ip.parse().ok()?,
-                ports,
-            })
-        })
-        .collect()
+            let mut ports = Vec::new();
+            if with_ports {
+                let n = usize::try_from(reader.varint()?).ok().filter(|n| *n > 0)?;
+                if n > reader.rest().len() / 2 {
+                    return None;
+                }
+                ports = (0..n).map(|_| reader.u16()).collect::<Option<Vec<_>>>()?;
+            }
+            members.push(Member { ip, ports });
+        }
+    }
+    Some(members)
 }
 
 /// Reads a service's live members at `meta_load` (empty when none is known).
@@ -340,13 +371,41 @@ mod tests {
             },
         ];
         let bytes = encode(4, &members);
-        assert_eq!(bytes, b"4 10.0.0.1 fd00::7/8080,9090");
+        let mut expected = vec![0xb4, 4];
+        expected.extend([0x04, 10, 0, 0, 1]); // a run of one IPv4 member
+        expected.extend([0x07, 0xfd, 0]); // a run of one IPv6 member with ports
+        expected.extend([0; 13]);
+        expected.push(7);
+        expected.extend([2, 0x90, 0x1f, 0x82, 0x23]); // 8080, 9090
+        assert_eq!(bytes, expected);
         assert_eq!(decode(&bytes, 4), Some(members.clone()));
         assert_eq!(decode(&bytes, 5), None, "an older load is no list");
-        assert_eq!(decode(b"4", 4), Some(vec![]));
-        for bad in [&b""[..], b"x 10.0.0.1", b"4 nope", b"4 10.0.0.1/x"] {
-            assert_eq!(decode(bad, 0), None);
+        assert_eq!(decode(&[0xb4, 4], 4), Some(vec![]));
+        assert_eq!(decode(b"4 10.0.0.1", 0), None, "a text list of m3");
+        for bad in [
+            &b""[..],
+            b"x 10.0.0.1",
+            &[0xb4],
+            &[0xb4, 4, 0x00],                 // an empty run
+            &[0xb4, 4, 0x08, 10, 0, 0, 1],    // two members, one there
+            &[0xb4, 4, 0x05, 10, 0, 0, 1],    // its port count missing
+            &[0xb4, 4, 0x05, 10, 0, 0, 1, 0], // no ports though counted
+            &[0xb4, 4, 0x05, 10, 0, 0, 1, 1, 0x50],
+            &[0xb4, 4, 0xfc, 0xff, 0xff, 0xff, 0x0f, 10], // more than the bytes hold
+        ] {
+            assert_eq!(decode(bad, 0), None, "{bad:x?}");
         }
+        // A sorted list of IPv4 members is one run: 4 bytes a member.
+        let many: Vec<Member> = (1..=100u8)
+            .map(|i| Member {
+                ip: IpAddr::from([10, 0, 1, i]),
+                ports: vec![],
+            })
+            .collect();
+        let bytes = encode(4, &many);
+        assert_eq!(&bytes[..4], &[0xb4, 4, 0x90, 0x03], "(100 << 2)");
+        assert_eq!(bytes.len(), 4 + 400);
+        assert_eq!(decode(&bytes, 4), Some(many));
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //!
 //! | key                            | value                                                    |
 //! |--------------------------------|----------------------------------------------------------|
-//! | `staleguard/meta`              | [`Meta`]: `m3 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS` |
-//! | `staleguard/ipb/<B>/<i>`       | bucket `i` of `B`: `LOAD` and a line per IP (see [`crate::buckets`]), or empty |
+//! | `staleguard/meta`              | [`Meta`]: `m4 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS` |
+//! | `staleguard/ipb/<B>/<i>`       | bucket `i` of `B`: `LOAD` and a line per IP, in binary (see [`crate::buckets`]), or empty |
 //! | `staleguard/svc/<ns>/<name>`   | `LOAD`, or empty (absent)                                |
 //! | `staleguard/lease`             | `OWNER EXPIRES_MS` (see [`crate::lease`])                |
 //! | `staleguard/loads`             | last load id handed out                                  |
@@ -106,10 +106,10 @@ pub struct Meta {
 }
 
 impl Meta {
-    /// Encodes as `m3 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS`.
+    /// Encodes as `m4 LOAD EPOCH GEN SYNCED_MS FRESH ENTRIES BUCKETS`.
     pub fn encode(&self) -> Vec<u8> {
         format!(
-            "m3 {} {} {} {} {} {} {}",
+            "m4 {} {} {} {} {} {} {}",
             self.load,
             self.epoch,
             self.generation,
@@ -122,13 +122,14 @@ impl Meta {
     }
 
     /// Decodes [`Meta::encode`]'s output; anything else is `None` (also the
-    /// `m1` of releases with a key per IP and the `m2` of releases with JSON
-    /// bucket lines: no data until the new poller's first load, which the
+    /// `m1` of releases with a key per IP, the `m2` of releases with JSON
+    /// bucket lines and the `m3` of releases with text bucket lines and
+    /// member lists: no data until the new poller's first load, which the
     /// failure policy covers).
     pub fn decode(bytes: &[u8]) -> Option<Self> {
         let text = std::str::from_utf8(bytes).ok()?;
         let mut parts = text.split(' ');
-        if parts.next()? != "m3" {
+        if parts.next()? != "m4" {
             return None;
         }
         let mut num = || parts.next()?.parse::<u64>().ok();
@@ -332,13 +333,14 @@ mod tests {
         assert_eq!(Meta::decode(&m.encode()), Some(m));
         for bad in [
             &b""[..],
-            b"m3",
+            b"m4",
             b"m1 1 1 1 1 1 1",
             b"m2 1 1 1 1 1 1 1024",
-            b"m3 1 1 1 1 1 1",
-            b"m3 1 1 1 1 2 1 1024",
-            b"m3 1 1 1 1 1 1 1000",
-            b"m3 1 1 1 1 1 1 1024 1",
+            b"m3 1 1 1 1 1 1 1024",
+            b"m4 1 1 1 1 1 1",
+            b"m4 1 1 1 1 2 1 1024",
+            b"m4 1 1 1 1 1 1 1000",
+            b"m4 1 1 1 1 1 1 1024 1",
         ] {
             assert_eq!(
                 Meta::decode(bad),

@@ -1,6 +1,8 @@
 //! Native fuzzing of everything the filter parses from outside: the plugin
 //! configuration, validator answers (applied through the poller, as the root
-//! does), and shared-data values (meta, IP and service entries, the lease).
+//! does), and shared-data values (meta, IP and service entries, member
+//! lists, the lease); and the round trip of the binary bucket lines and
+//! member lists on random values.
 //!
 //! Inputs are valid documents mutated at random (bit flips, cuts, splices,
 //! JSON tokens such as huge numbers and wrong types) plus pure random bytes. A
@@ -21,6 +23,7 @@ use staleguard_engine::buckets;
 use staleguard_engine::config::Config;
 use staleguard_engine::host::SharedData;
 use staleguard_engine::lease::Lease;
+use staleguard_engine::members;
 use staleguard_engine::replay::TwinConfig;
 use staleguard_engine::steer::SteerConfig;
 use staleguard_engine::store::{
@@ -61,12 +64,21 @@ const SEEDS: &[&str] = &[
     // level (checked field by field).
     r#"{"validator_cluster":1,"poll_wait_s":"30","mdoe":1,"policy":{"fail":1},"clusters":[{"name":2},{"service":"a/b","x":1}],"retry":{"methods":["GET",7]},"guard":[]}"#,
     "m1 3 7 5 1700000000000 1 12",
-    "m3 3 7 5 1700000000000 1 12 1024",
+    "m4 3 7 5 1700000000000 1 12 1024",
+    // A text bucket of the m3 layout (absent to this one).
     "3\n10.0.0.1 pr s0123456789abcdef/80,443 pt sfedcba9876543210\nfd00::2 b0123456789abcdef t",
-    "prth s0123456789abcdef s0000000000000001/1 b00000000000000ff",
     "3 {\"ip\":\"10.0.0.1\",\"pods\":[{\"namespace\":\"a\",\"name\":\"b\"}]}",
     "12",
     "42 99999",
+];
+
+/// Binary values of the m4 layout: bucket values (load 3; 10.0.0.1 with
+/// two pods, a service with ports, a bare service and a tombstone; fd00::2
+/// with a bare service), holders alone, member lists.
+const BINARY_SEEDS: &[&[u8]] = &[
+    b"\xb4\x03\x44\x0a\x00\x00\x01\x01\x42\x01\x23\x45\x67\x89\xab\xcd\xef\x50\x00\xbb\x01\x02\x40\x10\x32\x54\x76\x98\xba\xdc\xfe\x80\xef\xcd\xab\x89\x67\x45\x23\x01\xc0\x15\xfd\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x80\xef\xcd\xab\x89\x67\x45\x23\x01\xc0",
+    b"\x07\x41\x01\x23\x45\x67\x89\xab\xcd\xef\x01\x00\x80\x00\x00\x00\x00\x00\x00\x00\xff\xc0",
+    b"\xb4\x03\x08\x0a\x00\x00\x01\x0a\x00\x00\x02\x07\xfd\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x07\x02\x90\x1f\x82\x23",
 ];
 
 const TOKENS: &[&str] = &[
@@ -97,12 +109,11 @@ const TOKENS: &[&str] = &[
     "\"a/\"",
     "\"/b\"",
     "m1",
-    "m3",
-    "pr",
-    " s0123456789abcdef",
-    " b",
-    " t",
-    "/",
+    "m4",
+    "\u{b4}",
+    "\u{7f}",
+    "\u{80}",
+    "\u{c0}",
     "\n",
 ];
 
@@ -156,17 +167,19 @@ fn feed(input: &[u8], rng: &mut Rng) {
     let _ = Meta::decode(input);
     let ip = "10.0.0.1".parse().unwrap();
     let _ = buckets::find(input, &ip, rng.next() % 4);
-    let _ = buckets::Bucket::read(input, rng.next() % 4);
+    let _ = buckets::find_line(input, &"fd00::2".parse().unwrap(), rng.next() % 4);
+    // A bucket read for editing writes back what it read.
+    let bucket = buckets::Bucket::read(input, rng.next() % 4);
+    assert_eq!(buckets::Bucket::read(&bucket.encode(9), 9), bucket);
     // A bucket line's holders: whatever decodes encodes back to itself.
     if let Some(holders) = buckets::Holders::decode(input) {
         let again = buckets::Holders::decode(&holders.encode());
-        assert_eq!(
-            again.as_ref(),
-            Some(&holders),
-            "{:?}",
-            String::from_utf8_lossy(input)
-        );
+        assert_eq!(again.as_ref(), Some(&holders), "{input:x?}");
         let _ = holders.record_for(ip, &"shop/cart".parse().unwrap());
+    }
+    // A member list likewise.
+    if let Some(list) = members::decode(input, rng.next() % 4) {
+        assert_eq!(members::decode(&members::encode(9, &list), 9), Some(list));
     }
     let _ = decode_service(input, rng.next() % 4);
 
@@ -258,7 +271,10 @@ fn fuzz(seed: u64, iters: u64) -> Result<(), Failure> {
         if rng.below(16) == 0 {
             input = (0..rng.below(256)).map(|_| rng.next() as u8).collect();
         } else if i % 8 == 0 || input.len() > 8_192 {
-            input = SEEDS[rng.below(SEEDS.len())].as_bytes().to_vec();
+            input = match rng.below(SEEDS.len() + BINARY_SEEDS.len()) {
+                n if n < SEEDS.len() => SEEDS[n].as_bytes().to_vec(),
+                n => BINARY_SEEDS[n - SEEDS.len()].to_vec(),
+            };
         }
         mutate(&mut rng, &mut input);
         let snapshot = input.clone();
@@ -353,6 +369,147 @@ fn the_packed_seeds_decode() {
         assert!(
             matches!(read, Ok(Changes::Reset(_) | Changes::Delta(_))),
             "{seed}: {read:?}"
+        );
+    }
+}
+
+/// The binary seeds are real values: the mutations start from something the
+/// readers take.
+#[test]
+fn the_binary_seeds_decode() {
+    use staleguard_engine::entry::Entry;
+    let one = "10.0.0.1".parse().unwrap();
+    let two = "fd00::2".parse().unwrap();
+    let Entry::Present(holders) = buckets::find(BINARY_SEEDS[0], &one, 3) else {
+        panic!("10.0.0.1 is in the bucket seed");
+    };
+    assert_eq!(holders.pods.len(), 2);
+    assert_eq!(
+        holders.pods[0].services,
+        [(0xefcd_ab89_6745_2301, vec![80, 443])]
+    );
+    assert!(holders.tombstone);
+    assert!(
+        matches!(buckets::find(BINARY_SEEDS[0], &two, 3), Entry::Present(h) if h.bare.len() == 1)
+    );
+    assert!(buckets::Holders::decode(BINARY_SEEDS[1]).is_some());
+    assert_eq!(
+        members::decode(BINARY_SEEDS[2], 3).map(|l| l.len()),
+        Some(3)
+    );
+}
+
+/// A random [`buckets::Holders`]: up to 3 pods of up to 3 services with up to
+/// 70 ports (past the 62 a tag holds), bare services, a tombstone.
+fn random_holders(rng: &mut Rng) -> buckets::Holders {
+    use staleguard_core::packed::PodFlags;
+    let pods = (0..rng.below(4))
+        .map(|_| {
+            let flags = rng.next();
+            buckets::Pod {
+                flags: PodFlags {
+                    ready: flags & 1 != 0,
+                    terminating: flags & 2 != 0,
+                    host_network: flags & 4 != 0,
+                },
+                services: (0..rng.below(4))
+                    .map(|_| {
+                        let ports = match rng.below(4) {
+                            0 => rng.below(71),
+                            _ => rng.below(3),
+                        };
+                        (rng.next(), (0..ports).map(|_| rng.next() as u16).collect())
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    let mut holders = buckets::Holders {
+        pods,
+        bare: (0..rng.below(3)).map(|_| rng.next()).collect(),
+        tombstone: rng.below(2) == 0,
+    };
+    if holders.pods.is_empty() && holders.bare.is_empty() {
+        holders.tombstone = true;
+    }
+    holders
+}
+
+fn random_ip(rng: &mut Rng) -> std::net::IpAddr {
+    use std::net::IpAddr;
+    match rng.below(3) {
+        0 => IpAddr::from(std::net::Ipv6Addr::from(
+            (rng.next() as u128) << 64 | u128::from(rng.next()),
+        )),
+        // Few distinct addresses, so buckets see the same IP twice.
+        1 => IpAddr::from([10, 0, 0, rng.below(8) as u8]),
+        _ => IpAddr::from(std::net::Ipv4Addr::from(rng.next() as u32)),
+    }
+}
+
+#[test]
+fn bucket_lines_and_member_lists_round_trip() {
+    use staleguard_engine::buckets::{Bucket, CompactRecord, Holders};
+    use staleguard_engine::entry::Entry;
+    use staleguard_engine::members::Member;
+    let iters: u64 = std::env::var("STALEGUARD_FUZZ_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000)
+        / 10;
+    let seed = seed();
+    println!("round trip: seed {seed} (replay with STALEGUARD_FUZZ_SEED={seed})");
+    let mut rng = Rng(seed | 1);
+    for _ in 0..iters {
+        let load = rng.next() >> rng.below(64);
+        let mut bucket = Bucket::default();
+        let mut kept: Vec<(std::net::IpAddr, Holders)> = Vec::new();
+        for _ in 0..rng.below(9) {
+            let holders = random_holders(&mut rng);
+            let ip = staleguard_core::ip::canonical(random_ip(&mut rng));
+            let line = holders.encode();
+            assert_eq!(Holders::decode(&line).as_ref(), Some(&holders));
+            bucket.put(&CompactRecord {
+                ip,
+                line: line.into_boxed_slice(),
+                fingerprint: 0,
+                tombstone: Box::default(),
+            });
+            kept.retain(|(i, _)| *i != ip);
+            kept.push((ip, holders));
+        }
+        let value = bucket.encode(load);
+        assert_eq!(Bucket::read(&value, load), bucket);
+        for (ip, holders) in &kept {
+            assert_eq!(
+                buckets::find(&value, ip, load),
+                Entry::Present(holders.clone())
+            );
+            if load < u64::MAX {
+                assert_eq!(buckets::find(&value, ip, load + 1), Entry::Absent);
+            }
+            // Cut anywhere, the value never reads as another IP's entry.
+            let cut = rng.below(value.len());
+            match buckets::find(&value[..cut], ip, load) {
+                Entry::Present(h) => assert_eq!(&h, holders),
+                Entry::Absent | Entry::Corrupt => {}
+            }
+        }
+        let mut list: Vec<Member> = (0..rng.below(20))
+            .map(|_| Member {
+                ip: random_ip(&mut rng),
+                ports: match rng.below(3) {
+                    0 => (0..=rng.below(70)).map(|_| rng.next() as u16).collect(),
+                    _ => vec![],
+                },
+            })
+            .collect();
+        if rng.below(2) == 0 {
+            list.sort();
+        }
+        assert_eq!(
+            members::decode(&members::encode(load, &list), load),
+            Some(list)
         );
     }
 }

@@ -837,32 +837,47 @@ mod tests {
 
     #[test]
     fn a_large_snapshot_is_written_in_slices_as_whole_buckets_of_its_lines() {
-        let mut snapshot = snapshot(1, 40_000);
+        // 15 bytes a line: 100,000 lines take two slices of 1 MiB.
+        let mut snapshot = snapshot(1, 100_000);
         let mut plan = Plan::new(snapshot.records.len());
         for record in &snapshot.records {
             plan.measure(record);
         }
         assert_eq!(plan.slices(), 2, "{plan:?}");
-        assert_eq!(plan.families(), (40_000, 0));
+        assert_eq!(plan.families(), (100_000, 0));
         let mut store = MemoryStore::default();
         let meta = Writer::default()
             .write_snapshot(&mut store, 1, &mut snapshot)
             .unwrap();
-        assert_eq!(meta.entries, 40_000);
-        // Each bucket is what a bucket of the same records encodes to.
-        let mut expected: BTreeMap<u32, Bucket> = BTreeMap::new();
+        assert_eq!(meta.entries, 100_000);
+        // Each bucket is its load and its IPs' lines in the answer's order,
+        // spelt out: a line is its header (10 bytes of holders, IPv4), the
+        // address, a ready pod and its one service (`shop/cart`, id
+        // computed apart) with no ports.
+        const CART: [u8; 8] = [0xb8, 0x4e, 0xf0, 0xfe, 0x47, 0x3f, 0x10, 0xfc];
+        let mut expected: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
         for record in &snapshot.records {
             let index = buckets::bucket_of(&record.ip, meta.buckets);
-            expected.entry(index).or_default().put(record);
+            let value = expected
+                .entry(index)
+                .or_insert_with(|| vec![0xb4, meta.load as u8]);
+            let IpAddr::V4(v4) = record.ip else {
+                unreachable!()
+            };
+            value.push(10 << 1);
+            value.extend(v4.octets());
+            value.extend([0x01, 0x40]);
+            value.extend(CART);
         }
-        for (index, bucket) in expected {
+        assert!(meta.load < 0x80, "a one-byte load");
+        for (index, value) in expected {
             let key = buckets::bucket_key(meta.buckets, index);
-            assert_eq!(store.get(&key).unwrap().0, Some(bucket.encode(meta.load)));
+            assert_eq!(store.get(&key).unwrap().0, Some(value));
         }
         // An IP listed twice keeps its last line.
         let mut twice = self::snapshot(2, 3);
         let mut last = twice.records[0].clone();
-        last.line = b"pt".to_vec().into_boxed_slice();
+        last.line = vec![0x02].into_boxed_slice(); // a terminating pod
         twice.records.push(last);
         let meta = Writer::default()
             .write_snapshot(&mut store, 2, &mut twice)
@@ -873,7 +888,7 @@ mod tests {
         let holders = buckets::find(&value.unwrap(), &ip, meta.load);
         assert_eq!(
             holders,
-            Entry::Present(buckets::Holders::decode(b"pt").unwrap())
+            Entry::Present(buckets::Holders::decode(&[0x02]).unwrap())
         );
     }
 
