@@ -69,7 +69,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_bench::{cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us};
+use staleguard_bench::{cpu_ns, env_usize, loadavg, median, percentile, rss_kib, swap_module};
 use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::stats::STAT_RESETS;
@@ -90,6 +90,8 @@ const LB_FILE: &str = concat!(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Variant {
     None,
+    /// A second `none` gateway: its ratio to `none` is the noise floor.
+    NoneAgain,
     WasmNoop,
     Wasm,
     NativeNoop,
@@ -103,6 +105,7 @@ impl Variant {
     fn name(self) -> &'static str {
         match self {
             Variant::None => "none",
+            Variant::NoneAgain => "none_again",
             Variant::WasmNoop => "wasm_noop",
             Variant::Wasm => "wasm",
             Variant::NativeNoop => "native_noop",
@@ -566,7 +569,7 @@ fn main() -> Result<()> {
         before: std::env::var_os("BEFORE_NATIVE").map(PathBuf::from),
         release: std::env::var("RELEASE").ok().and_then(|r| r.parse().ok()),
     };
-    let mut variants = vec![Variant::None];
+    let mut variants = vec![Variant::None, Variant::NoneAgain];
     if setup.noop.is_some() {
         variants.push(Variant::WasmNoop);
     }
@@ -593,10 +596,12 @@ fn main() -> Result<()> {
     let mut instr: BTreeMap<&str, f64> = BTreeMap::new();
     let under_valgrind = std::env::var("VALGRIND").unwrap_or_else(|_| "all".into());
     if under_valgrind != "none" && !memory_only {
-        for &v in variants
-            .iter()
-            .filter(|v| under_valgrind == "all" || under_valgrind.split(',').any(|n| n == v.name()))
-        {
+        // `none_again` counts what `none` counts (valgrind is deterministic):
+        // only when named.
+        for &v in variants.iter().filter(|v| {
+            (under_valgrind == "all" && **v != Variant::NoneAgain)
+                || under_valgrind.split(',').any(|n| n == v.name())
+        }) {
             match instructions(&setup, v, requests) {
                 Ok(i) => {
                     eprintln!("valgrind {}: {i:.0} instructions per request", v.name());
@@ -621,11 +626,11 @@ fn main() -> Result<()> {
         std::thread::sleep(Duration::from_secs(1));
         let before: Vec<u64> = running
             .iter()
-            .map(|(_, e)| cpu_ticks(e.pid()))
+            .map(|(_, e)| cpu_ns(e.pid()))
             .collect::<Result<_>>()?;
         std::thread::sleep(Duration::from_secs(seconds as u64));
         for ((v, e), t0) in running.iter().zip(before) {
-            let ms_per_s = ticks_us(cpu_ticks(e.pid())? - t0) / 1e3 / seconds as f64;
+            let ms_per_s = (cpu_ns(e.pid())? - t0) as f64 / 1e6 / seconds as f64;
             println!("idle {}: {ms_per_s:.1} ms of CPU per second", v.name());
         }
     }
@@ -640,10 +645,10 @@ fn main() -> Result<()> {
         let mut this: BTreeMap<&str, f64> = BTreeMap::new();
         for &i in &order {
             let (v, envoy) = &running[i];
-            let t0 = cpu_ticks(envoy.pid())?;
+            let t0 = cpu_ns(envoy.pid())?;
             let n = load(envoy.listener, connections, seconds)?;
-            let t1 = cpu_ticks(envoy.pid())?;
-            let us = ticks_us(t1 - t0) / n.max(1) as f64;
+            let t1 = cpu_ns(envoy.pid())?;
+            let us = (t1 - t0) as f64 / 1e3 / n.max(1) as f64;
             this.insert(v.name(), us);
             cost.entry(v.name()).or_default().push(us);
         }
@@ -698,32 +703,106 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {rounds}) | x none (median of per-round ratios) |"
+        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {rounds}) | x none (median of per-round ratios) | per-round ratios: quartiles | median ratio: 95% bootstrap interval |"
     );
-    println!("| --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
     let none_instr = instr.get("none").copied();
     for &v in &variants {
         let name = v.name();
         let i = instr.get(name).copied();
         let cpu = median(cost.get_mut(name).context("cost")?);
-        let r = median(ratio.get_mut(name).context("ratio")?);
+        let s = Spread::of(ratio.get(name).context("ratio")?);
         println!(
-            "| {name} | {} | {} | {cpu:.1} us | {r:.3}x |",
+            "| {name} | {} | {} | {cpu:.1} us | {:.3}x | {:.3} - {:.3} | {:.3} - {:.3} |",
             i.map_or("-".into(), |i| format!("{:.1}k", i / 1e3)),
             match (i, none_instr) {
                 (Some(i), Some(n)) => format!("{:.3}x", i / n),
                 _ => "-".into(),
             },
+            s.median,
+            s.q1,
+            s.q3,
+            s.low,
+            s.high,
         );
     }
+    if let Some(floor) = ratio.get("none_again").map(|r| Spread::of(r)) {
+        println!(
+            "\nnoise floor: a second `none` gateway measured {:.3}x `none` (quartiles {:.3} - {:.3}, \
+             95% interval {:.3} - {:.3}): a ratio inside that interval is no measured difference",
+            floor.median, floor.q1, floor.q3, floor.low, floor.high
+        );
+    }
+    let spread = |name: &str| ratio.get(name).map(|r| Spread::of(r));
+    let (lb, filter, floor) = (
+        spread("lb"),
+        spread("native_filter"),
+        spread("none_again"),
+    );
+    let m = |s: &Option<Spread>| s.as_ref().map_or(f64::NAN, |s| s.median);
+    let band = |s: &Option<Spread>| {
+        s.as_ref()
+            .map_or("-".into(), |s| format!("{:.3}-{:.3}", s.low, s.high))
+    };
     println!(
-        "\nMACHINE native_cost lb_instr_ratio={} native_filter_instr_ratio={} lb_cpu_ratio={:.3} native_filter_cpu_ratio={:.3} bytes_per_ip={per_ip:.1}",
+        "\nMACHINE native_cost lb_instr_ratio={} native_filter_instr_ratio={} lb_cpu_ratio={:.3} native_filter_cpu_ratio={:.3} bytes_per_ip={per_ip:.1} lb_cpu_interval={} native_filter_cpu_interval={} none_again_cpu_ratio={:.3} none_again_cpu_interval={}",
         ratio_of(&instr, "lb"),
         ratio_of(&instr, "native_filter"),
-        ratio.get_mut("lb").map_or(f64::NAN, |r| median(r)),
-        ratio.get_mut("native_filter").map_or(f64::NAN, |r| median(r)),
+        m(&lb),
+        m(&filter),
+        band(&lb),
+        band(&filter),
+        m(&floor),
+        band(&floor),
     );
     Ok(())
+}
+
+/// How per-round ratios spread: their median and quartiles, and a 95%
+/// bootstrap interval of their median (the rounds resampled with
+/// replacement, 2000 times, with a fixed seed: the same ratios give the same
+/// interval).
+#[derive(Debug, Clone, Copy)]
+struct Spread {
+    median: f64,
+    q1: f64,
+    q3: f64,
+    low: f64,
+    high: f64,
+}
+
+impl Spread {
+    fn of(ratios: &[f64]) -> Self {
+        let mut v = ratios.to_vec();
+        let (q1, middle, q3) = (
+            percentile(&mut v, 0.25),
+            median(&mut v),
+            percentile(&mut v, 0.75),
+        );
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            // xorshift64*: enough to draw indexes.
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        let mut medians: Vec<f64> = (0..2000)
+            .map(|_| {
+                let mut sample: Vec<f64> = (0..v.len())
+                    .map(|_| v[(next() % v.len() as u64) as usize])
+                    .collect();
+                median(&mut sample)
+            })
+            .collect();
+        Self {
+            median: middle,
+            q1,
+            q3,
+            low: percentile(&mut medians, 0.025),
+            high: percentile(&mut medians, 0.975),
+        }
+    }
 }
 
 fn ratio_of(instr: &BTreeMap<&str, f64>, name: &str) -> String {

@@ -74,6 +74,30 @@ pub fn cpu_ticks(pid: u32) -> Result<u64> {
     Ok(utime + stime)
 }
 
+/// Nanoseconds every live thread of `pid` has spent on a CPU (the first
+/// field of each `/proc/PID/task/TID/schedstat`, the scheduler's own
+/// account): [`cpu_ticks`] at 10 ms resolution is 0.5% of a 2-second round
+/// at full load, this is exact to the nanosecond. A thread that exits
+/// between two readings takes its time with it (Envoy's threads live as long
+/// as the process).
+pub fn cpu_ns(pid: u32) -> Result<u64> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let path = task?.path().join("schedstat");
+        // A thread may end between the listing and the read.
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let ns: u64 = text
+            .split_whitespace()
+            .next()
+            .context("schedstat")?
+            .parse()?;
+        total += ns;
+    }
+    Ok(total)
+}
+
 /// Clock ticks ([`cpu_ticks`]) in microseconds.
 pub fn ticks_us(ticks: u64) -> f64 {
     // USER_HZ is 100 on Linux for every architecture this runs on.
