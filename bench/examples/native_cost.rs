@@ -14,6 +14,8 @@
 //! `shop-cart` with two live pods of `shop/cart` (keep-alive upstreams that
 //! answer `200 ok` at once), differing only in what runs on it:
 //! - `none`: round robin, no upstream filter;
+//! - `none_again`: a second, identical `none` gateway: its ratio to `none`
+//!   is the run's noise floor (how far apart two equal gateways measure);
 //! - `wasm_noop`: `NOOP_WASM`, a proxy-wasm filter that does nothing;
 //! - `wasm`: the staleguard Wasm filter (`STALEGUARD_WASM`), shipped
 //!   configuration, `on_reject: reject`;
@@ -35,9 +37,12 @@
 //! `callgrind_control --zero` and `--dump`: every instruction of every
 //! Envoy thread, divided by the requests. CPU: `ROUNDS` (3) rounds, each
 //! measuring every gateway once for `SECONDS` (3) with `CONNECTIONS` (8)
-//! keep-alive clients, in an order rotated per round; the Envoy process's
-//! utime+stime per request, the median of the rounds, and the median of
-//! the per-round ratios to `none`. Memory: the `lb` gateway with the index
+//! keep-alive clients, in an order rotated per round; the nanoseconds every
+//! Envoy thread spent on a CPU (the scheduler's account, `schedstat`)
+//! divided by the requests answered in that window (counted, not rate x
+//! time), the median of the rounds, and the median of the per-round ratios
+//! to `none` with their quartiles and a 95% bootstrap interval of that
+//! median (many short rounds make the interval narrow). Memory: the `lb` gateway with the index
 //! loaded against the same gateway with only the two live pods indexed, per
 //! indexed IP: RSS, and what Envoy's allocator (tcmalloc, which the module's
 //! `malloc` goes to as well) says on the admin `/memory` page: bytes in use,
@@ -734,11 +739,7 @@ fn main() -> Result<()> {
         );
     }
     let spread = |name: &str| ratio.get(name).map(|r| Spread::of(r));
-    let (lb, filter, floor) = (
-        spread("lb"),
-        spread("native_filter"),
-        spread("none_again"),
-    );
+    let (lb, filter, floor) = (spread("lb"), spread("native_filter"), spread("none_again"));
     let m = |s: &Option<Spread>| s.as_ref().map_or(f64::NAN, |s| s.median);
     let band = |s: &Option<Spread>| {
         s.as_ref()
