@@ -234,17 +234,13 @@ impl<'a> EnvoyHost<'a> {
     }
 }
 
-/// `bytes` as text. Addresses and cluster names are ASCII: checking that
-/// reads 8 bytes at a time, where UTF-8 validation (`from_utf8`, 290
-/// instructions a request for the two texts) and the lossy conversion (510)
-/// walk them byte by byte; anything else is converted lossily.
+/// `bytes` as an owned text ([`super::text`]), invalid UTF-8 converted
+/// lossily.
 fn text_of(bytes: &[u8]) -> String {
-    if bytes.is_ascii() {
-        // SAFETY: ASCII is valid UTF-8.
-        unsafe { std::str::from_utf8_unchecked(bytes) }.to_owned()
-    } else {
-        String::from_utf8_lossy(bytes).into_owned()
-    }
+    super::text(bytes).map_or_else(
+        || String::from_utf8_lossy(bytes).into_owned(),
+        str::to_owned,
+    )
 }
 
 impl SharedData for EnvoyHost<'_> {
