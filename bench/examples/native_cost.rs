@@ -37,12 +37,14 @@
 //! `callgrind_control --zero` and `--dump`: every instruction of every
 //! Envoy thread, divided by the requests. CPU: `ROUNDS` (3) rounds, each
 //! measuring every gateway once for `SECONDS` (3) with `CONNECTIONS` (8)
-//! keep-alive clients, in an order rotated per round; the nanoseconds every
-//! Envoy thread spent on a CPU (the scheduler's account, `schedstat`)
-//! divided by the requests answered in that window (counted, not rate x
-//! time), the median of the rounds, and the median of the per-round ratios
-//! to `none` with their quartiles and a 95% bootstrap interval of that
-//! median (many short rounds make the interval narrow). Memory: the `lb` gateway with the index
+//! keep-alive clients, in an order rotated per round, with `none` measured
+//! again after each of them; the nanoseconds every Envoy thread spent on a
+//! CPU (the scheduler's account, `schedstat`) divided by the requests
+//! answered in that window (counted, not rate x time); each gateway's ratio
+//! to the mean of the two `none` measures beside it (a load drifting during
+//! the round cancels); the median of the rounds' CPU, and the median of the
+//! per-round ratios with their quartiles and a 95% bootstrap interval of
+//! that median (many short rounds make it narrow). Memory: the `lb` gateway with the index
 //! loaded against the same gateway with only the two live pods indexed, per
 //! indexed IP: RSS, and what Envoy's allocator (tcmalloc, which the module's
 //! `malloc` goes to as well) says on the admin `/memory` page: bytes in use,
@@ -54,9 +56,10 @@
 //! `VARIANTS` (all) names the gateways to run besides `none`
 //! (`native_noop,native_filter`), for a short paired run; the idle CPU of
 //! each gateway (no request for `SECONDS`) is printed first.
-//! `BEFORE_NATIVE=<.so>` adds `native_filter_before`, the native filter
-//! with that build of the module (the module of another commit), paired in
-//! the same run.
+//! `BEFORE_NATIVE=<.so>` adds `native_filter_before` and `lb_before`, the
+//! native filter and the LB policy with that build of the module (the
+//! module of another commit; a directory of its own, as Envoy loads
+//! `libstaleguard_native.so` by name), paired in the same run.
 //! Every gateway runs with `deploy/native/envoy-lb.yaml`'s
 //! `memory_allocator_manager` (Envoy gives free memory back every second);
 //! `RELEASE=<bytes>` replaces its `bytes_to_release`, `RELEASE=0` leaves it
@@ -104,6 +107,8 @@ enum Variant {
     /// `native_filter` with the module of `BEFORE_NATIVE` (another build).
     NativeFilterBefore,
     Lb,
+    /// `lb` with the module of `BEFORE_NATIVE`.
+    LbBefore,
 }
 
 impl Variant {
@@ -117,6 +122,7 @@ impl Variant {
             Variant::NativeFilter => "native_filter",
             Variant::NativeFilterBefore => "native_filter_before",
             Variant::Lb => "lb",
+            Variant::LbBefore => "lb_before",
         }
     }
 }
@@ -184,7 +190,7 @@ fn bootstrap(
     let (poller, policy, release) = shipped_lb()?;
     if matches!(
         variant,
-        Variant::NativeFilter | Variant::NativeFilterBefore | Variant::Lb
+        Variant::NativeFilter | Variant::NativeFilterBefore | Variant::Lb | Variant::LbBefore
     ) {
         doc["bootstrap_extensions"] = poller;
     }
@@ -212,11 +218,11 @@ fn bootstrap(
         Variant::NativeFilter | Variant::NativeFilterBefore => {
             c["typed_extension_protocol_options"] = native::upstream_filter_options(&plugin)
         }
-        Variant::Lb => c["load_balancing_policy"] = policy,
+        Variant::Lb | Variant::LbBefore => c["load_balancing_policy"] = policy,
         _ => {}
     }
     let module = match (variant, &setup.before) {
-        (Variant::NativeFilterBefore, Some(before)) => before,
+        (Variant::NativeFilterBefore | Variant::LbBefore, Some(before)) => before,
         _ => &setup.module,
     };
     Ok((doc, vec![native::search_path(module)]))
@@ -244,7 +250,7 @@ fn start(
         Variant::Wasm => running.eventually("the Wasm filter's index", slow, |e| {
             Ok(e.stat("wasmcustom.staleguard_filter_index_entries")? >= pods)
         })?,
-        Variant::Lb => running.eventually("the module's index", slow, |e| {
+        Variant::Lb | Variant::LbBefore => running.eventually("the module's index", slow, |e| {
             let before = e.stat(UNCHECKED)?;
             one_request(e.listener)?;
             Ok(e.stat(UNCHECKED)? == before)
@@ -423,6 +429,15 @@ fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64>
     Ok(done.load(Ordering::Relaxed))
 }
 
+/// `connections` keep-alive clients on `envoy` for `seconds`: the
+/// microseconds of CPU (every Envoy thread) per request answered.
+fn cpu_per_request(envoy: &Envoy, connections: usize, seconds: usize) -> Result<f64> {
+    let t0 = cpu_ns(envoy.pid())?;
+    let n = load(envoy.listener, connections, seconds)?;
+    let t1 = cpu_ns(envoy.pid())?;
+    Ok(t1.saturating_sub(t0) as f64 / 1e3 / n.max(1) as f64)
+}
+
 /// What a gateway's memory is made of, in bytes: the process's RSS and
 /// the allocator's own account (Envoy's admin `/memory`).
 #[derive(Debug, Clone, Copy)]
@@ -585,7 +600,7 @@ fn main() -> Result<()> {
         Variant::Lb,
     ]);
     if setup.before.is_some() {
-        variants.push(Variant::NativeFilterBefore);
+        variants.extend([Variant::NativeFilterBefore, Variant::LbBefore]);
     }
     if let Ok(only) = std::env::var("VARIANTS") {
         // `none` stays: every ratio is to it.
@@ -641,26 +656,35 @@ fn main() -> Result<()> {
     }
     let mut cost: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut ratio: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    let mut order: Vec<usize> = (0..running.len()).collect();
+    // `none` brackets every other gateway: none, a, none, b, none, ... and
+    // each ratio is to the mean of the two `none` measures beside it, so a
+    // load that drifts during the round cancels out.
+    let none_at = running
+        .iter()
+        .position(|(v, _)| *v == Variant::None)
+        .context("no none gateway")?;
+    let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
     let cpu_rounds = if memory_only { 0 } else { rounds };
     for round in 0..cpu_rounds {
         if round > 0 {
             order.rotate_left(1);
         }
-        let mut this: BTreeMap<&str, f64> = BTreeMap::new();
+        let none = &running[none_at].1;
+        let mut before = cpu_per_request(none, connections, seconds)?;
+        cost.entry("none").or_default().push(before);
         for &i in &order {
             let (v, envoy) = &running[i];
-            let t0 = cpu_ns(envoy.pid())?;
-            let n = load(envoy.listener, connections, seconds)?;
-            let t1 = cpu_ns(envoy.pid())?;
-            let us = (t1 - t0) as f64 / 1e3 / n.max(1) as f64;
-            this.insert(v.name(), us);
+            let us = cpu_per_request(envoy, connections, seconds)?;
+            let after = cpu_per_request(none, connections, seconds)?;
             cost.entry(v.name()).or_default().push(us);
+            cost.entry("none").or_default().push(after);
+            ratio
+                .entry(v.name())
+                .or_default()
+                .push(us / ((before + after) / 2.0));
+            before = after;
         }
-        let none = this["none"];
-        for (name, us) in &this {
-            ratio.entry(name).or_default().push(us / none);
-        }
+        ratio.entry("none").or_default().push(1.0);
         eprintln!("round {}/{rounds} done", round + 1);
     }
 
