@@ -315,6 +315,33 @@ mod tests {
     }
 
     #[test]
+    fn cpu_ns_counts_the_nanoseconds_a_process_spent_on_a_cpu() {
+        let pid = std::process::id();
+        let before = cpu_ns(pid).unwrap();
+        let start = std::time::Instant::now();
+        // Spin until 10 ms of CPU are counted (a loaded machine may take
+        // longer than 10 ms of wall time to give them).
+        let mut spent = 0;
+        let mut x = 0u64;
+        while spent < 10_000_000 && start.elapsed() < Duration::from_secs(10) {
+            for _ in 0..10_000 {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+            spent = cpu_ns(pid).unwrap() - before;
+        }
+        let wall = start.elapsed().as_nanos() as u64;
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+        assert!(
+            spent >= 10_000_000,
+            "10 s of spinning counted as {spent} ns"
+        );
+        assert!(
+            spent <= (wall + 20_000_000) * cpus,
+            "{spent} ns of CPU in {wall} ns of wall time: not nanoseconds"
+        );
+    }
+
+    #[test]
     fn median_is_the_middle_or_the_upper_middle() {
         assert_eq!(median(&mut [3u64, 1, 2]), 2);
         assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 3.0);
