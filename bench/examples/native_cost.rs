@@ -14,6 +14,8 @@
 //! `shop-cart` with two live pods of `shop/cart` (keep-alive upstreams that
 //! answer `200 ok` at once), differing only in what runs on it:
 //! - `none`: round robin, no upstream filter;
+//! - `none_again`: a second, identical `none` gateway: its ratio to `none`
+//!   is the run's noise floor (how far apart two equal gateways measure);
 //! - `wasm_noop`: `NOOP_WASM`, a proxy-wasm filter that does nothing;
 //! - `wasm`: the staleguard Wasm filter (`STALEGUARD_WASM`), shipped
 //!   configuration, `on_reject: reject`;
@@ -35,9 +37,14 @@
 //! `callgrind_control --zero` and `--dump`: every instruction of every
 //! Envoy thread, divided by the requests. CPU: `ROUNDS` (3) rounds, each
 //! measuring every gateway once for `SECONDS` (3) with `CONNECTIONS` (8)
-//! keep-alive clients, in an order rotated per round; the Envoy process's
-//! utime+stime per request, the median of the rounds, and the median of
-//! the per-round ratios to `none`. Memory: the `lb` gateway with the index
+//! keep-alive clients, in an order rotated per round, with `none` measured
+//! again after each of them; the nanoseconds every Envoy thread spent on a
+//! CPU (the scheduler's account, `schedstat`) divided by the requests
+//! answered in that window (counted, not rate x time); each gateway's ratio
+//! to the mean of the two `none` measures beside it (a load drifting during
+//! the round cancels); the median of the rounds' CPU, and the median of the
+//! per-round ratios with their quartiles and a 95% bootstrap interval of
+//! that median (many short rounds make it narrow). Memory: the `lb` gateway with the index
 //! loaded against the same gateway with only the two live pods indexed, per
 //! indexed IP: RSS, and what Envoy's allocator (tcmalloc, which the module's
 //! `malloc` goes to as well) says on the admin `/memory` page: bytes in use,
@@ -48,10 +55,13 @@
 //! count. `ONLY=memory` measures the memory alone (no valgrind, no CPU).
 //! `VARIANTS` (all) names the gateways to run besides `none`
 //! (`native_noop,native_filter`), for a short paired run; the idle CPU of
-//! each gateway (no request for `SECONDS`) is printed first.
-//! `BEFORE_NATIVE=<.so>` adds `native_filter_before`, the native filter
-//! with that build of the module (the module of another commit), paired in
-//! the same run.
+//! each gateway (no request for a second) is printed first, once none
+//! burns more than 10 ms a second above `none` or `SETTLE` (60) seconds
+//! passed.
+//! `BEFORE_NATIVE=<.so>` adds `native_filter_before` and `lb_before`, the
+//! native filter and the LB policy with that build of the module (the
+//! module of another commit; a directory of its own, as Envoy loads
+//! `libstaleguard_native.so` by name), paired in the same run.
 //! Every gateway runs with `deploy/native/envoy-lb.yaml`'s
 //! `memory_allocator_manager` (Envoy gives free memory back every second);
 //! `RELEASE=<bytes>` replaces its `bytes_to_release`, `RELEASE=0` leaves it
@@ -69,7 +79,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use staleguard_bench::{cpu_ticks, env_usize, loadavg, median, rss_kib, swap_module, ticks_us};
+use staleguard_bench::{cpu_ns, env_usize, loadavg, median, percentile, rss_kib, swap_module};
 use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::blocking::{Answer, Server};
 use staleguard_tests::envoy::stats::STAT_RESETS;
@@ -90,6 +100,8 @@ const LB_FILE: &str = concat!(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Variant {
     None,
+    /// A second `none` gateway: its ratio to `none` is the noise floor.
+    NoneAgain,
     WasmNoop,
     Wasm,
     NativeNoop,
@@ -97,18 +109,22 @@ enum Variant {
     /// `native_filter` with the module of `BEFORE_NATIVE` (another build).
     NativeFilterBefore,
     Lb,
+    /// `lb` with the module of `BEFORE_NATIVE`.
+    LbBefore,
 }
 
 impl Variant {
     fn name(self) -> &'static str {
         match self {
             Variant::None => "none",
+            Variant::NoneAgain => "none_again",
             Variant::WasmNoop => "wasm_noop",
             Variant::Wasm => "wasm",
             Variant::NativeNoop => "native_noop",
             Variant::NativeFilter => "native_filter",
             Variant::NativeFilterBefore => "native_filter_before",
             Variant::Lb => "lb",
+            Variant::LbBefore => "lb_before",
         }
     }
 }
@@ -176,7 +192,7 @@ fn bootstrap(
     let (poller, policy, release) = shipped_lb()?;
     if matches!(
         variant,
-        Variant::NativeFilter | Variant::NativeFilterBefore | Variant::Lb
+        Variant::NativeFilter | Variant::NativeFilterBefore | Variant::Lb | Variant::LbBefore
     ) {
         doc["bootstrap_extensions"] = poller;
     }
@@ -204,11 +220,11 @@ fn bootstrap(
         Variant::NativeFilter | Variant::NativeFilterBefore => {
             c["typed_extension_protocol_options"] = native::upstream_filter_options(&plugin)
         }
-        Variant::Lb => c["load_balancing_policy"] = policy,
+        Variant::Lb | Variant::LbBefore => c["load_balancing_policy"] = policy,
         _ => {}
     }
     let module = match (variant, &setup.before) {
-        (Variant::NativeFilterBefore, Some(before)) => before,
+        (Variant::NativeFilterBefore | Variant::LbBefore, Some(before)) => before,
         _ => &setup.module,
     };
     Ok((doc, vec![native::search_path(module)]))
@@ -236,7 +252,7 @@ fn start(
         Variant::Wasm => running.eventually("the Wasm filter's index", slow, |e| {
             Ok(e.stat("wasmcustom.staleguard_filter_index_entries")? >= pods)
         })?,
-        Variant::Lb => running.eventually("the module's index", slow, |e| {
+        Variant::Lb | Variant::LbBefore => running.eventually("the module's index", slow, |e| {
             let before = e.stat(UNCHECKED)?;
             one_request(e.listener)?;
             Ok(e.stat(UNCHECKED)? == before)
@@ -415,6 +431,15 @@ fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64>
     Ok(done.load(Ordering::Relaxed))
 }
 
+/// `connections` keep-alive clients on `envoy` for `seconds`: the
+/// microseconds of CPU (every Envoy thread) per request answered.
+fn cpu_per_request(envoy: &Envoy, connections: usize, seconds: usize) -> Result<f64> {
+    let t0 = cpu_ns(envoy.pid())?;
+    let n = load(envoy.listener, connections, seconds)?;
+    let t1 = cpu_ns(envoy.pid())?;
+    Ok(t1.saturating_sub(t0) as f64 / 1e3 / n.max(1) as f64)
+}
+
 /// What a gateway's memory is made of, in bytes: the process's RSS and
 /// the allocator's own account (Envoy's admin `/memory`).
 #[derive(Debug, Clone, Copy)]
@@ -566,7 +591,7 @@ fn main() -> Result<()> {
         before: std::env::var_os("BEFORE_NATIVE").map(PathBuf::from),
         release: std::env::var("RELEASE").ok().and_then(|r| r.parse().ok()),
     };
-    let mut variants = vec![Variant::None];
+    let mut variants = vec![Variant::None, Variant::NoneAgain];
     if setup.noop.is_some() {
         variants.push(Variant::WasmNoop);
     }
@@ -577,7 +602,7 @@ fn main() -> Result<()> {
         Variant::Lb,
     ]);
     if setup.before.is_some() {
-        variants.push(Variant::NativeFilterBefore);
+        variants.extend([Variant::NativeFilterBefore, Variant::LbBefore]);
     }
     if let Ok(only) = std::env::var("VARIANTS") {
         // `none` stays: every ratio is to it.
@@ -593,10 +618,12 @@ fn main() -> Result<()> {
     let mut instr: BTreeMap<&str, f64> = BTreeMap::new();
     let under_valgrind = std::env::var("VALGRIND").unwrap_or_else(|_| "all".into());
     if under_valgrind != "none" && !memory_only {
-        for &v in variants
-            .iter()
-            .filter(|v| under_valgrind == "all" || under_valgrind.split(',').any(|n| n == v.name()))
-        {
+        // `none_again` counts what `none` counts (valgrind is deterministic):
+        // only when named.
+        for &v in variants.iter().filter(|v| {
+            (under_valgrind == "all" && **v != Variant::NoneAgain)
+                || under_valgrind.split(',').any(|n| n == v.name())
+        }) {
             match instructions(&setup, v, requests) {
                 Ok(i) => {
                     eprintln!("valgrind {}: {i:.0} instructions per request", v.name());
@@ -616,41 +643,74 @@ fn main() -> Result<()> {
         running.push((v, start(&setup, v, &setup.envoy, &setup.validator)?));
     }
     // What each gateway burns with no request (its timers, pollers, threads):
-    // it is counted in the CPU per request below.
+    // it is counted in the CPU per request below. A gateway that just synced
+    // the index keeps working for seconds after it answers (the allocator
+    // gives the sync's peak back, `memory_allocator_manager`): the rounds
+    // wait, up to `SETTLE` (60) seconds, until no gateway burns more than
+    // 10 ms of CPU a second above `none` (itself at 1 to 12 ms, mostly
+    // tcmalloc's release thread), else that work lands in the first rounds
+    // of the gateways with the index.
     if !memory_only {
-        std::thread::sleep(Duration::from_secs(1));
-        let before: Vec<u64> = running
-            .iter()
-            .map(|(_, e)| cpu_ticks(e.pid()))
-            .collect::<Result<_>>()?;
-        std::thread::sleep(Duration::from_secs(seconds as u64));
-        for ((v, e), t0) in running.iter().zip(before) {
-            let ms_per_s = ticks_us(cpu_ticks(e.pid())? - t0) / 1e3 / seconds as f64;
-            println!("idle {}: {ms_per_s:.1} ms of CPU per second", v.name());
+        let settle = env_usize("SETTLE", 60);
+        let started = Instant::now();
+        let idle = loop {
+            let before: Vec<u64> = running
+                .iter()
+                .map(|(_, e)| cpu_ns(e.pid()))
+                .collect::<Result<_>>()?;
+            std::thread::sleep(Duration::from_secs(1));
+            let idle: Vec<f64> = running
+                .iter()
+                .zip(before)
+                .map(|((_, e), t0)| Ok(cpu_ns(e.pid())?.saturating_sub(t0) as f64 / 1e6))
+                .collect::<Result<_>>()?;
+            // `none` is the first gateway.
+            let floor = idle.first().copied().unwrap_or(0.0);
+            if idle.iter().all(|ms| *ms < floor + 10.0)
+                || started.elapsed().as_secs() >= settle as u64
+            {
+                break idle;
+            }
+        };
+        for ((v, _), ms_per_s) in running.iter().zip(idle) {
+            println!(
+                "idle {}: {ms_per_s:.1} ms of CPU per second (after {} s)",
+                v.name(),
+                started.elapsed().as_secs()
+            );
         }
     }
     let mut cost: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut ratio: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    let mut order: Vec<usize> = (0..running.len()).collect();
+    // `none` brackets every other gateway: none, a, none, b, none, ... and
+    // each ratio is to the mean of the two `none` measures beside it, so a
+    // load that drifts during the round cancels out.
+    let none_at = running
+        .iter()
+        .position(|(v, _)| *v == Variant::None)
+        .context("no none gateway")?;
+    let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
     let cpu_rounds = if memory_only { 0 } else { rounds };
     for round in 0..cpu_rounds {
         if round > 0 {
             order.rotate_left(1);
         }
-        let mut this: BTreeMap<&str, f64> = BTreeMap::new();
+        let none = &running[none_at].1;
+        let mut before = cpu_per_request(none, connections, seconds)?;
+        cost.entry("none").or_default().push(before);
         for &i in &order {
             let (v, envoy) = &running[i];
-            let t0 = cpu_ticks(envoy.pid())?;
-            let n = load(envoy.listener, connections, seconds)?;
-            let t1 = cpu_ticks(envoy.pid())?;
-            let us = ticks_us(t1 - t0) / n.max(1) as f64;
-            this.insert(v.name(), us);
+            let us = cpu_per_request(envoy, connections, seconds)?;
+            let after = cpu_per_request(none, connections, seconds)?;
             cost.entry(v.name()).or_default().push(us);
+            cost.entry("none").or_default().push(after);
+            ratio
+                .entry(v.name())
+                .or_default()
+                .push(us / ((before + after) / 2.0));
+            before = after;
         }
-        let none = this["none"];
-        for (name, us) in &this {
-            ratio.entry(name).or_default().push(us / none);
-        }
+        ratio.entry("none").or_default().push(1.0);
         eprintln!("round {}/{rounds} done", round + 1);
     }
 
@@ -698,32 +758,102 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {rounds}) | x none (median of per-round ratios) |"
+        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {rounds}) | x none (median of per-round ratios) | per-round ratios: quartiles | median ratio: 95% bootstrap interval |"
     );
-    println!("| --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
     let none_instr = instr.get("none").copied();
     for &v in &variants {
         let name = v.name();
         let i = instr.get(name).copied();
         let cpu = median(cost.get_mut(name).context("cost")?);
-        let r = median(ratio.get_mut(name).context("ratio")?);
+        let s = Spread::of(ratio.get(name).context("ratio")?);
         println!(
-            "| {name} | {} | {} | {cpu:.1} us | {r:.3}x |",
+            "| {name} | {} | {} | {cpu:.1} us | {:.3}x | {:.3} - {:.3} | {:.3} - {:.3} |",
             i.map_or("-".into(), |i| format!("{:.1}k", i / 1e3)),
             match (i, none_instr) {
                 (Some(i), Some(n)) => format!("{:.3}x", i / n),
                 _ => "-".into(),
             },
+            s.median,
+            s.q1,
+            s.q3,
+            s.low,
+            s.high,
         );
     }
+    if let Some(floor) = ratio.get("none_again").map(|r| Spread::of(r)) {
+        println!(
+            "\nnoise floor: a second `none` gateway measured {:.3}x `none` (quartiles {:.3} - {:.3}, \
+             95% interval {:.3} - {:.3}): a ratio inside that interval is no measured difference",
+            floor.median, floor.q1, floor.q3, floor.low, floor.high
+        );
+    }
+    let spread = |name: &str| ratio.get(name).map(|r| Spread::of(r));
+    let (lb, filter, floor) = (spread("lb"), spread("native_filter"), spread("none_again"));
+    let m = |s: &Option<Spread>| s.as_ref().map_or(f64::NAN, |s| s.median);
+    let band = |s: &Option<Spread>| {
+        s.as_ref()
+            .map_or("-".into(), |s| format!("{:.3}-{:.3}", s.low, s.high))
+    };
     println!(
-        "\nMACHINE native_cost lb_instr_ratio={} native_filter_instr_ratio={} lb_cpu_ratio={:.3} native_filter_cpu_ratio={:.3} bytes_per_ip={per_ip:.1}",
+        "\nMACHINE native_cost lb_instr_ratio={} native_filter_instr_ratio={} lb_cpu_ratio={:.3} native_filter_cpu_ratio={:.3} bytes_per_ip={per_ip:.1} lb_cpu_interval={} native_filter_cpu_interval={} none_again_cpu_ratio={:.3} none_again_cpu_interval={}",
         ratio_of(&instr, "lb"),
         ratio_of(&instr, "native_filter"),
-        ratio.get_mut("lb").map_or(f64::NAN, |r| median(r)),
-        ratio.get_mut("native_filter").map_or(f64::NAN, |r| median(r)),
+        m(&lb),
+        m(&filter),
+        band(&lb),
+        band(&filter),
+        m(&floor),
+        band(&floor),
     );
     Ok(())
+}
+
+/// How per-round ratios spread: their median and quartiles, and a 95%
+/// bootstrap interval of their median (the rounds resampled with
+/// replacement, 2000 times, with a fixed seed: the same ratios give the same
+/// interval).
+#[derive(Debug, Clone, Copy)]
+struct Spread {
+    median: f64,
+    q1: f64,
+    q3: f64,
+    low: f64,
+    high: f64,
+}
+
+impl Spread {
+    fn of(ratios: &[f64]) -> Self {
+        let mut v = ratios.to_vec();
+        let (q1, middle, q3) = (
+            percentile(&mut v, 0.25),
+            median(&mut v),
+            percentile(&mut v, 0.75),
+        );
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            // xorshift64*: enough to draw indexes.
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        let mut medians: Vec<f64> = (0..2000)
+            .map(|_| {
+                let mut sample: Vec<f64> = (0..v.len())
+                    .map(|_| v[(next() % v.len() as u64) as usize])
+                    .collect();
+                median(&mut sample)
+            })
+            .collect();
+        Self {
+            median: middle,
+            q1,
+            q3,
+            low: percentile(&mut medians, 0.025),
+            high: percentile(&mut medians, 0.975),
+        }
+    }
 }
 
 fn ratio_of(instr: &BTreeMap<&str, f64>, name: &str) -> String {

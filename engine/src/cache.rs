@@ -51,10 +51,10 @@ type Stamp = (Meta, u32);
 #[derive(Debug)]
 pub struct Cache {
     limit: usize,
-    clusters: HashMap<String, Option<ServiceKey>>,
+    clusters: FastMap<String, Option<ServiceKey>>,
     stamp: Option<Stamp>,
-    services: HashMap<ServiceKey, bool>,
-    records: HashMap<IpAddr, Option<IpRecord>>,
+    services: FastMap<ServiceKey, bool>,
+    records: FastMap<IpAddr, Option<IpRecord>>,
 }
 
 impl Default for Cache {
@@ -63,8 +63,13 @@ impl Default for Cache {
     }
 }
 
+/// A map read on every request: foldhash, seeded per map, instead of
+/// SipHash. Its keys (cluster names, services, upstream IPs) come from the
+/// control plane, not from clients, and every map is bounded.
+pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// Inserts, clearing the map first when it is full.
-fn bounded_insert<K: Hash + Eq, V>(map: &mut HashMap<K, V>, limit: usize, key: K, value: V) {
+fn bounded_insert<K: Hash + Eq, V>(map: &mut FastMap<K, V>, limit: usize, key: K, value: V) {
     if map.len() >= limit {
         map.clear();
     }
@@ -76,10 +81,10 @@ impl Cache {
     pub fn with_limit(limit: usize) -> Self {
         Self {
             limit: limit.max(1),
-            clusters: HashMap::new(),
+            clusters: FastMap::default(),
             stamp: None,
-            services: HashMap::new(),
-            records: HashMap::new(),
+            services: FastMap::default(),
+            records: FastMap::default(),
         }
     }
 

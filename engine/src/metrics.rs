@@ -11,10 +11,9 @@
 //! `staleguard_error_kind`. The `staleguard_filter_` prefix keeps every filter
 //! series apart from the validator's `staleguard_validator_` series.
 
-use std::collections::HashMap;
-
 use staleguard_core::{Reason, ServiceKey};
 
+use crate::cache::FastMap;
 use crate::host::{Host, MetricKind};
 use crate::judgement::Effect;
 use crate::replay::ReplayOutcome;
@@ -107,7 +106,7 @@ pub struct LabelId(u16);
 /// counter is flushed.
 #[derive(Debug)]
 pub struct ServiceLabels {
-    ids: HashMap<ServiceKey, LabelId>,
+    ids: FastMap<ServiceKey, LabelId>,
     /// Label values by id; id 0 is [`OTHER_SERVICE`].
     names: Vec<String>,
 }
@@ -115,7 +114,7 @@ pub struct ServiceLabels {
 impl Default for ServiceLabels {
     fn default() -> Self {
         Self {
-            ids: HashMap::new(),
+            ids: FastMap::default(),
             names: vec![OTHER_SERVICE.to_owned()],
         }
     }
@@ -210,7 +209,7 @@ pub const FLUSH_EVERY: u64 = 10_000;
 /// timer tick (and after [`FLUSH_EVERY`] counts, and when the root is done).
 #[derive(Debug, Default)]
 pub struct Tally {
-    counts: HashMap<Count, u64>,
+    counts: FastMap<Count, u64>,
     pending: u64,
 }
 
@@ -292,11 +291,11 @@ pub fn sync_errors(kind: &str) -> String {
 /// and the per-request counts not yet added to the host's counters.
 #[derive(Debug, Default)]
 pub struct VmMetrics {
-    ids: HashMap<String, Option<u32>>,
+    ids: FastMap<String, Option<u32>>,
     /// The service labels of this VM.
     pub services: ServiceLabels,
     tally: Tally,
-    count_ids: HashMap<Count, Option<u32>>,
+    count_ids: FastMap<Count, Option<u32>>,
 }
 
 impl VmMetrics {
@@ -352,6 +351,7 @@ impl VmMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     #[test]
     fn names_are_dotted_and_bounded() {

@@ -87,7 +87,9 @@ pub const REUSE: Duration = Duration::from_millis(250);
 /// when the index was written since they were judged.
 #[derive(Debug, Default)]
 pub struct Recent {
-    by_address: HashMap<String, (Standing, Instant)>,
+    /// foldhash, not SipHash: a third of a pick's instructions went to
+    /// hashing the address; the keys are Envoy's hosts, not clients' input.
+    by_address: HashMap<String, (Standing, Instant), foldhash::fast::RandomState>,
     /// The index's write count ([`crate::index::writes`]) the standings
     /// were judged under.
     writes: u64,

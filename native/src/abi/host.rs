@@ -230,8 +230,17 @@ impl<'a> EnvoyHost<'a> {
         // SAFETY: Envoy filled `out` (or left it empty) for the duration of
         // this hook.
         let bytes = unsafe { out.as_bytes() };
-        (found && !bytes.is_empty()).then(|| String::from_utf8_lossy(bytes).into_owned())
+        (found && !bytes.is_empty()).then(|| text_of(bytes))
     }
+}
+
+/// `bytes` as an owned text ([`super::text`]), invalid UTF-8 converted
+/// lossily.
+fn text_of(bytes: &[u8]) -> String {
+    super::text(bytes).map_or_else(
+        || String::from_utf8_lossy(bytes).into_owned(),
+        str::to_owned,
+    )
 }
 
 impl SharedData for EnvoyHost<'_> {
@@ -532,5 +541,21 @@ pub(super) unsafe fn received_answer(
             }
             Body(Arc::new(body))
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_text_from_envoy_is_copied_as_it_is_and_invalid_bytes_lossily() {
+        assert_eq!(text_of(b"10.0.0.1:8080"), "10.0.0.1:8080");
+        assert_eq!(
+            text_of(b"outbound|8080||cart.shop.svc.cluster.local"),
+            "outbound|8080||cart.shop.svc.cluster.local"
+        );
+        assert_eq!(text_of("caf\u{e9}".as_bytes()), "caf\u{e9}");
+        assert_eq!(text_of(b"a\xffb"), "a\u{fffd}b");
     }
 }

@@ -130,7 +130,7 @@ impl Hosts for EnvoyHosts {
             return None;
         }
         // SAFETY: Envoy's buffer, valid for the pick (see above).
-        std::str::from_utf8(unsafe { out.as_bytes() }).ok()
+        super::text(unsafe { out.as_bytes() })
     }
 }
 
