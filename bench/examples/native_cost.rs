@@ -685,12 +685,17 @@ fn main() -> Result<()> {
     // `none` brackets every other gateway: none, a, none, b, none, ... and
     // each ratio is to the mean of the two `none` measures beside it, so a
     // load that drifts during the round cancels out.
-    let none_at = running
-        .iter()
-        .position(|(v, _)| *v == Variant::None)
-        .context("no none gateway")?;
-    let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
+    // `ONLY=memory` runs the `lb` gateway alone: no rounds, no `none`.
     let cpu_rounds = if memory_only { 0 } else { rounds };
+    let none_at = if memory_only {
+        0
+    } else {
+        running
+            .iter()
+            .position(|(v, _)| *v == Variant::None)
+            .context("no none gateway")?
+    };
+    let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
     for round in 0..cpu_rounds {
         if round > 0 {
             order.rotate_left(1);
