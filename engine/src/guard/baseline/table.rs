@@ -1,9 +1,9 @@
 //! A dense hash table of small fixed-size keys, for the baseline's one entry
 //! per IP: open addressing with linear probing, up to 7/8 full, with as many
 //! slots as the entries need (not a power of two: a key's home slot is its
-//! hash scaled to the slot count), which IPs occupy and an occupancy bitmap,
-//! and deletion by backward shift (no tombstones). An IPv4 entry of the
-//! baseline takes 16 bytes a slot, 18.3 a key when full.
+//! hash scaled to the slot count), an occupancy bitmap, and deletion by
+//! backward shift (no tombstones). With the baseline's facts an IPv4 entry
+//! takes a 16-byte slot: 18.4 bytes an IP when full, the bitmap included.
 //!
 //! The hash is a fixed mixer, not a keyed one: the keys are pod IPs the
 //! cluster hands out, not chosen by a client.
