@@ -3,16 +3,20 @@
 //! the tallies the guard's thresholds read.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr};
 
 use staleguard_core::Policy;
 
 use super::judged::Judged;
 use crate::buckets::{CompactRecord, Holders};
 
+mod table;
+
+use table::Table;
+
 /// One IP as the guard remembers it: 12 bytes, 16 with an IPv4 key (the
 /// baseline has one per IP of the index).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(super) struct IpFacts {
     /// The set of services the IP is allowed for ([`Sets`]; 0: none) in the
     /// low 31 bits, and in the top bit the parity of the last reset that
@@ -140,24 +144,36 @@ impl Sets {
 }
 
 /// IPs to `V`, an IPv4 address keyed by its 4 bytes and an IPv6 one by its
-/// 16: an `IpAddr` key takes 17 bytes and 24 with the facts' alignment, and
-/// the baseline holds one entry per IP of the index (most of them IPv4).
+/// 16, each family in a dense [`Table`]: the baseline holds one entry per IP
+/// of the index (most of them IPv4), 16 bytes a slot with the facts.
 #[derive(Debug, Clone)]
 pub(super) struct IpTable<V> {
-    pub(super) v4: HashMap<u32, V>,
-    pub(super) v6: HashMap<u128, V>,
+    pub(super) v4: Table<u32, V>,
+    pub(super) v6: Table<[u32; 4], V>,
 }
 
 impl<V> Default for IpTable<V> {
     fn default() -> Self {
         Self {
-            v4: HashMap::new(),
-            v6: HashMap::new(),
+            v4: Table::default(),
+            v6: Table::default(),
         }
     }
 }
 
-impl<V> IpTable<V> {
+/// An IPv6 address as the table's key: its four words, most significant
+/// first.
+fn v6_key(ip: Ipv6Addr) -> [u32; 4] {
+    let ip = u128::from(ip);
+    [
+        (ip >> 96) as u32,
+        (ip >> 64) as u32,
+        (ip >> 32) as u32,
+        ip as u32,
+    ]
+}
+
+impl<V: Default> IpTable<V> {
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.v4.len() + self.v6.len()
@@ -165,51 +181,51 @@ impl<V> IpTable<V> {
 
     pub(super) fn get(&self, ip: &IpAddr) -> Option<&V> {
         match ip {
-            IpAddr::V4(v4) => self.v4.get(&u32::from(*v4)),
-            IpAddr::V6(v6) => self.v6.get(&u128::from(*v6)),
+            IpAddr::V4(v4) => self.v4.get(u32::from(*v4)),
+            IpAddr::V6(v6) => self.v6.get(v6_key(*v6)),
         }
     }
 
     #[cfg(test)]
     pub(super) fn get_mut(&mut self, ip: &IpAddr) -> Option<&mut V> {
         match ip {
-            IpAddr::V4(v4) => self.v4.get_mut(&u32::from(*v4)),
-            IpAddr::V6(v6) => self.v6.get_mut(&u128::from(*v6)),
+            IpAddr::V4(v4) => self.v4.get_mut(u32::from(*v4)),
+            IpAddr::V6(v6) => self.v6.get_mut(v6_key(*v6)),
         }
     }
 
     pub(super) fn insert(&mut self, ip: IpAddr, value: V) -> Option<V> {
         match ip {
             IpAddr::V4(v4) => self.v4.insert(u32::from(v4), value),
-            IpAddr::V6(v6) => self.v6.insert(u128::from(v6), value),
+            IpAddr::V6(v6) => self.v6.insert(v6_key(v6), value),
         }
     }
 
     pub(super) fn remove(&mut self, ip: &IpAddr) -> Option<V> {
         match ip {
-            IpAddr::V4(v4) => self.v4.remove(&u32::from(*v4)),
-            IpAddr::V6(v6) => self.v6.remove(&u128::from(*v6)),
+            IpAddr::V4(v4) => self.v4.remove(u32::from(*v4)),
+            IpAddr::V6(v6) => self.v6.remove(v6_key(*v6)),
         }
     }
 
     /// Room for `v4` and `v6` IPs of each family in all, at once rather
-    /// than by doubling as the table fills.
+    /// than by growing as the table fills.
     pub(super) fn reserve(&mut self, v4: usize, v6: usize) {
-        self.v4.reserve(v4.saturating_sub(self.v4.len()));
-        self.v6.reserve(v6.saturating_sub(self.v6.len()));
+        self.v4.reserve(v4);
+        self.v6.reserve(v6);
     }
 
     #[cfg(test)]
     pub(super) fn iter(&self) -> impl Iterator<Item = (IpAddr, &V)> {
-        use std::net::{Ipv4Addr, Ipv6Addr};
         let v4 = self
             .v4
             .iter()
-            .map(|(ip, v)| (IpAddr::from(Ipv4Addr::from(*ip)), v));
-        let v6 = self
-            .v6
-            .iter()
-            .map(|(ip, v)| (IpAddr::from(Ipv6Addr::from(*ip)), v));
+            .map(|(ip, v)| (IpAddr::from(std::net::Ipv4Addr::from(ip)), v));
+        let v6 = self.v6.iter().map(|([a, b, c, d], v)| {
+            let ip =
+                u128::from(a) << 96 | u128::from(b) << 64 | u128::from(c) << 32 | u128::from(d);
+            (IpAddr::from(Ipv6Addr::from(ip)), v)
+        });
         v4.chain(v6)
     }
 
@@ -218,8 +234,8 @@ impl<V> IpTable<V> {
     }
 
     pub(super) fn retain(&mut self, mut keep: impl FnMut(&mut V) -> bool) {
-        self.v4.retain(|_, v| keep(v));
-        self.v6.retain(|_, v| keep(v));
+        self.v4.retain(&mut keep);
+        self.v6.retain(&mut keep);
     }
 }
 
