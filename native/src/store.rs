@@ -499,15 +499,15 @@ mod tests {
             .unwrap();
         assert_eq!(store.layouts.len(), 1);
         let small = store.footprint();
-        // 20,000 IPs take a layout of more buckets: both stand until the
+        // 40,000 IPs take a layout of more buckets: both stand until the
         // next write clears the old one.
         let meta = writer
-            .write_snapshot(&mut store, 2, &mut snapshot(2, 20_000))
+            .write_snapshot(&mut store, 2, &mut snapshot(2, 40_000))
             .unwrap();
         assert_eq!(store.layouts.len(), 2);
         let view = IndexReader::new(&store);
         assert_eq!(view.meta(), Some(meta));
-        let ip = std::net::Ipv4Addr::from(0x0a00_0000 + 20_000).into();
+        let ip = std::net::Ipv4Addr::from(0x0a00_0000 + 40_000).into();
         assert!(matches!(view.record(&meta, &ip), Entry::Present(_)));
         let delta = Delta {
             v: 1,
@@ -521,7 +521,7 @@ mod tests {
             services_added: vec![],
             services_removed: vec![],
             upserts: vec![],
-            removed: (1..=20_000)
+            removed: (1..=40_000)
                 .map(|i| std::net::Ipv4Addr::from(0x0a00_0000 + i).into())
                 .collect(),
         };
