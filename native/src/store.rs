@@ -293,10 +293,12 @@ impl Store {
         Ok(())
     }
 
-    /// Compacts the arena when its garbage is worth it (see [`arena`]):
-    /// every slot's value moves to the new buffer.
-    fn compact_if_due(&mut self) {
-        if !self.arena.wants_compaction() {
+    /// Compacts the arena when its garbage is worth it, or at a `commit`
+    /// (the sync state written: a sync's writes are done) when it grew past
+    /// what its values need (see [`arena`]): every slot's value moves to the
+    /// new buffer.
+    fn compact_if_due(&mut self, commit: bool) {
+        if !(self.arena.wants_compaction() || (commit && self.arena.oversized())) {
             return;
         }
         let Store {
@@ -367,7 +369,7 @@ impl SharedData for Store {
             Key::Members(id) => set_in(&mut self.members, &mut self.arena, id, value, cas)?,
             Key::Named(name) => set_in(&mut self.named, &mut self.arena, name.into(), value, cas)?,
         }
-        self.compact_if_due();
+        self.compact_if_due(matches!(key, Key::Meta));
         Ok(())
     }
 }

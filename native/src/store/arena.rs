@@ -44,9 +44,32 @@ impl Span {
 /// this much written since the last.
 pub(crate) const MIN_GARBAGE: usize = 64 * 1024;
 
-/// Room a compaction leaves after the live bytes, as a fraction of them
-/// (1/8): the deltas that follow append there before the buffer grows.
+/// Room a compaction or a growth leaves after the bytes it needs, as a
+/// fraction of them (1/8): the writes that follow append there before the
+/// buffer grows again.
 const HEADROOM: usize = 8;
+
+/// A buffer past this size is allocated in whole huge pages ([`HUGE_PAGE`]).
+/// Below it, the allocator serves it from its size classes.
+const SMALL: usize = 256 * 1024;
+
+/// tcmalloc's huge page (2 MiB). A buffer of whole huge pages comes from and
+/// goes back to the allocator's huge page cache, which its release gives
+/// back to the system; a buffer of any other size of more than [`SMALL`]
+/// takes pages inside huge pages that small objects share, and those stay
+/// with the allocator once freed (measured: docs/native.md, "Numbers").
+const HUGE_PAGE: usize = 2 * 1024 * 1024;
+
+/// The capacity of a buffer that must hold `needed` bytes: `needed` and its
+/// headroom, in whole huge pages past [`SMALL`].
+fn capacity_for(needed: usize) -> usize {
+    let wanted = needed + needed / HEADROOM;
+    if wanted <= SMALL || needed == 0 {
+        wanted
+    } else {
+        wanted.next_multiple_of(HUGE_PAGE)
+    }
+}
 
 /// The store's values in one buffer (see the module docs).
 #[derive(Debug, Default)]
@@ -92,6 +115,16 @@ impl Arena {
         let at = u32::try_from(self.bytes.len()).map_err(|_| Full)?;
         let len = u32::try_from(value.len()).map_err(|_| Full)?;
         at.checked_add(len).ok_or(Full)?;
+        let needed = self.bytes.len() + value.len();
+        if needed > self.bytes.capacity() {
+            // Grown by `Vec`'s doubling, the buffers given up on the way
+            // (512 KiB, 1 MiB, 2 MiB) would be pages the allocator keeps;
+            // in whole huge pages, they go back.
+            let at_least = self.bytes.len() + self.bytes.len() / 4;
+            let mut bytes = Vec::with_capacity(capacity_for(needed.max(at_least)));
+            bytes.extend_from_slice(&self.bytes);
+            self.bytes = bytes;
+        }
         self.bytes.extend_from_slice(value);
         self.garbage += old.len();
         Ok(Span { at, len })
@@ -106,12 +139,20 @@ impl Arena {
             || (live == 0 && self.bytes.capacity() > 0)
     }
 
+    /// Whether the buffer is larger than a compaction would make it: after
+    /// it grew (a sync's writes), the room past the headroom is given back at
+    /// the commit.
+    pub(crate) fn oversized(&self) -> bool {
+        let (capacity, live) = (self.bytes.capacity(), self.live());
+        capacity > capacity_for(live) && capacity - live > live / 4 + MIN_GARBAGE
+    }
+
     /// Copies the values of `spans` (every live span of this arena, each
     /// once) into a new buffer sized to them, moves each span to its copy,
     /// and frees the old buffer.
     pub(crate) fn compact<'a>(&mut self, spans: impl Iterator<Item = &'a mut Span>) {
         let live = self.live();
-        let mut bytes = Vec::with_capacity(live + live / HEADROOM);
+        let mut bytes = Vec::with_capacity(capacity_for(live));
         for span in spans.filter(|s| !s.is_empty()) {
             let value = self.get(*span);
             // The new buffer holds at most the old one's bytes.
