@@ -597,6 +597,36 @@ mod tests {
     }
 
     #[test]
+    fn a_synced_index_leaves_its_arena_compacted_to_what_its_values_need() {
+        let mut store = Store::default();
+        let mut writer = Writer::default();
+        let meta = writer
+            .write_snapshot(&mut store, 1, &mut snapshot(1, 20_000))
+            .unwrap();
+        assert!(!store.arena.oversized(), "{:?}", store.footprint());
+        let footprint = store.footprint();
+        let values = store.arena.live();
+        let buffer = values + footprint.garbage + footprint.spare;
+        assert!(buffer <= arena::capacity_for(values), "{footprint:?}");
+        // A reset rewrites every bucket: the garbage it leaves is compacted
+        // away as it goes, and the buffer is sized again at the commit.
+        let mut again = snapshot(2, 20_000);
+        again.epoch = 2;
+        writer.write_snapshot(&mut store, 2, &mut again).unwrap();
+        let after = store.footprint();
+        assert!(!store.arena.oversized(), "{after:?}");
+        assert!(
+            after.garbage <= values / 4 + arena::MIN_GARBAGE,
+            "{after:?}"
+        );
+        let ip = std::net::Ipv4Addr::from(0x0a00_0000 + 20_000).into();
+        let view = IndexReader::new(&store);
+        let meta2 = view.meta().unwrap();
+        assert_ne!(meta2.load, meta.load);
+        assert!(matches!(view.record(&meta2, &ip), Entry::Present(_)));
+    }
+
+    #[test]
     fn a_bucket_costs_its_bytes_and_one_slot() {
         let mut store = Store::default();
         store
