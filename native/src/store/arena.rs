@@ -54,8 +54,10 @@ pub(crate) const MIN_GARBAGE: usize = 64 * 1024;
 const HEADROOM: usize = 8;
 
 /// A buffer past this size is allocated in whole huge pages ([`HUGE_PAGE`]).
-/// Below it, the allocator serves it from its size classes.
-const SMALL: usize = 256 * 1024;
+/// Below it, the allocator serves it from its size classes (up to 256 KiB);
+/// the buffers a growing arena gives up between the two (128 KiB, 256 KiB)
+/// would stay in those classes' free lists.
+const SMALL: usize = 64 * 1024;
 
 /// tcmalloc's huge page (2 MiB). A buffer of whole huge pages comes from and
 /// goes back to the allocator's huge page cache, which its release gives
