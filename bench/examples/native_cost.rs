@@ -523,7 +523,8 @@ fn store_footprint(services: &[ServiceKey], records: &[IpRecord]) -> Result<Stri
     let per_ip = |bytes: usize| bytes as f64 / records.len() as f64;
     Ok(format!(
         "the module's store (in this process, {} IPs): {:.1} bytes per IP: bucket lines {:.1}, \
-         bucket slots {:.1}, member lists {:.1}, other keys {:.1}, map tables {:.1}",
+         bucket slots {:.1}, member lists {:.1}, other keys {:.1}, map tables {:.1}, \
+         garbage {:.1}, room (allocated, untouched until written) {:.1}",
         records.len(),
         per_ip(f.total()),
         per_ip(f.bucket_values),
@@ -531,6 +532,8 @@ fn store_footprint(services: &[ServiceKey], records: &[IpRecord]) -> Result<Stri
         per_ip(f.member_values),
         per_ip(f.named),
         per_ip(f.tables),
+        per_ip(f.garbage),
+        per_ip(f.spare),
     ))
 }
 

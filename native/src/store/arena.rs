@@ -21,7 +21,7 @@
 //! that grew during a sync is compacted to size at the sync's commit
 //! ([`Arena::oversized`]). Its room past the values is allocated but not
 //! touched until written: the allocator counts it in use (up to a huge page,
-//! 8.6 bytes per IP at 150,000 IPs), the process's RSS does not.
+//! 8.7 bytes per IP at 150,000 IPs), the process's RSS does not.
 
 /// Where a value lies in the arena: `len` bytes at `at`. An empty span is
 /// no value.
