@@ -192,31 +192,69 @@ pub fn write_snapshot(
 /// Every service's live members, gathered a record at a time while a full
 /// snapshot is read, in a few bytes per member: an IPv4 member without
 /// ports is its 4 bytes (the packed form never lists ports).
-#[derive(Debug, Default)]
+///
+/// Counted first ([`Lists::count`], in the pass that measures the
+/// snapshot), each list is reserved once at its size ([`Lists::reserve`])
+/// before it fills ([`Lists::add`]): grown by doubling instead, a reset
+/// would leave the allocator every list's smaller buffers (a 150-member
+/// list's 512, 256, 128... bytes), which it keeps.
+#[derive(Debug, Clone, Default)]
 pub struct Lists {
     lists: BTreeMap<u64, List>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 struct List {
     v4: Vec<u32>,
     /// IPv6 members, and members with ports.
     others: Vec<Member>,
+    /// Members counted for `v4` and for `others`.
+    counted: (usize, usize),
 }
 
 impl Lists {
     /// Adds the IP of `record` to the lists of the services it is a live
     /// member of.
     pub fn add(&mut self, record: &CompactRecord) {
+        self.each_membership(record, |list, ip, ports| match ip {
+            IpAddr::V4(v4) if ports.is_empty() => list.v4.push(u32::from(v4)),
+            ip => list.others.push(Member { ip, ports }),
+        });
+    }
+
+    /// Counts the IP of `record` in the lists of the services it is a live
+    /// member of, without adding it: the measuring pass, before
+    /// [`Lists::reserve`].
+    pub fn count(&mut self, record: &CompactRecord) {
+        self.each_membership(record, |list, ip, ports| match ip {
+            IpAddr::V4(_) if ports.is_empty() => list.counted.0 += 1,
+            _ => list.counted.1 += 1,
+        });
+    }
+
+    /// Reserves each list's room for the members counted, exactly, so that
+    /// adding them reallocates none.
+    pub fn reserve(&mut self) {
+        for list in self.lists.values_mut() {
+            list.v4
+                .reserve_exact(list.counted.0.saturating_sub(list.v4.len()));
+            list.others
+                .reserve_exact(list.counted.1.saturating_sub(list.others.len()));
+        }
+    }
+
+    /// Calls `f` with the list of each service `record` makes its IP a live
+    /// member of, the IP and its ports there.
+    fn each_membership(
+        &mut self,
+        record: &CompactRecord,
+        mut f: impl FnMut(&mut List, IpAddr, Vec<u16>),
+    ) {
         let Some(holders) = record.holders() else {
             return;
         };
         for (id, ports) in live_memberships(record.ip, &holders) {
-            let list = self.lists.entry(id).or_default();
-            match record.ip {
-                IpAddr::V4(v4) if ports.is_empty() => list.v4.push(u32::from(v4)),
-                ip => list.others.push(Member { ip, ports }),
-            }
+            f(self.lists.entry(id).or_default(), record.ip, ports);
         }
     }
 
@@ -224,7 +262,14 @@ impl Lists {
     /// list: an older one is invalid under the new load anyway.
     pub fn write(self, store: &mut dyn SharedData, load: u64) -> Result<(), StoreError> {
         for (id, list) in self.lists {
-            let List { v4, others } = list;
+            let List {
+                v4,
+                others,
+                counted: _,
+            } = list;
+            if v4.is_empty() && others.is_empty() {
+                continue;
+            }
             let mut members: Vec<Member> = v4
                 .into_iter()
                 .map(|ip| Member {
@@ -497,6 +542,79 @@ mod tests {
         );
         assert!(read(&store, &cart(), load).is_empty());
         assert_eq!(ips(&read(&store, &pay(), load)), ["10.0.0.2"]);
+    }
+
+    #[test]
+    fn lists_counted_first_are_reserved_exactly_and_never_reallocated_while_they_fill() {
+        let mut records: Vec<CompactRecord> = (1..=300u32)
+            .map(|i| {
+                let ip = IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i));
+                let service = if i % 3 == 0 { pay() } else { cart() };
+                CompactRecord::of(&rec(&ip.to_string(), &service, i % 7 != 0, false))
+            })
+            .collect();
+        // An IPv6 member and one with ports go to the other members.
+        records.push(CompactRecord::of(&rec("fd00::1", &cart(), true, false)));
+        let mut ported = rec("10.9.0.1", &cart(), true, false);
+        ported.pods[0].services[0].ports = vec![EndpointPort {
+            name: None,
+            port: 8443,
+            protocol: None,
+        }];
+        records.push(CompactRecord::of(&ported));
+        let mut lists = Lists::default();
+        for record in &records {
+            lists.count(record);
+        }
+        let counted = |lists: &Lists, service: &ServiceKey| {
+            let list = &lists.lists[&service_id(service)];
+            (list.counted, list.v4.len(), list.others.len())
+        };
+        // Of 1..=300: cart is i % 3 != 0 (200), pay i % 3 == 0 (100); not
+        // ready when i % 7 == 0 (28 of cart, 14 of pay).
+        assert_eq!(counted(&lists, &cart()), ((172, 2), 0, 0));
+        assert_eq!(counted(&lists, &pay()), ((86, 0), 0, 0));
+        lists.reserve();
+        let capacity = |lists: &Lists, service: &ServiceKey| {
+            let list = &lists.lists[&service_id(service)];
+            (list.v4.capacity(), list.others.capacity())
+        };
+        assert_eq!(capacity(&lists, &cart()), (172, 2));
+        assert_eq!(capacity(&lists, &pay()), (86, 0));
+        // Where each list's buffers are, and how large: a reallocation
+        // would change them.
+        let buffers = |lists: &Lists| {
+            lists
+                .lists
+                .values()
+                .map(|l| {
+                    (
+                        l.v4.as_ptr(),
+                        l.v4.capacity(),
+                        l.others.as_ptr(),
+                        l.others.capacity(),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        let reserved = buffers(&lists);
+        for record in &records {
+            lists.add(record);
+            assert_eq!(buffers(&lists), reserved, "a list reallocated");
+        }
+        assert_eq!(counted(&lists, &cart()), ((172, 2), 172, 2));
+        assert_eq!(counted(&lists, &pay()), ((86, 0), 86, 0));
+        // Written, they hold what lists never counted would.
+        let (mut counted_store, mut plain_store) = (MemoryStore::default(), MemoryStore::default());
+        lists.write(&mut counted_store, 1).unwrap();
+        write_snapshot(&mut plain_store, 1, &records).unwrap();
+        for service in [cart(), pay()] {
+            let key = members_key(&service);
+            assert_eq!(
+                counted_store.get(&key).unwrap(),
+                plain_store.get(&key).unwrap()
+            );
+        }
     }
 
     #[test]
