@@ -243,6 +243,13 @@ impl Lists {
         }
     }
 
+    /// The room of service `id`'s list: IPv4 members without ports, others.
+    #[cfg(test)]
+    pub(crate) fn capacity(&self, id: u64) -> Option<(usize, usize)> {
+        let list = self.lists.get(&id)?;
+        Some((list.v4.capacity(), list.others.capacity()))
+    }
+
     /// Calls `f` with the list of each service `record` makes its IP a live
     /// member of, the IP and its ports there.
     fn each_membership(

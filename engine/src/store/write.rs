@@ -709,6 +709,20 @@ mod tests {
     }
 
     /// A delta from generation `since` to the next, removing `removed`.
+    #[test]
+    fn a_plan_counts_each_services_members_and_the_loading_reserves_each_list_at_its_size() {
+        let snapshot = snapshot(1, 5_000);
+        let mut plan = Plan::new(snapshot.records.len());
+        for record in &snapshot.records {
+            plan.measure(record);
+        }
+        let mut store = MemoryStore::default();
+        let loading = Writer::default().begin_snapshot(&mut store, plan).unwrap();
+        let members = loading.members.as_ref().unwrap();
+        let id = buckets::service_id(&cart());
+        assert_eq!(members.capacity(id), Some((5_000, 0)));
+    }
+
     fn delta(since: u64, removed: Vec<IpAddr>) -> Delta<CompactRecord> {
         Delta {
             v: 1,
