@@ -13,7 +13,9 @@
 //! to the system allocator as before.
 //!
 //! A mapping is page-aligned; a large block that asks for more alignment
-//! than [`PAGE`] goes to the system allocator. Every binary that links the
+//! than [`PAGE`] goes to the system allocator. Envoy never frees a block of
+//! the module's (every pointer the module hands it comes back to a module
+//! hook to be dropped), so no mapping reaches tcmalloc's `free`. Every binary that links the
 //! crate (the cdylib in Envoy, its tests, the benchmarks) allocates through
 //! it. Failure is a null pointer, as the [`GlobalAlloc`] contract wants;
 //! nothing here panics.
