@@ -3,9 +3,9 @@
 //! Inside Envoy, the system allocator is Envoy's tcmalloc. It keeps what the
 //! module frees: a block of a few hundred KiB to a few MiB (the index's
 //! buffer, the engine's slice of bucket lines, the guard's baseline table,
-//! a large member list) takes pages inside huge pages that small live
-//! objects share, and Envoy's periodic release only gives back whole free
-//! huge pages (docs/native.md, "Numbers"). So a block of [`LARGE`] bytes or
+//! the module's copy of the answer, the member lists' buffer) takes pages
+//! inside huge pages that small live objects share, and Envoy's periodic
+//! release only gives back whole free huge pages (docs/native.md, "Numbers"). So a block of [`LARGE`] bytes or
 //! more is mapped on its own (`mmap`), grown or shrunk in place or moved by
 //! the kernel (`mremap`), and unmapped when freed (`munmap`): its pages go
 //! back to the kernel at once and never share a huge page with small
