@@ -7,8 +7,9 @@
 //! compacted delta when it has one, and otherwise holds the request until
 //! something changes or `wait` seconds pass (then an empty delta), like the
 //! real one. Every request is recorded, with how many were open at once. A
-//! request whose `Accept` names the packed form gets its answer packed, as
-//! from the real validator.
+//! request whose `Accept` names the packed form gets its answer packed, in
+//! the encoding the real validator would choose (binary records, or text
+//! for a gateway of the last release).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -263,30 +264,30 @@ fn json<T: serde::Serialize>(t: &T) -> Answer {
     Answer::json(serde_json::to_vec(t).unwrap_or_default())
 }
 
-/// True when `req` accepts the packed form.
-fn packed(req: &Request) -> bool {
-    req.headers
-        .get("accept")
-        .is_some_and(|accept| accept.contains(staleguard_core::packed::MEDIA_TYPE))
+/// The packed encoding `req` asks for, as the validator chooses it; `None`
+/// for JSON.
+fn packed(req: &Request) -> Option<staleguard_core::packed::Encoding> {
+    let accept = req.headers.get("accept")?;
+    staleguard_core::packed::Encoding::accepted([accept.as_str()])
 }
 
-fn packed_answer(body: Vec<u8>) -> Answer {
+fn packed_answer(encoding: staleguard_core::packed::Encoding, body: Vec<u8>) -> Answer {
     Answer::Respond {
         status: 200,
-        headers: vec![(
-            "content-type".into(),
-            staleguard_core::packed::MEDIA_TYPE.into(),
-        )],
+        headers: vec![("content-type".into(), encoding.media_type().into())],
         body,
     }
 }
 
 /// `changes` as `req` accepts it.
 fn changes(req: &Request, changes: &Changes) -> Answer {
-    if !packed(req) {
-        return json(changes);
+    match packed(req) {
+        Some(encoding) => packed_answer(
+            encoding,
+            staleguard_core::packed::encode_changes_as(encoding, changes),
+        ),
+        None => json(changes),
     }
-    packed_answer(staleguard_core::packed::encode_changes(changes))
 }
 
 fn handle(shared: &Shared, req: &Request) -> Answer {
@@ -327,10 +328,13 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
         }
     }
     match req.path() {
-        "/v1/snapshot" if packed(req) => {
-            packed_answer(staleguard_core::packed::encode_snapshot(&snapshot(&s)))
-        }
-        "/v1/snapshot" => json(&snapshot(&s)),
+        "/v1/snapshot" => match packed(req) {
+            Some(encoding) => packed_answer(
+                encoding,
+                staleguard_core::packed::encode_snapshot_as(encoding, &snapshot(&s)),
+            ),
+            None => json(&snapshot(&s)),
+        },
         "/v1/changes" => {
             let num = |k: &str| req.query(k).and_then(|v| v.parse::<u64>().ok());
             let (Some(epoch), Some(since)) = (num("epoch"), num("since")) else {
