@@ -38,8 +38,21 @@ pub enum Behaviour {
     Hang,
 }
 
+/// Which validator release the fake answers as: the forms it knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// This one: binary records, the text packed form, JSON.
+    Current,
+    /// The last release: the text packed form to an `Accept` naming it
+    /// exactly, else JSON.
+    Last,
+    /// A release before the packed form: JSON whatever the `Accept`.
+    BeforePacked,
+}
+
 #[derive(Debug)]
 struct State {
+    release: Release,
     epoch: u64,
     generation: u64,
     /// Oldest generation deltas can start from.
@@ -74,6 +87,7 @@ impl FakeValidator {
     pub fn start(epoch: u64) -> Result<Self> {
         let shared: Shared = Arc::new((
             Mutex::new(State {
+                release: Release::Current,
                 epoch,
                 generation: 1,
                 floor: 1,
@@ -94,6 +108,11 @@ impl FakeValidator {
             handle(&handler_state, req)
         })?;
         Ok(Self { shared, server })
+    }
+
+    /// Answers from now on as a validator of `release` would.
+    pub fn set_release(&self, release: Release) {
+        self.change(|s| s.release = release);
     }
 
     /// Where it listens.
@@ -264,11 +283,20 @@ fn json<T: serde::Serialize>(t: &T) -> Answer {
     Answer::json(serde_json::to_vec(t).unwrap_or_default())
 }
 
-/// The packed encoding `req` asks for, as the validator chooses it; `None`
+/// The packed encoding a validator of `release` answers `req` in; `None`
 /// for JSON.
-fn packed(req: &Request) -> Option<staleguard_core::packed::Encoding> {
+fn packed(release: Release, req: &Request) -> Option<staleguard_core::packed::Encoding> {
+    use staleguard_core::packed::{Encoding, MEDIA_TYPE};
     let accept = req.headers.get("accept")?;
-    staleguard_core::packed::Encoding::accepted([accept.as_str()])
+    match release {
+        Release::Current => Encoding::accepted([accept.as_str()]),
+        Release::Last => accept
+            .split(',')
+            .filter_map(|range| range.split(';').next())
+            .any(|media| media.trim().eq_ignore_ascii_case(MEDIA_TYPE))
+            .then_some(Encoding::Text),
+        Release::BeforePacked => None,
+    }
 }
 
 fn packed_answer(encoding: staleguard_core::packed::Encoding, body: Vec<u8>) -> Answer {
@@ -279,9 +307,9 @@ fn packed_answer(encoding: staleguard_core::packed::Encoding, body: Vec<u8>) -> 
     }
 }
 
-/// `changes` as `req` accepts it.
-fn changes(req: &Request, changes: &Changes) -> Answer {
-    match packed(req) {
+/// `changes` as a validator of `release` answers `req`.
+fn changes(release: Release, req: &Request, changes: &Changes) -> Answer {
+    match packed(release, req) {
         Some(encoding) => packed_answer(
             encoding,
             staleguard_core::packed::encode_changes_as(encoding, changes),
@@ -328,7 +356,7 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
         }
     }
     match req.path() {
-        "/v1/snapshot" => match packed(req) {
+        "/v1/snapshot" => match packed(s.release, req) {
             Some(encoding) => packed_answer(
                 encoding,
                 staleguard_core::packed::encode_snapshot_as(encoding, &snapshot(&s)),
@@ -347,14 +375,14 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
                     return Answer::Hangup;
                 }
                 if epoch != s.epoch {
-                    return changes(req, &Changes::Reset(snapshot(&s)));
+                    return changes(s.release, req, &Changes::Reset(snapshot(&s)));
                 }
                 let Some(d) = delta(&s, since) else {
-                    return changes(req, &Changes::Reset(snapshot(&s)));
+                    return changes(s.release, req, &Changes::Reset(snapshot(&s)));
                 };
                 let now = Instant::now();
                 if s.generation != since || now >= deadline {
-                    return changes(req, &Changes::Delta(d));
+                    return changes(s.release, req, &Changes::Delta(d));
                 }
                 s = shared
                     .1
