@@ -495,7 +495,7 @@ pub(crate) fn role<D: serde::de::DeserializeOwned>(
     key: &str,
     what: &str,
 ) -> Result<Option<D>, String> {
-    let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+    let Ok(value) = crate::config::json_value(bytes) else {
         return Ok(None);
     };
     if value.get(key).is_none() {

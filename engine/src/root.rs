@@ -642,7 +642,7 @@ const REASON_BYTES: usize = 2048;
 /// JSON error, docs/api.md), else the body's first line (Envoy's own answers),
 /// printable and cut to 300 characters.
 fn answer_reason(body: &[u8]) -> Option<String> {
-    let from_json = serde_json::from_slice::<serde_json::Value>(body)
+    let from_json = crate::config::json_value(body)
         .ok()
         .and_then(|v| {
             v.get("error")
