@@ -61,9 +61,10 @@ fn id_key(id: u64) -> String {
 }
 
 /// The services (by [`service_id`]) `holders` make their IP a live, ready
-/// member of, with the ports the index lists for each.
-pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>> {
-    let mut out = BTreeMap::new();
+/// member of, with the ports the index lists for each, in the order of
+/// their ids, each once.
+pub fn live_memberships(ip: IpAddr, holders: &Holders) -> Vec<(u64, Vec<u16>)> {
+    let mut out = Vec::new();
     let record = holders.record_by_ids(ip);
     for id in holders.service_ids() {
         let verdict = decide(
@@ -92,7 +93,8 @@ pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>
             .collect();
         ports.sort_unstable();
         ports.dedup();
-        out.insert(id, ports);
+        // `service_ids` are sorted and each once: so is `out`.
+        out.push((id, ports));
     }
     out
 }
@@ -264,7 +266,10 @@ impl Updates {
             .map(|h| live_memberships(ip, &h))
             .unwrap_or_default();
         for (id, before) in &old {
-            let after = new.remove(id);
+            let after = new
+                .iter()
+                .position(|(n, _)| n == id)
+                .map(|at| new.swap_remove(at).1);
             if after.as_ref() != Some(before) {
                 self.services.entry(*id).or_default().insert(ip, after);
             }
@@ -335,9 +340,12 @@ mod tests {
         }
     }
 
-    /// The memberships as a bucket line gives them.
+    /// The memberships as a bucket line gives them (each service once, in
+    /// the order of their ids).
     fn live(r: &IpRecord) -> BTreeMap<u64, Vec<u16>> {
-        live_memberships(r.ip, &Holders::from_record(r))
+        let live = live_memberships(r.ip, &Holders::from_record(r));
+        assert!(live.windows(2).all(|w| w[0].0 < w[1].0), "{live:?}");
+        live.into_iter().collect()
     }
 
     fn ips(members: &[Member]) -> Vec<String> {
