@@ -501,7 +501,9 @@ pub(crate) fn role<D: serde::de::DeserializeOwned>(
     if value.get(key).is_none() {
         return Ok(None);
     }
-    serde_json::from_value(value)
+    // From `&Value`, as the guard's configuration is read (`crate::config`):
+    // one instantiation of serde_json's value deserializer in the module.
+    D::deserialize(&value)
         .map(Some)
         .map_err(|e| format!("plugin configuration of {what} refused: {e}"))
 }
