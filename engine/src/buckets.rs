@@ -760,21 +760,12 @@ const TAG_BARE: u8 = 0x80;
 const TAG_TOMBSTONE: u8 = 0xc0;
 
 fn flag_bits(flags: PodFlags) -> u8 {
-    let PodFlags {
-        ready,
-        terminating,
-        host_network,
-    } = flags;
-    u8::from(ready) | u8::from(terminating) << 1 | u8::from(host_network) << 2
+    flags.bits()
 }
 
 /// The flags of a pod tag (its low three bits).
 fn flags_of(tag: u8) -> PodFlags {
-    PodFlags {
-        ready: tag & 1 != 0,
-        terminating: tag & 2 != 0,
-        host_network: tag & 4 != 0,
-    }
+    PodFlags::from_bits(tag)
 }
 
 /// Writes one record into its bucket (read, edit, write): for tests that

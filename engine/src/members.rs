@@ -29,7 +29,7 @@
 //! its predecessor wrote, and a scale-down of one large service costs one
 //! write of its list, not one per pod.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::net::IpAddr;
 
 use staleguard_core::{decide, Policy, Reason, ServiceKey};
@@ -61,9 +61,10 @@ fn id_key(id: u64) -> String {
 }
 
 /// The services (by [`service_id`]) `holders` make their IP a live, ready
-/// member of, with the ports the index lists for each.
-pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>> {
-    let mut out = BTreeMap::new();
+/// member of, with the ports the index lists for each, in the order of
+/// their ids, each once.
+pub fn live_memberships(ip: IpAddr, holders: &Holders) -> Vec<(u64, Vec<u16>)> {
+    let mut out = Vec::new();
     let record = holders.record_by_ids(ip);
     for id in holders.service_ids() {
         let verdict = decide(
@@ -92,9 +93,26 @@ pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>
             .collect();
         ports.sort_unstable();
         ports.dedup();
-        out.insert(id, ports);
+        // `service_ids` are sorted and each once: so is `out`.
+        out.push((id, ports));
     }
     out
+}
+
+/// The value of service `id` in `map` (sorted by id), added if missing.
+/// A sorted `Vec` rather than a `BTreeMap`: a reset or a delta touches at
+/// most a few thousand services, and the Wasm module carries no B-tree
+/// code for it.
+fn slot<V: Default>(map: &mut Vec<(u64, V)>, id: u64) -> &mut V {
+    let at = match map.binary_search_by_key(&id, |(k, _)| *k) {
+        Ok(at) => at,
+        Err(at) => {
+            map.insert(at, (id, V::default()));
+            at
+        }
+    };
+    // `at` is in bounds: found, or just inserted there.
+    &mut map[at].1
 }
 
 /// Encodes a member list under `load`, in its order.
@@ -203,7 +221,8 @@ pub fn write_snapshot(
 /// a vector of its own.
 #[derive(Debug, Clone, Default)]
 pub struct Lists {
-    lists: BTreeMap<u64, List>,
+    /// By service id, sorted (see [`slot`]).
+    lists: Vec<(u64, List)>,
     /// The counted lists' IPv4 members without ports, each list's at its
     /// range ([`List::at`], its count long).
     v4: Vec<u32>,
@@ -263,10 +282,10 @@ impl Lists {
     /// added: the IPv4 members' buffer at once, each list's range in it,
     /// and each list's other members; adding them reallocates none.
     pub fn reserve(&mut self) {
-        let total = self.lists.values().map(|l| l.counted.0).sum();
+        let total = self.lists.iter().map(|(_, l)| l.counted.0).sum();
         self.v4 = vec![0; total];
         let mut at = 0;
-        for list in self.lists.values_mut() {
+        for (_, list) in &mut self.lists {
             (list.at, list.filled) = (at, 0);
             at += list.counted.0;
             list.others.reserve_exact(list.counted.1);
@@ -276,7 +295,7 @@ impl Lists {
     /// The room of service `id`'s list: IPv4 members without ports, others.
     #[cfg(test)]
     pub(crate) fn capacity(&self, id: u64) -> Option<(usize, usize)> {
-        let list = self.lists.get(&id)?;
+        let (_, list) = self.lists.iter().find(|(k, _)| *k == id)?;
         let range = self
             .v4
             .get(list.at..list.at + list.counted.0)
@@ -320,7 +339,7 @@ impl Lists {
 /// Calls `f` with the list in `lists` of each service `record` makes its IP
 /// a live member of, the IP and its ports there.
 fn each_membership(
-    lists: &mut BTreeMap<u64, List>,
+    lists: &mut Vec<(u64, List)>,
     record: &CompactRecord,
     mut f: impl FnMut(&mut List, IpAddr, Vec<u16>),
 ) {
@@ -328,7 +347,7 @@ fn each_membership(
         return;
     };
     for (id, ports) in live_memberships(record.ip, &holders) {
-        f(lists.entry(id).or_default(), record.ip, ports);
+        f(slot(lists, id), record.ip, ports);
     }
 }
 
@@ -341,8 +360,14 @@ fn each_membership(
 pub struct Updates {
     /// Per service, the IPs whose membership changed: the ports of the IP
     /// as a member now, `None` when it no longer is one.
-    services: BTreeMap<u64, BTreeMap<IpAddr, Option<Vec<u16>>>>,
+    /// By service id, sorted (see [`slot`]).
+    services: Vec<(u64, Changed)>,
 }
+
+/// One service's changed IPs (see [`Updates`]). A hash map: which order
+/// they are put back in does not matter, since a list that gains members is
+/// sorted.
+type Changed = HashMap<IpAddr, Option<Vec<u16>>, foldhash::fast::RandomState>;
 
 impl Updates {
     /// Notes the change of one IP: `old` is the record the index held (read
@@ -356,13 +381,16 @@ impl Updates {
             .map(|h| live_memberships(ip, &h))
             .unwrap_or_default();
         for (id, before) in &old {
-            let after = new.remove(id);
+            let after = new
+                .iter()
+                .position(|(n, _)| n == id)
+                .map(|at| new.swap_remove(at).1);
             if after.as_ref() != Some(before) {
-                self.services.entry(*id).or_default().insert(ip, after);
+                slot(&mut self.services, *id).insert(ip, after);
             }
         }
         for (id, after) in new {
-            self.services.entry(id).or_default().insert(ip, Some(after));
+            slot(&mut self.services, id).insert(ip, Some(after));
         }
     }
 
@@ -427,9 +455,12 @@ mod tests {
         }
     }
 
-    /// The memberships as a bucket line gives them.
-    fn live(r: &IpRecord) -> BTreeMap<u64, Vec<u16>> {
-        live_memberships(r.ip, &Holders::from_record(r))
+    /// The memberships as a bucket line gives them (each service once, in
+    /// the order of their ids).
+    fn live(r: &IpRecord) -> std::collections::BTreeMap<u64, Vec<u16>> {
+        let live = live_memberships(r.ip, &Holders::from_record(r));
+        assert!(live.windows(2).all(|w| w[0].0 < w[1].0), "{live:?}");
+        live.into_iter().collect()
     }
 
     fn ips(members: &[Member]) -> Vec<String> {
@@ -614,7 +645,8 @@ mod tests {
             lists.count(record);
         }
         let counted = |lists: &Lists, service: &ServiceKey| {
-            let list = &lists.lists[&service_id(service)];
+            let id = service_id(service);
+            let (_, list) = lists.lists.iter().find(|(k, _)| *k == id).unwrap();
             (list.counted, list.filled, list.others.len())
         };
         // Of 1..=300: cart is i % 3 != 0 (200), pay i % 3 == 0 (100); not
@@ -629,7 +661,7 @@ mod tests {
         // Where the buffers are, and how large: a reallocation would change
         // them, and a list past its range would grow a vector of its own.
         let buffers = |lists: &Lists| {
-            let each = lists.lists.values().map(|l| {
+            let each = lists.lists.iter().map(|(_, l)| {
                 (
                     l.v4.capacity(),
                     l.others.as_ptr() as usize,
