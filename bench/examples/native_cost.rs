@@ -82,7 +82,7 @@ use serde_json::{json, Value};
 use staleguard_bench::{cpu_ns, env_usize, loadavg, median, percentile, rss_kib, swap_module};
 use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::blocking::{Answer, Server};
-use staleguard_tests::envoy::stats::STAT_RESETS;
+use staleguard_tests::envoy::stats::{requests_total, STAT_RESETS, STAT_UNMAPPED};
 use staleguard_tests::envoy::{
     cluster_mut, dependencies, native, shipped_plugin, Cluster, Envoy, Gateway, Launch,
 };
@@ -169,7 +169,15 @@ fn bootstrap(
     variant: Variant,
     validator: &FakeValidator,
 ) -> Result<(Value, Vec<(String, String)>)> {
-    let plugin = shipped_plugin(json!({"on_reject": "reject"}));
+    // The topology `deploy/native/envoy-lb.yaml` and `deploy/envoy/envoy.yaml`
+    // ship (`shipped_plugin` leaves it to the gateway): `shop-cart` is
+    // `shop/cart`. Without it the cluster maps to no service and the filter
+    // judges nothing (it counts the request `unmapped`).
+    let plugin = shipped_plugin(json!({
+        "on_reject": "reject",
+        "istio": false,
+        "clusters": [{"name": CLUSTER, "service": "shop/cart"}],
+    }));
     let cluster_plugin = match variant {
         Variant::WasmNoop => Some(json!({})),
         Variant::Wasm => Some(plugin.clone()),
@@ -258,6 +266,21 @@ fn start(
             Ok(e.stat(UNCHECKED)? == before)
         })?,
         _ => {}
+    }
+    if matches!(
+        variant,
+        Variant::Wasm | Variant::NativeFilter | Variant::NativeFilterBefore
+    ) {
+        // What is measured is a judgement: the live pod found a member
+        // (counted on the filter's tick), never a request left unmapped.
+        running.eventually("a member verdict", slow, |e| {
+            one_request(e.listener)?;
+            let stats = e.stats()?;
+            if stats.get(STAT_UNMAPPED).is_some_and(|n| *n > 0) {
+                bail!("{}: the filter left shop-cart unmapped", variant.name());
+            }
+            Ok(requests_total(&stats, "member", "allow") > 0)
+        })?;
     }
     Ok(running)
 }
@@ -406,11 +429,11 @@ fn instructions(setup: &Setup, variant: Variant, requests: usize) -> Result<f64>
     Ok(total as f64 / requests as f64)
 }
 
-/// `connections` keep-alive clients for `seconds`: requests answered.
-fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64> {
+/// `connections` keep-alive clients for `length`: requests answered.
+fn load(listener: SocketAddr, connections: usize, length: Duration) -> Result<u64> {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let until = Instant::now() + Duration::from_secs(seconds as u64);
+    let until = Instant::now() + length;
     let workers: Vec<_> = (0..connections)
         .map(|_| {
             let (done, stop) = (done.clone(), stop.clone());
@@ -431,13 +454,111 @@ fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64>
     Ok(done.load(Ordering::Relaxed))
 }
 
-/// `connections` keep-alive clients on `envoy` for `seconds`: the
-/// microseconds of CPU (every Envoy thread) per request answered.
-fn cpu_per_request(envoy: &Envoy, connections: usize, seconds: usize) -> Result<f64> {
+/// How one gateway is measured: `connections` keep-alive clients for
+/// `warmup` (not measured), then for `seconds` (measured).
+struct Window {
+    connections: usize,
+    seconds: usize,
+    warmup: Duration,
+}
+
+/// The microseconds of CPU (every Envoy thread) per request answered by
+/// `envoy` in one measured window, after its warm-up window: the gateway
+/// measured runs warm, whatever ran before it.
+fn cpu_per_request(envoy: &Envoy, window: &Window) -> Result<f64> {
+    if !window.warmup.is_zero() {
+        load(envoy.listener, window.connections, window.warmup)?;
+    }
     let t0 = cpu_ns(envoy.pid())?;
-    let n = load(envoy.listener, connections, seconds)?;
+    let n = load(
+        envoy.listener,
+        window.connections,
+        Duration::from_secs(window.seconds as u64),
+    )?;
     let t1 = cpu_ns(envoy.pid())?;
     Ok(t1.saturating_sub(t0) as f64 / 1e3 / n.max(1) as f64)
+}
+
+/// How a round orders the gateways' windows and what a ratio is to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Protocol {
+    /// Every gateway, `none` included, once a round, in an order rotated by
+    /// one each round; ratios to that round's `none`.
+    Rotated,
+    /// `none`, then each other gateway followed by `none` again; ratios to
+    /// the mean of the two `none` windows beside it (the design before:
+    /// `none` runs every other window and so stays warm).
+    Bracketed,
+}
+
+impl Protocol {
+    fn name(self) -> &'static str {
+        match self {
+            Protocol::Rotated => "rotated",
+            Protocol::Bracketed => "bracketed",
+        }
+    }
+}
+
+/// The order of the gateways' windows in rotated round `turn`: rotated by
+/// `turn / 2`, and reversed in every odd turn. Over `2 x n` rounds every
+/// gateway takes every place twice and follows each of its two neighbours
+/// equally often.
+fn rotated_order(n: usize, turn: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).map(|k| (turn / 2 + k) % n.max(1)).collect();
+    if turn % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
+/// One rotated round (turn `turn`): every gateway once, in
+/// [`rotated_order`]; (gateway index, CPU per request, ratio to `none`).
+fn rotated_round(
+    running: &[(Variant, Envoy)],
+    turn: usize,
+    window: &Window,
+) -> Result<Vec<(usize, f64, f64)>> {
+    let n = running.len();
+    let mut us = vec![f64::NAN; n];
+    for i in rotated_order(n, turn) {
+        us[i] = cpu_per_request(&running[i].1, window)?;
+    }
+    let none = running
+        .iter()
+        .position(|(v, _)| *v == Variant::None)
+        .map_or(f64::NAN, |i| us[i]);
+    Ok(us
+        .iter()
+        .enumerate()
+        .map(|(i, us)| (i, *us, us / none))
+        .collect())
+}
+
+/// One bracketed round (turn `turn`): `none`, then each other gateway,
+/// rotated by `turn`, each followed by `none`.
+fn bracketed_round(
+    running: &[(Variant, Envoy)],
+    none_at: usize,
+    turn: usize,
+    window: &Window,
+) -> Result<Vec<(usize, f64, f64)>> {
+    let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
+    if !order.is_empty() {
+        let by = turn % order.len();
+        order.rotate_left(by);
+    }
+    let none = &running[none_at].1;
+    let mut before = cpu_per_request(none, window)?;
+    let mut out = vec![(none_at, before, 1.0)];
+    for i in order {
+        let us = cpu_per_request(&running[i].1, window)?;
+        let after = cpu_per_request(none, window)?;
+        out.push((i, us, us / ((before + after) / 2.0)));
+        out.push((none_at, after, 1.0));
+        before = after;
+    }
+    Ok(out)
 }
 
 /// What a gateway's memory is made of, in bytes: the process's RSS and
@@ -680,13 +801,21 @@ fn main() -> Result<()> {
             );
         }
     }
-    let mut cost: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    let mut ratio: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    // `none` brackets every other gateway: none, a, none, b, none, ... and
-    // each ratio is to the mean of the two `none` measures beside it, so a
-    // load that drifts during the round cancels out.
+    // Every gateway, `none` included, is measured once a round, each window
+    // after a warm-up window of its own on the same gateway, in an order
+    // rotated by one every round; a gateway's ratio is to that round's
+    // `none`. `PROTOCOL=bracketed` is the earlier design (`none` after every
+    // gateway, ratios to the mean of the two beside it), `both` alternates
+    // the two designs round by round, to compare their bias in one run.
     // `ONLY=memory` runs the `lb` gateway alone: no rounds, no `none`.
     let cpu_rounds = if memory_only { 0 } else { rounds };
+    let warmup = Duration::from_millis(env_usize("WARMUP_MS", 1000) as u64);
+    let protocol = std::env::var("PROTOCOL").unwrap_or_else(|_| "rotated".into());
+    let designs: &[Protocol] = match protocol.as_str() {
+        "bracketed" => &[Protocol::Bracketed],
+        "both" => &[Protocol::Rotated, Protocol::Bracketed],
+        _ => &[Protocol::Rotated],
+    };
     let none_at = if memory_only {
         0
     } else {
@@ -695,29 +824,43 @@ fn main() -> Result<()> {
             .position(|(v, _)| *v == Variant::None)
             .context("no none gateway")?
     };
-    let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
+    let window = Window {
+        connections,
+        seconds,
+        warmup,
+    };
+    // Per design: CPU per request and per-round ratios, by gateway.
+    let mut cost: BTreeMap<(Protocol, &str), Vec<f64>> = BTreeMap::new();
+    let mut ratio: BTreeMap<(Protocol, &str), Vec<f64>> = BTreeMap::new();
     for round in 0..cpu_rounds {
-        if round > 0 {
-            order.rotate_left(1);
+        let design = designs[round % designs.len()];
+        // Each design rotates by one over its own rounds.
+        let turn = round / designs.len();
+        let measured = match design {
+            Protocol::Rotated => rotated_round(&running, turn, &window)?,
+            Protocol::Bracketed => bracketed_round(&running, none_at, turn, &window)?,
+        };
+        for (i, us, r) in measured {
+            let name = running[i].0.name();
+            cost.entry((design, name)).or_default().push(us);
+            ratio.entry((design, name)).or_default().push(r);
         }
-        let none = &running[none_at].1;
-        let mut before = cpu_per_request(none, connections, seconds)?;
-        cost.entry("none").or_default().push(before);
-        for &i in &order {
-            let (v, envoy) = &running[i];
-            let us = cpu_per_request(envoy, connections, seconds)?;
-            let after = cpu_per_request(none, connections, seconds)?;
-            cost.entry(v.name()).or_default().push(us);
-            cost.entry("none").or_default().push(after);
-            ratio
-                .entry(v.name())
-                .or_default()
-                .push(us / ((before + after) / 2.0));
-            before = after;
-        }
-        ratio.entry("none").or_default().push(1.0);
-        eprintln!("round {}/{rounds} done", round + 1);
+        eprintln!("round {}/{rounds} ({}) done", round + 1, design.name());
     }
+    let main_design = designs[0];
+    let mut cost: BTreeMap<&str, Vec<f64>> = cost
+        .iter()
+        .filter(|((d, _), _)| *d == main_design)
+        .map(|((_, n), v)| (*n, v.clone()))
+        .collect();
+    let ratio_of_design = |design: Protocol| -> BTreeMap<&str, Vec<f64>> {
+        ratio
+            .iter()
+            .filter(|((d, _), _)| *d == design)
+            .map(|((_, n), v)| (*n, v.clone()))
+            .collect()
+    };
+    let ratio = ratio_of_design(main_design);
 
     // Memory: the lb gateway with the whole index against one with two IPs.
     let mut memory = Vec::new();
@@ -725,7 +868,7 @@ fn main() -> Result<()> {
     if let Some((_, lb)) = running.iter().find(|(v, _)| *v == Variant::Lb) {
         let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_validator)?;
         for e in [lb, &small] {
-            load(e.listener, 2, 1)?;
+            load(e.listener, 2, Duration::from_secs(1))?;
         }
         std::thread::sleep(Duration::from_secs(2));
         let first;
@@ -741,7 +884,7 @@ fn main() -> Result<()> {
                 reset_all(&setup, &[lb, &small], 3001 + r, 1 + r)?;
             }
             for e in [lb, &small] {
-                load(e.listener, 2, 1)?;
+                load(e.listener, 2, Duration::from_secs(1))?;
             }
             std::thread::sleep(Duration::from_secs(2));
             let (_, after) = memory_line(
@@ -763,7 +906,9 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {rounds}) | x none (median of per-round ratios) | per-round ratios: quartiles | median ratio: 95% bootstrap interval |"
+        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {} {} rounds) | x none (median of per-round ratios) | per-round ratios: quartiles | median ratio: 95% bootstrap interval |",
+        cpu_rounds.div_ceil(designs.len()),
+        main_design.name(),
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let none_instr = instr.get("none").copied();
@@ -792,6 +937,28 @@ fn main() -> Result<()> {
              95% interval {:.3} - {:.3}): a ratio inside that interval is no measured difference",
             floor.median, floor.q1, floor.q3, floor.low, floor.high
         );
+    }
+    // `PROTOCOL=both`: the other design's ratios beside the main one's.
+    for &design in designs.iter().skip(1) {
+        let other = ratio_of_design(design);
+        for &v in &variants {
+            let (Some(a), Some(b)) = (ratio.get(v.name()), other.get(v.name())) else {
+                continue;
+            };
+            let (a, b) = (Spread::of(a), Spread::of(b));
+            println!(
+                "design check {}: {} {:.3}x [{:.3} - {:.3}], {} {:.3}x [{:.3} - {:.3}]",
+                v.name(),
+                main_design.name(),
+                a.median,
+                a.low,
+                a.high,
+                design.name(),
+                b.median,
+                b.low,
+                b.high,
+            );
+        }
     }
     let spread = |name: &str| ratio.get(name).map(|r| Spread::of(r));
     let (lb, filter, floor) = (spread("lb"), spread("native_filter"), spread("none_again"));
