@@ -2,16 +2,15 @@
 //! says about the host, and what the filter does about it.
 
 use std::net::{IpAddr, SocketAddr};
+use std::rc::Rc;
 
 use staleguard_core::ip::canonical;
 use staleguard_core::{decide, Action, IpRecord, Reason, ServiceKey, Verdict};
 
-use crate::buckets;
-use crate::cache::Cache;
+use crate::cache::{Cache, Resolved};
 use crate::config::{Config, Mode};
 use crate::entry::Entry;
 use crate::host::SharedData;
-use crate::store::IndexReader;
 
 /// What the host told us about the upstream request: the two properties
 /// every request reads.
@@ -21,6 +20,25 @@ pub struct Upstream {
     pub cluster: Option<String>,
     /// `upstream.address`, as `IP:port`.
     pub address: Option<String>,
+}
+
+/// [`Upstream`] as [`judge`] reads it: lent, not owned (a request lends
+/// the host's own texts, see [`crate::host::Stream::property_text`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UpstreamRef<'a> {
+    /// `xds.cluster_name`.
+    pub cluster: Option<&'a str>,
+    /// `upstream.address`, as `IP:port`.
+    pub address: Option<&'a str>,
+}
+
+impl<'a> From<&'a Upstream> for UpstreamRef<'a> {
+    fn from(upstream: &'a Upstream) -> Self {
+        Self {
+            cluster: upstream.cluster.as_deref(),
+            address: upstream.address.as_deref(),
+        }
+    }
 }
 
 /// What a request reads from the host only when it needs it.
@@ -71,8 +89,8 @@ pub enum Ruling {
     OutOfScope,
     /// Judged.
     Judged {
-        /// The service the cluster routes to.
-        service: ServiceKey,
+        /// The service the cluster routes to (the cache's, shared).
+        service: Rc<Resolved>,
         /// The host's IP.
         ip: IpAddr,
         /// The verdict.
@@ -116,14 +134,15 @@ pub fn parse_ip(address: &str) -> Option<IpAddr> {
 /// `cache`: one read of `meta` when nothing changed (see `crate::cache`),
 /// the clock only when `meta` says the data was fresh, and never a rejection
 /// on a cached record (a rejecting verdict re-reads the IP's bucket).
-pub fn judge(
+pub fn judge<'u>(
     config: &Config,
     cache: &mut Cache,
     store: &dyn SharedData,
-    upstream: &Upstream,
+    upstream: impl Into<UpstreamRef<'u>>,
     lazy: &dyn Lazy,
 ) -> Ruling {
-    let cluster = upstream.cluster.as_deref().unwrap_or_default();
+    let upstream = upstream.into();
+    let cluster = upstream.cluster.unwrap_or_default();
     let service = cache.service_of(cluster, || {
         let host = if config.istio {
             lazy.istio_service_host()
@@ -135,22 +154,22 @@ pub fn judge(
     let Some(service) = service else {
         return Ruling::Unmapped;
     };
-    let Some(ip) = upstream.address.as_deref().and_then(parse_ip) else {
+    let Some(ip) = upstream.address.and_then(parse_ip) else {
         return Ruling::NoAddress;
     };
     if !config.in_scope(ip) {
         return Ruling::OutOfScope;
     }
-    let stamp = IndexReader::new(store).meta_and_cas();
+    let stamp = cache.stamp(store);
     cache.align(stamp);
     let meta = stamp
         .map(|(meta, _)| meta)
         .filter(|m| m.fresh && m.is_fresh(lazy.now_ms(), config.max_staleness_ms));
     let verdict = match meta {
         // Stale whatever the entries say: none is read.
-        None => decide(&config.policy, false, &service, false, None),
+        None => decide(&config.policy, false, &service.key, false, None),
         Some(meta) => {
-            let known = cache.service(store, &meta, &service);
+            let known = cache.service(store, &meta, &service.key);
             let (record, cached) = cache.record(store, &meta, &ip);
             let verdict = verdict_of(config, &service, &known, record);
             if verdict.action == Action::Reject && cached {
@@ -181,7 +200,7 @@ pub fn judge(
 /// the failure policy decides.
 fn verdict_of(
     config: &Config,
-    service: &ServiceKey,
+    service: &Resolved,
     known: &Entry<()>,
     record: Entry<&IpRecord>,
 ) -> Verdict {
@@ -203,8 +222,7 @@ fn verdict_of(
         }
     };
     // Cached records name their services by id (`IndexReader::record`).
-    let by_id = buckets::placeholder(buckets::service_id(service));
-    decide(&config.policy, fresh, &by_id, known, record)
+    decide(&config.policy, fresh, &service.by_id, known, record)
 }
 
 /// The reason code the reject header carries: nothing else leaves Envoy.
@@ -216,7 +234,7 @@ pub fn header_value(reason: Reason) -> &'static str {
 mod tests {
     use super::*;
     use crate::buckets::{self, MIN_BUCKETS};
-    use crate::store::{encode_service, service_key, MemoryStore, Meta, META_KEY};
+    use crate::store::{encode_service, service_key, IndexReader, MemoryStore, Meta, META_KEY};
     use staleguard_core::wire::{Membership, Via};
     use staleguard_core::{IpRecord, PodHolder};
 
