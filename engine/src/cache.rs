@@ -58,16 +58,22 @@ pub struct Cache {
     /// The store's write count ([`SharedData::writes`]) `read` was read at,
     /// and what it read: `meta` and its token.
     read: Option<(u64, Option<Stamp>)>,
-    services: FastMap<ServiceKey, bool>,
+    /// Whether a service is known, by its id ([`Resolved::id`]).
+    services: FastMap<u64, bool>,
     records: FastMap<IpAddr, Option<IpRecord>>,
 }
 
 /// A cluster's service, resolved once per cluster name while the cache
-/// keeps it: its key, and the key records read from the index name it by.
+/// keeps it: its key, its id, and the key records read from the index name
+/// it by.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Resolved {
     /// The service.
     pub key: ServiceKey,
+    /// Its id ([`buckets::service_id`]), as the index's records name it:
+    /// what the per-request maps key it by (the cache's services, the
+    /// metric labels), cheaper to hash than its two names.
+    pub id: u64,
     /// `key` as a record read from the index names it: by its id
     /// ([`buckets::placeholder`]), which a verdict compares against.
     pub by_id: ServiceKey,
@@ -76,8 +82,12 @@ pub struct Resolved {
 impl Resolved {
     /// `key`, with its id worked out once.
     pub fn new(key: ServiceKey) -> Self {
-        let by_id = buckets::placeholder(buckets::service_id(&key));
-        Self { key, by_id }
+        let id = buckets::service_id(&key);
+        Self {
+            key,
+            id,
+            by_id: buckets::placeholder(id),
+        }
     }
 }
 
@@ -172,22 +182,22 @@ impl Cache {
         &mut self,
         store: &dyn SharedData,
         meta: &Meta,
-        service: &ServiceKey,
+        service: &Resolved,
     ) -> Entry<()> {
-        if let Some(known) = self.services.get(service) {
+        if let Some(known) = self.services.get(&service.id) {
             return if *known {
                 Entry::Present(())
             } else {
                 Entry::Absent
             };
         }
-        let entry = IndexReader::new(store).service(meta, service);
+        let entry = IndexReader::new(store).service(meta, &service.key);
         let known = match entry {
             Entry::Present(()) => true,
             Entry::Absent => false,
             Entry::Corrupt => return Entry::Corrupt,
         };
-        bounded_insert(&mut self.services, self.limit, service.clone(), known);
+        bounded_insert(&mut self.services, self.limit, service.id, known);
         entry
     }
 
@@ -410,11 +420,11 @@ mod tests {
         assert_eq!(vm.store.reads.get(), 3, "meta only");
         let meta = vm.meta();
         assert_eq!(
-            vm.cache.service(&vm.store, &meta, &cart()),
+            vm.cache.service(&vm.store, &meta, &Resolved::new(cart())),
             Entry::Present(())
         );
         assert_eq!(
-            vm.cache.service(&vm.store, &meta, &cart()),
+            vm.cache.service(&vm.store, &meta, &Resolved::new(cart())),
             Entry::Present(())
         );
         assert_eq!(vm.store.reads.get(), 5, "meta above, then the service once");

@@ -1,7 +1,7 @@
 //! One request's verdict: which service the cluster means, what the index
 //! says about the host, and what the filter does about it.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::rc::Rc;
 
 use staleguard_core::ip::canonical;
@@ -122,12 +122,55 @@ pub fn parse_ip(address: &str) -> Option<IpAddr> {
         Some(internal) => internal.split_once('/')?.1,
         None => address,
     };
+    if let Some(ip) = ipv4_with_port(address) {
+        return Some(IpAddr::V4(ip));
+    }
     address
         .parse::<SocketAddr>()
         .map(|a| a.ip())
         .or_else(|_| address.parse::<IpAddr>())
         .ok()
         .map(canonical)
+}
+
+/// `a.b.c.d:port`, the form Envoy names almost every upstream host by, read
+/// by hand: the general parser (`SocketAddr`'s) costs about 350
+/// instructions a request. `None` for anything it is not sure of (IPv6,
+/// a bare IP, a port with more than 5 digits, a leading zero in an octet),
+/// which [`parse_ip`] then hands to the general parser; what it reads, it
+/// reads as that parser does.
+fn ipv4_with_port(address: &str) -> Option<Ipv4Addr> {
+    let mut octets = [0u8; 4];
+    let mut bytes = address.as_bytes().iter();
+    for (i, octet) in octets.iter_mut().enumerate() {
+        let end = if i == 3 { b':' } else { b'.' };
+        let (mut value, mut digits) = (0u32, 0u32);
+        loop {
+            let b = *bytes.next()?;
+            if b == end && digits > 0 {
+                break;
+            }
+            // At most 3 digits, and no digit after a leading 0.
+            if !b.is_ascii_digit() || digits == 3 || (digits == 1 && value == 0) {
+                return None;
+            }
+            value = value * 10 + u32::from(b - b'0');
+            digits += 1;
+        }
+        *octet = u8::try_from(value).ok()?;
+    }
+    let port = bytes.as_slice();
+    if port.is_empty() || port.len() > 5 {
+        return None;
+    }
+    let mut value = 0u32;
+    for b in port {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        value = value * 10 + u32::from(b - b'0');
+    }
+    (value <= u32::from(u16::MAX)).then(|| Ipv4Addr::from(octets))
 }
 
 /// Judges one request against the shared-data index, through the VM's
@@ -169,7 +212,7 @@ pub fn judge<'u>(
         // Stale whatever the entries say: none is read.
         None => decide(&config.policy, false, &service.key, false, None),
         Some(meta) => {
-            let known = cache.service(store, &meta, &service.key);
+            let known = cache.service(store, &meta, &service);
             let (record, cached) = cache.record(store, &meta, &ip);
             let verdict = verdict_of(config, &service, &known, record);
             if verdict.action == Action::Reject && cached {
@@ -387,6 +430,65 @@ mod tests {
         assert_eq!(parse_ip("[fd00::1]:80"), Some("fd00::1".parse().unwrap()));
         assert_eq!(parse_ip("fd00::1"), Some("fd00::1".parse().unwrap()));
         assert_eq!(parse_ip("nonsense"), None);
+    }
+
+    #[test]
+    fn an_ipv4_host_and_port_read_by_hand_reads_as_the_general_parser_reads_it() {
+        let general = |a: &str| {
+            a.parse::<SocketAddr>()
+                .map(|s| s.ip())
+                .or_else(|_| a.parse::<IpAddr>())
+                .ok()
+                .map(canonical)
+        };
+        let mut cases: Vec<String> = [
+            "10.0.0.1:80",
+            "10.244.1.5:8080",
+            "0.0.0.0:0",
+            "255.255.255.255:65535",
+            "1.2.3.4:65536",
+            "1.2.3.4:99999",
+            "1.2.3.4:0080",
+            "1.2.3.4:000080",
+            "1.2.3.4:",
+            "1.2.3.4:+80",
+            "1.2.3.4:8a",
+            "01.2.3.4:80",
+            "1.2.3.04:80",
+            "256.1.1.1:80",
+            "1.2.3:80",
+            "1.2.3.4.5:80",
+            "1..3.4:80",
+            ".1.2.3:80",
+            "1.2.3.4.:80",
+            "1.2.3.1000:80",
+            " 1.2.3.4:80",
+            "1.2.3.4",
+            "[fd00::1]:80",
+            "[::ffff:10.0.0.1]:8080",
+            "fd00::1",
+            "::ffff:1.2.3.4",
+            "",
+            ":80",
+            "a.b.c.d:80",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        // Every octet and a spread of ports.
+        for n in 0..=300u32 {
+            cases.push(format!("{n}.{}.0.{}:{}", 300 - n, n % 7, n * 217));
+        }
+        for case in &cases {
+            assert_eq!(parse_ip(case), general(case), "{case:?}");
+            if let Some(ip) = ipv4_with_port(case) {
+                assert_eq!(Some(IpAddr::V4(ip)), general(case), "{case:?}");
+            }
+        }
+        assert!(
+            ipv4_with_port("10.0.0.1:8080").is_some(),
+            "the fast path runs"
+        );
     }
 
     #[test]

@@ -211,8 +211,8 @@ impl Filter {
                 effect,
             } => (service, ip, verdict, effect),
         };
+        let label = m.services.id(&service);
         let service = &service.key;
-        let label = m.services.id(service);
         drop(m);
         // The body path steers while stale picks are seen (`crate::steer`).
         if matches!(verdict.reason, Reason::Destroyed | Reason::Recycled) {
