@@ -17,12 +17,15 @@
 //! - `none_again`: a second, identical `none` gateway: its ratio to `none`
 //!   is the run's noise floor (how far apart two equal gateways measure);
 //! - `wasm_noop`: `NOOP_WASM`, a proxy-wasm filter that does nothing;
-//! - `wasm`: the staleguard Wasm filter (`STALEGUARD_WASM`), shipped
-//!   configuration, `on_reject: reject`;
+//! - `wasm`: the staleguard Wasm filter (`STALEGUARD_WASM`), the same plugin
+//!   configuration as `native_filter`;
 //! - `native_noop`: the native module's no-op upstream filter (`filter_name:
 //!   noop`: no callback, no lock);
 //! - `native_filter`: the native module as the upstream filter
-//!   (`STALEGUARD_NATIVE`), shipped plugin configuration, `on_reject: reject`;
+//!   (`STALEGUARD_NATIVE`), shipped plugin configuration with the topology
+//!   `deploy/native/` ships (`shop-cart` is `shop/cart`), `on_reject:
+//!   reject`: every request judged (the gateway is measured only once it
+//!   counted a member verdict, never an unmapped request);
 //! - `lb`: round robin replaced by the native load-balancing policy as
 //!   `deploy/native/envoy-lb.yaml` ships it, no filter.
 //!
@@ -36,15 +39,23 @@
 //! keep-alive connection, then `REQUESTS` (2000) more, counted between
 //! `callgrind_control --zero` and `--dump`: every instruction of every
 //! Envoy thread, divided by the requests. CPU: `ROUNDS` (3) rounds, each
-//! measuring every gateway once for `SECONDS` (3) with `CONNECTIONS` (8)
-//! keep-alive clients, in an order rotated per round, with `none` measured
-//! again after each of them; the nanoseconds every Envoy thread spent on a
-//! CPU (the scheduler's account, `schedstat`) divided by the requests
-//! answered in that window (counted, not rate x time); each gateway's ratio
-//! to the mean of the two `none` measures beside it (a load drifting during
-//! the round cancels); the median of the rounds' CPU, and the median of the
-//! per-round ratios with their quartiles and a 95% bootstrap interval of
-//! that median (many short rounds make it narrow). Memory: the `lb` gateway with the index
+//! measuring every gateway, `none` included, once: `WARMUP_MS` (1000) of
+//! load on it that is not measured, then `SECONDS` (3) measured, both with
+//! `CONNECTIONS` (8) keep-alive clients; the order is rotated by one every
+//! second round and reversed every other round, so that over `2 x n` rounds
+//! (n gateways) each gateway takes each place twice and follows each of its
+//! neighbours equally often. A window's CPU is the nanoseconds every Envoy
+//! thread spent on a CPU (the scheduler's account, `schedstat`) divided by
+//! the requests answered in it (counted, not rate x time); a gateway's
+//! ratio is to that round's `none`, and a load drifting over the run lands
+//! on every place of the order alike; printed: the median of the rounds'
+//! CPU, and the median of the per-round ratios with their quartiles and a
+//! 95% bootstrap interval of that median (many short rounds make it
+//! narrow). `PROTOCOL=bracketed` measures as before (`none` after every
+//! gateway, ratios to the mean of the two `none` windows beside it: `none`
+//! runs every other window and stays warm, which biased two equal gateways
+//! apart); `PROTOCOL=both` alternates the designs round by round and prints
+//! both designs' ratios (`design check` lines). Memory: the `lb` gateway with the index
 //! loaded against the same gateway with only the two live pods indexed, per
 //! indexed IP: RSS, and what Envoy's allocator (tcmalloc, which the module's
 //! `malloc` goes to as well) says on the admin `/memory` page: bytes in use,
