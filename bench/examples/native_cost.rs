@@ -39,20 +39,22 @@
 //! keep-alive connection, then `REQUESTS` (2000) more, counted between
 //! `callgrind_control --zero` and `--dump`: every instruction of every
 //! Envoy thread, divided by the requests. CPU: `ROUNDS` (3) rounds, each
-//! measuring every gateway, `none` included, once: `WARMUP_MS` (1000) of
-//! load on it that is not measured, then `SECONDS` (3) measured, both with
-//! `CONNECTIONS` (8) keep-alive clients; the order is rotated by one every
-//! second round and reversed every other round, so that over `2 x n` rounds
-//! (n gateways) each gateway takes each place twice and follows each of its
-//! neighbours equally often. A window's CPU is the nanoseconds every Envoy
+//! measuring every gateway, `none` included, twice, in an order and then
+//! in its reverse (a, b, c, c, b, a): each window is `WARMUP_MS` (500) of
+//! load that is not measured, then `SECONDS` (3) measured, both with
+//! `CONNECTIONS` (8) keep-alive clients, so no gateway is measured cold or
+//! warmer than another. The order rotates by one every second round and
+//! is reversed every other round (over `2 x n` rounds, n gateways, each
+//! takes each place twice). A window's CPU is the nanoseconds every Envoy
 //! thread spent on a CPU (the scheduler's account, `schedstat`) divided by
 //! the requests answered in it (counted, not rate x time); a gateway's
-//! ratio is to that round's `none`, and a load drifting over the run lands
-//! on every place of the order alike; printed: the median of the rounds'
-//! CPU, and the median of the per-round ratios with their quartiles and a
-//! 95% bootstrap interval of that median (many short rounds make it
-//! narrow). `PROTOCOL=bracketed` measures as before (`none` after every
-//! gateway, ratios to the mean of the two `none` windows beside it: `none`
+//! round is the mean of its two windows, centred on the round's middle
+//! like every other gateway's, so a load drifting linearly during the
+//! round cancels; its ratio is to that round's `none`. Printed: the median
+//! of the rounds' CPU, and the median of the per-round ratios with their
+//! quartiles and a 95% bootstrap interval of that median (many short
+//! rounds make it narrow). `PROTOCOL=bracketed` measures as before (`none` after every
+//! gateway, no warm-up, ratios to the mean of the two `none` windows beside it: `none`
 //! runs every other window and stays warm, which biased two equal gateways
 //! apart); `PROTOCOL=both` alternates the designs round by round and prints
 //! both designs' ratios (`design check` lines). Memory: the `lb` gateway with the index
@@ -467,6 +469,7 @@ fn load(listener: SocketAddr, connections: usize, length: Duration) -> Result<u6
 
 /// How one gateway is measured: `connections` keep-alive clients for
 /// `warmup` (not measured), then for `seconds` (measured).
+#[derive(Debug, Clone, Copy)]
 struct Window {
     connections: usize,
     seconds: usize,
@@ -523,17 +526,22 @@ fn rotated_order(n: usize, turn: usize) -> Vec<usize> {
     order
 }
 
-/// One rotated round (turn `turn`): every gateway once, in
-/// [`rotated_order`]; (gateway index, CPU per request, ratio to `none`).
+/// One rotated round (turn `turn`): every gateway in [`rotated_order`],
+/// then again in the reverse order (a, b, c, c, b, a), each window after
+/// its own warm-up; a gateway's CPU is the mean of its two windows, whose
+/// mean time is the round's middle for every gateway, so a load drifting
+/// linearly during the round weighs on all of them alike. (gateway index,
+/// CPU per request, ratio to `none`.)
 fn rotated_round(
     running: &[(Variant, Envoy)],
     turn: usize,
     window: &Window,
 ) -> Result<Vec<(usize, f64, f64)>> {
     let n = running.len();
-    let mut us = vec![f64::NAN; n];
-    for i in rotated_order(n, turn) {
-        us[i] = cpu_per_request(&running[i].1, window)?;
+    let mut us = vec![0.0; n];
+    let order = rotated_order(n, turn);
+    for &i in order.iter().chain(order.iter().rev()) {
+        us[i] += cpu_per_request(&running[i].1, window)? / 2.0;
     }
     let none = running
         .iter()
@@ -547,13 +555,18 @@ fn rotated_round(
 }
 
 /// One bracketed round (turn `turn`): `none`, then each other gateway,
-/// rotated by `turn`, each followed by `none`.
+/// rotated by `turn`, each followed by `none`; no warm-up windows, as the
+/// design was.
 fn bracketed_round(
     running: &[(Variant, Envoy)],
     none_at: usize,
     turn: usize,
     window: &Window,
 ) -> Result<Vec<(usize, f64, f64)>> {
+    let window = &Window {
+        warmup: Duration::ZERO,
+        ..*window
+    };
     let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
     if !order.is_empty() {
         let by = turn % order.len();
@@ -812,15 +825,15 @@ fn main() -> Result<()> {
             );
         }
     }
-    // Every gateway, `none` included, is measured once a round, each window
-    // after a warm-up window of its own on the same gateway, in an order
-    // rotated by one every round; a gateway's ratio is to that round's
-    // `none`. `PROTOCOL=bracketed` is the earlier design (`none` after every
+    // Every gateway, `none` included, is measured twice a round, in an order
+    // and then its reverse, each window after a warm-up window of its own
+    // on the same gateway; the order rotates from round to round; a
+    // gateway's ratio is to that round's `none`. `PROTOCOL=bracketed` is the earlier design (`none` after every
     // gateway, ratios to the mean of the two beside it), `both` alternates
     // the two designs round by round, to compare their bias in one run.
     // `ONLY=memory` runs the `lb` gateway alone: no rounds, no `none`.
     let cpu_rounds = if memory_only { 0 } else { rounds };
-    let warmup = Duration::from_millis(env_usize("WARMUP_MS", 1000) as u64);
+    let warmup = Duration::from_millis(env_usize("WARMUP_MS", 500) as u64);
     let protocol = std::env::var("PROTOCOL").unwrap_or_else(|_| "rotated".into());
     let designs: &[Protocol] = match protocol.as_str() {
         "bracketed" => &[Protocol::Bracketed],
