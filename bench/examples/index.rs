@@ -362,8 +362,9 @@ fn memory_child() {
     let json_start = Instant::now();
     let json = serde_json::to_vec(&snapshot).unwrap_or_default();
     let json_ms = json_start.elapsed().as_secs_f64() * 1000.0;
-    // What gateways ask for: the verdict view's JSON (before issue 28) and
-    // the packed form (after), each from the copied snapshot.
+    // What gateways ask for: the verdict view's JSON (before issue 28), the
+    // packed form as text and with binary records (now), each from the
+    // copied snapshot.
     let verdict_start = Instant::now();
     let mut slim = snapshot.clone();
     slim.records = slim
@@ -376,8 +377,14 @@ fn memory_child() {
     let packed_start = Instant::now();
     let packed = staleguard_core::packed::encode_snapshot(&snapshot);
     let packed_ms = packed_start.elapsed().as_secs_f64() * 1000.0;
+    let binary_start = Instant::now();
+    let binary = staleguard_core::packed::encode_snapshot_as(
+        staleguard_core::packed::Encoding::Binary,
+        &snapshot,
+    );
+    let binary_ms = binary_start.elapsed().as_secs_f64() * 1000.0;
     println!(
-        "{} {} {} {} {:.1} {:.1} {} {:.1} {} {:.1} {}",
+        "{} {} {} {} {:.1} {:.1} {} {:.1} {} {:.1} {} {:.1} {}",
         before,
         after,
         peak,
@@ -388,7 +395,9 @@ fn memory_child() {
         verdict_ms,
         verdict.len(),
         packed_ms,
-        packed.len()
+        packed.len(),
+        binary_ms,
+        binary.len()
     );
     std::hint::black_box(&ix);
 }
@@ -406,7 +415,7 @@ fn memory() -> Option<f64> {
             .split_whitespace()
             .filter_map(|v| v.parse().ok())
             .collect();
-        if nums.len() != 11 {
+        if nums.len() != 13 {
             eprintln!(
                 "memory child failed: {text} {}",
                 String::from_utf8_lossy(&out.stderr)
@@ -431,11 +440,13 @@ fn memory() -> Option<f64> {
         col(6) / 1024.0 / 1024.0
     );
     println!(
-        "  as gateways ask for it: verdict view JSON {:.0} ms, {:.1} MB; packed {:.0} ms, {:.1} MB",
+        "  as gateways ask for it: verdict view JSON {:.0} ms, {:.1} MB; packed {:.0} ms, {:.1} MB; packed with binary records {:.0} ms, {:.1} MB",
         col(7),
         col(8) / 1e6,
         col(9),
-        col(10) / 1e6
+        col(10) / 1e6,
+        col(11),
+        col(12) / 1e6
     );
     Some(rss_mb)
 }

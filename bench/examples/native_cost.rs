@@ -63,7 +63,10 @@
 //! `malloc` goes to as well) says on the admin `/memory` page: bytes in use,
 //! and bytes it holds free (page heap free, still resident). `RESETS` (0)
 //! more full resets are then forced on both (the validator restarts with a
-//! new epoch) and the memory measured again. `VALGRIND` (`all`) names the
+//! new epoch) and the memory measured again after each. `WAITS` (`2`) are
+//! the seconds after a sync or reset was applied at which it is measured
+//! (`0,2,5`: three lines each); `TCMALLOC=<dir>` writes each gateway's
+//! `/memory/tcmalloc` report there at each measure. `VALGRIND` (`all`) names the
 //! gateways whose instructions are counted (`none,lb`), or `none` for no
 //! count. `ONLY=memory` measures the memory alone (no valgrind, no CPU).
 //! `VARIANTS` (all) names the gateways to run besides `none`
@@ -665,7 +668,8 @@ fn store_footprint(services: &[ServiceKey], records: &[IpRecord]) -> Result<Stri
     let per_ip = |bytes: usize| bytes as f64 / records.len() as f64;
     Ok(format!(
         "the module's store (in this process, {} IPs): {:.1} bytes per IP: bucket lines {:.1}, \
-         bucket slots {:.1}, member lists {:.1}, other keys {:.1}, map tables {:.1}",
+         bucket slots {:.1}, member lists {:.1}, other keys {:.1}, map tables {:.1}, \
+         garbage {:.1}, room (allocated, untouched until written) {:.1}",
         records.len(),
         per_ip(f.total()),
         per_ip(f.bucket_values),
@@ -673,6 +677,8 @@ fn store_footprint(services: &[ServiceKey], records: &[IpRecord]) -> Result<Stri
         per_ip(f.member_values),
         per_ip(f.named),
         per_ip(f.tables),
+        per_ip(f.garbage),
+        per_ip(f.spare),
     ))
 }
 
@@ -886,44 +892,57 @@ fn main() -> Result<()> {
     };
     let ratio = ratio_of_design(main_design);
 
-    // Memory: the lb gateway with the whole index against one with two IPs.
-    let mut memory = Vec::new();
+    // Memory: the lb gateway with the whole index against one with two IPs,
+    // after the first sync and after each forced reset, at each of `WAITS`.
     let mut per_ip = f64::NAN;
     if let Some((_, lb)) = running.iter().find(|(v, _)| *v == Variant::Lb) {
         let small = start(&setup, Variant::Lb, &setup.envoy, &setup.small_validator)?;
-        for e in [lb, &small] {
-            load(e.listener, 2, Duration::from_secs(1))?;
-        }
-        std::thread::sleep(Duration::from_secs(2));
-        let first;
-        (per_ip, first) = memory_line(
-            "after the first sync",
-            Heap::of(lb)?,
-            Heap::of(&small)?,
-            indexed - 2,
-        );
-        memory.push(first);
-        if resets > 0 {
-            for r in 1..=resets {
+        let waits: Vec<u64> = std::env::var("WAITS")
+            .unwrap_or_else(|_| "2".into())
+            .split(',')
+            .filter_map(|w| w.trim().parse().ok())
+            .collect();
+        let tcmalloc = std::env::var_os("TCMALLOC").map(PathBuf::from);
+        for r in 0..=resets {
+            if r > 0 {
                 reset_all(&setup, &[lb, &small], 3001 + r, 1 + r)?;
             }
+            let applied = Instant::now();
             for e in [lb, &small] {
                 load(e.listener, 2, Duration::from_secs(1))?;
             }
-            std::thread::sleep(Duration::from_secs(2));
-            let (_, after) = memory_line(
-                &format!("after {resets} more resets"),
-                Heap::of(lb)?,
-                Heap::of(&small)?,
-                indexed - 2,
-            );
-            memory.push(after);
+            let when = match r {
+                0 => "after the first sync".to_owned(),
+                r if r == resets => format!("after {resets} more resets"),
+                r => format!("after reset {r} of {resets}"),
+            };
+            for &wait in &waits {
+                let since = Duration::from_secs(wait).saturating_sub(applied.elapsed());
+                std::thread::sleep(since);
+                let at = applied.elapsed().as_secs_f64();
+                let (rss, line) = memory_line(
+                    &format!("{when} (+{at:.1} s)"),
+                    Heap::of(lb)?,
+                    Heap::of(&small)?,
+                    indexed - 2,
+                );
+                if r == 0 && per_ip.is_nan() {
+                    per_ip = rss;
+                }
+                println!("{line}");
+                if let Some(dir) = &tcmalloc {
+                    // tcmalloc's own report: free objects per size class,
+                    // the page heap, the caches.
+                    std::fs::create_dir_all(dir)?;
+                    for (e, name) in [(lb, "full"), (&small, "small")] {
+                        let file = dir.join(format!("reset{r}-{wait}s-{name}.txt"));
+                        std::fs::write(file, e.admin("/memory/tcmalloc")?)?;
+                    }
+                }
+            }
         }
     }
 
-    for line in &memory {
-        println!("{line}");
-    }
     println!("{footprint}");
     if memory_only {
         println!("\nMACHINE native_cost bytes_per_ip={per_ip:.1}");

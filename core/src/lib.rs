@@ -10,6 +10,9 @@
 //! [`cluster`] maps a gateway's Envoy clusters to them, for the filter and the
 //! audit alike; [`batch`] is the audit's one-request verdict query. [`ip`] holds
 //! the one canonical form of an address that both sides key the index by.
+//! [`packed`] is the compact form of snapshots and changes gateways ask for;
+//! [`bytes`] the LEB128 numbers and bounded reads its binary records and a
+//! gateway's binary index values are made of.
 //!
 //! The crate has no I/O and no runtime: it compiles to `wasm32-wasip1` for the
 //! filter and to native code for the validator, and must never panic on any
@@ -17,6 +20,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod batch;
+pub mod bytes;
 pub mod cluster;
 pub mod ip;
 pub mod packed;

@@ -1,15 +1,20 @@
 //! The packed form of snapshots and changes: what a gateway keeps of each
-//! record, a line per record, read one record at a time.
+//! record, read one record at a time, its records a line each or in binary.
 //!
 //! JSON ([`crate::wire`]) stays the validator's default answer, for people,
-//! the audit and clients of their own. A gateway asks for this form with
-//! `Accept: application/vnd.staleguard.packed` ([`MEDIA_TYPE`]) on
-//! `/v1/snapshot` and `/v1/changes`; a validator that does not know it answers
-//! JSON, which the answer's `Content-Type` says, so a reader of both works with
-//! validators of either release. A record carries what the verdict view
-//! carries that a gateway keeps (its pods' flags and services, bare members,
-//! the tombstone's services) and, instead of pod names, a [`fingerprint`] of
-//! them: at 150,000 IPs, about a fifth of the verdict view's JSON.
+//! the audit and clients of their own. A gateway asks for this form in
+//! `Accept` on `/v1/snapshot` and `/v1/changes`: the binary records first
+//! ([`BINARY_MEDIA_TYPE`], [`Encoding::Binary`]), then the text form
+//! ([`MEDIA_TYPE`]), then JSON ([`Encoding::accepted`] is how a validator
+//! chooses). A validator answers the best it knows: one of the last release
+//! knows only the text form, one before it only JSON; the answer's
+//! `Content-Type` and its first bytes ([`encoding_of`]) say which, and the
+//! readers here read both encodings, so a gateway works with validators of
+//! every release. A record carries what the verdict view carries that a
+//! gateway keeps (its pods' flags and services, bare members, the
+//! tombstone's services) and, instead of pod names, a [`fingerprint`] of
+//! them: at 150,000 IPs, about a fifth of the verdict view's JSON as text,
+//! under a tenth in binary (about 12 bytes a record against 28-30).
 //!
 //! # Format (wire version 1)
 //! ASCII lines, each ending in `\n`:
@@ -54,6 +59,22 @@
 //! another name (a list's lines skipped by its count), a record token that
 //! starts with another letter, a pod flag of another letter. Anything else
 //! that does not read is refused with its line number.
+//!
+//! # The binary encoding
+//! A document whose first word is `staleguard-packed-binary` (media type
+//! [`BINARY_MEDIA_TYPE`]) is the same document, lines and rules, except
+//! that the items of `[records]` and `[upserts]` are binary records (the
+//! layout is in `packed/binary.rs`'s docs): a LEB128 header (the body's
+//! length and the address family), the address in 4 or 16 bytes, then the
+//! fingerprint, pods (flags as bits, services as LEB128 positions), bare
+//! services and the tombstone's. The lines resume after the last record:
+//! `end` still closes the document, so a cut answer is refused. A binary
+//! record's length frames it: a reader skips fields a later release adds
+//! after the ones it knows (as it skips an unknown token) and ignores pod
+//! flag bits it does not know; a length past [`MAX_LINE`], a record that
+//! ends inside its fields or names no service of the document is refused
+//! with the record's number. Nothing is allocated by a stated length or
+//! count beyond the bytes that are there.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -64,12 +85,91 @@ use crate::ip::canonical;
 use crate::wire::{Changes, Delta, Freshness, Membership, Tombstone, Via, WIRE_VERSION};
 use crate::{IpRecord, PodHolder, ServiceKey, Snapshot};
 
-/// The media type a client puts in `Accept` to be answered in this form, and
-/// the `Content-Type` of such an answer.
+/// The media type a client puts in `Accept` to be answered in the text
+/// form, and the `Content-Type` of such an answer.
 pub const MEDIA_TYPE: &str = "application/vnd.staleguard.packed";
 
-/// The first word of every packed document.
+/// The media type of the binary form ([`Encoding::Binary`]).
+pub const BINARY_MEDIA_TYPE: &str = "application/vnd.staleguard.packed-binary";
+
+/// How a packed document writes its records: the rest (first line, fields,
+/// lists of services and IPs, `end`) is the same text in both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Encoding {
+    /// A line per record ([`MEDIA_TYPE`]; the first line starts
+    /// `staleguard-packed`).
+    Text,
+    /// Records in binary ([`BINARY_MEDIA_TYPE`]; the first line starts
+    /// `staleguard-packed-binary`).
+    Binary,
+}
+
+impl Encoding {
+    /// The media type that asks for this encoding and labels an answer in it.
+    pub fn media_type(self) -> &'static str {
+        match self {
+            Encoding::Text => MEDIA_TYPE,
+            Encoding::Binary => BINARY_MEDIA_TYPE,
+        }
+    }
+
+    /// The first word of a document in this encoding.
+    fn magic(self) -> &'static str {
+        match self {
+            Encoding::Text => MAGIC,
+            Encoding::Binary => BINARY_MAGIC,
+        }
+    }
+
+    /// The packed encoding a request's `Accept` values ask for, `None` for
+    /// JSON. Each media range may carry a `q` weight (1 when absent; 0, or
+    /// one that does not read, refuses it); the packed encoding of the
+    /// highest weight wins, binary on a tie, unless `application/json` weighs
+    /// more. Names are matched whole and in any case; ranges naming neither
+    /// (`*/*`, other types) leave the default, JSON.
+    pub fn accepted<'a>(accept: impl IntoIterator<Item = &'a str>) -> Option<Encoding> {
+        let (mut binary, mut text, mut json) = (0.0f32, 0.0f32, 0.0f32);
+        for range in accept.into_iter().flat_map(|value| value.split(',')) {
+            let mut parts = range.split(';');
+            let media = parts.next().unwrap_or_default().trim();
+            let mut q = 1.0;
+            for parameter in parts {
+                if let Some((name, value)) = parameter.split_once('=') {
+                    if name.trim().eq_ignore_ascii_case("q") {
+                        q = value
+                            .trim()
+                            .parse::<f32>()
+                            .ok()
+                            .filter(|q| (0.0..=1.0).contains(q))
+                            .unwrap_or(0.0);
+                    }
+                }
+            }
+            let slot = if media.eq_ignore_ascii_case(BINARY_MEDIA_TYPE) {
+                &mut binary
+            } else if media.eq_ignore_ascii_case(MEDIA_TYPE) {
+                &mut text
+            } else if media.eq_ignore_ascii_case("application/json") {
+                &mut json
+            } else {
+                continue;
+            };
+            *slot = slot.max(q);
+        }
+        let (encoding, q) = if binary >= text {
+            (Encoding::Binary, binary)
+        } else {
+            (Encoding::Text, text)
+        };
+        (q > 0.0 && q >= json).then_some(encoding)
+    }
+}
+
+/// The first word of every text packed document.
 const MAGIC: &str = "staleguard-packed";
+
+/// The first word of every binary packed document.
+const BINARY_MAGIC: &str = "staleguard-packed-binary";
 
 /// The longest line read (a node IP's record names every `hostNetwork` pod
 /// on the node with its services; a few KiB in practice).
@@ -105,13 +205,21 @@ pub fn fingerprint<'a>(pods: impl IntoIterator<Item = &'a PodHolder>) -> u32 {
     fold(hash)
 }
 
-/// True when `start`, the first bytes of an answer (at least the first 18),
-/// begin a packed document: a reader that asked for either form tells
-/// which it got without the `Content-Type`. JSON never starts so.
+/// The encoding of the packed document `start` begins (at least its first
+/// 25 bytes), `None` when it is not one: a reader that asked for several
+/// forms tells which it got without the `Content-Type`. JSON never starts so.
+pub fn encoding_of(start: &[u8]) -> Option<Encoding> {
+    [Encoding::Binary, Encoding::Text].into_iter().find(|e| {
+        start
+            .strip_prefix(e.magic().as_bytes())
+            .is_some_and(|rest| rest.first() == Some(&b' '))
+    })
+}
+
+/// True when `start` (at least its first 25 bytes) begins a packed
+/// document of either encoding ([`encoding_of`]).
 pub fn starts_packed(start: &[u8]) -> bool {
-    start
-        .strip_prefix(MAGIC.as_bytes())
-        .is_some_and(|rest| rest.first() == Some(&b' '))
+    encoding_of(start).is_some()
 }
 
 /// Why a packed document could not be read.
@@ -223,6 +331,7 @@ impl Record<ServiceKey> {
     }
 }
 
+mod binary;
 mod flags;
 mod read;
 #[cfg(test)]
@@ -231,4 +340,4 @@ mod write;
 
 pub use flags::{FlagError, PodFlags, UnknownFlag};
 pub use read::{decode_changes, decode_snapshot, is_whole, visit_snapshot, Visit};
-pub use write::{encode_changes, encode_snapshot, reset_of};
+pub use write::{encode_changes, encode_changes_as, encode_snapshot, encode_snapshot_as, reset_of};

@@ -1,5 +1,6 @@
 //! Fuzzing of the packed form's reader (`staleguard_core::packed`): packed
-//! documents of random snapshots and deltas read back to what they carry, and
+//! documents (text and binary records) of random snapshots and deltas read
+//! back to what they carry, the binary ones to what the text ones read, and
 //! the same documents mutated at random (bit flips, cuts, splices of the
 //! format's own tokens) or pure random bytes are refused or read, never a
 //! panic. `PROPTEST_CASES` sets the number of inputs of each property (256 by
@@ -13,7 +14,7 @@
 use std::net::IpAddr;
 
 use proptest::prelude::*;
-use staleguard_core::packed::{self, Record};
+use staleguard_core::packed::{self, Encoding, Record};
 use staleguard_core::wire::{Delta, Membership, Tombstone, Via, WIRE_VERSION};
 use staleguard_core::{Changes, Freshness, IpRecord, PodHolder, ServiceKey, Snapshot};
 
@@ -147,6 +148,9 @@ const TOKENS: &[&str] = &[
     "fresh 2\n",
     "::ffff:10.0.0.1",
     "staleguard-packed 1 delta\n",
+    "staleguard-packed-binary 1 reset\n",
+    "\u{7f}",
+    "\u{0}",
     "\u{ff}",
 ];
 
@@ -229,10 +233,18 @@ impl packed::Visit<u64> for Ipv4Only {
     }
 }
 
+fn encoding() -> impl Strategy<Value = Encoding> {
+    prop_oneof![Just(Encoding::Text), Just(Encoding::Binary)]
+}
+
 proptest! {
     #[test]
-    fn a_packed_snapshot_reads_back_what_it_carries(snapshot in snapshot()) {
-        let bytes = packed::encode_snapshot(&snapshot);
+    fn a_packed_snapshot_reads_back_what_it_carries(
+        snapshot in snapshot(),
+        encoding in encoding(),
+    ) {
+        let bytes = packed::encode_snapshot_as(encoding, &snapshot);
+        prop_assert_eq!(packed::encoding_of(&bytes), Some(encoding));
         let back = packed::decode_snapshot(&bytes[..], ServiceKey::clone, read).unwrap();
         prop_assert_eq!(back.epoch, snapshot.epoch);
         prop_assert_eq!(back.generation, snapshot.generation);
@@ -248,6 +260,7 @@ proptest! {
         since in any::<u64>(),
         removed in prop::collection::vec(ip(), 0..4),
         added in prop::collection::vec(service(), 0..3),
+        encoding in encoding(),
     ) {
         let delta = Delta {
             v: WIRE_VERSION,
@@ -260,7 +273,7 @@ proptest! {
             upserts: snapshot.records.clone(),
             removed,
         };
-        let bytes = packed::encode_changes(&Changes::Delta(delta.clone()));
+        let bytes = packed::encode_changes_as(encoding, &Changes::Delta(delta.clone()));
         let Changes::Delta(back) =
             packed::decode_changes(&bytes[..], ServiceKey::clone, read).unwrap()
         else {
@@ -280,15 +293,25 @@ proptest! {
     }
 
     #[test]
+    fn a_binary_document_reads_as_its_text_twin(snapshot in snapshot()) {
+        let text = packed::encode_snapshot_as(Encoding::Text, &snapshot);
+        let binary = packed::encode_snapshot_as(Encoding::Binary, &snapshot);
+        let text = packed::decode_snapshot(&text[..], ServiceKey::clone, |r| r).unwrap();
+        let binary = packed::decode_snapshot(&binary[..], ServiceKey::clone, |r| r).unwrap();
+        prop_assert_eq!(binary.records, text.records);
+    }
+
+    #[test]
     fn mutated_documents_never_panic(
         snapshot in snapshot(),
         reset in any::<bool>(),
+        encoding in encoding(),
         mutations in prop::collection::vec(mutation(), 1..6),
     ) {
         let mut bytes = if reset {
-            packed::encode_changes(&Changes::Reset(snapshot))
+            packed::encode_changes_as(encoding, &Changes::Reset(snapshot))
         } else {
-            packed::encode_snapshot(&snapshot)
+            packed::encode_snapshot_as(encoding, &snapshot)
         };
         for m in &mutations {
             mutate(&mut bytes, m);
@@ -302,5 +325,11 @@ proptest! {
         let mut prefixed = b"staleguard-packed 1 snapshot\n".to_vec();
         prefixed.extend_from_slice(&bytes);
         feed(&prefixed);
+        // Binary records after a header that reads.
+        let mut binary = b"staleguard-packed-binary 1 snapshot\nepoch 1\ngeneration 1\n\
+            fresh 1\n[services] 2\na/b\nc/d\n[names] 0\n[records] 3\n"
+            .to_vec();
+        binary.extend_from_slice(&bytes);
+        feed(&binary);
     }
 }

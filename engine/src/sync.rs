@@ -13,8 +13,10 @@
 //! that takes the lease over from a dead poller continues with deltas instead
 //! of reloading everything; it takes the guard's baseline from the index then
 //! too ([`Guard::seed`]), so it holds what its predecessor held. Answers are asked for packed
-//! ([`staleguard_core::packed`], [`ACCEPT`]) and read as either form, a record
-//! at a time straight into [`CompactRecord`]s.
+//! with binary records ([`staleguard_core::packed`], [`ACCEPT`]) and read as
+//! whichever form comes (binary or text packed, JSON), a record at a time
+//! straight into [`CompactRecord`]s: the packed readers take both encodings,
+//! so nothing here depends on which.
 //!
 //! A packed snapshot or reset is never held whole in the poller: it is read
 //! once for the guard to judge it (counts, against the guard's baseline) and
@@ -121,10 +123,13 @@ pub const SNAPSHOT_TIMEOUT_MS: u64 = 30_000;
 /// How much of an answer's body the poller reads at a time.
 pub const BODY_CHUNK: usize = 64 * 1024;
 
-/// The `Accept` of every request to the validator: the packed form
-/// ([`packed::MEDIA_TYPE`]: a fifth of the JSON, so a fifth of what Envoy
-/// buffers, read a record at a time), or JSON from a validator before it.
-pub const ACCEPT: &str = "application/vnd.staleguard.packed, application/json;q=0.5";
+/// The `Accept` of every request to the validator: the packed form with
+/// binary records ([`packed::BINARY_MEDIA_TYPE`]: about 12 bytes a record, so
+/// less for Envoy to buffer), the text packed form ([`packed::MEDIA_TYPE`],
+/// all a validator of the last release serves), or JSON from a validator
+/// before it. Each is read a record at a time, whichever comes.
+pub const ACCEPT: &str = "application/vnd.staleguard.packed-binary, \
+    application/vnd.staleguard.packed;q=0.9, application/json;q=0.5";
 
 /// What the watchdog adds to the host's timeout before it gives up itself.
 pub const WATCHDOG_SLACK_MS: u64 = 2_000;

@@ -74,11 +74,14 @@ const SEEDS: &[&str] = &[
 
 /// Binary values of the m4 layout: bucket values (load 3; 10.0.0.1 with
 /// two pods, a service with ports, a bare service and a tombstone; fd00::2
-/// with a bare service), holders alone, member lists.
+/// with a bare service), holders alone, member lists; then a validator's
+/// answer with binary records.
 const BINARY_SEEDS: &[&[u8]] = &[
     b"\xb4\x03\x44\x0a\x00\x00\x01\x01\x42\x01\x23\x45\x67\x89\xab\xcd\xef\x50\x00\xbb\x01\x02\x40\x10\x32\x54\x76\x98\xba\xdc\xfe\x80\xef\xcd\xab\x89\x67\x45\x23\x01\xc0\x15\xfd\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x80\xef\xcd\xab\x89\x67\x45\x23\x01\xc0",
     b"\x07\x41\x01\x23\x45\x67\x89\xab\xcd\xef\x01\x00\x80\x00\x00\x00\x00\x00\x00\x00\xff\xc0",
     b"\xb4\x03\x08\x0a\x00\x00\x01\x0a\x00\x00\x02\x07\xfd\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x07\x02\x90\x1f\x82\x23",
+    // A packed reset with binary records: the text reset's records.
+    b"staleguard-packed-binary 1 reset\nepoch 8\ngeneration 2\nfresh 1\nage_ms 4\n[services] 2\nshop/cart\nshop/pay\n[names] 1\nshop/gone\n[records] 3\n\x14\n\x00\x00\x01!\xcak\xc5A\x11\x00\x22\x00\x01\x0d\xfd\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x06\x01\x01\x02\x02\x00\x0c\xc0\xa8\x00\x04\x11\x01\x00\x00\x00\x05end\n",
 ];
 
 const TOKENS: &[&str] = &[
@@ -371,6 +374,14 @@ fn the_packed_seeds_decode() {
             "{seed}: {read:?}"
         );
     }
+    // The binary reset reads as the text one does.
+    let binary = BINARY_SEEDS[3];
+    assert_eq!(packed::encoding_of(binary), Some(packed::Encoding::Binary));
+    let read = |bytes: &[u8]| match packed::decode_changes(bytes, buckets::service_id, |r| r) {
+        Ok(Changes::Reset(s)) => s.records,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(read(binary), read(SEEDS[6].as_bytes()));
 }
 
 /// The binary seeds are real values: the mutations start from something the

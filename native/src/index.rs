@@ -2,7 +2,7 @@
 //!
 //! The engine's store layout ([`staleguard_engine::store`]) kept in plain
 //! process memory instead of Envoy shared data ([`crate::store`]: keys parsed
-//! once, values in exact-size boxes): the poller writes it through the same
+//! once, values in one buffer): the poller writes it through the same
 //! [`SharedData`] trait, every worker's filter and load balancer reads it,
 //! and [`judge`] runs the engine's verdict (the Wasm filter's)
 //! ([`staleguard_engine::judgement::judge`]) on it, so the native build and the
@@ -45,7 +45,8 @@ pub struct ProcessStore;
 impl SharedData for ProcessStore {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
         // A panic while the lock was held cannot leave a half-written value:
-        // the store replaces each value whole.
+        // the store replaces each value whole, and a compaction copies every
+        // value into its new buffer (made first) before it drops the old.
         STORE
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -59,6 +60,20 @@ impl SharedData for ProcessStore {
             .set(key, value, cas);
         WRITES.fetch_add(1, Ordering::Release);
         written
+    }
+}
+
+impl ProcessStore {
+    /// Reads `key`'s value and cas token where the store holds them
+    /// ([`Store::peek`]), under the read lock: `read` borrows the bytes
+    /// instead of getting a copy, so a reader allocates nothing.
+    pub fn peek<R>(&self, key: &str, read: impl FnOnce(Option<(&[u8], u32)>) -> R) -> R {
+        read(
+            STORE
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .peek(key),
+        )
     }
 }
 
@@ -212,6 +227,14 @@ mod tests {
             )],
         };
         load_snapshot(&serde_json::to_vec(&snapshot).unwrap(), now_ms()).unwrap();
+
+        let meta = ProcessStore
+            .get(staleguard_engine::store::META_KEY)
+            .unwrap();
+        let lent = ProcessStore.peek(staleguard_engine::store::META_KEY, |v| {
+            v.map(|(bytes, cas)| (bytes.to_vec(), cas))
+        });
+        assert_eq!(lent.map(|(v, cas)| (Some(v), cas)), Some(meta));
 
         let member = judge(&config, "shop-cart", &live);
         assert!(member.fresh() && !member.rejects(), "{member:?}");

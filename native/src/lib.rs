@@ -5,7 +5,7 @@
 //! through `envoy_dynamic_module_callback_*` functions. Start with [`index`],
 //! the one copy of the validator's index per Envoy process that every hook
 //! reads ([`index::judge`]), held in [`store`] (the engine's keys parsed
-//! once, exact-size values); then [`abi`], the only module with `unsafe`
+//! once, every value in one buffer); then [`abi`], the only module with `unsafe`
 //! code: the ABI's types, the program init that refuses an Envoy of another
 //! ABI ([`abi::version`]), and one submodule per extension ([`abi::http`]
 //! the upstream HTTP filter, [`abi::bootstrap`] the poller, [`abi::lb`] the

@@ -8,21 +8,28 @@
 //! array (`staleguard/ipb/<B>/<i>` is slot `i` of the layout of `B`
 //! buckets), a member list is keyed by its service id, the sync state has a
 //! slot of its own (every request reads it), and every other key (services,
-//! the lease, counters) goes to a small map of its text. Each value is an
-//! exact-size box holding the engine's bytes as they are, so the verdict code
-//! reads what the Wasm filter reads in Envoy's shared data.
+//! the lease, counters) goes to a small map of its text. Every value is a
+//! span of one buffer ([`arena`]) holding the engine's bytes as they are, so
+//! the verdict code reads what the Wasm filter reads in Envoy's shared data,
+//! and the allocator sees one large block instead of a small one per bucket.
+//! [`Store::peek`] lends a value without copying it; [`SharedData::get`]
+//! copies it, as the engine's trait asks.
 //!
 //! Shared data never forgets a key; this store does. An empty value is no
 //! value (it reads as absent, cas token 0: every reader of the index reads
 //! absent and empty alike), so the buckets, services and member lists a reset
-//! retires give their memory back, and a layout whose buckets are all empty
-//! is dropped whole.
+//! retires give their memory back (at the arena's next compaction), and a
+//! layout whose buckets are all empty is dropped whole.
+
+mod arena;
 
 use std::collections::HashMap;
 
 use staleguard_engine::buckets::MAX_BUCKETS;
 use staleguard_engine::host::{SharedData, StoreError};
 use staleguard_engine::store::META_KEY;
+
+use arena::{Arena, Span};
 
 /// Where the engine keeps bucket `<i>` of a layout of `<B>`:
 /// `staleguard/ipb/<B>/<i>` ([`staleguard_engine::buckets::bucket_key`]).
@@ -91,22 +98,15 @@ fn decimal(text: &str) -> Option<u32> {
     canonical.then(|| text.parse().ok()).flatten()
 }
 
-/// One value and the cas token of its write; an empty value is no value.
-#[derive(Debug, Clone, Default)]
+/// Where one value lies in the arena and the cas token of its write; an
+/// empty value is no value.
+#[derive(Debug, Clone, Copy, Default)]
 struct Slot {
-    value: Box<[u8]>,
+    value: Span,
     cas: u32,
 }
 
 impl Slot {
-    fn read(&self) -> (Option<Vec<u8>>, u32) {
-        if self.value.is_empty() {
-            (None, 0)
-        } else {
-            (Some(self.value.to_vec()), self.cas)
-        }
-    }
-
     /// The token a cas write compares with: 0 for no value.
     fn cas(&self) -> u32 {
         if self.value.is_empty() {
@@ -135,6 +135,8 @@ pub struct Store {
     layouts: Vec<Layout>,
     members: HashMap<u64, Slot>,
     named: HashMap<Box<str>, Slot>,
+    /// Every slot's bytes.
+    arena: Arena,
     next_cas: u32,
 }
 
@@ -152,6 +154,11 @@ pub struct Footprint {
     pub named: usize,
     /// The two maps' tables (their capacity).
     pub tables: usize,
+    /// The arena's bytes that no value holds any more, until its next
+    /// compaction.
+    pub garbage: usize,
+    /// The arena's buffer past its last value: room for the next writes.
+    pub spare: usize,
 }
 
 impl Footprint {
@@ -163,8 +170,10 @@ impl Footprint {
             member_values,
             named,
             tables,
+            garbage,
+            spare,
         } = *self;
-        bucket_values + bucket_slots + member_values + named + tables
+        bucket_values + bucket_slots + member_values + named + tables + garbage + spare
     }
 }
 
@@ -194,6 +203,27 @@ impl Store {
         self.layouts.iter().find(|l| l.buckets == buckets)
     }
 
+    /// The slot `key` names, if it has one.
+    fn slot(&self, key: Key<'_>) -> Option<&Slot> {
+        match key {
+            Key::Meta => Some(&self.meta),
+            Key::Bucket { buckets, index } => self
+                .layout(buckets)
+                .and_then(|l| l.slots.get(index as usize)),
+            Key::Members(id) => self.members.get(&id),
+            Key::Named(name) => self.named.get(name),
+        }
+    }
+
+    /// The value of `key` and its cas token, lent from the store: what
+    /// [`SharedData::get`] returns, without the copy (a request reads the
+    /// sync state and a bucket or two; none of it needs to be its own).
+    pub fn peek(&self, key: &str) -> Option<(&[u8], u32)> {
+        self.slot(Key::parse(key))
+            .filter(|s| !s.value.is_empty())
+            .map(|s| (self.arena.get(s.value), s.cas))
+    }
+
     /// What the store holds (see [`Footprint`]).
     pub fn footprint(&self) -> Footprint {
         let slot = size_of::<Slot>();
@@ -206,12 +236,15 @@ impl Store {
                 .sum(),
             bucket_slots: self.layouts.iter().map(|l| l.slots.len() * slot).sum(),
             member_values: self.members.values().map(|s| s.value.len()).sum(),
-            named: self
-                .named
-                .iter()
-                .map(|(k, s)| k.len() + s.value.len())
-                .sum(),
+            named: self.meta.value.len()
+                + self
+                    .named
+                    .iter()
+                    .map(|(k, s)| k.len() + s.value.len())
+                    .sum::<usize>(),
             tables: table_bytes(&self.members) + table_bytes(&self.named),
+            garbage: self.arena.garbage(),
+            spare: self.arena.spare(),
         }
     }
 
@@ -222,83 +255,108 @@ impl Store {
 
     /// Writes `value` to a bucket slot (empty: clears it, and drops a layout
     /// left with no value).
-    fn set_bucket(&mut self, buckets: u32, index: u32, value: &[u8], cas: u32) {
+    fn set_bucket(
+        &mut self,
+        buckets: u32,
+        index: u32,
+        value: &[u8],
+        cas: u32,
+    ) -> Result<(), StoreError> {
         let at = match self.layouts.iter().position(|l| l.buckets == buckets) {
             Some(at) => at,
-            None if value.is_empty() => return,
+            None if value.is_empty() => return Ok(()),
             None => {
                 self.layouts.push(Layout {
                     buckets,
-                    slots: (0..buckets).map(|_| Slot::default()).collect(),
+                    slots: vec![Slot::default(); buckets as usize].into_boxed_slice(),
                     filled: 0,
                 });
                 self.layouts.len() - 1
             }
         };
         let Some(layout) = self.layouts.get_mut(at) else {
-            return;
+            return Ok(());
         };
         let Some(slot) = layout.slots.get_mut(index as usize) else {
-            return;
+            return Ok(());
         };
-        match (slot.value.is_empty(), value.is_empty()) {
+        let was_empty = slot.value.is_empty();
+        put(&mut self.arena, slot, value, cas)?;
+        match (was_empty, value.is_empty()) {
             (true, false) => layout.filled += 1,
             (false, true) => layout.filled = layout.filled.saturating_sub(1),
             _ => {}
         }
-        *slot = Slot {
-            value: value.into(),
-            cas,
-        };
         if layout.filled == 0 {
             self.layouts.swap_remove(at);
         }
+        Ok(())
     }
+
+    /// Compacts the arena when its garbage is worth it, or at a `commit`
+    /// (the sync state written: a sync's writes are done) when it grew past
+    /// what its values need (see [`arena`]): every slot's value moves to the
+    /// new buffer.
+    fn compact_if_due(&mut self, commit: bool) {
+        if !(self.arena.wants_compaction() || (commit && self.arena.oversized())) {
+            return;
+        }
+        let Store {
+            meta,
+            layouts,
+            members,
+            named,
+            arena,
+            next_cas: _,
+        } = self;
+        let slots = std::iter::once(meta)
+            .chain(layouts.iter_mut().flat_map(|l| l.slots.iter_mut()))
+            .chain(members.values_mut())
+            .chain(named.values_mut());
+        arena.compact(slots.map(|s| &mut s.value));
+    }
+}
+
+/// Writes `value` into `slot` (its bytes into `arena`) under `cas`.
+fn put(arena: &mut Arena, slot: &mut Slot, value: &[u8], cas: u32) -> Result<(), StoreError> {
+    let span = arena
+        .put(slot.value, value)
+        .map_err(|_| StoreError::Host("the native index is over 4 GiB".to_owned()))?;
+    *slot = Slot { value: span, cas };
+    Ok(())
 }
 
 /// Writes `value` into a map's entry for `key`; empty removes the entry, and
 /// a map left mostly empty gives its table back.
-fn set_in<K: std::hash::Hash + Eq>(map: &mut HashMap<K, Slot>, key: K, value: &[u8], cas: u32) {
-    if value.is_empty() {
-        map.remove(&key);
-        if map.len() * 4 < map.capacity() {
-            map.shrink_to_fit();
-        }
-    } else {
-        map.insert(
-            key,
-            Slot {
-                value: value.into(),
-                cas,
-            },
-        );
+fn set_in<K: std::hash::Hash + Eq>(
+    map: &mut HashMap<K, Slot>,
+    arena: &mut Arena,
+    key: K,
+    value: &[u8],
+    cas: u32,
+) -> Result<(), StoreError> {
+    if !value.is_empty() {
+        return put(arena, map.entry(key).or_default(), value, cas);
     }
+    if let Some(mut old) = map.remove(&key) {
+        put(arena, &mut old, value, cas)?;
+    }
+    if map.len() * 4 < map.capacity() {
+        map.shrink_to_fit();
+    }
+    Ok(())
 }
 
 impl SharedData for Store {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
-        let slot = match Key::parse(key) {
-            Key::Meta => Some(&self.meta),
-            Key::Bucket { buckets, index } => self
-                .layout(buckets)
-                .and_then(|l| l.slots.get(index as usize)),
-            Key::Members(id) => self.members.get(&id),
-            Key::Named(name) => self.named.get(name),
-        };
-        Ok(slot.map_or((None, 0), Slot::read))
+        Ok(self
+            .peek(key)
+            .map_or((None, 0), |(value, cas)| (Some(value.to_vec()), cas)))
     }
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         let key = Key::parse(key);
-        let current = match key {
-            Key::Meta => self.meta.cas(),
-            Key::Bucket { buckets, index } => self
-                .layout(buckets)
-                .and_then(|l| l.slots.get(index as usize))
-                .map_or(0, Slot::cas),
-            Key::Members(id) => self.members.get(&id).map_or(0, Slot::cas),
-            Key::Named(name) => self.named.get(name).map_or(0, Slot::cas),
-        };
+        let current = self.slot(key).map_or(0, Slot::cas);
         if let Some(cas) = cas {
             if cas != 0 && cas != current {
                 return Err(StoreError::CasMismatch);
@@ -306,16 +364,12 @@ impl SharedData for Store {
         }
         let cas = self.next_cas();
         match key {
-            Key::Meta => {
-                self.meta = Slot {
-                    value: value.into(),
-                    cas,
-                }
-            }
-            Key::Bucket { buckets, index } => self.set_bucket(buckets, index, value, cas),
-            Key::Members(id) => set_in(&mut self.members, id, value, cas),
-            Key::Named(name) => set_in(&mut self.named, name.into(), value, cas),
+            Key::Meta => put(&mut self.arena, &mut self.meta, value, cas)?,
+            Key::Bucket { buckets, index } => self.set_bucket(buckets, index, value, cas)?,
+            Key::Members(id) => set_in(&mut self.members, &mut self.arena, id, value, cas)?,
+            Key::Named(name) => set_in(&mut self.named, &mut self.arena, name.into(), value, cas)?,
         }
+        self.compact_if_due(matches!(key, Key::Meta));
         Ok(())
     }
 }
@@ -323,6 +377,7 @@ impl SharedData for Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use staleguard_core::wire::{Delta, Freshness};
     use staleguard_core::{IpRecord, PodHolder, ServiceKey};
     use staleguard_engine::buckets::{bucket_key, CompactRecord};
@@ -331,6 +386,7 @@ mod tests {
     use staleguard_engine::store::write::Writer;
     use staleguard_engine::store::IndexReader;
     use staleguard_engine::store::{service_key, LEASE_KEY, LOADS_KEY};
+    use std::collections::BTreeMap;
 
     #[test]
     fn every_key_the_engine_writes_parses_to_what_it_names() {
@@ -499,15 +555,15 @@ mod tests {
             .unwrap();
         assert_eq!(store.layouts.len(), 1);
         let small = store.footprint();
-        // 20,000 IPs take a layout of more buckets: both stand until the
+        // 40,000 IPs take a layout of more buckets: both stand until the
         // next write clears the old one.
         let meta = writer
-            .write_snapshot(&mut store, 2, &mut snapshot(2, 20_000))
+            .write_snapshot(&mut store, 2, &mut snapshot(2, 40_000))
             .unwrap();
         assert_eq!(store.layouts.len(), 2);
         let view = IndexReader::new(&store);
         assert_eq!(view.meta(), Some(meta));
-        let ip = std::net::Ipv4Addr::from(0x0a00_0000 + 20_000).into();
+        let ip = std::net::Ipv4Addr::from(0x0a00_0000 + 40_000).into();
         assert!(matches!(view.record(&meta, &ip), Entry::Present(_)));
         let delta = Delta {
             v: 1,
@@ -521,7 +577,7 @@ mod tests {
             services_added: vec![],
             services_removed: vec![],
             upserts: vec![],
-            removed: (1..=20_000)
+            removed: (1..=40_000)
                 .map(|i| std::net::Ipv4Addr::from(0x0a00_0000 + i).into())
                 .collect(),
         };
@@ -541,6 +597,36 @@ mod tests {
     }
 
     #[test]
+    fn a_synced_index_leaves_its_arena_compacted_to_what_its_values_need() {
+        let mut store = Store::default();
+        let mut writer = Writer::default();
+        let meta = writer
+            .write_snapshot(&mut store, 1, &mut snapshot(1, 20_000))
+            .unwrap();
+        assert!(!store.arena.oversized(), "{:?}", store.footprint());
+        let footprint = store.footprint();
+        let values = store.arena.live();
+        let buffer = values + footprint.garbage + footprint.spare;
+        assert!(buffer <= arena::capacity_for(values), "{footprint:?}");
+        // A reset rewrites every bucket: the garbage it leaves is compacted
+        // away as it goes, and the buffer is sized again at the commit.
+        let mut again = snapshot(2, 20_000);
+        again.epoch = 2;
+        writer.write_snapshot(&mut store, 2, &mut again).unwrap();
+        let after = store.footprint();
+        assert!(!store.arena.oversized(), "{after:?}");
+        assert!(
+            after.garbage <= values / 4 + arena::MIN_GARBAGE,
+            "{after:?}"
+        );
+        let ip = std::net::Ipv4Addr::from(0x0a00_0000 + 20_000).into();
+        let view = IndexReader::new(&store);
+        let meta2 = view.meta().unwrap();
+        assert_ne!(meta2.load, meta.load);
+        assert!(matches!(view.record(&meta2, &ip), Entry::Present(_)));
+    }
+
+    #[test]
     fn a_bucket_costs_its_bytes_and_one_slot() {
         let mut store = Store::default();
         store
@@ -556,5 +642,74 @@ mod tests {
         store.set(&bucket_key(1_024, 1), b"", None).unwrap();
         assert_eq!(store.filled_buckets(), 1);
         assert_eq!(store.layouts.len(), 1, "bucket 2 still holds a value");
+    }
+
+    /// Keys of every form, two layouts among them.
+    fn model_keys() -> Vec<String> {
+        let mut keys = vec![META_KEY.to_owned(), LEASE_KEY.to_owned()];
+        for i in 0..6 {
+            keys.push(bucket_key(1_024, i * 100));
+            keys.push(bucket_key(2_048, i * 100));
+            let service = ServiceKey::new("shop", format!("s{i}"));
+            keys.push(members_key(&service));
+            keys.push(service_key(&service));
+        }
+        keys
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Set(usize, Vec<u8>),
+        Delete(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0usize..26, prop::collection::vec(any::<u8>(), 1..6000))
+                .prop_map(|(k, v)| Op::Set(k, v)),
+            1 => (0usize..26).prop_map(Op::Delete),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Random sets, overwrites (shorter: in place; longer: appended)
+        /// and deletes over keys of every form, with the arena compactions
+        /// they cause, read as a plain map reads them, by `get` and `peek`
+        /// alike; the arena never holds more garbage than its rule allows.
+        #[test]
+        fn the_store_reads_as_a_map_through_writes_and_arena_compactions(
+            ops in prop::collection::vec(op(), 1..300),
+        ) {
+            let keys = model_keys();
+            let mut store = Store::default();
+            let mut map: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
+            for op in ops {
+                match op {
+                    Op::Set(k, v) => {
+                        store.set(&keys[k], &v, None).unwrap();
+                        map.insert(k, v);
+                    }
+                    Op::Delete(k) => {
+                        store.set(&keys[k], b"", None).unwrap();
+                        map.remove(&k);
+                    }
+                }
+                for (k, key) in keys.iter().enumerate() {
+                    let want = map.get(&k).map(Vec::as_slice);
+                    let (got, cas) = store.get(key).unwrap();
+                    prop_assert_eq!(got.as_deref(), want, "{}", key);
+                    prop_assert_eq!(store.peek(key), want.map(|v| (v, cas)), "{}", key);
+                    prop_assert_eq!(cas == 0, want.is_none());
+                }
+                let live: usize = map.values().map(Vec::len).sum();
+                prop_assert_eq!(store.arena.live(), live);
+                prop_assert!(
+                    store.footprint().garbage <= (live / 4).max(arena::MIN_GARBAGE) + 6000,
+                    "garbage {} over live {}", store.footprint().garbage, live
+                );
+            }
+        }
     }
 }

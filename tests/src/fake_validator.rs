@@ -7,8 +7,9 @@
 //! compacted delta when it has one, and otherwise holds the request until
 //! something changes or `wait` seconds pass (then an empty delta), like the
 //! real one. Every request is recorded, with how many were open at once. A
-//! request whose `Accept` names the packed form gets its answer packed, as
-//! from the real validator.
+//! request whose `Accept` names the packed form gets its answer packed, in
+//! the encoding the real validator would choose (binary records, or text
+//! for a gateway of the last release).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -37,8 +38,21 @@ pub enum Behaviour {
     Hang,
 }
 
+/// Which validator release the fake answers as: the forms it knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// This one: binary records, the text packed form, JSON.
+    Current,
+    /// The last release: the text packed form to an `Accept` naming it
+    /// exactly, else JSON.
+    Last,
+    /// A release before the packed form: JSON whatever the `Accept`.
+    BeforePacked,
+}
+
 #[derive(Debug)]
 struct State {
+    release: Release,
     epoch: u64,
     generation: u64,
     /// Oldest generation deltas can start from.
@@ -73,6 +87,7 @@ impl FakeValidator {
     pub fn start(epoch: u64) -> Result<Self> {
         let shared: Shared = Arc::new((
             Mutex::new(State {
+                release: Release::Current,
                 epoch,
                 generation: 1,
                 floor: 1,
@@ -93,6 +108,11 @@ impl FakeValidator {
             handle(&handler_state, req)
         })?;
         Ok(Self { shared, server })
+    }
+
+    /// Answers from now on as a validator of `release` would.
+    pub fn set_release(&self, release: Release) {
+        self.change(|s| s.release = release);
     }
 
     /// Where it listens.
@@ -263,30 +283,39 @@ fn json<T: serde::Serialize>(t: &T) -> Answer {
     Answer::json(serde_json::to_vec(t).unwrap_or_default())
 }
 
-/// True when `req` accepts the packed form.
-fn packed(req: &Request) -> bool {
-    req.headers
-        .get("accept")
-        .is_some_and(|accept| accept.contains(staleguard_core::packed::MEDIA_TYPE))
+/// The packed encoding a validator of `release` answers `req` in; `None`
+/// for JSON.
+fn packed(release: Release, req: &Request) -> Option<staleguard_core::packed::Encoding> {
+    use staleguard_core::packed::{Encoding, MEDIA_TYPE};
+    let accept = req.headers.get("accept")?;
+    match release {
+        Release::Current => Encoding::accepted([accept.as_str()]),
+        Release::Last => accept
+            .split(',')
+            .filter_map(|range| range.split(';').next())
+            .any(|media| media.trim().eq_ignore_ascii_case(MEDIA_TYPE))
+            .then_some(Encoding::Text),
+        Release::BeforePacked => None,
+    }
 }
 
-fn packed_answer(body: Vec<u8>) -> Answer {
+fn packed_answer(encoding: staleguard_core::packed::Encoding, body: Vec<u8>) -> Answer {
     Answer::Respond {
         status: 200,
-        headers: vec![(
-            "content-type".into(),
-            staleguard_core::packed::MEDIA_TYPE.into(),
-        )],
+        headers: vec![("content-type".into(), encoding.media_type().into())],
         body,
     }
 }
 
-/// `changes` as `req` accepts it.
-fn changes(req: &Request, changes: &Changes) -> Answer {
-    if !packed(req) {
-        return json(changes);
+/// `changes` as a validator of `release` answers `req`.
+fn changes(release: Release, req: &Request, changes: &Changes) -> Answer {
+    match packed(release, req) {
+        Some(encoding) => packed_answer(
+            encoding,
+            staleguard_core::packed::encode_changes_as(encoding, changes),
+        ),
+        None => json(changes),
     }
-    packed_answer(staleguard_core::packed::encode_changes(changes))
 }
 
 fn handle(shared: &Shared, req: &Request) -> Answer {
@@ -327,10 +356,13 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
         }
     }
     match req.path() {
-        "/v1/snapshot" if packed(req) => {
-            packed_answer(staleguard_core::packed::encode_snapshot(&snapshot(&s)))
-        }
-        "/v1/snapshot" => json(&snapshot(&s)),
+        "/v1/snapshot" => match packed(s.release, req) {
+            Some(encoding) => packed_answer(
+                encoding,
+                staleguard_core::packed::encode_snapshot_as(encoding, &snapshot(&s)),
+            ),
+            None => json(&snapshot(&s)),
+        },
         "/v1/changes" => {
             let num = |k: &str| req.query(k).and_then(|v| v.parse::<u64>().ok());
             let (Some(epoch), Some(since)) = (num("epoch"), num("since")) else {
@@ -343,14 +375,14 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
                     return Answer::Hangup;
                 }
                 if epoch != s.epoch {
-                    return changes(req, &Changes::Reset(snapshot(&s)));
+                    return changes(s.release, req, &Changes::Reset(snapshot(&s)));
                 }
                 let Some(d) = delta(&s, since) else {
-                    return changes(req, &Changes::Reset(snapshot(&s)));
+                    return changes(s.release, req, &Changes::Reset(snapshot(&s)));
                 };
                 let now = Instant::now();
                 if s.generation != since || now >= deadline {
-                    return changes(req, &Changes::Delta(d));
+                    return changes(s.release, req, &Changes::Delta(d));
                 }
                 s = shared
                     .1

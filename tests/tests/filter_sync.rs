@@ -1,6 +1,7 @@
 //! The filter's sync in real Envoy: the validator goes down (stale data under
 //! both failure policies), restarts with a new epoch (full resync), answers
-//! garbage, calls its own data stale, and requires a bearer token.
+//! garbage, calls its own data stale, and requires a bearer token; and a
+//! gateway of this release syncs from validators of earlier releases.
 //!
 //! Knobs: `max_staleness_ms` 3000 (so data turns stale within the test),
 //! which needs `poll_wait_s` 1 (staleness must exceed the wait), and
@@ -14,7 +15,7 @@ use staleguard_core::ServiceKey;
 use staleguard_tests::blocking::named_host;
 use staleguard_tests::envoy::stats::prometheus_value;
 use staleguard_tests::envoy::{shipped_plugin, Cluster, Envoy, Gateway};
-use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator};
+use staleguard_tests::fake_validator::{records::pod, Behaviour, FakeValidator, Release};
 
 const OPEN: &str = "outbound|8080|open|cart.shop.svc.cluster.local";
 const CLOSED: &str = "outbound|8080|closed|cart.shop.svc.cluster.local";
@@ -139,5 +140,51 @@ fn sync_failures_restarts_and_freshness_with_max_staleness_ms_3000_poll_wait_s_1
         "{log}"
     );
     assert!(log.contains("[ctx "), "log lines carry the context id");
+    Ok(())
+}
+
+/// This release's gateway asks for binary records first; a validator of the
+/// last release answers the text packed form, one before it JSON. Resets
+/// and deltas of each are applied alike (shipped plugin configuration).
+#[test]
+fn the_gateway_syncs_from_validators_of_the_last_releases_as_from_this_one() -> Result<()> {
+    let cart = ServiceKey::new("shop", "cart");
+    let host = named_host("127.0.1.22", "host")?;
+    let live = || pod("127.0.1.22", "cart-1", &[&cart], false);
+    let validator = FakeValidator::start(51)?;
+    validator.set_release(Release::Last);
+    validator.set_index(vec![cart.clone()], vec![live()]);
+    let plugin = Some(shipped_plugin(json!({})));
+    let gateway = Gateway::new(
+        validator.addr(),
+        vec![Cluster::new(CLOSED, host.addr(), plugin)],
+    );
+    let Some(envoy) = gateway.start()? else {
+        return Ok(());
+    };
+    let ip = "127.0.1.22".parse()?;
+    for (release, epoch) in [
+        (Release::Last, 51),
+        (Release::BeforePacked, 52),
+        (Release::Current, 53),
+    ] {
+        if epoch != 51 {
+            // A validator of another release, restarted: a reset.
+            validator.set_release(release);
+            validator.restart_with(epoch, vec![cart.clone()], vec![live()]);
+        }
+        expect(&envoy, &format!("{release:?}: a reset"), CLOSED, 200, "")?;
+        // A delta: the pod is gone.
+        validator.remove(ip);
+        expect(
+            &envoy,
+            &format!("{release:?}: a delta"),
+            CLOSED,
+            503,
+            "destroyed",
+        )?;
+    }
+    let errors = envoy.stat("wasmcustom.staleguard_filter_sync_errors_total.kind.decode")?;
+    assert_eq!(errors, 0, "{}", envoy.admin("/stats?filter=staleguard")?);
     Ok(())
 }

@@ -47,6 +47,27 @@ impl PodFlags {
         }
     }
 
+    /// The flags as bits, as the binary forms carry them: `1` ready, `2`
+    /// terminating, `4` host network.
+    pub fn bits(&self) -> u8 {
+        let Self {
+            ready,
+            terminating,
+            host_network,
+        } = *self;
+        u8::from(ready) | u8::from(terminating) << 1 | u8::from(host_network) << 2
+    }
+
+    /// The flags of [`PodFlags::bits`]; other bits are not flags (a reader
+    /// masks what it reads, or skips a later release's flags).
+    pub fn from_bits(bits: u8) -> Self {
+        Self {
+            ready: bits & 1 != 0,
+            terminating: bits & 2 != 0,
+            host_network: bits & 4 != 0,
+        }
+    }
+
     /// Reads the letters [`PodFlags::write`] wrote; a letter it does not know
     /// is skipped or refused as `unknown` says.
     pub fn read(letters: &str, unknown: UnknownFlag) -> Result<Self, FlagError> {

@@ -226,9 +226,21 @@ impl<R> Document<R> {
     }
 }
 
-/// Lines of one document, numbered.
+/// Why a binary record could not be framed.
+enum Framing {
+    /// The input ends inside it.
+    Cut,
+    /// It does not read.
+    Bad(String),
+    /// The reader failed.
+    Io(std::io::Error),
+}
+
+/// Lines of one document, numbered, and the binary records between them.
 struct Reader<B> {
     what: &'static str,
+    /// How the records are written (the first line says).
+    encoding: Encoding,
     reader: B,
     buf: Vec<u8>,
     /// The number of the line read last.
@@ -239,6 +251,11 @@ impl<B> Reader<B> {
     fn malformed(&self, line: usize, reason: impl Into<String>) -> PackedError {
         malformed(self.what, line, reason)
     }
+}
+
+/// The input ends after line `after`, before `end`.
+fn ended(what: &'static str, after: usize) -> PackedError {
+    malformed(what, after + 1, "the document ends before `end`")
 }
 
 fn malformed(what: &'static str, line: usize, reason: impl Into<String>) -> PackedError {
@@ -253,6 +270,7 @@ impl<B: BufRead> Reader<B> {
     fn new(what: &'static str, reader: B) -> Self {
         Self {
             what,
+            encoding: Encoding::Text,
             reader,
             buf: Vec::new(),
             line: 0,
@@ -291,8 +309,7 @@ impl<B: BufRead> Reader<B> {
     /// The next line; the input must have one.
     fn expect(&mut self) -> Result<(usize, &str), PackedError> {
         let (what, after) = (self.what, self.line);
-        self.next()?
-            .ok_or_else(|| malformed(what, after + 1, "the document ends before `end`"))
+        self.next()?.ok_or_else(|| ended(what, after))
     }
 
     fn document<S: Clone, R>(
@@ -363,16 +380,10 @@ impl<B: BufRead> Reader<B> {
                             return Err(PackedError::Stopped { what: self.what });
                         }
                         let mut records = Vec::with_capacity(count.min(MAX_RESERVE));
-                        let what = self.what;
-                        for _ in 0..count {
-                            let (line, text) = self.expect()?;
-                            let (ip, rest) =
-                                record_ip(text).map_err(|reason| malformed(what, line, reason))?;
-                            if !sink.wants(ip) {
+                        for k in 0..count {
+                            let Some(record) = self.record(k, line, &table, sink)? else {
                                 continue;
-                            }
-                            let record = parse_record(ip, rest, &table)
-                                .map_err(|reason| malformed(what, line, reason))?;
+                            };
                             match sink.keep(record) {
                                 Some(kept) => records.push(kept),
                                 None => return Err(PackedError::Stopped { what: self.what }),
@@ -446,6 +457,82 @@ impl<B: BufRead> Reader<B> {
         Ok(document)
     }
 
+    /// The `k`th record of the list opened on line `list`, unless `sink`
+    /// does not want it (then skipped unread).
+    fn record<S: Clone, R>(
+        &mut self,
+        k: usize,
+        list: usize,
+        table: &[S],
+        sink: &mut dyn Sink<S, R>,
+    ) -> Result<Option<Record<S>>, PackedError> {
+        let (what, after) = (self.what, self.line);
+        match self.encoding {
+            Encoding::Text => {
+                let (line, text) = self.expect()?;
+                let (ip, rest) = record_ip(text).map_err(|reason| malformed(what, line, reason))?;
+                if !sink.wants(ip) {
+                    return Ok(None);
+                }
+                parse_record(ip, rest, table)
+                    .map(Some)
+                    .map_err(|reason| malformed(what, line, reason))
+            }
+            Encoding::Binary => {
+                let at = |reason: String| malformed(what, list, format!("record {k}: {reason}"));
+                let (ip, body) = self.binary_record().map_err(|e| match e {
+                    Framing::Cut => ended(what, after),
+                    Framing::Bad(reason) => at(reason),
+                    Framing::Io(source) => PackedError::Io { what, source },
+                })?;
+                if !sink.wants(ip) {
+                    return Ok(None);
+                }
+                binary::parse_record(ip, body, table).map(Some).map_err(at)
+            }
+        }
+    }
+
+    /// The next binary record: its IP and its body.
+    fn binary_record(&mut self) -> Result<(IpAddr, &[u8]), Framing> {
+        let header = self.varint()?;
+        let (address, body) = binary::frame(header);
+        if body > MAX_LINE as u64 {
+            return Err(Framing::Bad(format!("longer than {MAX_LINE} bytes")));
+        }
+        let len = address as u64 + body;
+        self.buf.clear();
+        // Bounded: a length the input does not hold reads what there is.
+        (&mut self.reader)
+            .take(len)
+            .read_to_end(&mut self.buf)
+            .map_err(Framing::Io)?;
+        if (self.buf.len() as u64) < len {
+            return Err(Framing::Cut);
+        }
+        let (address, body) = self.buf.split_at(address);
+        let ip = binary::address(address).ok_or(Framing::Cut)?;
+        Ok((ip, body))
+    }
+
+    /// A LEB128 number of the input (its one spelling).
+    fn varint(&mut self) -> Result<u64, Framing> {
+        let mut bytes = [0u8; 10];
+        for i in 0..bytes.len() {
+            let byte = &mut bytes[i..=i];
+            self.reader.read_exact(byte).map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => Framing::Cut,
+                _ => Framing::Io(e),
+            })?;
+            if byte[0] & 0x80 == 0 {
+                return crate::bytes::Reader::new(&bytes[..=i])
+                    .varint()
+                    .ok_or_else(|| Framing::Bad("a record's length does not read".into()));
+            }
+        }
+        Err(Framing::Bad("a record's length does not read".into()))
+    }
+
     fn first_line(&mut self) -> Result<Kind, PackedError> {
         let what = self.what;
         let (line, text) = {
@@ -453,9 +540,11 @@ impl<B: BufRead> Reader<B> {
             (line, text.to_owned())
         };
         let mut words = text.split(' ');
-        if words.next() != Some(MAGIC) {
-            return Err(self.malformed(line, format!("does not start with `{MAGIC}`")));
-        }
+        self.encoding = match words.next() {
+            Some(MAGIC) => Encoding::Text,
+            Some(BINARY_MAGIC) => Encoding::Binary,
+            _ => return Err(self.malformed(line, format!("does not start with `{MAGIC}`"))),
+        };
         let found = words
             .next()
             .and_then(number)

@@ -499,3 +499,307 @@ fn the_first_line_tells_a_whole_index_from_a_delta() {
     assert_eq!(is_whole(&encode_changes(&delta)), Some(false));
     assert_eq!(is_whole(b"{\"kind\":\"reset\"}"), None);
 }
+
+// === the binary encoding ===
+
+fn both(snapshot: &Snapshot) -> [Vec<u8>; 2] {
+    [
+        encode_snapshot_as(Encoding::Text, snapshot),
+        encode_snapshot_as(Encoding::Binary, snapshot),
+    ]
+}
+
+#[test]
+fn a_binary_snapshot_reads_back_as_the_text_one_reads() {
+    let snapshot = snapshot();
+    let [text, binary] = both(&snapshot);
+    assert!(binary.starts_with(b"staleguard-packed-binary 1 snapshot\n"));
+    assert!(binary.ends_with(b"end\n"));
+    assert_eq!(encoding_of(&binary), Some(Encoding::Binary));
+    assert_eq!(encoding_of(&text), Some(Encoding::Text));
+    assert!(starts_packed(&binary) && starts_packed(&text));
+    let from_text = read_snapshot(&text).unwrap();
+    let from_binary = read_snapshot(&binary).unwrap();
+    assert_eq!(from_binary.records, from_text.records);
+    assert_eq!(
+        (
+            from_binary.epoch,
+            from_binary.generation,
+            &from_binary.freshness,
+            &from_binary.services
+        ),
+        (
+            from_text.epoch,
+            from_text.generation,
+            &from_text.freshness,
+            &from_text.services
+        )
+    );
+    // Visited, skipping some records unread: the same records as decoded.
+    for keep in [(|_: &IpAddr| true) as fn(&IpAddr) -> bool, |ip| {
+        ip.is_ipv4()
+    }] {
+        let (mut a, mut b) = (collect(keep), collect(keep));
+        visit_snapshot(&text[..], ServiceKey::clone, &mut a).unwrap();
+        visit_snapshot(&binary[..], ServiceKey::clone, &mut b).unwrap();
+        assert_eq!(a.records, b.records);
+        assert_eq!((a.count, &a.services), (b.count, &b.services));
+    }
+    // A reset of either encoding is the snapshot with its kind changed.
+    let reset = encode_changes_as(Encoding::Binary, &Changes::Reset(snapshot.clone()));
+    assert_eq!(reset, reset_of(&binary));
+    assert!(reset.starts_with(b"staleguard-packed-binary 1 reset\n"));
+    assert_eq!(is_whole(&reset), Some(true));
+    let Changes::Reset(read) = decode_changes(&reset[..], ServiceKey::clone, |r| r).unwrap() else {
+        panic!("a reset reads as a reset");
+    };
+    assert_eq!(read.records, from_text.records);
+}
+
+#[test]
+fn a_binary_delta_reads_back_as_the_text_one_reads() {
+    let snapshot = snapshot();
+    let delta = Changes::Delta(Delta {
+        v: WIRE_VERSION,
+        epoch: 7,
+        since: 3,
+        generation: 5,
+        freshness: Freshness::default(),
+        services_added: vec![key("a/b")],
+        services_removed: vec![key("shop/pay")],
+        upserts: snapshot.records.clone(),
+        removed: vec!["::ffff:10.0.0.1".parse().unwrap()],
+    });
+    let text = encode_changes_as(Encoding::Text, &delta);
+    let binary = encode_changes_as(Encoding::Binary, &delta);
+    assert_eq!(is_whole(&binary), Some(false));
+    let read = |bytes: &[u8]| match decode_changes(bytes, ServiceKey::clone, |r| r).unwrap() {
+        Changes::Delta(d) => d,
+        Changes::Reset(_) => panic!("a delta reads as a delta"),
+    };
+    let (t, b) = (read(&text), read(&binary));
+    assert_eq!(b.upserts, t.upserts);
+    assert_eq!(
+        (
+            b.epoch,
+            b.since,
+            b.generation,
+            &b.removed,
+            &b.services_added
+        ),
+        (
+            t.epoch,
+            t.since,
+            t.generation,
+            &t.removed,
+            &t.services_added
+        )
+    );
+    assert_eq!(b.services_removed, t.services_removed);
+}
+
+/// A snapshot of `n` IPv4 pods of one service each, among 1,000 services:
+/// the benchmark's shape.
+fn large(n: u32) -> Snapshot {
+    let mut snapshot = snapshot();
+    snapshot.services = (0..1_000).map(|i| key(&format!("ns-{i}/svc"))).collect();
+    snapshot.records = (0..n)
+        .map(|i| {
+            let ip = IpAddr::from([10, (i >> 16) as u8, (i >> 8) as u8, i as u8]);
+            let mut pod = pod(&format!("svc-{i:06}"), &[], true, false);
+            pod.services = vec![Membership {
+                service: key(&format!("ns-{}/svc", i % 1_000)),
+                via: Via::Both,
+                ports: vec![],
+                conditions: None,
+            }];
+            IpRecord::held_by(ip, vec![pod])
+        })
+        .collect();
+    snapshot
+}
+
+#[test]
+fn a_binary_record_of_a_live_pod_is_12_or_13_bytes() {
+    let snapshot = large(10_000);
+    let [text, binary] = both(&snapshot);
+    let head = encode_snapshot_as(
+        Encoding::Binary,
+        &Snapshot {
+            records: vec![],
+            ..snapshot.clone()
+        },
+    );
+    let per_record = (binary.len() - head.len()) as f64 / 10_000.0;
+    // Header, address 4, head, fingerprint 4, pod, service (1 or 2 bytes).
+    assert!((12.0..=13.0).contains(&per_record), "{per_record}");
+    assert!(
+        binary.len() * 2 < text.len(),
+        "{} against {}",
+        binary.len(),
+        text.len()
+    );
+    assert_eq!(
+        read_snapshot(&binary).unwrap().records,
+        read_snapshot(&text).unwrap().records
+    );
+}
+
+#[test]
+fn counts_past_four_bits_take_a_number_of_their_own() {
+    let mut snapshot = snapshot();
+    let services: Vec<String> = (0..20).map(|i| format!("shop/s{i}")).collect();
+    let names: Vec<&str> = services.iter().map(String::as_str).collect();
+    let pods: Vec<PodHolder> = (0..17)
+        .map(|i| pod(&format!("p{i}"), &names[..i], i % 2 == 0, i % 3 == 0))
+        .collect();
+    snapshot.records = vec![IpRecord::held_by("192.168.0.9".parse().unwrap(), pods)];
+    let [text, binary] = both(&snapshot);
+    let read = read_snapshot(&binary).unwrap();
+    assert_eq!(read.records, read_snapshot(&text).unwrap().records);
+    assert_eq!(read.records[0].pods.len(), 17);
+    assert_eq!(read.records[0].pods[16].services.len(), 16);
+}
+
+/// `bytes` with its records' list replaced by `records`, written raw.
+fn with_records(bytes: &[u8], count: usize, records: &[u8]) -> Vec<u8> {
+    let marker = b"[records] ";
+    let at = bytes
+        .windows(marker.len())
+        .position(|w| w == marker)
+        .unwrap();
+    let mut out = bytes[..at].to_vec();
+    out.extend_from_slice(format!("[records] {count}\n").as_bytes());
+    out.extend_from_slice(records);
+    out.extend_from_slice(b"end\n");
+    out
+}
+
+fn empty_binary() -> Vec<u8> {
+    let mut snapshot = snapshot();
+    snapshot.records.clear();
+    encode_snapshot_as(Encoding::Binary, &snapshot)
+}
+
+#[test]
+fn a_binary_records_later_fields_and_flags_are_skipped() {
+    let base = empty_binary();
+    // 10.0.0.1: a fingerprint, a pod (ready, and flag bit 8 of a later
+    // release) of service 2, then two bytes of a later field.
+    let body = [0x11, 1, 2, 3, 4, 0x19, 2, 0xee, 0xff];
+    let mut record = vec![(body.len() as u8) << 1, 10, 0, 0, 1];
+    record.extend_from_slice(&body);
+    // A field of a later release before the list, too.
+    let bytes = with_records(&base, 1, &record);
+    let bytes = [
+        &b"staleguard-packed-binary 1 snapshot\nfuture x\n"[..],
+        &bytes[36..],
+    ]
+    .concat();
+    let read = read_snapshot(&bytes).unwrap();
+    let record = &read.records[0];
+    assert_eq!(record.ip, "10.0.0.1".parse::<IpAddr>().unwrap());
+    assert_eq!(record.fingerprint, 0x0403_0201);
+    assert_eq!(record.pods.len(), 1);
+    assert_eq!(
+        record.pods[0].flags,
+        PodFlags {
+            ready: true,
+            ..PodFlags::default()
+        }
+    );
+    assert_eq!(record.pods[0].services, vec![key("pay/pay")]);
+    assert_eq!(
+        (record.bare_services.len(), record.tombstone.is_none()),
+        (0, true)
+    );
+}
+
+#[test]
+fn a_cut_or_damaged_binary_document_is_refused() {
+    let bytes = encode_snapshot_as(Encoding::Binary, &snapshot());
+    for cut in 0..bytes.len() {
+        assert!(read_snapshot(&bytes[..cut]).is_err(), "cut at {cut}");
+        let reset = reset_of(&bytes);
+        let cut = cut.min(reset.len() - 1);
+        assert!(decode_changes(&reset[..cut], ServiceKey::clone, |r| r).is_err());
+    }
+    let base = empty_binary();
+    let cases: [(&[u8], &str); 6] = [
+        // A service past the table.
+        (&[6, 10, 0, 0, 1, 0x10, 0x11, 99], "names no service"),
+        // A body shorter than its fields.
+        (&[4, 10, 0, 0, 1, 0x11, 1], "ends inside its fields"),
+        // A length with a needless zero byte: one spelling only.
+        (&[0x86, 0x00, 10, 0, 0, 1, 0, 0, 0], "length does not read"),
+        // A length past the largest record, which nothing is allocated for.
+        (&[0xff, 0xff, 0xff, 0xff, 0x0f], "longer than"),
+        // An empty body.
+        (&[0, 10, 0, 0, 1], "ends inside its fields"),
+        // A count of pods with more pods than bytes.
+        (
+            &[6, 10, 0, 0, 1, 0xf0, 0xff, 0x01],
+            "ends inside its fields",
+        ),
+    ];
+    for (record, says) in cases {
+        let err = read_snapshot(&with_records(&base, 1, record))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(says), "{record:?}: {err}");
+        assert!(err.contains("record 0"), "{err}");
+    }
+    // More records stated than the document holds: `end` is not a record.
+    let err = read_snapshot(&with_records(&base, 2, &[2, 10, 0, 0, 1, 0]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ends before `end`"), "{err}");
+    let records = [0x30u8; 64];
+    assert!(read_snapshot(&with_records(&base, usize::MAX, &records)).is_err());
+}
+
+#[test]
+fn the_packed_encoding_asked_for_is_the_heaviest_binary_first() {
+    let asked = |accept: &str| Encoding::accepted([accept]);
+    let ours = "application/vnd.staleguard.packed-binary, \
+        application/vnd.staleguard.packed;q=0.9, application/json;q=0.5";
+    assert_eq!(asked(ours), Some(Encoding::Binary));
+    // The last release's gateway: text.
+    let old = "application/vnd.staleguard.packed, application/json;q=0.5";
+    assert_eq!(asked(old), Some(Encoding::Text));
+    for (accept, want) in [
+        (BINARY_MEDIA_TYPE, Some(Encoding::Binary)),
+        (MEDIA_TYPE, Some(Encoding::Text)),
+        // Equal weights: binary, in either order.
+        (
+            "application/vnd.staleguard.packed, APPLICATION/VND.STALEGUARD.PACKED-BINARY",
+            Some(Encoding::Binary),
+        ),
+        // Weights decide, not the order.
+        (
+            "application/vnd.staleguard.packed-binary;q=0.2, application/vnd.staleguard.packed",
+            Some(Encoding::Text),
+        ),
+        ("application/vnd.staleguard.packed-binary; Q=0", None),
+        ("application/vnd.staleguard.packed-binary;q=high", None),
+        (
+            "application/json, application/vnd.staleguard.packed;q=0.4",
+            None,
+        ),
+        (
+            "application/json;q=0.5, application/vnd.staleguard.packed; q=1",
+            Some(Encoding::Text),
+        ),
+        ("application/vnd.staleguard.packedx", None),
+        ("application/vnd.staleguard.packed-binaryx", None),
+        ("*/*", None),
+        ("", None),
+    ] {
+        assert_eq!(asked(accept), want, "{accept}");
+    }
+    // Several header values count together.
+    assert_eq!(
+        Encoding::accepted(["application/json;q=0.1", BINARY_MEDIA_TYPE]),
+        Some(Encoding::Binary)
+    );
+}

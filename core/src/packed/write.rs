@@ -1,9 +1,22 @@
-//! Writing the packed form: a document per snapshot or change set, a line per record.
+//! Writing the packed form: a document per snapshot or change set, a record
+//! per line or in binary.
+
+use std::io::Write as _;
 
 use super::*;
 
-/// `snapshot` in packed form (kind `snapshot`).
+/// `snapshot` in the text packed form (kind `snapshot`).
 pub fn encode_snapshot(snapshot: &Snapshot) -> Vec<u8> {
+    encode_snapshot_as(Encoding::Text, snapshot)
+}
+
+/// `changes` in the text packed form (kind `reset` or `delta`).
+pub fn encode_changes(changes: &Changes) -> Vec<u8> {
+    encode_changes_as(Encoding::Text, changes)
+}
+
+/// `snapshot` in packed form, its records in `encoding` (kind `snapshot`).
+pub fn encode_snapshot_as(encoding: Encoding, snapshot: &Snapshot) -> Vec<u8> {
     let Snapshot {
         v: _,
         epoch,
@@ -12,15 +25,16 @@ pub fn encode_snapshot(snapshot: &Snapshot) -> Vec<u8> {
         services,
         records,
     } = snapshot;
-    let mut w = Writer::new("snapshot", *epoch, *generation, None, freshness);
+    let mut w = Writer::new(encoding, "snapshot", *epoch, *generation, None, freshness);
     w.write_whole(services, records);
     w.finish()
 }
 
-/// `changes` in packed form (kind `reset` or `delta`).
-pub fn encode_changes(changes: &Changes) -> Vec<u8> {
+/// `changes` in packed form, its records in `encoding` (kind `reset` or
+/// `delta`).
+pub fn encode_changes_as(encoding: Encoding, changes: &Changes) -> Vec<u8> {
     match changes {
-        Changes::Reset(snapshot) => reset_of(&encode_snapshot(snapshot)),
+        Changes::Reset(snapshot) => reset_of(&encode_snapshot_as(encoding, snapshot)),
         Changes::Delta(delta) => {
             let Delta {
                 v: _,
@@ -33,7 +47,14 @@ pub fn encode_changes(changes: &Changes) -> Vec<u8> {
                 upserts,
                 removed,
             } = delta;
-            let mut w = Writer::new("delta", *epoch, *generation, Some(*since), freshness);
+            let mut w = Writer::new(
+                encoding,
+                "delta",
+                *epoch,
+                *generation,
+                Some(*since),
+                freshness,
+            );
             w.list("services_added", services_added.len());
             for service in services_added {
                 w.line(service);
@@ -52,13 +73,18 @@ pub fn encode_changes(changes: &Changes) -> Vec<u8> {
     }
 }
 
-/// A packed snapshot document as the reset that carries the same snapshot:
-/// only the kind on the first line differs. Anything else is left alone.
+/// A packed snapshot document (of either encoding) as the reset that
+/// carries the same snapshot: only the kind on the first line differs.
+/// Anything else is left alone.
 pub fn reset_of(snapshot: &[u8]) -> Vec<u8> {
-    let first = format!("{MAGIC} {WIRE_VERSION} snapshot\n");
+    let Some(encoding) = encoding_of(snapshot) else {
+        return snapshot.to_vec();
+    };
+    let magic = encoding.magic();
+    let first = format!("{magic} {WIRE_VERSION} snapshot\n");
     match snapshot.strip_prefix(first.as_bytes()) {
         Some(rest) => {
-            let head = format!("{MAGIC} {WIRE_VERSION} reset\n");
+            let head = format!("{magic} {WIRE_VERSION} reset\n");
             let mut out = Vec::with_capacity(head.len() + rest.len());
             out.extend_from_slice(head.as_bytes());
             out.extend_from_slice(rest);
@@ -69,19 +95,26 @@ pub fn reset_of(snapshot: &[u8]) -> Vec<u8> {
 }
 
 struct Writer {
-    out: String,
+    out: Vec<u8>,
+    encoding: Encoding,
+    /// A record's text line, reused from record to record.
+    line: String,
+    /// A binary record's body, reused from record to record.
+    body: Vec<u8>,
 }
 
 impl Writer {
     fn new(
+        encoding: Encoding,
         kind: &str,
         epoch: u64,
         generation: u64,
         since: Option<u64>,
         freshness: &Freshness,
     ) -> Self {
-        let mut out = String::new();
-        let _ = writeln!(out, "{MAGIC} {WIRE_VERSION} {kind}");
+        let mut out = Vec::new();
+        let magic = encoding.magic();
+        let _ = writeln!(out, "{magic} {WIRE_VERSION} {kind}");
         let _ = writeln!(out, "epoch {epoch}");
         let _ = writeln!(out, "generation {generation}");
         if let Some(since) = since {
@@ -91,7 +124,12 @@ impl Writer {
         if let Some(age_ms) = freshness.age_ms {
             let _ = writeln!(out, "age_ms {age_ms}");
         }
-        Self { out }
+        Self {
+            out,
+            encoding,
+            line: String::new(),
+            body: Vec::new(),
+        }
     }
 
     fn list(&mut self, name: &str, count: usize) {
@@ -134,43 +172,54 @@ impl Writer {
     }
 
     fn record(&mut self, record: &IpRecord, position: &HashMap<&ServiceKey, usize>) {
-        let out = &mut self.out;
         let at = |service: &ServiceKey| position.get(service).copied().unwrap_or_default();
-        let _ = write!(out, "{}", canonical(record.ip));
-        if !record.pods.is_empty() {
-            let _ = write!(out, " f{:08x}", fingerprint(&record.pods));
-        }
-        for pod in &record.pods {
-            out.push_str(" p");
-            PodFlags {
-                ready: pod.ready,
-                terminating: pod.terminating,
-                host_network: pod.host_network,
+        match self.encoding {
+            Encoding::Text => {
+                self.line.clear();
+                text_record(&mut self.line, record, at);
+                self.out.extend_from_slice(self.line.as_bytes());
             }
-            .write(out);
-            for membership in &pod.services {
-                let _ = write!(out, " s{}", at(&membership.service));
-            }
+            Encoding::Binary => binary::push_record(&mut self.out, &mut self.body, record, at),
         }
-        for service in &record.bare_services {
-            let _ = write!(out, " b{}", at(service));
-        }
-        if let Some(tombstone) = &record.tombstone {
-            out.push_str(" t");
-            for (i, service) in tombstone.services.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                let _ = write!(out, "{}", at(service));
-            }
-        }
-        out.push('\n');
     }
 
     fn finish(mut self) -> Vec<u8> {
-        self.out.push_str("end\n");
-        self.out.into_bytes()
+        self.out.extend_from_slice(b"end\n");
+        self.out
     }
+}
+
+/// Appends the text line of `record`; `at` is a service's position.
+fn text_record(out: &mut String, record: &IpRecord, at: impl Fn(&ServiceKey) -> usize) {
+    let _ = write!(out, "{}", canonical(record.ip));
+    if !record.pods.is_empty() {
+        let _ = write!(out, " f{:08x}", fingerprint(&record.pods));
+    }
+    for pod in &record.pods {
+        out.push_str(" p");
+        PodFlags {
+            ready: pod.ready,
+            terminating: pod.terminating,
+            host_network: pod.host_network,
+        }
+        .write(out);
+        for membership in &pod.services {
+            let _ = write!(out, " s{}", at(&membership.service));
+        }
+    }
+    for service in &record.bare_services {
+        let _ = write!(out, " b{}", at(service));
+    }
+    if let Some(tombstone) = &record.tombstone {
+        out.push_str(" t");
+        for (i, service) in tombstone.services.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let _ = write!(out, "{}", at(service));
+        }
+    }
+    out.push('\n');
 }
 
 /// Every service `record` names, repeats included.

@@ -174,7 +174,6 @@ fn v6_key(ip: Ipv6Addr) -> [u32; 4] {
 }
 
 impl<V: Default> IpTable<V> {
-    #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.v4.len() + self.v6.len()
     }

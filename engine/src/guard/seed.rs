@@ -100,13 +100,9 @@ impl Guard {
         }
         // The services the lines name: the only ones an answer can take an
         // allowed IP from.
-        let mut known = std::mem::take(&mut b.known);
-        for set in &b.sets.ids {
-            known.extend(set.iter().copied());
-        }
-        b.known = known;
+        b.known.extend(b.sets.ids.iter().flatten().copied());
         b.armed = true;
-        seeded.ips = b.ips.v4.len() as u64 + b.ips.v6.len() as u64;
+        seeded.ips = b.ips.len() as u64;
         seeded.allowed_ips = b.counts.allowed_ips;
         Some(seeded)
     }

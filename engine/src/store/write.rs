@@ -682,10 +682,10 @@ mod tests {
             .unwrap();
         assert_eq!(writer.buckets, buckets::MIN_BUCKETS);
         store.live = watched(100).live;
-        // 20,000 pods need more buckets: the old layout's keys must hold
+        // 40,000 pods need more buckets: the old layout's keys must hold
         // until meta names the new one.
         let meta = writer
-            .write_snapshot(&mut store, 2, &mut snapshot(2, 20_000))
+            .write_snapshot(&mut store, 2, &mut snapshot(2, 40_000))
             .unwrap();
         assert!(meta.buckets > buckets::MIN_BUCKETS, "{meta:?}");
         assert!(!writer.retired.is_empty(), "the old layout's keys wait");

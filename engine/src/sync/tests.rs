@@ -134,7 +134,15 @@ fn starts_with_a_snapshot_then_long_polls() {
 
 #[test]
 fn packed_answers_apply_as_their_json_does_and_are_asked_for_first() {
-    assert!(ACCEPT.starts_with(packed::MEDIA_TYPE));
+    // Binary records first; a validator of the last release, which answers
+    // the text form to any range naming it exactly, still finds it.
+    assert_eq!(
+        packed::Encoding::accepted([ACCEPT]),
+        Some(packed::Encoding::Binary)
+    );
+    assert!(ACCEPT
+        .split(',')
+        .any(|range| range.split(';').next().map(str::trim) == Some(packed::MEDIA_TYPE)));
     let mut terminating = rec("10.0.0.3");
     terminating.pods[0].terminating = true;
     let mut d = delta(9, 3, 5);
@@ -179,11 +187,13 @@ fn packed_answers_apply_as_their_json_does_and_are_asked_for_first() {
         (Changes::Reset(s), true) => json(s),
         _ => json(answer),
     });
-    let packed = run(&|answer, first| match (answer, first) {
-        (Changes::Reset(s), true) => packed::encode_snapshot(s),
-        _ => packed::encode_changes(answer),
-    });
-    assert_eq!(packed, json);
+    for encoding in [packed::Encoding::Text, packed::Encoding::Binary] {
+        let packed = run(&|answer, first| match (answer, first) {
+            (Changes::Reset(s), true) => packed::encode_snapshot_as(encoding, s),
+            _ => packed::encode_changes_as(encoding, answer),
+        });
+        assert_eq!(packed, json, "{encoding:?}");
+    }
     assert!(
         matches!(json[1].0, Applied::Delta { changed: 3 }),
         "{:?}",
@@ -197,13 +207,16 @@ fn a_damaged_packed_answer_is_a_decode_error_and_the_data_stays() {
     p.next_request(0, &store);
     let mut d = delta(9, 3, 5);
     d.removed = vec!["10.0.0.1".parse().unwrap()];
-    let bytes = packed::encode_changes(&Changes::Delta(d));
-    let cut = &bytes[..bytes.len() - 4];
-    let err = p.on_response(10, 200, cut, &mut store).unwrap_err();
-    assert!(matches!(err, SyncError::DecodePacked(_)), "{err}");
-    assert_eq!(err.kind(), "decode");
-    assert!(present(&store, "10.0.0.1"));
-    assert_eq!(p.next_request(10_000, &store), Some(Request::Snapshot));
+    for encoding in [packed::Encoding::Text, packed::Encoding::Binary] {
+        let mut p = p.clone();
+        let bytes = packed::encode_changes_as(encoding, &Changes::Delta(d.clone()));
+        let cut = &bytes[..bytes.len() - 4];
+        let err = p.on_response(10, 200, cut, &mut store).unwrap_err();
+        assert!(matches!(err, SyncError::DecodePacked(_)), "{err}");
+        assert_eq!(err.kind(), "decode");
+        assert!(present(&store, "10.0.0.1"));
+        assert_eq!(p.next_request(10_000, &store), Some(Request::Snapshot));
+    }
 }
 
 #[test]
@@ -780,8 +793,18 @@ fn unfresh_answers_are_recorded_as_not_fresh() {
 
 #[test]
 fn a_packed_reset_is_applied_holding_one_record_at_a_time() {
+    a_reset_holding_one_record_at_a_time(packed::Encoding::Text);
+}
+
+#[test]
+fn a_reset_with_binary_records_is_applied_holding_one_record_at_a_time() {
+    a_reset_holding_one_record_at_a_time(packed::Encoding::Binary);
+}
+
+fn a_reset_holding_one_record_at_a_time(encoding: packed::Encoding) {
     use crate::buckets::alive;
-    use staleguard_core::packed;
+    let encode_snapshot = |s: &Snapshot| packed::encode_snapshot_as(encoding, s);
+    let encode_changes = |c: &Changes| packed::encode_changes_as(encoding, c);
     // 40,000 IPs: about 1.3 MB of bucket lines, written in two slices.
     let ips: Vec<String> = (0..40_000u32)
         .map(|i| std::net::Ipv4Addr::from(0x0a00_0000 + i).to_string())
@@ -790,7 +813,7 @@ fn a_packed_reset_is_applied_holding_one_record_at_a_time() {
     let mut store = MemoryStore::default();
     let mut p = Poller::new(CFG, 7);
     p.next_request(0, &store);
-    let first = packed::encode_snapshot(&snapshot(9, 3, &ips));
+    let first = encode_snapshot(&snapshot(9, 3, &ips));
     alive::take_peak();
     assert_eq!(
         p.on_response(0, 200, &first, &mut store).unwrap(),
@@ -801,7 +824,7 @@ fn a_packed_reset_is_applied_holding_one_record_at_a_time() {
     // one IP: the same, and the IP it lacks is gone.
     let request = p.next_request(1, &store).unwrap();
     assert!(matches!(request, Request::Changes { .. }));
-    let reset = packed::encode_changes(&Changes::Reset(snapshot(10, 1, &ips[1..])));
+    let reset = encode_changes(&Changes::Reset(snapshot(10, 1, &ips[1..])));
     alive::take_peak();
     assert_eq!(
         p.on_response(1, 200, &reset, &mut store).unwrap(),
@@ -812,7 +835,7 @@ fn a_packed_reset_is_applied_holding_one_record_at_a_time() {
     assert!(ips[1..].iter().step_by(97).all(|ip| present(&store, ip)));
     // A reset the guard holds (every IP gone) keeps none of its records.
     p.next_request(2, &store);
-    let empty = packed::encode_changes(&Changes::Reset(snapshot(11, 1, &[])));
+    let empty = encode_changes(&Changes::Reset(snapshot(11, 1, &[])));
     assert_eq!(
         p.on_response(2, 200, &empty, &mut store).unwrap(),
         Applied::Held

@@ -27,8 +27,8 @@
 //! wait their turn. Every build is counted by the reason that started it.
 //!
 //! An answer is written in the [`Form`] its client asked for: JSON of a view,
-//! or packed ([`staleguard_core::packed`]); each form is built once and shared
-//! like the rest.
+//! or packed ([`staleguard_core::packed`]) with its records as text or in
+//! binary; each form is built once and shared like the rest.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -74,26 +74,23 @@ pub(crate) enum View {
 pub(crate) enum Form {
     /// JSON of this view: the default, for people, the audit and any client.
     Json(View),
-    /// The packed form ([`packed::MEDIA_TYPE`]): what gateways ask for.
-    Packed,
+    /// The packed form, its records in this encoding: what gateways ask for.
+    Packed(packed::Encoding),
 }
 
 impl Form {
-    /// What a request asks for: packed when its `Accept` names
-    /// [`packed::MEDIA_TYPE`] (whatever the view: the packed form carries
-    /// what a gateway keeps of the verdict view), else JSON of `view`.
+    /// What a request asks for: the packed encoding its `Accept` prefers
+    /// ([`packed::Encoding::accepted`]: binary records, then text; whatever
+    /// the view: the packed form carries what a gateway keeps of the verdict
+    /// view), else JSON of `view`.
     pub(crate) fn asked(view: View, headers: &HeaderMap) -> Self {
-        let packed = headers
+        let accept = headers
             .get_all(header::ACCEPT)
             .iter()
-            .filter_map(|value| value.to_str().ok())
-            .flat_map(|value| value.split(','))
-            .filter_map(|range| range.split(';').next())
-            .any(|media| media.trim().eq_ignore_ascii_case(packed::MEDIA_TYPE));
-        if packed {
-            Form::Packed
-        } else {
-            Form::Json(view)
+            .filter_map(|value| value.to_str().ok());
+        match packed::Encoding::accepted(accept) {
+            Some(encoding) => Form::Packed(encoding),
+            None => Form::Json(view),
         }
     }
 
@@ -101,7 +98,7 @@ impl Form {
     pub(crate) fn content_type(self) -> &'static str {
         match self {
             Form::Json(_) => "application/json",
-            Form::Packed => packed::MEDIA_TYPE,
+            Form::Packed(encoding) => encoding.media_type(),
         }
     }
 }
@@ -155,7 +152,7 @@ impl Built {
                     .reset
                     .get_or_init(|| match self.encoded.form {
                         Form::Json(_) => reset_of(&self.encoded.body),
-                        Form::Packed => Bytes::from(packed::reset_of(&self.encoded.body)),
+                        Form::Packed(_) => Bytes::from(packed::reset_of(&self.encoded.body)),
                     })
                     .clone(),
                 ..self.encoded.clone()
@@ -324,7 +321,7 @@ fn build(index: &SharedIndex, document: Document, form: Form) -> (Built, &'stati
     // The lock is released: the rest costs the index's writers nothing.
     let view = match form {
         Form::Json(view) => view,
-        Form::Packed => return packed_build(copied),
+        Form::Packed(encoding) => return packed_build(copied, encoding),
     };
     let slim = |records: Vec<staleguard_core::IpRecord>| match view {
         View::Full => records,
@@ -372,30 +369,26 @@ fn build(index: &SharedIndex, document: Document, form: Form) -> (Built, &'stati
 }
 
 /// [`build`]'s packed form: the encoder writes only what the form carries.
-fn packed_build(copied: Copied) -> (Built, &'static str) {
+fn packed_build(copied: Copied, encoding: packed::Encoding) -> (Built, &'static str) {
     let (body, kind, empty, fresh, generation) = match copied {
         Copied::Snapshot(s) => {
             let meta = (s.freshness.fresh, s.generation);
-            (
-                packed::encode_snapshot(&s),
-                "snapshot",
-                false,
-                meta.0,
-                meta.1,
-            )
+            let body = packed::encode_snapshot_as(encoding, &s);
+            (body, "snapshot", false, meta.0, meta.1)
         }
         Copied::Reset(s) => {
             let meta = (s.freshness.fresh, s.generation);
-            let body = packed::encode_changes(&Changes::Reset(s));
+            let body = packed::encode_changes_as(encoding, &Changes::Reset(s));
             (body, "reset", false, meta.0, meta.1)
         }
         Copied::Delta(d) => {
             let meta = (d.is_empty(), d.freshness.fresh, d.generation);
-            let body = packed::encode_changes(&Changes::Delta(d));
+            let body = packed::encode_changes_as(encoding, &Changes::Delta(d));
             (body, "delta", meta.0, meta.1, meta.2)
         }
     };
-    (built(body, Form::Packed, empty, fresh, generation), kind)
+    let form = Form::Packed(encoding);
+    (built(body, form, empty, fresh, generation), kind)
 }
 
 fn built(body: Vec<u8>, form: Form, empty: bool, fresh: bool, generation: u64) -> Built {

@@ -302,6 +302,75 @@ async fn resets_and_deltas_come_packed_to_a_client_that_accepts_it() {
     assert!(delta.is_empty() && delta.generation == now);
 }
 
+const BINARY: &str = staleguard_core::packed::BINARY_MEDIA_TYPE;
+
+/// What this release's gateway sends (`staleguard_engine::sync::ACCEPT`).
+const GATEWAY_ACCEPT: &str = "application/vnd.staleguard.packed-binary, \
+    application/vnd.staleguard.packed;q=0.9, application/json;q=0.5";
+
+#[tokio::test]
+async fn the_binary_packed_form_is_answered_first_and_the_last_releases_accept_as_before() {
+    use staleguard_core::packed::{self, Encoding, Record};
+    let f = fixture();
+    let snapshot = |body: &[u8]| {
+        packed::decode_snapshot(body, ServiceKey::clone, Record::into_ip_record).unwrap()
+    };
+    let (_, content_type, vary, binary) =
+        get_accepting(&f.app, "/v1/snapshot", GATEWAY_ACCEPT).await;
+    assert_eq!((content_type.as_str(), vary.as_str()), (BINARY, "accept"));
+    assert_eq!(packed::encoding_of(&binary), Some(Encoding::Binary));
+    // The last release's gateway asks for text, and gets what it got.
+    let old = "application/vnd.staleguard.packed, application/json;q=0.5";
+    let (_, content_type, _, text) = get_accepting(&f.app, "/v1/snapshot", old).await;
+    assert_eq!(content_type, PACKED);
+    assert_eq!(packed::encoding_of(&text), Some(Encoding::Text));
+    let (binary, text) = (snapshot(&binary), snapshot(&text));
+    assert_eq!(binary.records, text.records);
+    assert_eq!(
+        (binary.epoch, binary.generation, &binary.services),
+        (text.epoch, text.generation, &text.services)
+    );
+    // Weights decide: text weighed above binary is text; JSON above both, JSON.
+    let (_, content_type, _, _) = get_accepting(
+        &f.app,
+        "/v1/snapshot",
+        &format!("{BINARY};q=0.1, {PACKED};q=0.2"),
+    )
+    .await;
+    assert_eq!(content_type, PACKED);
+    let (_, content_type, _, body) = get_accepting(
+        &f.app,
+        "/v1/snapshot",
+        &format!("application/json, {BINARY};q=0.5"),
+    )
+    .await;
+    assert_eq!(content_type, "application/json");
+    assert!(staleguard_core::Snapshot::from_json(&body).is_ok());
+
+    // Resets and deltas too, each encoding built and shared on its own.
+    let (_, content_type, _, body) = get_accepting(&f.app, "/v1/changes", GATEWAY_ACCEPT).await;
+    assert_eq!(content_type, BINARY);
+    let read = |body: Vec<u8>| {
+        packed::decode_changes(&body[..], ServiceKey::clone, Record::into_ip_record).unwrap()
+    };
+    let Changes::Reset(reset) = read(body) else {
+        panic!("no position: a reset")
+    };
+    assert_eq!(reset.records, text.records);
+    let (_, content_type, _, body) = get_accepting(&f.app, "/v1/changes", old).await;
+    assert_eq!(content_type, PACKED);
+    assert!(body.starts_with(b"staleguard-packed 1 reset\n"));
+    let g = f.index.read().generation();
+    delete_cart_2(&f.index);
+    let uri = format!("/v1/changes?epoch={EPOCH}&since={g}&wait=5");
+    let (_, content_type, _, body) = get_accepting(&f.app, &uri, GATEWAY_ACCEPT).await;
+    assert_eq!(content_type, BINARY);
+    let Changes::Delta(delta) = read(body) else {
+        panic!("from a covered generation: a delta")
+    };
+    assert_eq!(delta.upserts[0].ip.to_string(), "10.0.0.2");
+}
+
 #[tokio::test]
 async fn changes_from_the_current_generation_are_an_empty_delta() {
     let f = fixture();
