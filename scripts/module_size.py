@@ -122,17 +122,19 @@ def main(path, top=40):
     print(f"{path}: {len(buf):,} bytes")
     for k, v in sections.most_common():
         print(f"  section {k:24} {v:>9,}")
-    crates, funcs = Counter(), Counter()
+    crates, funcs, copies = Counter(), Counter(), Counter()
     for idx, size in bodies:
         name = demangle(names.get(idx, f"func[{idx}]"))
         funcs[name] += size
+        copies[name] += 1
         crates[crate_of(name)] += size
     print(f"code bytes per crate ({len(bodies)} functions):")
     for k, v in crates.most_common(25):
         print(f"  {v:>9,}  {k}")
-    print(f"largest functions:")
+    print("largest functions (a generic function's copies summed: how many in brackets):")
     for k, v in funcs.most_common(top):
-        print(f"  {v:>9,}  {k[:150]}")
+        n = f"[{copies[k]}] " if copies[k] > 1 else ""
+        print(f"  {v:>9,}  {n}{k[:150]}")
 
 
 if __name__ == "__main__":

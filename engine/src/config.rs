@@ -7,6 +7,7 @@
 //! runs with the [`Fallback`] until a good one arrives (`crate::root`).
 
 use std::fmt;
+use std::io::{BufReader, Read};
 use std::ops::RangeInclusive;
 
 use serde::Deserialize;
@@ -356,7 +357,7 @@ impl Config {
         bytes: &[u8],
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, ConfigError> {
-        let doc: Value = serde_json::from_slice(bytes).map_err(ConfigError::Malformed)?;
+        let doc = json_value(bytes).map_err(ConfigError::Malformed)?;
         let mut problems = Vec::new();
         let Some(mut raw) = shape(&doc, &mut problems) else {
             return Err(ConfigError::Invalid(problems));
@@ -559,7 +560,7 @@ pub const CONFIG_REFUSED: &str = "config_refused";
 impl Fallback {
     /// The fallback of a refused document `bytes`.
     pub fn read(bytes: &[u8]) -> Self {
-        let doc = serde_json::from_slice::<Value>(bytes).unwrap_or(Value::Null);
+        let doc = json_value(bytes).unwrap_or(Value::Null);
         let failure_policy = doc
             .get("policy")
             .and_then(|p| p.get("failure_policy"))
@@ -596,6 +597,17 @@ impl Fallback {
             ),
         }
     }
+}
+
+/// A JSON document (a plugin configuration, an error answer) as a [`Value`],
+/// read through the same reader type as the validator's JSON answers
+/// (`crate::sync`: a `BufReader` over a boxed body), so that the module
+/// carries one copy of `serde_json`'s parser instead of one per reader type
+/// (10 KB of the Wasm module's code; docs/benchmarks.md, "A smaller module").
+/// The bytes are copied once: a configuration or an error answer is small.
+pub(crate) fn json_value(bytes: &[u8]) -> serde_json::Result<Value> {
+    let body: Box<dyn Read> = Box::new(std::io::Cursor::new(bytes.to_vec()));
+    serde_json::from_reader(BufReader::new(body))
 }
 
 // === the shape of a document, field by field ===

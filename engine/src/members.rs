@@ -29,7 +29,7 @@
 //! its predecessor wrote, and a scale-down of one large service costs one
 //! write of its list, not one per pod.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::net::IpAddr;
 
 use staleguard_core::{decide, Policy, Reason, ServiceKey};
@@ -61,9 +61,10 @@ fn id_key(id: u64) -> String {
 }
 
 /// The services (by [`service_id`]) `holders` make their IP a live, ready
-/// member of, with the ports the index lists for each.
-pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>> {
-    let mut out = BTreeMap::new();
+/// member of, with the ports the index lists for each, in the order of
+/// their ids, each once.
+pub fn live_memberships(ip: IpAddr, holders: &Holders) -> Vec<(u64, Vec<u16>)> {
+    let mut out = Vec::new();
     let record = holders.record_by_ids(ip);
     for id in holders.service_ids() {
         let verdict = decide(
@@ -92,9 +93,26 @@ pub fn live_memberships(ip: IpAddr, holders: &Holders) -> BTreeMap<u64, Vec<u16>
             .collect();
         ports.sort_unstable();
         ports.dedup();
-        out.insert(id, ports);
+        // `service_ids` are sorted and each once: so is `out`.
+        out.push((id, ports));
     }
     out
+}
+
+/// The value of service `id` in `map` (sorted by id), added if missing.
+/// A sorted `Vec` rather than a `BTreeMap`: a reset or a delta touches at
+/// most a few thousand services, and the Wasm module carries no B-tree
+/// code for it.
+fn slot<V: Default>(map: &mut Vec<(u64, V)>, id: u64) -> &mut V {
+    let at = match map.binary_search_by_key(&id, |(k, _)| *k) {
+        Ok(at) => at,
+        Err(at) => {
+            map.insert(at, (id, V::default()));
+            at
+        }
+    };
+    // `at` is in bounds: found, or just inserted there.
+    &mut map[at].1
 }
 
 /// Encodes a member list under `load`, in its order.
@@ -194,7 +212,8 @@ pub fn write_snapshot(
 /// ports is its 4 bytes (the packed form never lists ports).
 #[derive(Debug, Default)]
 pub struct Lists {
-    lists: BTreeMap<u64, List>,
+    /// By service id, sorted (see [`slot`]).
+    lists: Vec<(u64, List)>,
 }
 
 #[derive(Debug, Default)]
@@ -212,7 +231,7 @@ impl Lists {
             return;
         };
         for (id, ports) in live_memberships(record.ip, &holders) {
-            let list = self.lists.entry(id).or_default();
+            let list = slot(&mut self.lists, id);
             match record.ip {
                 IpAddr::V4(v4) if ports.is_empty() => list.v4.push(u32::from(v4)),
                 ip => list.others.push(Member { ip, ports }),
@@ -249,8 +268,14 @@ impl Lists {
 pub struct Updates {
     /// Per service, the IPs whose membership changed: the ports of the IP
     /// as a member now, `None` when it no longer is one.
-    services: BTreeMap<u64, BTreeMap<IpAddr, Option<Vec<u16>>>>,
+    /// By service id, sorted (see [`slot`]).
+    services: Vec<(u64, Changed)>,
 }
+
+/// One service's changed IPs (see [`Updates`]). A hash map: which order
+/// they are put back in does not matter, since a list that gains members is
+/// sorted.
+type Changed = HashMap<IpAddr, Option<Vec<u16>>, foldhash::fast::RandomState>;
 
 impl Updates {
     /// Notes the change of one IP: `old` is the record the index held (read
@@ -264,13 +289,16 @@ impl Updates {
             .map(|h| live_memberships(ip, &h))
             .unwrap_or_default();
         for (id, before) in &old {
-            let after = new.remove(id);
+            let after = new
+                .iter()
+                .position(|(n, _)| n == id)
+                .map(|at| new.swap_remove(at).1);
             if after.as_ref() != Some(before) {
-                self.services.entry(*id).or_default().insert(ip, after);
+                slot(&mut self.services, *id).insert(ip, after);
             }
         }
         for (id, after) in new {
-            self.services.entry(id).or_default().insert(ip, Some(after));
+            slot(&mut self.services, id).insert(ip, Some(after));
         }
     }
 
@@ -335,9 +363,12 @@ mod tests {
         }
     }
 
-    /// The memberships as a bucket line gives them.
-    fn live(r: &IpRecord) -> BTreeMap<u64, Vec<u16>> {
-        live_memberships(r.ip, &Holders::from_record(r))
+    /// The memberships as a bucket line gives them (each service once, in
+    /// the order of their ids).
+    fn live(r: &IpRecord) -> std::collections::BTreeMap<u64, Vec<u16>> {
+        let live = live_memberships(r.ip, &Holders::from_record(r));
+        assert!(live.windows(2).all(|w| w[0].0 < w[1].0), "{live:?}");
+        live.into_iter().collect()
     }
 
     fn ips(members: &[Member]) -> Vec<String> {

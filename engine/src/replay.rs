@@ -495,13 +495,15 @@ pub(crate) fn role<D: serde::de::DeserializeOwned>(
     key: &str,
     what: &str,
 ) -> Result<Option<D>, String> {
-    let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+    let Ok(value) = crate::config::json_value(bytes) else {
         return Ok(None);
     };
     if value.get(key).is_none() {
         return Ok(None);
     }
-    serde_json::from_value(value)
+    // From `&Value`, as the guard's configuration is read (`crate::config`):
+    // one instantiation of serde_json's value deserializer in the module.
+    D::deserialize(&value)
         .map(Some)
         .map_err(|e| format!("plugin configuration of {what} refused: {e}"))
 }

@@ -642,14 +642,12 @@ const REASON_BYTES: usize = 2048;
 /// JSON error, docs/api.md), else the body's first line (Envoy's own answers),
 /// printable and cut to 300 characters.
 fn answer_reason(body: &[u8]) -> Option<String> {
-    let from_json = serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| {
-            v.get("error")
-                .and_then(|e| e.get("message"))
-                .and_then(|m| m.as_str())
-                .map(str::to_owned)
-        });
+    let from_json = crate::config::json_value(body).ok().and_then(|v| {
+        v.get("error")
+            .and_then(|e| e.get("message"))
+            .and_then(|m| m.as_str())
+            .map(str::to_owned)
+    });
     let text = from_json.unwrap_or_else(|| {
         String::from_utf8_lossy(body)
             .lines()

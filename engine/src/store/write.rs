@@ -3,7 +3,7 @@
 //! through, laid out into buckets, services, member lists and `meta`. The
 //! reader is [`super::IndexReader`]; the layout is described in [`super`].
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::net::IpAddr;
 
 use staleguard_core::wire::Delta;
@@ -234,18 +234,22 @@ impl Writer {
             self.known_services.remove(service);
         }
         // Edits grouped by bucket: each bucket read, edited and written once.
-        let mut edits: BTreeMap<u32, Vec<Edit<'_>>> = BTreeMap::new();
-        for record in upserts {
-            let index = buckets::bucket_of(&record.ip, self.buckets);
-            edits.entry(index).or_default().push(Edit::Put(record));
-        }
-        for ip in removed {
-            let index = buckets::bucket_of(ip, self.buckets);
-            edits.entry(index).or_default().push(Edit::Remove(ip));
-        }
+        let all: Vec<Edit<'_>> = upserts
+            .iter()
+            .map(Edit::Put)
+            .chain(removed.iter().map(Edit::Remove))
+            .collect();
+        let order = by_bucket(all.iter().map(|edit| {
+            let ip = match edit {
+                Edit::Put(record) => &record.ip,
+                Edit::Remove(ip) => *ip,
+            };
+            buckets::bucket_of(ip, self.buckets)
+        }));
         let changed = (upserts.len() + removed.len()) as u64;
         let mut lists = members::Updates::default();
-        for (index, edits) in edits {
+        for (index, group) in groups(&order) {
+            let edits: Vec<Edit<'_>> = group.filter_map(|i| all.get(i).copied()).collect();
             let key = buckets::bucket_key(self.buckets, index);
             let (value, _) = store.get(&key)?;
             let value = value.unwrap_or_default();
@@ -325,13 +329,15 @@ impl Writer {
         let Some(meta) = IndexReader::new(&*store).meta() else {
             return Ok(());
         };
-        let mut edits: BTreeMap<u32, Vec<&CompactRecord>> = BTreeMap::new();
-        for record in gains {
-            let index = buckets::bucket_of(&record.ip, meta.buckets);
-            edits.entry(index).or_default().push(record);
-        }
+        let order = by_bucket(
+            gains
+                .iter()
+                .map(|record| buckets::bucket_of(&record.ip, meta.buckets)),
+        );
         let mut lists = members::Updates::default();
-        for (index, records) in edits {
+        for (index, group) in groups(&order) {
+            let records: Vec<&CompactRecord> =
+                group.filter_map(|i| gains.get(i).copied()).collect();
             let key = buckets::bucket_key(meta.buckets, index);
             let (value, _) = store.get(&key)?;
             let value = value.unwrap_or_default();
@@ -374,6 +380,26 @@ impl Writer {
         };
         refreshed(store, meta, now_ms, fresh)
     }
+}
+
+/// The positions of a batch's records (given by their buckets, in the
+/// batch's order) grouped by bucket: `(bucket, position)` sorted, so each
+/// bucket's positions come together and in the batch's order. A sorted
+/// `Vec` of the pairs the slice writer sorts too (`Plan`'s lines) rather
+/// than a `BTreeMap` of groups: the Wasm module carries one sort and no
+/// B-tree for it.
+fn by_bucket(buckets: impl Iterator<Item = u32>) -> Vec<(u32, u32)> {
+    let mut order: Vec<(u32, u32)> = buckets.zip(0..).collect();
+    order.sort_unstable();
+    order
+}
+
+/// Each bucket of `order` ([`by_bucket`]) with its records' positions.
+fn groups(order: &[(u32, u32)]) -> impl Iterator<Item = (u32, impl Iterator<Item = usize> + '_)> {
+    order.chunk_by(|a, b| a.0 == b.0).filter_map(|run| {
+        let (bucket, _) = run.first()?;
+        Some((*bucket, run.iter().map(|(_, i)| *i as usize)))
+    })
 }
 
 /// Writes `meta` as synced at `now_ms` with the validator's `fresh` flag.
@@ -581,6 +607,7 @@ impl Loading {
 }
 
 /// One change to a bucket.
+#[derive(Clone, Copy)]
 enum Edit<'a> {
     Put(&'a CompactRecord),
     Remove(&'a IpAddr),
@@ -591,6 +618,7 @@ mod tests {
     use super::*;
     use crate::store::MemoryStore;
     use staleguard_core::{Freshness, IpRecord, PodHolder};
+    use std::collections::BTreeMap;
 
     fn cart() -> ServiceKey {
         ServiceKey::new("shop", "cart")
