@@ -26,6 +26,10 @@ pub enum StoreError {
     Host(String),
 }
 
+/// What [`SharedData::peek`] hands its reader: what [`SharedData::get`]
+/// answers, the value lent.
+pub type Peeked<'a> = Result<(Option<&'a [u8]>, u32), StoreError>;
+
 /// Shared data as the host offers it, one key-value store for every VM (or
 /// worker) of one Envoy process: values with a compare-and-swap token. The
 /// index lives here (layout in [`crate::store`]).
@@ -34,6 +38,15 @@ pub trait SharedData {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError>;
     /// Writes a key; with `cas` set, only if the key is unchanged since read.
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+    /// Reads a key as [`SharedData::get`] does and hands the answer to
+    /// `read`, the value lent where the host can lend it (the native
+    /// module's store); by default the copy `get` makes.
+    fn peek(&self, key: &str, read: &mut dyn FnMut(Peeked<'_>)) {
+        match self.get(key) {
+            Ok((value, cas)) => read(Ok((value.as_deref(), cas))),
+            Err(e) => read(Err(e)),
+        }
+    }
     /// A count that moves after every write to the store is in it, if the
     /// host keeps one (`None` by default): a reader that read a value after
     /// seeing the count at `n` may keep using it while the count stays at

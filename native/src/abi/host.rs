@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use staleguard_engine::host::{
-    Callouts, Clock, MetricKind, RawHeaders, SharedData, Stats, StoreError, Stream, Vm,
+    Callouts, Clock, MetricKind, Peeked, RawHeaders, SharedData, Stats, StoreError, Stream, Vm,
 };
 
 use super::{EnvoyBuffer, ModuleBuffer, ModuleHeader};
@@ -270,6 +270,15 @@ impl SharedData for EnvoyHost<'_> {
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         self.store.set(key, value, cas)
+    }
+
+    fn peek(&self, key: &str, read: &mut dyn FnMut(Peeked<'_>)) {
+        // What `get` answers (`Store::get`: no value, token 0), lent.
+        self.store.peek(key, |value| {
+            read(Ok(
+                value.map_or((None, 0), |(bytes, cas)| (Some(bytes), cas))
+            ))
+        });
     }
 
     fn writes(&self) -> Option<u64> {
