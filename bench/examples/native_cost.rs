@@ -17,12 +17,15 @@
 //! - `none_again`: a second, identical `none` gateway: its ratio to `none`
 //!   is the run's noise floor (how far apart two equal gateways measure);
 //! - `wasm_noop`: `NOOP_WASM`, a proxy-wasm filter that does nothing;
-//! - `wasm`: the staleguard Wasm filter (`STALEGUARD_WASM`), shipped
-//!   configuration, `on_reject: reject`;
+//! - `wasm`: the staleguard Wasm filter (`STALEGUARD_WASM`), the same plugin
+//!   configuration as `native_filter`;
 //! - `native_noop`: the native module's no-op upstream filter (`filter_name:
 //!   noop`: no callback, no lock);
 //! - `native_filter`: the native module as the upstream filter
-//!   (`STALEGUARD_NATIVE`), shipped plugin configuration, `on_reject: reject`;
+//!   (`STALEGUARD_NATIVE`), shipped plugin configuration with the topology
+//!   `deploy/native/` ships (`shop-cart` is `shop/cart`), `on_reject:
+//!   reject`: every request judged (the gateway is measured only once it
+//!   counted a member verdict, never an unmapped request);
 //! - `lb`: round robin replaced by the native load-balancing policy as
 //!   `deploy/native/envoy-lb.yaml` ships it, no filter.
 //!
@@ -36,15 +39,25 @@
 //! keep-alive connection, then `REQUESTS` (2000) more, counted between
 //! `callgrind_control --zero` and `--dump`: every instruction of every
 //! Envoy thread, divided by the requests. CPU: `ROUNDS` (3) rounds, each
-//! measuring every gateway once for `SECONDS` (3) with `CONNECTIONS` (8)
-//! keep-alive clients, in an order rotated per round, with `none` measured
-//! again after each of them; the nanoseconds every Envoy thread spent on a
-//! CPU (the scheduler's account, `schedstat`) divided by the requests
-//! answered in that window (counted, not rate x time); each gateway's ratio
-//! to the mean of the two `none` measures beside it (a load drifting during
-//! the round cancels); the median of the rounds' CPU, and the median of the
-//! per-round ratios with their quartiles and a 95% bootstrap interval of
-//! that median (many short rounds make it narrow). Memory: the `lb` gateway with the index
+//! measuring every gateway, `none` included, twice, in an order and then
+//! in its reverse (a, b, c, c, b, a): each window is `WARMUP_MS` (500) of
+//! load that is not measured, then `SECONDS` (3) measured, both with
+//! `CONNECTIONS` (8) keep-alive clients, so no gateway is measured cold or
+//! warmer than another. The order rotates by one every second round and
+//! is reversed every other round (over `2 x n` rounds, n gateways, each
+//! takes each place twice). A window's CPU is the nanoseconds every Envoy
+//! thread spent on a CPU (the scheduler's account, `schedstat`) divided by
+//! the requests answered in it (counted, not rate x time); a gateway's
+//! round is the mean of its two windows, centred on the round's middle
+//! like every other gateway's, so a load drifting linearly during the
+//! round cancels; its ratio is to that round's `none`. Printed: the median
+//! of the rounds' CPU, and the median of the per-round ratios with their
+//! quartiles and a 95% bootstrap interval of that median (many short
+//! rounds make it narrow). `PROTOCOL=bracketed` measures as before (`none` after every
+//! gateway, no warm-up, ratios to the mean of the two `none` windows beside it: `none`
+//! runs every other window and stays warm, which biased two equal gateways
+//! apart); `PROTOCOL=both` alternates the designs round by round and prints
+//! both designs' ratios (`design check` lines). Memory: the `lb` gateway with the index
 //! loaded against the same gateway with only the two live pods indexed, per
 //! indexed IP: RSS, and what Envoy's allocator (tcmalloc, which the module's
 //! `malloc` goes to as well) says on the admin `/memory` page: bytes in use,
@@ -85,7 +98,7 @@ use serde_json::{json, Value};
 use staleguard_bench::{cpu_ns, env_usize, loadavg, median, percentile, rss_kib, swap_module};
 use staleguard_core::{IpRecord, ServiceKey};
 use staleguard_tests::blocking::{Answer, Server};
-use staleguard_tests::envoy::stats::STAT_RESETS;
+use staleguard_tests::envoy::stats::{requests_total, STAT_RESETS, STAT_UNMAPPED};
 use staleguard_tests::envoy::{
     cluster_mut, dependencies, native, shipped_plugin, Cluster, Envoy, Gateway, Launch,
 };
@@ -172,7 +185,15 @@ fn bootstrap(
     variant: Variant,
     validator: &FakeValidator,
 ) -> Result<(Value, Vec<(String, String)>)> {
-    let plugin = shipped_plugin(json!({"on_reject": "reject"}));
+    // The topology `deploy/native/envoy-lb.yaml` and `deploy/envoy/envoy.yaml`
+    // ship (`shipped_plugin` leaves it to the gateway): `shop-cart` is
+    // `shop/cart`. Without it the cluster maps to no service and the filter
+    // judges nothing (it counts the request `unmapped`).
+    let plugin = shipped_plugin(json!({
+        "on_reject": "reject",
+        "istio": false,
+        "clusters": [{"name": CLUSTER, "service": "shop/cart"}],
+    }));
     let cluster_plugin = match variant {
         Variant::WasmNoop => Some(json!({})),
         Variant::Wasm => Some(plugin.clone()),
@@ -261,6 +282,21 @@ fn start(
             Ok(e.stat(UNCHECKED)? == before)
         })?,
         _ => {}
+    }
+    if matches!(
+        variant,
+        Variant::Wasm | Variant::NativeFilter | Variant::NativeFilterBefore
+    ) {
+        // What is measured is a judgement: the live pod found a member
+        // (counted on the filter's tick), never a request left unmapped.
+        running.eventually("a member verdict", slow, |e| {
+            one_request(e.listener)?;
+            let stats = e.stats()?;
+            if stats.get(STAT_UNMAPPED).is_some_and(|n| *n > 0) {
+                bail!("{}: the filter left shop-cart unmapped", variant.name());
+            }
+            Ok(requests_total(&stats, "member", "allow") > 0)
+        })?;
     }
     Ok(running)
 }
@@ -409,11 +445,11 @@ fn instructions(setup: &Setup, variant: Variant, requests: usize) -> Result<f64>
     Ok(total as f64 / requests as f64)
 }
 
-/// `connections` keep-alive clients for `seconds`: requests answered.
-fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64> {
+/// `connections` keep-alive clients for `length`: requests answered.
+fn load(listener: SocketAddr, connections: usize, length: Duration) -> Result<u64> {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let until = Instant::now() + Duration::from_secs(seconds as u64);
+    let until = Instant::now() + length;
     let workers: Vec<_> = (0..connections)
         .map(|_| {
             let (done, stop) = (done.clone(), stop.clone());
@@ -434,13 +470,122 @@ fn load(listener: SocketAddr, connections: usize, seconds: usize) -> Result<u64>
     Ok(done.load(Ordering::Relaxed))
 }
 
-/// `connections` keep-alive clients on `envoy` for `seconds`: the
-/// microseconds of CPU (every Envoy thread) per request answered.
-fn cpu_per_request(envoy: &Envoy, connections: usize, seconds: usize) -> Result<f64> {
+/// How one gateway is measured: `connections` keep-alive clients for
+/// `warmup` (not measured), then for `seconds` (measured).
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    connections: usize,
+    seconds: usize,
+    warmup: Duration,
+}
+
+/// The microseconds of CPU (every Envoy thread) per request answered by
+/// `envoy` in one measured window, after its warm-up window: the gateway
+/// measured runs warm, whatever ran before it.
+fn cpu_per_request(envoy: &Envoy, window: &Window) -> Result<f64> {
+    if !window.warmup.is_zero() {
+        load(envoy.listener, window.connections, window.warmup)?;
+    }
     let t0 = cpu_ns(envoy.pid())?;
-    let n = load(envoy.listener, connections, seconds)?;
+    let n = load(
+        envoy.listener,
+        window.connections,
+        Duration::from_secs(window.seconds as u64),
+    )?;
     let t1 = cpu_ns(envoy.pid())?;
     Ok(t1.saturating_sub(t0) as f64 / 1e3 / n.max(1) as f64)
+}
+
+/// How a round orders the gateways' windows and what a ratio is to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Protocol {
+    /// Every gateway, `none` included, once a round, in an order rotated by
+    /// one each round; ratios to that round's `none`.
+    Rotated,
+    /// `none`, then each other gateway followed by `none` again; ratios to
+    /// the mean of the two `none` windows beside it (the design before:
+    /// `none` runs every other window and so stays warm).
+    Bracketed,
+}
+
+impl Protocol {
+    fn name(self) -> &'static str {
+        match self {
+            Protocol::Rotated => "rotated",
+            Protocol::Bracketed => "bracketed",
+        }
+    }
+}
+
+/// The order of the gateways' windows in rotated round `turn`: rotated by
+/// `turn / 2`, and reversed in every odd turn. Over `2 x n` rounds every
+/// gateway takes every place twice and follows each of its two neighbours
+/// equally often.
+fn rotated_order(n: usize, turn: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).map(|k| (turn / 2 + k) % n.max(1)).collect();
+    if turn % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
+/// One rotated round (turn `turn`): every gateway in [`rotated_order`],
+/// then again in the reverse order (a, b, c, c, b, a), each window after
+/// its own warm-up; a gateway's CPU is the mean of its two windows, whose
+/// mean time is the round's middle for every gateway, so a load drifting
+/// linearly during the round weighs on all of them alike. (gateway index,
+/// CPU per request, ratio to `none`.)
+fn rotated_round(
+    running: &[(Variant, Envoy)],
+    turn: usize,
+    window: &Window,
+) -> Result<Vec<(usize, f64, f64)>> {
+    let n = running.len();
+    let mut us = vec![0.0; n];
+    let order = rotated_order(n, turn);
+    for &i in order.iter().chain(order.iter().rev()) {
+        us[i] += cpu_per_request(&running[i].1, window)? / 2.0;
+    }
+    let none = running
+        .iter()
+        .position(|(v, _)| *v == Variant::None)
+        .map_or(f64::NAN, |i| us[i]);
+    Ok(us
+        .iter()
+        .enumerate()
+        .map(|(i, us)| (i, *us, us / none))
+        .collect())
+}
+
+/// One bracketed round (turn `turn`): `none`, then each other gateway,
+/// rotated by `turn`, each followed by `none`; no warm-up windows, as the
+/// design was.
+fn bracketed_round(
+    running: &[(Variant, Envoy)],
+    none_at: usize,
+    turn: usize,
+    window: &Window,
+) -> Result<Vec<(usize, f64, f64)>> {
+    let window = &Window {
+        warmup: Duration::ZERO,
+        ..*window
+    };
+    let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
+    if !order.is_empty() {
+        let by = turn % order.len();
+        order.rotate_left(by);
+    }
+    let none = &running[none_at].1;
+    let mut before = cpu_per_request(none, window)?;
+    let mut out = vec![(none_at, before, 1.0)];
+    for i in order {
+        let us = cpu_per_request(&running[i].1, window)?;
+        let after = cpu_per_request(none, window)?;
+        out.push((i, us, us / ((before + after) / 2.0)));
+        out.push((none_at, after, 1.0));
+        before = after;
+    }
+    Ok(out)
 }
 
 /// What a gateway's memory is made of, in bytes: the process's RSS and
@@ -686,13 +831,21 @@ fn main() -> Result<()> {
             );
         }
     }
-    let mut cost: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    let mut ratio: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    // `none` brackets every other gateway: none, a, none, b, none, ... and
-    // each ratio is to the mean of the two `none` measures beside it, so a
-    // load that drifts during the round cancels out.
+    // Every gateway, `none` included, is measured twice a round, in an order
+    // and then its reverse, each window after a warm-up window of its own
+    // on the same gateway; the order rotates from round to round; a
+    // gateway's ratio is to that round's `none`. `PROTOCOL=bracketed` is the earlier design (`none` after every
+    // gateway, ratios to the mean of the two beside it), `both` alternates
+    // the two designs round by round, to compare their bias in one run.
     // `ONLY=memory` runs the `lb` gateway alone: no rounds, no `none`.
     let cpu_rounds = if memory_only { 0 } else { rounds };
+    let warmup = Duration::from_millis(env_usize("WARMUP_MS", 500) as u64);
+    let protocol = std::env::var("PROTOCOL").unwrap_or_else(|_| "rotated".into());
+    let designs: &[Protocol] = match protocol.as_str() {
+        "bracketed" => &[Protocol::Bracketed],
+        "both" => &[Protocol::Rotated, Protocol::Bracketed],
+        _ => &[Protocol::Rotated],
+    };
     let none_at = if memory_only {
         0
     } else {
@@ -701,29 +854,43 @@ fn main() -> Result<()> {
             .position(|(v, _)| *v == Variant::None)
             .context("no none gateway")?
     };
-    let mut order: Vec<usize> = (0..running.len()).filter(|&i| i != none_at).collect();
+    let window = Window {
+        connections,
+        seconds,
+        warmup,
+    };
+    // Per design: CPU per request and per-round ratios, by gateway.
+    let mut cost: BTreeMap<(Protocol, &str), Vec<f64>> = BTreeMap::new();
+    let mut ratio: BTreeMap<(Protocol, &str), Vec<f64>> = BTreeMap::new();
     for round in 0..cpu_rounds {
-        if round > 0 {
-            order.rotate_left(1);
+        let design = designs[round % designs.len()];
+        // Each design rotates by one over its own rounds.
+        let turn = round / designs.len();
+        let measured = match design {
+            Protocol::Rotated => rotated_round(&running, turn, &window)?,
+            Protocol::Bracketed => bracketed_round(&running, none_at, turn, &window)?,
+        };
+        for (i, us, r) in measured {
+            let name = running[i].0.name();
+            cost.entry((design, name)).or_default().push(us);
+            ratio.entry((design, name)).or_default().push(r);
         }
-        let none = &running[none_at].1;
-        let mut before = cpu_per_request(none, connections, seconds)?;
-        cost.entry("none").or_default().push(before);
-        for &i in &order {
-            let (v, envoy) = &running[i];
-            let us = cpu_per_request(envoy, connections, seconds)?;
-            let after = cpu_per_request(none, connections, seconds)?;
-            cost.entry(v.name()).or_default().push(us);
-            cost.entry("none").or_default().push(after);
-            ratio
-                .entry(v.name())
-                .or_default()
-                .push(us / ((before + after) / 2.0));
-            before = after;
-        }
-        ratio.entry("none").or_default().push(1.0);
-        eprintln!("round {}/{rounds} done", round + 1);
+        eprintln!("round {}/{rounds} ({}) done", round + 1, design.name());
     }
+    let main_design = designs[0];
+    let mut cost: BTreeMap<&str, Vec<f64>> = cost
+        .iter()
+        .filter(|((d, _), _)| *d == main_design)
+        .map(|((_, n), v)| (*n, v.clone()))
+        .collect();
+    let ratio_of_design = |design: Protocol| -> BTreeMap<&str, Vec<f64>> {
+        ratio
+            .iter()
+            .filter(|((d, _), _)| *d == design)
+            .map(|((_, n), v)| (*n, v.clone()))
+            .collect()
+    };
+    let ratio = ratio_of_design(main_design);
 
     // Memory: the lb gateway with the whole index against one with two IPs,
     // after the first sync and after each forced reset, at each of `WAITS`.
@@ -742,7 +909,7 @@ fn main() -> Result<()> {
             }
             let applied = Instant::now();
             for e in [lb, &small] {
-                load(e.listener, 2, 1)?;
+                load(e.listener, 2, Duration::from_secs(1))?;
             }
             let when = match r {
                 0 => "after the first sync".to_owned(),
@@ -782,7 +949,9 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {rounds}) | x none (median of per-round ratios) | per-round ratios: quartiles | median ratio: 95% bootstrap interval |"
+        "\n| gateway (cluster {CLUSTER}, 2 live pods) | instructions per request (valgrind) | x none | CPU per request (median of {} {} rounds) | x none (median of per-round ratios) | per-round ratios: quartiles | median ratio: 95% bootstrap interval |",
+        cpu_rounds.div_ceil(designs.len()),
+        main_design.name(),
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let none_instr = instr.get("none").copied();
@@ -811,6 +980,28 @@ fn main() -> Result<()> {
              95% interval {:.3} - {:.3}): a ratio inside that interval is no measured difference",
             floor.median, floor.q1, floor.q3, floor.low, floor.high
         );
+    }
+    // `PROTOCOL=both`: the other design's ratios beside the main one's.
+    for &design in designs.iter().skip(1) {
+        let other = ratio_of_design(design);
+        for &v in &variants {
+            let (Some(a), Some(b)) = (ratio.get(v.name()), other.get(v.name())) else {
+                continue;
+            };
+            let (a, b) = (Spread::of(a), Spread::of(b));
+            println!(
+                "design check {}: {} {:.3}x [{:.3} - {:.3}], {} {:.3}x [{:.3} - {:.3}]",
+                v.name(),
+                main_design.name(),
+                a.median,
+                a.low,
+                a.high,
+                design.name(),
+                b.median,
+                b.low,
+                b.high,
+            );
+        }
     }
     let spread = |name: &str| ratio.get(name).map(|r| Spread::of(r));
     let (lb, filter, floor) = (spread("lb"), spread("native_filter"), spread("none_again"));

@@ -30,9 +30,11 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::IpAddr;
+use std::rc::Rc;
 
 use staleguard_core::{IpRecord, ServiceKey};
 
+use crate::buckets;
 use crate::entry::Entry;
 use crate::host::SharedData;
 use crate::store::{IndexReader, Meta};
@@ -51,10 +53,42 @@ type Stamp = (Meta, u32);
 #[derive(Debug)]
 pub struct Cache {
     limit: usize,
-    clusters: FastMap<String, Option<ServiceKey>>,
+    clusters: FastMap<String, Option<Rc<Resolved>>>,
     stamp: Option<Stamp>,
-    services: FastMap<ServiceKey, bool>,
+    /// The store's write count ([`SharedData::writes`]) `read` was read at,
+    /// and what it read: `meta` and its token.
+    read: Option<(u64, Option<Stamp>)>,
+    /// Whether a service is known, by its id ([`Resolved::id`]).
+    services: FastMap<u64, bool>,
     records: FastMap<IpAddr, Option<IpRecord>>,
+}
+
+/// A cluster's service, resolved once per cluster name while the cache
+/// keeps it: its key, its id, and the key records read from the index name
+/// it by.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Resolved {
+    /// The service.
+    pub key: ServiceKey,
+    /// Its id ([`buckets::service_id`]), as the index's records name it:
+    /// what the per-request maps key it by (the cache's services, the
+    /// metric labels), cheaper to hash than its two names.
+    pub id: u64,
+    /// `key` as a record read from the index names it: by its id
+    /// ([`buckets::placeholder`]), which a verdict compares against.
+    pub by_id: ServiceKey,
+}
+
+impl Resolved {
+    /// `key`, with its id worked out once.
+    pub fn new(key: ServiceKey) -> Self {
+        let id = buckets::service_id(&key);
+        Self {
+            key,
+            id,
+            by_id: buckets::placeholder(id),
+        }
+    }
 }
 
 impl Default for Cache {
@@ -83,21 +117,23 @@ impl Cache {
             limit: limit.max(1),
             clusters: FastMap::default(),
             stamp: None,
+            read: None,
             services: FastMap::default(),
             records: FastMap::default(),
         }
     }
 
-    /// The service of `cluster`, resolved with `resolve` on a miss.
+    /// The service of `cluster`, resolved with `resolve` on a miss; shared,
+    /// not copied, on a hit.
     pub fn service_of(
         &mut self,
         cluster: &str,
         resolve: impl FnOnce() -> Option<ServiceKey>,
-    ) -> Option<ServiceKey> {
+    ) -> Option<Rc<Resolved>> {
         if let Some(service) = self.clusters.get(cluster) {
             return service.clone();
         }
-        let service = resolve();
+        let service = resolve().map(|key| Rc::new(Resolved::new(key)));
         bounded_insert(
             &mut self.clusters,
             self.limit,
@@ -110,6 +146,25 @@ impl Cache {
     /// Forgets the cluster resolutions (on every root tick).
     pub fn clear_clusters(&mut self) {
         self.clusters.clear();
+    }
+
+    /// `meta` and its cas token from `store` (see
+    /// [`IndexReader::meta_and_cas`]), read again only when the store's
+    /// write count moved since the last read, or when the store keeps none.
+    pub fn stamp(&mut self, store: &dyn SharedData) -> Option<(Meta, u32)> {
+        let Some(writes) = store.writes() else {
+            return IndexReader::new(store).meta_and_cas();
+        };
+        if let Some((at, stamp)) = self.read {
+            if at == writes {
+                return stamp;
+            }
+        }
+        // Read after the count: a write that lands meanwhile moves the count
+        // again, and the next request reads it.
+        let stamp = IndexReader::new(store).meta_and_cas();
+        self.read = Some((writes, stamp));
+        stamp
     }
 
     /// Keeps the entries if they were filled under exactly this `meta` write,
@@ -127,22 +182,22 @@ impl Cache {
         &mut self,
         store: &dyn SharedData,
         meta: &Meta,
-        service: &ServiceKey,
+        service: &Resolved,
     ) -> Entry<()> {
-        if let Some(known) = self.services.get(service) {
+        if let Some(known) = self.services.get(&service.id) {
             return if *known {
                 Entry::Present(())
             } else {
                 Entry::Absent
             };
         }
-        let entry = IndexReader::new(store).service(meta, service);
+        let entry = IndexReader::new(store).service(meta, &service.key);
         let known = match entry {
             Entry::Present(()) => true,
             Entry::Absent => false,
             Entry::Corrupt => return Entry::Corrupt,
         };
-        bounded_insert(&mut self.services, self.limit, service.clone(), known);
+        bounded_insert(&mut self.services, self.limit, service.id, known);
         entry
     }
 
@@ -189,11 +244,13 @@ mod tests {
 
     use staleguard_core::{Changes, Freshness, PodHolder, Snapshot};
 
-    /// Counts the reads that reach the store.
+    /// Counts the reads that reach the store; with `writes` set, counts its
+    /// writes too, as a host's store may ([`SharedData::writes`]).
     #[derive(Default)]
     struct Counting {
         inner: MemoryStore,
         reads: std::cell::Cell<usize>,
+        writes: Option<u64>,
     }
 
     impl SharedData for Counting {
@@ -207,7 +264,12 @@ mod tests {
             value: &[u8],
             cas: Option<u32>,
         ) -> Result<(), crate::host::StoreError> {
-            self.inner.set(key, value, cas)
+            let written = self.inner.set(key, value, cas);
+            self.writes = self.writes.map(|n| n + 1);
+            written
+        }
+        fn writes(&self) -> Option<u64> {
+            self.writes
         }
     }
 
@@ -358,14 +420,42 @@ mod tests {
         assert_eq!(vm.store.reads.get(), 3, "meta only");
         let meta = vm.meta();
         assert_eq!(
-            vm.cache.service(&vm.store, &meta, &cart()),
+            vm.cache.service(&vm.store, &meta, &Resolved::new(cart())),
             Entry::Present(())
         );
         assert_eq!(
-            vm.cache.service(&vm.store, &meta, &cart()),
+            vm.cache.service(&vm.store, &meta, &Resolved::new(cart())),
             Entry::Present(())
         );
         assert_eq!(vm.store.reads.get(), 5, "meta above, then the service once");
+    }
+
+    #[test]
+    fn meta_is_read_again_only_when_the_stores_write_count_moved() {
+        let mut vm = serving_a();
+        let meta = vm.meta();
+        vm.store.reads.set(0);
+        // A store that keeps no count: meta is read on every request.
+        let first = vm.cache.stamp(&vm.store);
+        assert!(first.is_some());
+        assert_eq!(vm.cache.stamp(&vm.store), first);
+        assert_eq!(vm.store.reads.get(), 2);
+        // One that does: once per count.
+        vm.store.writes = Some(7);
+        assert_eq!(vm.cache.stamp(&vm.store), first);
+        assert_eq!(vm.cache.stamp(&vm.store), first);
+        assert_eq!(vm.store.reads.get(), 3, "read once at count 7");
+        // A write through the store (meta rewritten as it was: a new token)
+        // moves the count, and the next request sees it.
+        vm.store
+            .set(crate::store::META_KEY, &meta.encode(), None)
+            .unwrap();
+        let second = vm.cache.stamp(&vm.store);
+        assert_eq!(vm.store.reads.get(), 4);
+        assert_ne!(second, first, "a new cas token");
+        assert_eq!(second.map(|(m, _)| m), Some(meta));
+        assert_eq!(vm.cache.stamp(&vm.store), second);
+        assert_eq!(vm.store.reads.get(), 4);
     }
 
     #[test]

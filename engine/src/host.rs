@@ -9,6 +9,7 @@
 //! folded into `None`/`false`/`Err(..)`. Logging is not a trait: the engine
 //! logs through the `log` facade, which an adapter routes to its host.
 
+use std::borrow::Cow;
 use std::io::Read;
 use std::time::Duration;
 
@@ -25,6 +26,10 @@ pub enum StoreError {
     Host(String),
 }
 
+/// What [`SharedData::peek`] hands its reader: what [`SharedData::get`]
+/// answers, the value lent.
+pub type Peeked<'a> = Result<(Option<&'a [u8]>, u32), StoreError>;
+
 /// Shared data as the host offers it, one key-value store for every VM (or
 /// worker) of one Envoy process: values with a compare-and-swap token. The
 /// index lives here (layout in [`crate::store`]).
@@ -33,6 +38,22 @@ pub trait SharedData {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError>;
     /// Writes a key; with `cas` set, only if the key is unchanged since read.
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+    /// Reads a key as [`SharedData::get`] does and hands the answer to
+    /// `read`, the value lent where the host can lend it (the native
+    /// module's store); by default the copy `get` makes.
+    fn peek(&self, key: &str, read: &mut dyn FnMut(Peeked<'_>)) {
+        match self.get(key) {
+            Ok((value, cas)) => read(Ok((value.as_deref(), cas))),
+            Err(e) => read(Err(e)),
+        }
+    }
+    /// A count that moves after every write to the store is in it, if the
+    /// host keeps one (`None` by default): a reader that read a value after
+    /// seeing the count at `n` may keep using it while the count stays at
+    /// `n`, without reading it again ([`crate::cache::Cache::stamp`]).
+    fn writes(&self) -> Option<u64> {
+        None
+    }
 }
 
 // === time and chance ===
@@ -74,6 +95,13 @@ pub trait Stream {
     /// A property of the stream as text (`["upstream", "address"]`,
     /// `["xds", "cluster_name"]`).
     fn property(&self, path: &[&str]) -> Option<String>;
+
+    /// [`Stream::property`], lent for as long as `self` is borrowed where the
+    /// host can lend it (a native module reads Envoy's own text); by default
+    /// the copy `property` makes.
+    fn property_text(&self, path: &[&str]) -> Option<Cow<'_, str>> {
+        self.property(path).map(Cow::Owned)
+    }
 
     /// One request header.
     fn request_header(&self, name: &str) -> Option<String>;

@@ -11,9 +11,9 @@
 //! `staleguard_error_kind`. The `staleguard_filter_` prefix keeps every filter
 //! series apart from the validator's `staleguard_validator_` series.
 
-use staleguard_core::{Reason, ServiceKey};
+use staleguard_core::Reason;
 
-use crate::cache::FastMap;
+use crate::cache::{FastMap, Resolved};
 use crate::host::{Host, MetricKind};
 use crate::judgement::Effect;
 use crate::replay::ReplayOutcome;
@@ -106,7 +106,8 @@ pub struct LabelId(u16);
 /// counter is flushed.
 #[derive(Debug)]
 pub struct ServiceLabels {
-    ids: FastMap<ServiceKey, LabelId>,
+    /// By the service's id ([`Resolved::id`]).
+    ids: FastMap<u64, LabelId>,
     /// Label values by id; id 0 is [`OTHER_SERVICE`].
     names: Vec<String>,
 }
@@ -123,11 +124,11 @@ impl Default for ServiceLabels {
 impl ServiceLabels {
     /// The label of `service`: `namespace/name` while there is room, else
     /// [`OTHER_SERVICE`].
-    pub fn id(&mut self, service: &ServiceKey) -> LabelId {
-        if let Some(id) = self.ids.get(service) {
+    pub fn id(&mut self, service: &Resolved) -> LabelId {
+        if let Some(id) = self.ids.get(&service.id) {
             return *id;
         }
-        let value = service.to_string();
+        let value = service.key.to_string();
         // A dot would split the stat name where the stats_tags do not expect
         // it; Kubernetes names have none, but a key built without validation
         // might.
@@ -138,7 +139,7 @@ impl ServiceLabels {
             return LabelId(0);
         };
         self.names.push(value);
-        self.ids.insert(service.clone(), LabelId(id));
+        self.ids.insert(service.id, LabelId(id));
         LabelId(id)
     }
 
@@ -351,6 +352,7 @@ impl VmMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use staleguard_core::ServiceKey;
     use std::collections::HashMap;
 
     #[test]
@@ -444,15 +446,19 @@ mod tests {
     fn service_labels_are_capped() {
         let mut labels = ServiceLabels::default();
         let cart = ServiceKey::new("shop", "cart");
-        let id = labels.id(&cart);
+        let id = labels.id(&Resolved::new(cart.clone()));
         assert_eq!(labels.name(id), "shop/cart");
         for i in 1..MAX_SERVICE_LABELS {
-            labels.id(&ServiceKey::new("ns", format!("s{i}")));
+            labels.id(&Resolved::new(ServiceKey::new("ns", format!("s{i}"))));
         }
-        let late = labels.id(&ServiceKey::new("ns", "one-too-many"));
+        let late = labels.id(&Resolved::new(ServiceKey::new("ns", "one-too-many")));
         assert_eq!(labels.name(late), OTHER_SERVICE);
-        assert_eq!(labels.id(&cart), id, "known services keep theirs");
-        let dotted = labels.id(&ServiceKey::new("a.b", "c"));
+        assert_eq!(
+            labels.id(&Resolved::new(cart)),
+            id,
+            "known services keep theirs"
+        );
+        let dotted = labels.id(&Resolved::new(ServiceKey::new("a.b", "c")));
         assert_eq!(
             labels.name(dotted),
             OTHER_SERVICE,
@@ -463,8 +469,8 @@ mod tests {
     #[test]
     fn the_tally_sums_exactly_and_names_at_flush() {
         let mut labels = ServiceLabels::default();
-        let cart = labels.id(&ServiceKey::new("shop", "cart"));
-        let pay = labels.id(&ServiceKey::new("shop", "pay"));
+        let cart = labels.id(&Resolved::new(ServiceKey::new("shop", "cart")));
+        let pay = labels.id(&Resolved::new(ServiceKey::new("shop", "pay")));
         let mut tally = Tally::default();
         let allow = |label| Count::Request {
             label,

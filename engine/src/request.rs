@@ -14,7 +14,7 @@ use staleguard_core::verdict::{FailurePolicy, Reason};
 use crate::cache::Cache;
 use crate::config::{Config, Fallback, RetryConfig, CONFIG_REFUSED};
 use crate::host::{Host, Next};
-use crate::judgement::{header_value, judge, Effect, Lazy, Ruling, Upstream};
+use crate::judgement::{header_value, judge, Effect, Lazy, Ruling, UpstreamRef};
 use crate::log_budget::LogBudget;
 use crate::members;
 use crate::metrics::{self, Count, Counted, LabelId, VmMetrics};
@@ -143,6 +143,13 @@ impl Filter {
         self.replay.is_some()
     }
 
+    /// True once the request needs nothing more of this context: no replay
+    /// under way, no header to take out of the upstream's answer. An adapter
+    /// may drop it then; its later hooks have nothing to do.
+    pub fn done(&self) -> bool {
+        self.replay.is_none() && self.strip_answer.is_none()
+    }
+
     /// The request's headers arrived: judge the host Envoy chose, and let the
     /// request through, reject it, or start replaying it.
     pub fn request_headers<H: Host>(&mut self, host: &mut H, end_of_stream: bool) -> Next {
@@ -155,17 +162,34 @@ impl Filter {
         let Some(config) = self.vm.config.clone() else {
             return self.vm.unconfigured(host);
         };
-        let upstream = Upstream {
-            cluster: host.property(&["xds", "cluster_name"]),
-            address: host.property(&["upstream", "address"]),
+        // The host's texts are read lent, not copied; a replay, the one
+        // path that needs them afterwards, copies what it needs here.
+        let (ruling, replay_target) = {
+            let cluster = host.property_text(&["xds", "cluster_name"]);
+            let address = host.property_text(&["upstream", "address"]);
+            let upstream = UpstreamRef {
+                cluster: cluster.as_deref(),
+                address: address.as_deref(),
+            };
+            let ruling = judge(
+                &config,
+                &mut self.vm.cache.borrow_mut(),
+                &*host,
+                upstream,
+                &LazyReads(&*host),
+            );
+            let target = match (&ruling, config.replay()) {
+                (
+                    Ruling::Judged {
+                        effect: Effect::Reject { .. },
+                        ..
+                    },
+                    Some(_),
+                ) => Some(ReplayTarget::of(upstream)),
+                _ => None,
+            };
+            (ruling, target)
         };
-        let ruling = judge(
-            &config,
-            &mut self.vm.cache.borrow_mut(),
-            &*host,
-            &upstream,
-            &LazyReads(&*host),
-        );
         let mut m = self.vm.metrics.borrow_mut();
         let (service, ip, verdict, effect) = match ruling {
             Ruling::Unmapped => {
@@ -188,27 +212,23 @@ impl Filter {
             } => (service, ip, verdict, effect),
         };
         let label = m.services.id(&service);
+        let service = &service.key;
         drop(m);
         // The body path steers while stale picks are seen (`crate::steer`).
         if matches!(verdict.reason, Reason::Destroyed | Reason::Recycled) {
             let now_ms = host.now_ms();
-            steer::record_stale_pick(host, &service, now_ms);
+            steer::record_stale_pick(host, service, now_ms);
         }
         // A rejection becomes a replay where one is configured and the
         // request is eligible; the decision is `crate::replay`'s.
         let mut replay_step = None;
-        if let (Effect::Reject { .. }, Some(retry)) = (effect, config.replay()) {
-            let stale = upstream
-                .address
-                .as_deref()
-                .and_then(|a| a.parse::<SocketAddr>().ok());
-            let cluster = upstream.cluster.as_deref().unwrap_or_default();
+        if let (Some(target), Some(retry)) = (replay_target, config.replay()) {
             match self.start_replay(
                 host,
                 retry,
-                &service,
-                cluster,
-                stale,
+                service,
+                &target.cluster,
+                target.stale,
                 verdict.reason,
                 end_of_stream,
             ) {
@@ -516,6 +536,24 @@ impl Filter {
             .metrics
             .borrow_mut()
             .inc(host, &metrics::retries(outcome), 1);
+    }
+}
+
+/// What a replay needs of the upstream the rejected request was aimed at,
+/// copied out of the host's lent texts.
+struct ReplayTarget {
+    /// The guarded cluster (its twin is named after it).
+    cluster: String,
+    /// The stale host, not to be picked again.
+    stale: Option<SocketAddr>,
+}
+
+impl ReplayTarget {
+    fn of(upstream: UpstreamRef<'_>) -> Self {
+        Self {
+            cluster: upstream.cluster.unwrap_or_default().to_owned(),
+            stale: upstream.address.and_then(|a| a.parse().ok()),
+        }
     }
 }
 

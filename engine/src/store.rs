@@ -254,16 +254,24 @@ impl<'a, S: SharedData + ?Sized> IndexReader<'a, S> {
     /// `meta` (the poller's commit point) gives it a new token, so an equal
     /// token means nothing was committed since (see `crate::cache`).
     pub fn meta_and_cas(&self) -> Option<(Meta, u32)> {
-        let (value, cas) = self.store.get(META_KEY).ok()?;
-        Some((Meta::decode(&value?)?, cas))
+        let mut meta = None;
+        self.store.peek(META_KEY, &mut |answer| {
+            if let Ok((Some(value), cas)) = answer {
+                meta = Meta::decode(value).map(|m| (m, cas));
+            }
+        });
+        meta
     }
 
     /// Whether `service` is known in the index `meta` describes.
     pub fn service(&self, meta: &Meta, service: &ServiceKey) -> Entry<()> {
-        match self.store.get(&service_key(service)) {
-            Ok((value, _)) => decode_service(&value.unwrap_or_default(), meta.load),
-            Err(_) => Entry::Corrupt,
-        }
+        let mut entry = Entry::Corrupt;
+        self.store.peek(&service_key(service), &mut |answer| {
+            if let Ok((value, _)) = answer {
+                entry = decode_service(value.unwrap_or_default(), meta.load);
+            }
+        });
+        entry
     }
 
     /// The record of `ip` in the index `meta` describes, with every service
@@ -271,14 +279,20 @@ impl<'a, S: SharedData + ?Sized> IndexReader<'a, S> {
     /// verdict about any service, asked as
     /// `placeholder(service_id(service))` (what `crate::judgement` does).
     pub fn record(&self, meta: &Meta, ip: &IpAddr) -> Entry<IpRecord> {
-        match self.store.get(&buckets::key_of(ip, meta.buckets)) {
-            Ok((value, _)) => match buckets::find(&value.unwrap_or_default(), ip, meta.load) {
-                Entry::Present(holders) => Entry::Present(holders.record_by_ids(*ip)),
-                Entry::Absent => Entry::Absent,
-                Entry::Corrupt => Entry::Corrupt,
-            },
-            Err(_) => Entry::Corrupt,
-        }
+        // The bucket line is read lent where the store lends it; only the
+        // IP's record is built from it.
+        let mut entry = Entry::Corrupt;
+        self.store
+            .peek(&buckets::key_of(ip, meta.buckets), &mut |answer| {
+                if let Ok((value, _)) = answer {
+                    entry = match buckets::find(value.unwrap_or_default(), ip, meta.load) {
+                        Entry::Present(holders) => Entry::Present(holders.record_by_ids(*ip)),
+                        Entry::Absent => Entry::Absent,
+                        Entry::Corrupt => Entry::Corrupt,
+                    };
+                }
+            });
+        entry
     }
 
     /// Reads what one request needs: meta, the service, the IP.
@@ -318,6 +332,7 @@ impl<'a, S: SharedData + ?Sized> IndexReader<'a, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::Peeked;
 
     #[test]
     fn meta_round_trips_and_rejects_garbage() {
@@ -373,6 +388,61 @@ mod tests {
         assert_eq!(decode_service(&encode_service(2), 3), Entry::Absent);
         assert_eq!(decode_service(b"", 3), Entry::Absent);
         assert_eq!(decode_service(b"zz", 0), Entry::Corrupt);
+    }
+
+    /// A store that only lends: `get` fails, `peek` answers from `inner`.
+    struct Lending(MemoryStore);
+
+    impl SharedData for Lending {
+        fn get(&self, _: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
+            Err(StoreError::Host("only peek".into()))
+        }
+        fn set(&mut self, _: &str, _: &[u8], _: Option<u32>) -> Result<(), StoreError> {
+            Err(StoreError::Host("read only".into()))
+        }
+        fn peek(&self, key: &str, read: &mut dyn FnMut(Peeked<'_>)) {
+            let (value, cas) = self.0.get(key).unwrap();
+            read(Ok((value.as_deref(), cas)));
+        }
+    }
+
+    #[test]
+    fn a_request_reads_meta_services_and_records_through_peek() {
+        let cart = ServiceKey::new("shop", "cart");
+        let mut s = MemoryStore::default();
+        let meta = Meta {
+            load: 1,
+            epoch: 1,
+            generation: 1,
+            synced_ms: 1_000,
+            fresh: true,
+            entries: 1,
+            buckets: buckets::MIN_BUCKETS,
+        };
+        s.set(META_KEY, &meta.encode(), None).unwrap();
+        s.set(&service_key(&cart), &encode_service(1), None)
+            .unwrap();
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let record = IpRecord::held_by(
+            ip,
+            vec![staleguard_core::PodHolder::ready_member(
+                "shop",
+                "p",
+                "u",
+                cart.clone(),
+            )],
+        );
+        buckets::put(&mut s, 1, buckets::MIN_BUCKETS, &record).unwrap();
+        let copied = IndexReader::new(&s);
+        let lent = Lending(s.clone());
+        let lent = IndexReader::new(&lent);
+        assert_eq!(lent.meta_and_cas(), copied.meta_and_cas());
+        assert_eq!(lent.meta(), Some(meta));
+        assert_eq!(lent.service(&meta, &cart), Entry::Present(()));
+        assert_eq!(lent.record(&meta, &ip), copied.record(&meta, &ip));
+        assert!(matches!(lent.record(&meta, &ip), Entry::Present(_)));
+        let gone: IpAddr = "10.0.0.2".parse().unwrap();
+        assert_eq!(lent.record(&meta, &gone), Entry::Absent);
     }
 
     #[test]

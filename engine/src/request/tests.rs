@@ -169,6 +169,40 @@ fn a_backends_reject_header_is_stripped_from_the_answer_to_a_request_with_a_body
 }
 
 #[test]
+fn a_context_is_done_once_its_later_hooks_have_nothing_to_do() {
+    let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+    // A bodiless GET let through: nothing after its headers.
+    get_to(&mut host, "10.0.0.1");
+    let mut filter = root.filter(2);
+    assert_eq!(filter.request_headers(&mut host, true), Next::Continue);
+    assert!(filter.done());
+    // With a body: the answer's header waits for the response hook.
+    let mut filter = root.filter(3);
+    filter.request_headers(&mut host, false);
+    assert!(!filter.done(), "the reject header is still to strip");
+    filter.response_headers(&mut host);
+    assert!(filter.done());
+    // A replay: not done until its answer came.
+    get_to(&mut host, "10.0.0.9");
+    let mut filter = root.filter(4);
+    assert_eq!(filter.request_headers(&mut host, true), Next::Pause);
+    assert!(!filter.done(), "a replay is under way");
+    let token = host.calls.last().unwrap().token;
+    host.answer = crate::fake::Answer {
+        headers: vec![(":status".into(), "200".into())],
+        body: b"ok".to_vec(),
+    };
+    filter.call_response(&mut host, token, 1, 2);
+    assert!(filter.done());
+    // A rejection is answered at once.
+    let (root, mut host) = loaded(ON_REJECT_REJECT, &["10.0.0.1"]);
+    get_to(&mut host, "10.0.0.9");
+    let mut filter = root.filter(5);
+    assert_eq!(filter.request_headers(&mut host, true), Next::Pause);
+    assert!(filter.done());
+}
+
+#[test]
 fn retry_max_answer_bytes_a_larger_answer_gets_the_rejection() {
     let extra = r#"{"retry":{"max_answer_bytes":4}}"#;
     let (mut root, mut host) = loaded(extra, &["10.0.0.1"]);

@@ -4,6 +4,7 @@
 //! They differ in which Envoy callbacks define and update metrics and send
 //! callouts: a [`Surface`] names them.
 
+use std::borrow::Cow;
 use std::ffi::c_void;
 use std::io::{Cursor, Read};
 use std::sync::atomic::Ordering;
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use staleguard_engine::host::{
-    Callouts, Clock, MetricKind, RawHeaders, SharedData, Stats, StoreError, Stream, Vm,
+    Callouts, Clock, MetricKind, Peeked, RawHeaders, SharedData, Stats, StoreError, Stream, Vm,
 };
 
 use super::{EnvoyBuffer, ModuleBuffer, ModuleHeader};
@@ -178,18 +179,32 @@ impl<'a> EnvoyHost<'a> {
 
     /// The request's cluster (the attribute `xds.cluster_name` is not
     /// served as text before ABI v0.2.0; this callback is, in both).
-    fn cluster_name(&self) -> Option<String> {
+    fn cluster_name(&self) -> Option<&[u8]> {
         // SAFETY: the request's live handle and a valid out slot.
-        self.read(|filter, out| unsafe {
+        self.lend(|filter, out| unsafe {
             envoy_dynamic_module_callback_http_get_cluster_name(filter, out)
         })
     }
 
-    fn attribute(&self, id: u32) -> Option<String> {
+    fn attribute(&self, id: u32) -> Option<&[u8]> {
         // SAFETY: the request's live handle and a valid out slot.
-        self.read(|filter, out| unsafe {
+        self.lend(|filter, out| unsafe {
             envoy_dynamic_module_callback_http_filter_get_attribute_string(filter, id, out)
         })
+    }
+
+    /// The bytes of a stream property Envoy serves as text, lent.
+    fn property_bytes(&self, path: &[&str]) -> Option<&[u8]> {
+        match path {
+            ["upstream", "address"] => self.attribute(ATTRIBUTE_UPSTREAM_ADDRESS),
+            ["xds", "cluster_name"] => self.cluster_name(),
+            // Istio's service list (`filter_metadata.istio.services`) is a
+            // list of structs, and the ABI's metadata getters (1.38 to 1.40)
+            // read a namespace's strings, numbers, bools and lists of those
+            // only: its size, never `services[0].host`. Clusters map by rules
+            // and their names (docs/native.md, "Limits").
+            _ => None,
+        }
     }
 
     /// Sets (or with `None` removes) header `name` of the request's map
@@ -221,6 +236,13 @@ impl<'a> EnvoyHost<'a> {
     /// out buffer from the request's handle; `None` without a request or
     /// when Envoy has none.
     fn read(&self, call: impl FnOnce(*mut c_void, *mut EnvoyBuffer) -> bool) -> Option<String> {
+        self.lend(call).map(|bytes| lent_text(bytes).into_owned())
+    }
+
+    /// What [`EnvoyHost::read`] reads, lent for as long as this host is
+    /// borrowed: a host lives for one hook, and Envoy's buffer lives as
+    /// long.
+    fn lend(&self, call: impl FnOnce(*mut c_void, *mut EnvoyBuffer) -> bool) -> Option<&[u8]> {
         let filter = self.filter?;
         let mut out = EnvoyBuffer {
             ptr: std::ptr::null(),
@@ -228,19 +250,17 @@ impl<'a> EnvoyHost<'a> {
         };
         let found = call(filter, &mut out);
         // SAFETY: Envoy filled `out` (or left it empty) for the duration of
-        // this hook.
+        // this hook, which this host does not outlive (it is made by the
+        // hook and dropped before it returns).
         let bytes = unsafe { out.as_bytes() };
-        (found && !bytes.is_empty()).then(|| text_of(bytes))
+        (found && !bytes.is_empty()).then_some(bytes)
     }
 }
 
-/// `bytes` as an owned text ([`super::text`]), invalid UTF-8 converted
-/// lossily.
-fn text_of(bytes: &[u8]) -> String {
-    super::text(bytes).map_or_else(
-        || String::from_utf8_lossy(bytes).into_owned(),
-        str::to_owned,
-    )
+/// `bytes` as text ([`super::text`]): lent as it is, or invalid UTF-8
+/// converted lossily.
+fn lent_text(bytes: &[u8]) -> Cow<'_, str> {
+    super::text(bytes).map_or_else(|| String::from_utf8_lossy(bytes), Cow::Borrowed)
 }
 
 impl SharedData for EnvoyHost<'_> {
@@ -250,6 +270,21 @@ impl SharedData for EnvoyHost<'_> {
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         self.store.set(key, value, cas)
+    }
+
+    fn peek(&self, key: &str, read: &mut dyn FnMut(Peeked<'_>)) {
+        // What `get` answers (`Store::get`: no value, token 0), lent.
+        self.store.peek(key, |value| {
+            read(Ok(
+                value.map_or((None, 0), |(bytes, cas)| (Some(bytes), cas))
+            ))
+        });
+    }
+
+    fn writes(&self) -> Option<u64> {
+        // Every write of the process's index goes through
+        // `ProcessStore::set`, which moves this count after it.
+        Some(crate::index::writes())
     }
 }
 
@@ -270,16 +305,11 @@ impl Clock for EnvoyHost<'_> {
 
 impl Stream for EnvoyHost<'_> {
     fn property(&self, path: &[&str]) -> Option<String> {
-        match path {
-            ["upstream", "address"] => self.attribute(ATTRIBUTE_UPSTREAM_ADDRESS),
-            ["xds", "cluster_name"] => self.cluster_name(),
-            // Istio's service list (`filter_metadata.istio.services`) is a
-            // list of structs, and the ABI's metadata getters (1.38 to 1.40)
-            // read a namespace's strings, numbers, bools and lists of those
-            // only: its size, never `services[0].host`. Clusters map by rules
-            // and their names (docs/native.md, "Limits").
-            _ => None,
-        }
+        self.property_text(path).map(Cow::into_owned)
+    }
+
+    fn property_text(&self, path: &[&str]) -> Option<Cow<'_, str>> {
+        self.property_bytes(path).map(lent_text)
     }
 
     fn request_header(&self, name: &str) -> Option<String> {
@@ -549,13 +579,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_text_from_envoy_is_copied_as_it_is_and_invalid_bytes_lossily() {
-        assert_eq!(text_of(b"10.0.0.1:8080"), "10.0.0.1:8080");
-        assert_eq!(
-            text_of(b"outbound|8080||cart.shop.svc.cluster.local"),
-            "outbound|8080||cart.shop.svc.cluster.local"
-        );
-        assert_eq!(text_of("caf\u{e9}".as_bytes()), "caf\u{e9}");
-        assert_eq!(text_of(b"a\xffb"), "a\u{fffd}b");
+    fn a_text_from_envoy_is_lent_as_it_is_and_invalid_bytes_converted_lossily() {
+        assert!(matches!(
+            lent_text(b"10.0.0.1:8080"),
+            Cow::Borrowed("10.0.0.1:8080")
+        ));
+        assert!(matches!(
+            lent_text(b"outbound|8080||cart.shop.svc.cluster.local"),
+            Cow::Borrowed("outbound|8080||cart.shop.svc.cluster.local")
+        ));
+        assert_eq!(lent_text("caf\u{e9}".as_bytes()), "caf\u{e9}");
+        assert!(matches!(lent_text(b"a\xffb"), Cow::Owned(t) if t == "a\u{fffd}b"));
     }
 }

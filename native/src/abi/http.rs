@@ -345,6 +345,12 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
 /// One request's filter: the root's [`Filter`], used only under the lock.
 struct RequestFilter {
     config: *const FilterConfig,
+    /// The request's context id (the engine's, for its log lines).
+    id: u32,
+    /// Made by the request's headers, and dropped (under the lock) as soon
+    /// as it has nothing left to do ([`Filter::done`]): a request the filter
+    /// lets through takes the lock once, in its headers' hook, and its later
+    /// hooks return at once.
     filter: Option<Filter>,
 }
 
@@ -359,10 +365,10 @@ extern "C" fn envoy_dynamic_module_on_http_filter_new(
         match unsafe { config_of(config) } {
             Some(Config::Guard(config)) => {
                 let id = config.next_context.fetch_add(1, Ordering::Relaxed);
-                let filter = config.lock().root.filter(id);
                 Box::into_raw(Box::new(RequestFilter {
                     config: &**config,
-                    filter: Some(filter),
+                    id,
+                    filter: None,
                 }))
                 .cast_const()
                 .cast()
@@ -377,12 +383,23 @@ extern "C" fn envoy_dynamic_module_on_http_filter_new(
     })
 }
 
+/// Whether a hook makes the request's [`Filter`] when it has none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Making {
+    /// The request's headers: the filter's first hook.
+    Make,
+    /// Any later hook: without a filter (done, or never made), nothing to do.
+    Existing,
+}
+
 /// Runs `step` on a request's filter under its config's lock, then sends
-/// the reply it kept, if any; `None` for a no-op filter.
+/// the reply it kept, if any; `None` for a no-op filter, and without taking
+/// the lock for a request whose filter is done.
 fn with_request(
     filter_envoy: *mut c_void,
     request: *const c_void,
     answer: Option<&Answer>,
+    making: Making,
     step: impl FnOnce(&mut Filter, &mut EnvoyHost<'_>) -> Next,
 ) -> Option<Next> {
     if is_noop(request) {
@@ -391,19 +408,29 @@ fn with_request(
     // SAFETY: callers pass null or a RequestFilter made by filter_new and
     // alive until filter_destroy (the no-op marker is filtered out first).
     let request = unsafe { request.cast_mut().cast::<RequestFilter>().as_mut() }?;
+    if request.filter.is_none() && making == Making::Existing {
+        return None;
+    }
     // SAFETY: a filter's config outlives it.
     let config = unsafe { request.config.as_ref() }?;
     let reply = {
         let mut vm = config.lock();
-        let filter = request.filter.as_mut()?;
-        let Vm { metrics, .. } = &mut *vm;
+        let Vm { root, metrics } = &mut *vm;
+        let filter = request
+            .filter
+            .get_or_insert_with(|| root.filter(request.id));
         if !metrics.pending.is_empty() {
             metrics.flush_pending(filter_envoy);
         }
         let mut host = EnvoyHost::new(config.envoy, Some(filter_envoy), metrics);
         host.answer = answer;
         let action = step(filter, &mut host);
-        host.reply.take().map(|r| (r, action)).ok_or(action)
+        let reply = host.reply.take();
+        if filter.done() {
+            // Its `Rc`s are the root's: dropped under the lock.
+            request.filter = None;
+        }
+        reply.map(|r| (r, action)).ok_or(action)
     };
     match reply {
         Ok((reply, action)) => {
@@ -431,10 +458,16 @@ extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
         // SAFETY: Envoy lends the arrays and their buffers for this call.
         let answer = unsafe { received_answer(result, headers, headers_len, chunks, chunks_len) };
         let (count, size) = (answer.headers.len(), answer.body.len());
-        with_request(filter_envoy, request, Some(&answer), |f, host| {
-            f.call_response(host, callout_id as u32, count, size);
-            Next::Continue
-        });
+        with_request(
+            filter_envoy,
+            request,
+            Some(&answer),
+            Making::Existing,
+            |f, host| {
+                f.call_response(host, callout_id as u32, count, size);
+                Next::Continue
+            },
+        );
     })
 }
 
@@ -453,9 +486,13 @@ extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     contain("http_filter_request_headers", CONTINUE, || {
-        status_of(with_request(filter_envoy, request, None, |f, host| {
-            f.request_headers(host, end_of_stream)
-        }))
+        status_of(with_request(
+            filter_envoy,
+            request,
+            None,
+            Making::Make,
+            |f, host| f.request_headers(host, end_of_stream),
+        ))
     })
 }
 
@@ -467,9 +504,13 @@ extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     _end_of_stream: bool,
 ) -> u32 {
     contain("http_filter_response_headers", CONTINUE, || {
-        status_of(with_request(filter_envoy, request, None, |f, host| {
-            f.response_headers(host)
-        }))
+        status_of(with_request(
+            filter_envoy,
+            request,
+            None,
+            Making::Existing,
+            |f, host| f.response_headers(host),
+        ))
     })
 }
 
@@ -495,10 +536,14 @@ extern "C" fn envoy_dynamic_module_on_http_filter_destroy(request: *const c_void
         // SAFETY: made by Box::into_raw in filter_new; Envoy destroys each
         // filter once.
         let mut request = unsafe { Box::from_raw(request.cast_mut().cast::<RequestFilter>()) };
+        let Some(filter) = request.filter.take() else {
+            // Done (or never made): nothing of the root's to drop.
+            return;
+        };
         // SAFETY: a filter's config outlives it.
         if let Some(config) = unsafe { request.config.as_ref() } {
             let _vm = config.lock();
-            drop(request.filter.take());
+            drop(filter);
         }
     })
 }
