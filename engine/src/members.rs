@@ -210,42 +210,119 @@ pub fn write_snapshot(
 /// Every service's live members, gathered a record at a time while a full
 /// snapshot is read, in a few bytes per member: an IPv4 member without
 /// ports is its 4 bytes (the packed form never lists ports).
-#[derive(Debug, Default)]
+///
+/// Counted first ([`Lists::count`], in the pass that measures the
+/// snapshot), every list's IPv4 members get one buffer, reserved once at
+/// their number ([`Lists::reserve`]), each list a range of it, before the
+/// lists fill ([`Lists::add`]): grown by doubling instead, a reset would
+/// leave the allocator every list's smaller buffers (a 150-member list's
+/// 512, 256, 128... bytes), and a buffer each the lists themselves once
+/// written; it keeps both. A list never counted (or past its count) grows
+/// a vector of its own.
+#[derive(Debug, Clone, Default)]
 pub struct Lists {
     /// By service id, sorted (see [`slot`]).
     lists: Vec<(u64, List)>,
+    /// The counted lists' IPv4 members without ports, each list's at its
+    /// range ([`List::at`], its count long).
+    v4: Vec<u32>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 struct List {
+    /// Where the list's range of [`Lists::v4`] starts, and how many of its
+    /// members are written there.
+    at: usize,
+    filled: usize,
+    /// IPv4 members without ports past the range.
     v4: Vec<u32>,
     /// IPv6 members, and members with ports.
     others: Vec<Member>,
+    /// Members counted for the range and for `others`.
+    counted: (usize, usize),
+}
+
+impl List {
+    /// Adds an IPv4 member without ports: in the list's range of `shared`
+    /// while it has room, else in its own vector.
+    fn push_v4(&mut self, shared: &mut [u32], ip: u32) {
+        if self.filled < self.counted.0 {
+            if let Some(slot) = shared.get_mut(self.at + self.filled) {
+                *slot = ip;
+                self.filled += 1;
+                return;
+            }
+        }
+        self.v4.push(ip);
+    }
 }
 
 impl Lists {
     /// Adds the IP of `record` to the lists of the services it is a live
     /// member of.
     pub fn add(&mut self, record: &CompactRecord) {
-        let Some(holders) = record.holders() else {
-            return;
-        };
-        for (id, ports) in live_memberships(record.ip, &holders) {
-            let list = slot(&mut self.lists, id);
-            match record.ip {
-                IpAddr::V4(v4) if ports.is_empty() => list.v4.push(u32::from(v4)),
-                ip => list.others.push(Member { ip, ports }),
-            }
+        let shared = &mut self.v4;
+        each_membership(&mut self.lists, record, |list, ip, ports| match ip {
+            IpAddr::V4(v4) if ports.is_empty() => list.push_v4(shared, u32::from(v4)),
+            ip => list.others.push(Member { ip, ports }),
+        });
+    }
+
+    /// Counts the IP of `record` in the lists of the services it is a live
+    /// member of, without adding it: the measuring pass, before
+    /// [`Lists::reserve`].
+    pub fn count(&mut self, record: &CompactRecord) {
+        each_membership(&mut self.lists, record, |list, ip, ports| match ip {
+            IpAddr::V4(_) if ports.is_empty() => list.counted.0 += 1,
+            _ => list.counted.1 += 1,
+        });
+    }
+
+    /// Reserves the room for the members counted, exactly, before any is
+    /// added: the IPv4 members' buffer at once, each list's range in it,
+    /// and each list's other members; adding them reallocates none.
+    pub fn reserve(&mut self) {
+        let total = self.lists.iter().map(|(_, l)| l.counted.0).sum();
+        self.v4 = vec![0; total];
+        let mut at = 0;
+        for (_, list) in &mut self.lists {
+            (list.at, list.filled) = (at, 0);
+            at += list.counted.0;
+            list.others.reserve_exact(list.counted.1);
         }
+    }
+
+    /// The room of service `id`'s list: IPv4 members without ports, others.
+    #[cfg(test)]
+    pub(crate) fn capacity(&self, id: u64) -> Option<(usize, usize)> {
+        let (_, list) = self.lists.iter().find(|(k, _)| *k == id)?;
+        let range = self
+            .v4
+            .get(list.at..list.at + list.counted.0)
+            .map_or(0, <[u32]>::len);
+        Some((range + list.v4.capacity(), list.others.capacity()))
     }
 
     /// Writes every list under `load`. Services with no live member get no
     /// list: an older one is invalid under the new load anyway.
     pub fn write(self, store: &mut dyn SharedData, load: u64) -> Result<(), StoreError> {
+        let shared = self.v4;
         for (id, list) in self.lists {
-            let List { v4, others } = list;
-            let mut members: Vec<Member> = v4
-                .into_iter()
+            let List {
+                at,
+                filled,
+                v4,
+                others,
+                counted: _,
+            } = list;
+            let range = shared.get(at..at + filled).unwrap_or_default();
+            if range.is_empty() && v4.is_empty() && others.is_empty() {
+                continue;
+            }
+            let mut members: Vec<Member> = range
+                .iter()
+                .copied()
+                .chain(v4)
                 .map(|ip| Member {
                     ip: IpAddr::from(std::net::Ipv4Addr::from(ip)),
                     ports: Vec::new(),
@@ -256,6 +333,21 @@ impl Lists {
             store.set(&id_key(id), &encode(load, &members), None)?;
         }
         Ok(())
+    }
+}
+
+/// Calls `f` with the list in `lists` of each service `record` makes its IP
+/// a live member of, the IP and its ports there.
+fn each_membership(
+    lists: &mut Vec<(u64, List)>,
+    record: &CompactRecord,
+    mut f: impl FnMut(&mut List, IpAddr, Vec<u16>),
+) {
+    let Some(holders) = record.holders() else {
+        return;
+    };
+    for (id, ports) in live_memberships(record.ip, &holders) {
+        f(slot(lists, id), record.ip, ports);
     }
 }
 
@@ -528,6 +620,78 @@ mod tests {
         );
         assert!(read(&store, &cart(), load).is_empty());
         assert_eq!(ips(&read(&store, &pay(), load)), ["10.0.0.2"]);
+    }
+
+    #[test]
+    fn lists_counted_first_are_reserved_exactly_and_never_reallocated_while_they_fill() {
+        let mut records: Vec<CompactRecord> = (1..=300u32)
+            .map(|i| {
+                let ip = IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i));
+                let service = if i % 3 == 0 { pay() } else { cart() };
+                CompactRecord::of(&rec(&ip.to_string(), &service, i % 7 != 0, false))
+            })
+            .collect();
+        // An IPv6 member and one with ports go to the other members.
+        records.push(CompactRecord::of(&rec("fd00::1", &cart(), true, false)));
+        let mut ported = rec("10.9.0.1", &cart(), true, false);
+        ported.pods[0].services[0].ports = vec![EndpointPort {
+            name: None,
+            port: 8443,
+            protocol: None,
+        }];
+        records.push(CompactRecord::of(&ported));
+        let mut lists = Lists::default();
+        for record in &records {
+            lists.count(record);
+        }
+        let counted = |lists: &Lists, service: &ServiceKey| {
+            let id = service_id(service);
+            let (_, list) = lists.lists.iter().find(|(k, _)| *k == id).unwrap();
+            (list.counted, list.filled, list.others.len())
+        };
+        // Of 1..=300: cart is i % 3 != 0 (200), pay i % 3 == 0 (100); not
+        // ready when i % 7 == 0 (28 of cart, 14 of pay).
+        assert_eq!(counted(&lists, &cart()), ((172, 2), 0, 0));
+        assert_eq!(counted(&lists, &pay()), ((86, 0), 0, 0));
+        lists.reserve();
+        let capacity = |lists: &Lists, service: &ServiceKey| lists.capacity(service_id(service));
+        assert_eq!(capacity(&lists, &cart()), Some((172, 2)));
+        assert_eq!(capacity(&lists, &pay()), Some((86, 0)));
+        assert_eq!(lists.v4.len(), 172 + 86, "one buffer, every IPv4 member");
+        // Where the buffers are, and how large: a reallocation would change
+        // them, and a list past its range would grow a vector of its own.
+        let buffers = |lists: &Lists| {
+            let each = lists.lists.iter().map(|(_, l)| {
+                (
+                    l.v4.capacity(),
+                    l.others.as_ptr() as usize,
+                    l.others.capacity(),
+                )
+            });
+            (
+                lists.v4.as_ptr(),
+                lists.v4.capacity(),
+                each.collect::<Vec<_>>(),
+            )
+        };
+        let reserved = buffers(&lists);
+        for record in &records {
+            lists.add(record);
+            assert_eq!(buffers(&lists), reserved, "a list reallocated");
+        }
+        assert_eq!(counted(&lists, &cart()), ((172, 2), 172, 2));
+        assert_eq!(counted(&lists, &pay()), ((86, 0), 86, 0));
+        // Written, they hold what lists never counted would.
+        let (mut counted_store, mut plain_store) = (MemoryStore::default(), MemoryStore::default());
+        lists.write(&mut counted_store, 1).unwrap();
+        write_snapshot(&mut plain_store, 1, &records).unwrap();
+        for service in [cart(), pay()] {
+            let key = members_key(&service);
+            assert_eq!(
+                counted_store.get(&key).unwrap(),
+                plain_store.get(&key).unwrap()
+            );
+        }
     }
 
     #[test]

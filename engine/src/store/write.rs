@@ -121,17 +121,20 @@ impl Writer {
     pub fn begin_snapshot(
         &mut self,
         store: &mut dyn SharedData,
-        plan: Plan,
+        mut plan: Plan,
     ) -> Result<Loading, StoreError> {
         self.clear_retired(store);
         let load = next_id(store, LOADS_KEY)?;
+        // Each list at its size at once (see [`members::Lists`]).
+        let mut members = std::mem::take(&mut plan.members);
+        members.reserve();
         let mut loading = Loading {
             load,
             plan,
             slice: 0,
             arena: Vec::new(),
             lines: Vec::new(),
-            members: Some(members::Lists::default()),
+            members: Some(members),
             written: HashSet::new(),
             entries: 0,
         };
@@ -442,7 +445,8 @@ pub const MAX_SLICES: usize = 4;
 /// How a snapshot is written: its layout (from its size), and the slices of
 /// the layout written one after another, each from one reading of the
 /// records, so that the poller holds one slice's bucket lines at a time
-/// and never the whole answer.
+/// and never the whole answer; and each service's live members counted,
+/// so that its member list is reserved once at its size.
 #[derive(Debug, Clone)]
 pub struct Plan {
     layout: u32,
@@ -450,6 +454,8 @@ pub struct Plan {
     quarters: [(usize, usize); MAX_SLICES],
     /// IPv4 and IPv6 records.
     families: (usize, usize),
+    /// The member lists, counted and still empty ([`members::Lists::count`]).
+    members: members::Lists,
 }
 
 impl Plan {
@@ -459,11 +465,13 @@ impl Plan {
             layout: buckets::bucket_count(records as u64),
             quarters: [(0, 0); MAX_SLICES],
             families: (0, 0),
+            members: members::Lists::default(),
         }
     }
 
     /// Counts one record of the snapshot.
     pub fn measure(&mut self, record: &CompactRecord) {
+        self.members.count(record);
         match record.ip {
             IpAddr::V4(_) => self.families.0 += 1,
             IpAddr::V6(_) => self.families.1 += 1,
@@ -729,6 +737,20 @@ mod tests {
     }
 
     /// A delta from generation `since` to the next, removing `removed`.
+    #[test]
+    fn a_plan_counts_each_services_members_and_the_loading_reserves_each_list_at_its_size() {
+        let snapshot = snapshot(1, 5_000);
+        let mut plan = Plan::new(snapshot.records.len());
+        for record in &snapshot.records {
+            plan.measure(record);
+        }
+        let mut store = MemoryStore::default();
+        let loading = Writer::default().begin_snapshot(&mut store, plan).unwrap();
+        let members = loading.members.as_ref().unwrap();
+        let id = buckets::service_id(&cart());
+        assert_eq!(members.capacity(id), Some((5_000, 0)));
+    }
+
     fn delta(since: u64, removed: Vec<IpAddr>) -> Delta<CompactRecord> {
         Delta {
             v: 1,

@@ -6,8 +6,9 @@
 //! sync's own short-lived ones; the allocator keeps what they leave: free
 //! objects in spans still in use and free pages inside huge pages still in
 //! use, which its release does not give back. In one buffer they are a
-//! single large allocation in whole huge pages ([`capacity_for`]), which the
-//! allocator takes from and gives back to its huge page cache whole.
+//! single large allocation, which the module's allocator maps on its own
+//! ([`crate::allocator`]): grown or shrunk by the kernel, and given back to
+//! it whole when freed.
 //!
 //! A write appends its value (or overwrites the old one in place when it is
 //! no longer); what it replaces becomes garbage, counted. Once the garbage
@@ -19,9 +20,8 @@
 //! about four compactions of the index's bytes (2.9 MB at 150,000 IPs, a
 //! copy of well under a millisecond each, under the write lock). A buffer
 //! that grew during a sync is compacted to size at the sync's commit
-//! ([`Arena::oversized`]). Its room past the values is allocated but not
-//! touched until written: the allocator counts it in use (up to a huge page,
-//! 8.7 bytes per IP at 150,000 IPs), the process's RSS does not.
+//! ([`Arena::oversized`]). Its room past the values (an eighth of them) is
+//! allocated but not touched until written, so not resident.
 
 /// Where a value lies in the arena: `len` bytes at `at`. An empty span is
 /// no value.
@@ -53,28 +53,12 @@ pub(crate) const MIN_GARBAGE: usize = 64 * 1024;
 /// buffer grows again.
 const HEADROOM: usize = 8;
 
-/// A buffer past this size is allocated in whole huge pages ([`HUGE_PAGE`]).
-/// Below it, the allocator serves it from its size classes (up to 256 KiB);
-/// the buffers a growing arena gives up between the two (128 KiB, 256 KiB)
-/// would stay in those classes' free lists.
-const SMALL: usize = 64 * 1024;
-
-/// tcmalloc's huge page (2 MiB). A buffer of whole huge pages comes from and
-/// goes back to the allocator's huge page cache, which its release gives
-/// back to the system; a buffer of any other size of more than [`SMALL`]
-/// takes pages inside huge pages that small objects share, and those stay
-/// with the allocator once freed (measured: docs/native.md, "Numbers").
-const HUGE_PAGE: usize = 2 * 1024 * 1024;
-
 /// The capacity of a buffer that must hold `needed` bytes: `needed` and its
-/// headroom, in whole huge pages past [`SMALL`].
+/// headroom. Whole huge pages are not needed: a buffer of
+/// [`crate::allocator::LARGE`] bytes or more is a mapping of its own, whose
+/// pages go back to the kernel when it is freed or shrunk.
 pub(crate) fn capacity_for(needed: usize) -> usize {
-    let wanted = needed + needed / HEADROOM;
-    if wanted <= SMALL || needed == 0 {
-        wanted
-    } else {
-        wanted.next_multiple_of(HUGE_PAGE)
-    }
+    needed + needed / HEADROOM
 }
 
 /// The store's values in one buffer (see the module docs).
@@ -123,13 +107,11 @@ impl Arena {
         at.checked_add(len).ok_or(Full)?;
         let needed = self.bytes.len() + value.len();
         if needed > self.bytes.capacity() {
-            // Grown by `Vec`'s doubling, the buffers given up on the way
-            // (512 KiB, 1 MiB, 2 MiB) would be pages the allocator keeps;
-            // in whole huge pages, they go back.
-            let at_least = self.bytes.len() + self.bytes.len() / 4;
-            let mut bytes = Vec::with_capacity(capacity_for(needed.max(at_least)));
-            bytes.extend_from_slice(&self.bytes);
-            self.bytes = bytes;
+            // By its headroom rather than `Vec`'s doubling, which would
+            // leave up to twice the values: a large buffer grows in the
+            // kernel (`mremap`), without a copy.
+            self.bytes
+                .reserve_exact(capacity_for(needed) - self.bytes.len());
         }
         self.bytes.extend_from_slice(value);
         self.garbage += old.len();
