@@ -18,8 +18,8 @@ use staleguard_core::{Reason, Snapshot};
 use staleguard_engine::buckets::CompactRecord;
 use staleguard_engine::cache::Cache;
 use staleguard_engine::config::Config;
-use staleguard_engine::host::{SharedData, StoreError};
-use staleguard_engine::judgement::{self, Lazy, Ruling, Upstream};
+use staleguard_engine::host::{Peeked, SharedData, StoreError};
+use staleguard_engine::judgement::{self, Lazy, Ruling, UpstreamRef};
 use staleguard_engine::store::write::Writer;
 use staleguard_engine::store::Meta;
 
@@ -60,6 +60,21 @@ impl SharedData for ProcessStore {
             .set(key, value, cas);
         WRITES.fetch_add(1, Ordering::Release);
         written
+    }
+
+    fn peek(&self, key: &str, read: &mut dyn FnMut(Peeked<'_>)) {
+        // What `get` answers (`Store::get`: no value, token 0), lent.
+        ProcessStore::peek(self, key, |value| {
+            read(Ok(
+                value.map_or((None, 0), |(bytes, cas)| (Some(bytes), cas))
+            ))
+        });
+    }
+
+    fn writes(&self) -> Option<u64> {
+        // Every write of the process's index goes through `set` above,
+        // which moves the count after it.
+        Some(writes())
     }
 }
 
@@ -154,9 +169,9 @@ pub fn judge(config: &Config, cluster: &str, ip: &IpAddr) -> Judgement {
 pub fn judge_address(config: &Config, cluster: &str, address: &str) -> Judgement {
     judge_upstream(
         config,
-        &Upstream {
-            cluster: Some(cluster.to_owned()),
-            address: Some(address.to_owned()),
+        UpstreamRef {
+            cluster: Some(cluster),
+            address: Some(address),
         },
         &Clock,
     )
@@ -164,7 +179,7 @@ pub fn judge_address(config: &Config, cluster: &str, address: &str) -> Judgement
 
 /// [`judge`] for a request: the upstream as the host reports it, with the
 /// request's lazy reads.
-pub fn judge_upstream(config: &Config, upstream: &Upstream, lazy: &dyn Lazy) -> Judgement {
+pub fn judge_upstream(config: &Config, upstream: UpstreamRef<'_>, lazy: &dyn Lazy) -> Judgement {
     let outcome = CACHE.with(|cache| {
         let mut cache = cache.borrow_mut();
         judgement::judge(config, &mut cache, &ProcessStore, upstream, lazy)

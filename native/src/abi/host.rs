@@ -273,18 +273,11 @@ impl SharedData for EnvoyHost<'_> {
     }
 
     fn peek(&self, key: &str, read: &mut dyn FnMut(Peeked<'_>)) {
-        // What `get` answers (`Store::get`: no value, token 0), lent.
-        self.store.peek(key, |value| {
-            read(Ok(
-                value.map_or((None, 0), |(bytes, cas)| (Some(bytes), cas))
-            ))
-        });
+        SharedData::peek(&self.store, key, read);
     }
 
     fn writes(&self) -> Option<u64> {
-        // Every write of the process's index goes through
-        // `ProcessStore::set`, which moves this count after it.
-        Some(crate::index::writes())
+        self.store.writes()
     }
 }
 
