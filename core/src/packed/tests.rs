@@ -37,6 +37,22 @@ fn pod(name: &str, services: &[&str], ready: bool, terminating: bool) -> PodHold
 /// Every shape a record takes: one pod, a terminating one beside its
 /// successor, host-network pods, bare members, tombstones naming a
 /// service that is gone, a tombstone with no services.
+/// A delta at generation 5 since 3 (epoch 7) that adds `a/b`, removes
+/// `shop/pay`, and carries `upserts` and the `removed` IPs.
+fn delta(upserts: Vec<IpRecord>, removed: &[&str]) -> Delta {
+    Delta {
+        v: WIRE_VERSION,
+        epoch: 7,
+        since: 3,
+        generation: 5,
+        freshness: Freshness::default(),
+        services_added: vec![key("a/b")],
+        services_removed: vec![key("shop/pay")],
+        upserts,
+        removed: removed.iter().map(|ip| ip.parse().unwrap()).collect(),
+    }
+}
+
 fn snapshot() -> Snapshot {
     let mut host = pod("node-agent", &["kube/agent"], true, false);
     host.host_network = true;
@@ -218,20 +234,10 @@ fn resets_and_deltas_read_back() {
         .to_string()
         .contains("snapshot where changes"));
 
-    let delta = Delta {
-        v: WIRE_VERSION,
-        epoch: 7,
-        since: 3,
-        generation: 5,
-        freshness: Freshness::default(),
-        services_added: vec![key("a/b")],
-        services_removed: vec![key("shop/pay")],
-        upserts: snapshot.records[1..3].to_vec(),
-        removed: vec![
-            "::ffff:10.0.0.1".parse().unwrap(),
-            "fd00::1".parse().unwrap(),
-        ],
-    };
+    let delta = delta(
+        snapshot.records[1..3].to_vec(),
+        &["::ffff:10.0.0.1", "fd00::1"],
+    );
     let bytes = encode_changes(&Changes::Delta(delta.clone()));
     let Changes::Delta(read) = decode_changes(&bytes[..], ServiceKey::clone, |r| r).unwrap() else {
         panic!("a delta reads as a delta");
@@ -559,17 +565,7 @@ fn a_binary_snapshot_reads_back_as_the_text_one_reads() {
 #[test]
 fn a_binary_delta_reads_back_as_the_text_one_reads() {
     let snapshot = snapshot();
-    let delta = Changes::Delta(Delta {
-        v: WIRE_VERSION,
-        epoch: 7,
-        since: 3,
-        generation: 5,
-        freshness: Freshness::default(),
-        services_added: vec![key("a/b")],
-        services_removed: vec![key("shop/pay")],
-        upserts: snapshot.records.clone(),
-        removed: vec!["::ffff:10.0.0.1".parse().unwrap()],
-    });
+    let delta = Changes::Delta(delta(snapshot.records.clone(), &["::ffff:10.0.0.1"]));
     let text = encode_changes_as(Encoding::Text, &delta);
     let binary = encode_changes_as(Encoding::Binary, &delta);
     assert_eq!(is_whole(&binary), Some(false));
