@@ -26,13 +26,21 @@
 //!
 //! Undecodable entries are not cached (they are stale data, and may be a
 //! passing state).
+//!
+//! Over the two entry maps, the allowing verdicts themselves, by service id
+//! and IP ([`Cache::allowed`]): a request to a host allowed before looks up
+//! one map instead of two (three with the record's double lookup) and runs
+//! no rule. A verdict depends on the configuration's policy and on the two
+//! entries, so it is forgotten with the entries (a new `meta` write) and with
+//! the clusters (a new configuration, every tick). Only allowing verdicts on
+//! readable entries are kept: a rejection is never served from a cache.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::IpAddr;
 use std::rc::Rc;
 
-use staleguard_core::{IpRecord, ServiceKey};
+use staleguard_core::{Action, IpRecord, ServiceKey, Verdict};
 
 use crate::buckets;
 use crate::entry::Entry;
@@ -61,6 +69,8 @@ pub struct Cache {
     /// Whether a service is known, by its id ([`Resolved::id`]).
     services: FastMap<u64, bool>,
     records: FastMap<IpAddr, Option<IpRecord>>,
+    /// Allowing verdicts by service id and IP (see the module docs).
+    allowed: FastMap<(u64, IpAddr), Verdict>,
 }
 
 /// A cluster's service, resolved once per cluster name while the cache
@@ -120,6 +130,7 @@ impl Cache {
             read: None,
             services: FastMap::default(),
             records: FastMap::default(),
+            allowed: FastMap::default(),
         }
     }
 
@@ -143,9 +154,25 @@ impl Cache {
         service
     }
 
-    /// Forgets the cluster resolutions (on every root tick).
+    /// Forgets the cluster resolutions (on every root tick, and with a new
+    /// configuration), and the verdicts, which depend on the configuration.
     pub fn clear_clusters(&mut self) {
         self.clusters.clear();
+        self.allowed.clear();
+    }
+
+    /// The allowing verdict kept for `service`'s host `ip` under the
+    /// current `meta` write, if any.
+    pub fn allowed(&self, service: u64, ip: &IpAddr) -> Option<Verdict> {
+        self.allowed.get(&(service, *ip)).copied()
+    }
+
+    /// Keeps `verdict` for `service`'s host `ip` when it allows; the caller
+    /// derived it from readable entries under the current `meta` write.
+    pub fn keep(&mut self, service: u64, ip: IpAddr, verdict: Verdict) {
+        if verdict.action == Action::Allow {
+            bounded_insert(&mut self.allowed, self.limit, (service, ip), verdict);
+        }
     }
 
     /// `meta` and its cas token from `store` (see
@@ -173,6 +200,7 @@ impl Cache {
         if self.stamp != meta {
             self.services.clear();
             self.records.clear();
+            self.allowed.clear();
             self.stamp = meta;
         }
     }

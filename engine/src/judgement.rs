@@ -175,8 +175,10 @@ fn ipv4_with_port(address: &str) -> Option<Ipv4Addr> {
 
 /// Judges one request against the shared-data index, through the VM's
 /// `cache`: one read of `meta` when nothing changed (see `crate::cache`),
-/// the clock only when `meta` says the data was fresh, and never a rejection
-/// on a cached record (a rejecting verdict re-reads the IP's bucket).
+/// the clock only when `meta` says the data was fresh, an allowing verdict
+/// kept for the same service and IP ([`Cache::allowed`]), and never a
+/// rejection on a cached record (a rejecting verdict re-reads the IP's
+/// bucket).
 pub fn judge<'u>(
     config: &Config,
     cache: &mut Cache,
@@ -211,17 +213,27 @@ pub fn judge<'u>(
     let verdict = match meta {
         // Stale whatever the entries say: none is read.
         None => decide(&config.policy, false, &service.key, false, None),
-        Some(meta) => {
-            let known = cache.service(store, &meta, &service);
-            let (record, cached) = cache.record(store, &meta, &ip);
-            let verdict = verdict_of(config, &service, &known, record);
-            if verdict.action == Action::Reject && cached {
-                let record = cache.reread(store, &meta, &ip);
-                verdict_of(config, &service, &known, record)
-            } else {
-                verdict
+        Some(meta) => match cache.allowed(service.id, &ip) {
+            Some(verdict) => verdict,
+            None => {
+                let known = cache.service(store, &meta, &service);
+                let (record, cached) = cache.record(store, &meta, &ip);
+                // An entry read as corrupt counts as stale data: its verdict
+                // is the failure policy's, not the entries', and not kept.
+                let readable =
+                    !matches!(known, Entry::Corrupt) && !matches!(record, Entry::Corrupt);
+                let verdict = verdict_of(config, &service, &known, record);
+                if verdict.action == Action::Reject && cached {
+                    let record = cache.reread(store, &meta, &ip);
+                    verdict_of(config, &service, &known, record)
+                } else {
+                    if readable {
+                        cache.keep(service.id, ip, verdict);
+                    }
+                    verdict
+                }
             }
-        }
+        },
     };
     let effect = match (verdict.action, config.mode) {
         (Action::Allow, _) => Effect::Allow,
