@@ -103,6 +103,16 @@ pub trait Stream {
         self.property(path).map(Cow::Owned)
     }
 
+    /// The two properties every judged request reads, `xds.cluster_name`
+    /// and `upstream.address`, as [`Stream::property_text`] reads them; a
+    /// host with a call for each (a native module) skips matching the paths.
+    fn upstream_texts(&self) -> (Option<Cow<'_, str>>, Option<Cow<'_, str>>) {
+        (
+            self.property_text(&["xds", "cluster_name"]),
+            self.property_text(&["upstream", "address"]),
+        )
+    }
+
     /// One request header.
     fn request_header(&self, name: &str) -> Option<String>;
 

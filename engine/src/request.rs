@@ -84,7 +84,7 @@ impl<H: Host + ?Sized> Lazy for LazyReads<'_, H> {
 /// The HTTP context of one request.
 pub struct Filter {
     id: u32,
-    vm: VmState,
+    vm: Rc<VmState>,
     /// Set in a twin cluster's VM: this instance only checks its pick.
     twin: Option<Rc<TwinConfig>>,
     /// Set on the body path's hop: this instance only names live members.
@@ -124,7 +124,7 @@ impl Filter {
     /// A request's context over its VM's shared state (see `Root::filter`).
     pub(crate) fn new(
         id: u32,
-        vm: VmState,
+        vm: Rc<VmState>,
         twin: Option<Rc<TwinConfig>>,
         steer: Option<Rc<SteerConfig>>,
     ) -> Self {
@@ -165,8 +165,7 @@ impl Filter {
         // The host's texts are read lent, not copied; a replay, the one
         // path that needs them afterwards, copies what it needs here.
         let (ruling, replay_target) = {
-            let cluster = host.property_text(&["xds", "cluster_name"]);
-            let address = host.property_text(&["upstream", "address"]);
+            let (cluster, address) = host.upstream_texts();
             let upstream = UpstreamRef {
                 cluster: cluster.as_deref(),
                 address: address.as_deref(),
