@@ -211,6 +211,25 @@ impl Filter {
             } => (service, ip, verdict, effect),
         };
         let label = m.services.id(&service);
+        // Most requests: allowed, and nothing to do but count them (the
+        // rest of this hook is what any other verdict does).
+        if effect == Effect::Allow
+            && !matches!(verdict.reason, Reason::Destroyed | Reason::Recycled)
+        {
+            m.count(
+                host,
+                Count::Request {
+                    label,
+                    reason: verdict.reason,
+                    action: Counted::Effect(effect),
+                },
+            );
+            drop(m);
+            if !end_of_stream {
+                self.strip_answer = Some(config.reject_header.clone());
+            }
+            return Next::Continue;
+        }
         let service = &service.key;
         drop(m);
         // The body path steers while stale picks are seen (`crate::steer`).
