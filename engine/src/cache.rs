@@ -66,6 +66,9 @@ pub struct Cache {
     /// The store's write count ([`SharedData::writes`]) `read` was read at,
     /// and what it read: `meta` and its token.
     read: Option<(u64, Option<Stamp>)>,
+    /// The write count at which [`Cache::current`] last aligned the
+    /// entries with what it read: at the same count, nothing to compare.
+    aligned_at: Option<u64>,
     /// Whether a service is known, by its id ([`Resolved::id`]).
     services: FastMap<u64, bool>,
     records: FastMap<IpAddr, Option<IpRecord>>,
@@ -128,6 +131,7 @@ impl Cache {
             clusters: FastMap::default(),
             stamp: None,
             read: None,
+            aligned_at: None,
             services: FastMap::default(),
             records: FastMap::default(),
             allowed: FastMap::default(),
@@ -194,10 +198,26 @@ impl Cache {
         stamp
     }
 
+    /// [`Cache::stamp`] then [`Cache::align`], as a request does them; at
+    /// the write count it last aligned at, neither `meta` nor the entries'
+    /// stamp is looked at again.
+    pub fn current(&mut self, store: &dyn SharedData) -> Option<(Meta, u32)> {
+        if let Some(writes) = store.writes() {
+            if self.aligned_at == Some(writes) {
+                return self.stamp;
+            }
+        }
+        let stamp = self.stamp(store);
+        self.align(stamp);
+        self.aligned_at = self.read.map(|(at, _)| at);
+        stamp
+    }
+
     /// Keeps the entries if they were filled under exactly this `meta` write,
     /// else forgets them and files new ones under it.
     pub fn align(&mut self, meta: Option<(Meta, u32)>) {
         if self.stamp != meta {
+            self.aligned_at = None;
             self.services.clear();
             self.records.clear();
             self.allowed.clear();
@@ -484,6 +504,30 @@ mod tests {
         assert_eq!(second.map(|(m, _)| m), Some(meta));
         assert_eq!(vm.cache.stamp(&vm.store), second);
         assert_eq!(vm.store.reads.get(), 4);
+    }
+
+    #[test]
+    fn current_aligns_once_per_write_count() {
+        let mut vm = serving_a();
+        let meta = vm.meta();
+        vm.store.writes = Some(1);
+        let first = vm.cache.current(&vm.store);
+        assert_eq!(first.map(|(m, _)| m), Some(meta));
+        vm.store.reads.set(0);
+        assert_eq!(vm.cache.current(&vm.store), first);
+        assert_eq!(vm.store.reads.get(), 0, "same count: nothing read");
+        // Entries aligned elsewhere under another stamp: current files them
+        // under what the store holds again.
+        vm.cache.align(None);
+        assert_eq!(vm.cache.current(&vm.store), first);
+        assert_eq!(vm.cache.stamp, first);
+        // A write moves the count: meta is read again, the entries go.
+        vm.store
+            .set(crate::store::META_KEY, &meta.encode(), None)
+            .unwrap();
+        let second = vm.cache.current(&vm.store);
+        assert_ne!(second, first, "a new cas token");
+        assert_eq!(vm.cache.stamp, second);
     }
 
     #[test]

@@ -214,8 +214,7 @@ pub fn judge<'u>(
     if !config.in_scope(ip) {
         return Ruling::OutOfScope;
     }
-    let stamp = cache.stamp(store);
-    cache.align(stamp);
+    let stamp = cache.current(store);
     let meta = stamp
         .map(|(meta, _)| meta)
         .filter(|m| m.fresh && m.is_fresh(lazy.now_ms(), config.max_staleness_ms));
