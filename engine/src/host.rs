@@ -68,6 +68,13 @@ pub trait Clock {
         self.now_us() / 1000
     }
 
+    /// The wall clock as a request's freshness check reads it, ms since the
+    /// Unix epoch: a host with a cheaper clock that lags by a few ms (a
+    /// scheduler tick) may serve it; by default [`Clock::now_ms`].
+    fn coarse_now_ms(&self) -> u64 {
+        self.now_ms()
+    }
+
     /// A random number: owner ids and jitter seeds.
     fn random_u64(&self) -> u64;
 }

@@ -77,7 +77,7 @@ impl<H: Host + ?Sized> Lazy for LazyReads<'_, H> {
     }
 
     fn now_ms(&self) -> u64 {
-        self.0.now_ms()
+        self.0.coarse_now_ms()
     }
 }
 

@@ -288,9 +288,11 @@ impl Clock for EnvoyHost<'_> {
             .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
     }
 
-    /// The kernel's coarse wall clock ([`coarse_now_ms`]).
-    fn now_ms(&self) -> u64 {
-        coarse_now_ms().unwrap_or_else(|| self.now_us() / 1000)
+    /// The kernel's coarse wall clock ([`coarse_now_ms`]): for a request's
+    /// freshness check only; the poller, the lease and the guard keep the
+    /// precise one.
+    fn coarse_now_ms(&self) -> u64 {
+        coarse_now_ms().unwrap_or_else(|| self.now_ms())
     }
 
     fn random_u64(&self) -> u64 {
