@@ -1018,18 +1018,32 @@ fn mismatch(what: String) -> SyncError {
 /// Appends the page `answer` carries to `paged`: never past the whole's
 /// length (the buffer never grows), and never an empty page.
 fn read_page(paged: &mut Reassembly, answer: &dyn Answered) -> Result<(), SyncError> {
-    let room = (paged.total - paged.body.len()) as u64;
+    let start = paged.body.len();
+    // Within the capacity reserved at the whole's length: never moved.
+    paged.body.resize(paged.total, 0);
     let mut reader = answer.body();
-    let read = std::io::copy(&mut (&mut reader).take(room), &mut paged.body)
-        .map_err(|e| mismatch(format!("unreadable page: {e}")))?;
+    let mut filled = start;
+    let mut failed = None;
+    while filled < paged.total {
+        match reader.read(&mut paged.body[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    paged.body.truncate(filled);
+    if let Some(e) = failed {
+        return Err(mismatch(format!("unreadable page: {e}")));
+    }
     let mut more = [0u8; 1];
     if reader.read(&mut more).unwrap_or(0) > 0 {
-        return Err(mismatch(format!(
-            "the page runs past the answer's length ({})",
-            paged.total
-        )));
+        return Err(mismatch("the page runs past the answer's length".to_owned()));
     }
-    if read == 0 {
+    if filled == start {
         return Err(mismatch("an empty page before the end".to_owned()));
     }
     Ok(())
