@@ -504,7 +504,7 @@ impl Root {
                     "[ctx {}] staleguard: loaded a full snapshot: generation {:?}, {entries} IPs, {} bytes in {} ms",
                     self.id,
                     poller.generation(),
-                    body_size,
+                    poller.paged_bytes().unwrap_or(body_size as u64),
                     spent_us / 1000
                 );
             }

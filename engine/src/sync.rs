@@ -383,6 +383,9 @@ pub struct Poller {
     asked_pages: bool,
     /// Whole answers until then: the validator refused pages.
     whole_until_ms: u64,
+    /// The length of the last answer put together from pages, until the
+    /// next request.
+    paged_bytes: Option<u64>,
 }
 
 impl Poller {
@@ -407,6 +410,7 @@ impl Poller {
             paged: None,
             asked_pages: false,
             whole_until_ms: 0,
+            paged_bytes: None,
         }
     }
 
@@ -464,6 +468,7 @@ impl Poller {
         if self.in_flight.is_some() || now_ms < self.next_at_ms {
             return None;
         }
+        self.paged_bytes = None;
         if let Some(paged) = &self.paged {
             // The next page at once: the least interval spaces out answers,
             // and this is one answer.
@@ -529,6 +534,12 @@ impl Poller {
             }
             _ => path,
         }
+    }
+
+    /// The length of the answer just applied when it came in pages (its
+    /// last page's is not the answer's).
+    pub fn paged_bytes(&self) -> Option<u64> {
+        self.paged_bytes
     }
 
     /// True when answers may come in pages: the caller then hands
@@ -816,6 +827,7 @@ impl Poller {
             total: _,
             body,
         } = paged;
+        self.paged_bytes = Some(body.len() as u64);
         // The whole, as if it had come in one answer.
         let mut whole = WithBody {
             store: answer,
@@ -1041,7 +1053,9 @@ fn read_page(paged: &mut Reassembly, answer: &dyn Answered) -> Result<(), SyncEr
     }
     let mut more = [0u8; 1];
     if reader.read(&mut more).unwrap_or(0) > 0 {
-        return Err(mismatch("the page runs past the answer's length".to_owned()));
+        return Err(mismatch(
+            "the page runs past the answer's length".to_owned(),
+        ));
     }
     if filled == start {
         return Err(mismatch("an empty page before the end".to_owned()));

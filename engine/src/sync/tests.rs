@@ -943,6 +943,7 @@ fn an_answer_in_pages_applies_exactly_as_the_same_answer_whole() {
         serve_in_pages(&mut p, &mut store, 10, &whole).unwrap(),
         applied.unwrap()
     );
+    assert_eq!(p.paged_bytes(), Some(whole.len() as u64), "for the log");
     assert_eq!(
         store.values(),
         unpaged_store.values(),
