@@ -123,6 +123,7 @@ fn main() {
             backoff_initial_ms: 500,
             backoff_max_ms: 30_000,
             min_interval_ms: 0,
+            page_bytes: None,
         },
         1,
     );

@@ -45,6 +45,7 @@ fn index(entries: u32) -> MemoryStore {
             backoff_initial_ms: 1,
             backoff_max_ms: 1,
             min_interval_ms: 0,
+            page_bytes: None,
         },
         1,
     );

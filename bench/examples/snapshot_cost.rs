@@ -33,6 +33,7 @@ const SYNC: SyncConfig = SyncConfig {
     backoff_initial_ms: 100,
     backoff_max_ms: 1000,
     min_interval_ms: 0,
+    page_bytes: None,
 };
 
 fn main() -> Result<()> {

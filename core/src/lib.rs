@@ -12,7 +12,8 @@
 //! the one canonical form of an address that both sides key the index by.
 //! [`packed`] is the compact form of snapshots and changes gateways ask for;
 //! [`bytes`] the LEB128 numbers and bounded reads its binary records and a
-//! gateway's binary index values are made of.
+//! gateway's binary index values are made of; [`page`] how a large answer is
+//! asked for in pages.
 //!
 //! The crate has no I/O and no runtime: it compiles to `wasm32-wasip1` for the
 //! filter and to native code for the validator, and must never panic on any
@@ -24,6 +25,7 @@ pub mod bytes;
 pub mod cluster;
 pub mod ip;
 pub mod packed;
+pub mod page;
 pub mod service;
 pub mod verdict;
 pub mod wire;

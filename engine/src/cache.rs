@@ -370,6 +370,7 @@ mod tests {
                 backoff_initial_ms: 1,
                 backoff_max_ms: 1,
                 min_interval_ms: 0,
+                page_bytes: None,
             },
             1,
         )

@@ -185,6 +185,11 @@ pub struct RawConfig {
     /// Largest retry delay after sync errors.
     #[serde(default = "default_backoff_max_ms")]
     pub backoff_max_ms: u64,
+    /// Ask for large answers in pages of this many bytes (0: whole
+    /// answers; absent: the host's default, whole answers in the Wasm
+    /// filter, see [`crate::root::Root::with_sync_page_bytes`]).
+    #[serde(default)]
+    pub sync_page_bytes: Option<u32>,
     /// `enforce` (default) or `audit`.
     #[serde(default)]
     pub mode: Mode,
@@ -235,6 +240,7 @@ impl Default for RawConfig {
             lease_ttl_ms: default_lease_ttl_ms(),
             backoff_initial_ms: default_backoff_initial_ms(),
             backoff_max_ms: default_backoff_max_ms(),
+            sync_page_bytes: None,
             mode: Mode::default(),
             reject_status: default_reject_status(),
             reject_header: default_reject_header(),
@@ -305,6 +311,9 @@ pub struct Config {
     pub backoff_initial_ms: u64,
     /// Largest retry delay after sync errors.
     pub backoff_max_ms: u64,
+    /// Large answers in pages of this many bytes (`Some(0)`: whole
+    /// answers; `None`: the host's default).
+    pub sync_page_bytes: Option<u32>,
     /// Enforce verdicts, or only count and log them.
     pub mode: Mode,
     /// HTTP status of a rejection.
@@ -457,6 +466,7 @@ impl Config {
             lease_ttl_ms,
             backoff_initial_ms,
             backoff_max_ms,
+            sync_page_bytes,
             mode,
             reject_status,
             reject_header,
@@ -496,6 +506,7 @@ impl Config {
             lease_ttl_ms,
             backoff_initial_ms,
             backoff_max_ms,
+            sync_page_bytes,
             mode,
             reject_status,
             reject_header,

@@ -560,6 +560,7 @@ mod tests {
                 backoff_initial_ms: 100,
                 backoff_max_ms: 1_000,
                 min_interval_ms: 0,
+                page_bytes: None,
             },
             7,
         )

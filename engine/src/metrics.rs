@@ -79,13 +79,14 @@ pub const GUARD_HELD_SECONDS: &str = "staleguard_filter_guard_held_seconds";
 pub const GUARD_UNCONFIRMED_IPS: &str = "staleguard_filter_guard_unconfirmed_ips";
 
 /// Sync error kinds (labels of [`sync_errors`]).
-pub const SYNC_ERROR_KINDS: [&str; 6] = [
+pub const SYNC_ERROR_KINDS: [&str; 7] = [
     "status",
     "transport",
     "decode",
     "sequence",
     "store",
     "timeout",
+    "page",
 ];
 
 /// Distinct `staleguard_service` label values a VM gives out; later services

@@ -20,7 +20,7 @@ use crate::replay::TwinConfig;
 use crate::request::{Filter, VmState};
 use crate::steer::SteerConfig;
 use crate::store::IndexReader;
-use crate::sync::{Applied, Poller, SyncConfig, SyncError, WithBody};
+use crate::sync::{Applied, PageHeaders, Poller, SyncConfig, SyncError, WithBody};
 
 /// Verdict log lines allowed per VM per second (the counters count all).
 const VERDICT_LOGS_PER_SECOND: u32 = 5;
@@ -49,6 +49,9 @@ pub struct Root {
     timer_ms: u64,
     twin: Option<Rc<TwinConfig>>,
     steer: Option<Rc<SteerConfig>>,
+    /// The page size of validator answers when the configuration gives
+    /// none (`sync_page_bytes`): the host's choice.
+    default_page_bytes: Option<u32>,
 }
 
 impl fmt::Debug for Root {
@@ -81,6 +84,7 @@ impl Root {
             timer_ms: 0,
             twin: None,
             steer: None,
+            default_page_bytes: None,
         }
     }
 
@@ -88,6 +92,15 @@ impl Root {
     /// filter still holds the current one).
     fn vm_mut(&mut self) -> &mut VmState {
         Rc::make_mut(&mut self.vm)
+    }
+
+    /// Asks for validator answers in pages of `page_bytes` when the
+    /// configuration does not say (`sync_page_bytes`); without this, whole
+    /// answers: what a Wasm VM wants, as a reassembly buffer would grow its
+    /// memory for good.
+    pub fn with_sync_page_bytes(mut self, page_bytes: Option<u32>) -> Self {
+        self.default_page_bytes = page_bytes;
+        self
     }
 
     /// The HTTP context of a request, sharing this VM's state.
@@ -165,6 +178,11 @@ impl Root {
             backoff_initial_ms: config.backoff_initial_ms,
             backoff_max_ms: config.backoff_max_ms,
             min_interval_ms: MIN_POLL_INTERVAL_MS,
+            page_bytes: match config.sync_page_bytes {
+                Some(0) => None,
+                Some(page_bytes) => Some(page_bytes),
+                None => self.default_page_bytes,
+            },
         };
         let owner = self
             .lease
@@ -351,7 +369,7 @@ impl Root {
         let Some(request) = request else {
             return;
         };
-        let path = request.path();
+        let path = poller.path(&request);
         let bearer = config
             .token
             .as_ref()
@@ -469,11 +487,16 @@ impl Root {
         // reset more than once): a copy of a whole 150k-IP answer would be
         // 4.5 MB of the VM's memory, which a Wasm VM never gives back.
         let started_us = host.now_us();
+        let page = if poller.pages() {
+            PageHeaders::of(&host.call_headers())
+        } else {
+            PageHeaders::default()
+        };
         let mut answer = WithBody {
             store: &mut *host,
             open: |host: &H| host.call_body_reader(body_size),
         };
-        let applied = poller.on_answer(now, status, &mut answer);
+        let applied = poller.on_answer(now, status, &page, &mut answer);
         let spent_us = host.now_us().saturating_sub(started_us);
         if applied.is_ok() {
             self.vm
@@ -491,7 +514,7 @@ impl Root {
                     "[ctx {}] staleguard: loaded a full snapshot: generation {:?}, {entries} IPs, {} bytes in {} ms",
                     self.id,
                     poller.generation(),
-                    body_size,
+                    poller.paged_bytes().unwrap_or(body_size as u64),
                     spent_us / 1000
                 );
             }
@@ -508,7 +531,13 @@ impl Root {
                     );
                 }
             }
-            Ok(Applied::Held | Applied::StillHeld) => {}
+            Ok(Applied::Held | Applied::StillHeld | Applied::Page { .. }) => {}
+            Ok(Applied::PagesRefused) => {
+                log::info!(
+                    "[ctx {}] staleguard: the validator does not serve answers in pages (a release before them): asking for whole answers",
+                    self.id
+                );
+            }
             Err(error) => {
                 let mut reason = None;
                 if let SyncError::Status(_) = error {

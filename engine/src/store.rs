@@ -41,6 +41,15 @@ pub struct MemoryStore {
 }
 
 impl MemoryStore {
+    /// Every key's value, to compare two stores.
+    #[cfg(test)]
+    pub(crate) fn values(&self) -> std::collections::BTreeMap<String, Vec<u8>> {
+        self.entries
+            .iter()
+            .map(|(k, (v, _))| (k.clone(), v.clone()))
+            .collect()
+    }
+
     /// Number of keys ever written (shared data never forgets a key).
     pub fn len(&self) -> usize {
         self.entries.len()

@@ -26,6 +26,16 @@
 //! gathers the member lists. A held reset is read once more for the records
 //! that only add.
 //!
+//! With a page size ([`SyncConfig::page_bytes`]), requests ask for large
+//! answers in pages ([`staleguard_core::page`]): a first page whose headers
+//! say the answer is longer starts a [`Reassembly`], a buffer reserved once
+//! at the whole's length, filled by [`Request::Page`]s one after the other;
+//! the whole then goes through the same path as an answer that came whole.
+//! Any page that does not continue it, or a failure, drops it: the sync
+//! starts over as after any error. A validator that refuses `page_bytes` (a
+//! release before pages: its routes refuse unknown parameters) is asked for
+//! whole answers for [`WHOLE_AFTER_REFUSAL_MS`].
+//!
 //! A reset, an epoch that is not ours (a restarted validator, or another
 //! replica behind the same Service), or a delta that does not start at our
 //! generation all lead to a full snapshot under a new load id (see
@@ -35,13 +45,14 @@ use std::io::{BufRead as _, BufReader, Read};
 use std::rc::Rc;
 
 use staleguard_core::packed::{self, PackedError};
+use staleguard_core::page;
 use staleguard_core::wire::{Delta, WireError};
 use staleguard_core::{Changes, Policy, Snapshot};
 
 use crate::backoff::Backoff;
 use crate::buckets::{service_id, CompactRecord};
 use crate::guard::{Answer, Guard, GuardConfig, GuardEvent, Seeded};
-use crate::host::{SharedData, StoreError};
+use crate::host::{RawHeaders, SharedData, StoreError};
 use crate::store::write::Writer;
 use crate::store::{Meta, META_KEY};
 
@@ -76,6 +87,9 @@ pub enum SyncError {
     /// Shared data refused a write.
     #[error("shared data: {0}")]
     Store(#[from] StoreError),
+    /// A paged answer that cannot be put back together (see [`PageError`]).
+    #[error("paged answer: {0}")]
+    Page(#[source] PageError),
     /// The request was out longer than any answer can take (a validator that
     /// accepted the connection and never answered, or a host that never
     /// called back): the watchdog gave up on it.
@@ -89,13 +103,44 @@ impl SyncError {
         match self {
             SyncError::Status(_) => "status",
             SyncError::Transport(_) => "transport",
-            SyncError::Decode(_) | SyncError::DecodePacked(_) => "decode",
+            SyncError::Decode(_)
+            | SyncError::DecodePacked(_)
+            | SyncError::Page(PageError::TooLong(_)) => "decode",
+            SyncError::Page(_) => "page",
             SyncError::Sequence { .. } => "sequence",
             SyncError::Store(_) => "store",
             SyncError::Timeout(_) => "timeout",
         }
     }
 }
+
+/// Why a paged answer could not be put back together.
+#[derive(Debug, thiserror::Error)]
+pub enum PageError {
+    /// The headers claim a whole longer than any answer can be: the
+    /// buffer is not reserved.
+    #[error("the answer claims {0} bytes, more than the {MAX_ANSWER_BYTES} any answer may take")]
+    TooLong(u64),
+    /// The validator no longer holds the answer (410: it restarted, or let
+    /// it go); the sync starts over.
+    #[error("the validator no longer holds the answer (410)")]
+    Gone,
+    /// A page that does not continue the answer (another id, length or
+    /// offset, a page longer than the rest, an empty one, unreadable
+    /// headers).
+    #[error("a page does not continue the answer: {0}")]
+    Mismatch(String),
+}
+
+/// The longest answer a paged answer may claim to be: Envoy refuses
+/// callout answers over 32 MiB anyway; this leaves room for a JSON answer
+/// while refusing a claim that would reserve the machine's memory.
+pub const MAX_ANSWER_BYTES: u64 = 256 << 20;
+
+/// How long a poller asks for whole answers after its validator refused
+/// `page_bytes`: then it tries pages again (the validator may have been
+/// upgraded meanwhile).
+pub const WHOLE_AFTER_REFUSAL_MS: u64 = 10 * 60 * 1000;
 
 /// Knobs of the sync loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +154,9 @@ pub struct SyncConfig {
     /// Least time between two requests, even when answers come at once (a
     /// burst of changes, replicas answering resets in turn).
     pub min_interval_ms: u64,
+    /// Ask for answers in pages of this many bytes (`None`: whole answers,
+    /// each buffered whole by the host before it hands it over).
+    pub page_bytes: Option<u32>,
 }
 
 /// What the host's timeout of a long poll adds to its wait: the validator
@@ -138,7 +186,7 @@ impl SyncConfig {
     /// The timeout to give the host for `request`.
     pub fn request_timeout_ms(&self, request: &Request) -> u64 {
         match request {
-            Request::Snapshot => SNAPSHOT_TIMEOUT_MS,
+            Request::Snapshot | Request::Page { .. } => SNAPSHOT_TIMEOUT_MS,
             Request::Changes { wait_s, .. } => u64::from(*wait_s) * 1_000 + LONG_POLL_SLACK_MS,
         }
     }
@@ -152,7 +200,7 @@ impl SyncConfig {
 }
 
 /// A request to the validator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
     /// `GET /v1/snapshot?v=1`.
     Snapshot,
@@ -164,6 +212,16 @@ pub enum Request {
         since: u64,
         /// Long-poll wait in seconds.
         wait_s: u32,
+    },
+    /// `GET /v1/answer?v=1&id=ID&offset=O&page_bytes=L`: the next page of
+    /// an answer that came in pages.
+    Page {
+        /// The answer's id, as its first page named it.
+        id: String,
+        /// Where the page starts: the bytes the poller has.
+        offset: u64,
+        /// The page size.
+        page_bytes: u32,
     },
 }
 
@@ -179,8 +237,62 @@ impl Request {
                 since,
                 wait_s,
             } => format!("/v1/changes?v=1&view=verdict&epoch={epoch}&since={since}&wait={wait_s}"),
+            Request::Page {
+                id,
+                offset,
+                page_bytes,
+            } => format!(
+                "{}?v=1&id={id}&offset={offset}&page_bytes={page_bytes}",
+                page::ANSWER_PATH
+            ),
         }
     }
+}
+
+/// What an answer's headers say of the whole it is a page of
+/// ([`staleguard_core::page`]): nothing, for an answer that came whole.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PageHeaders {
+    /// The whole answer's length.
+    pub length: Option<String>,
+    /// The answer's id.
+    pub id: Option<String>,
+    /// Where this page starts.
+    pub offset: Option<String>,
+}
+
+impl PageHeaders {
+    /// The page headers among an answer's `headers`.
+    pub fn of(headers: &RawHeaders) -> Self {
+        let mut found = Self::default();
+        for (name, value) in headers {
+            let slot = if name.eq_ignore_ascii_case(page::LENGTH_HEADER) {
+                &mut found.length
+            } else if name.eq_ignore_ascii_case(page::ID_HEADER) {
+                &mut found.id
+            } else if name.eq_ignore_ascii_case(page::OFFSET_HEADER) {
+                &mut found.offset
+            } else {
+                continue;
+            };
+            *slot = Some(String::from_utf8_lossy(value).into_owned());
+        }
+        found
+    }
+}
+
+/// A paged answer being put back together.
+#[derive(Debug, Clone)]
+struct Reassembly {
+    /// The request whose answer this is (a snapshot or changes).
+    first: Request,
+    /// That request watched a held answer.
+    watching: bool,
+    id: String,
+    /// The whole's length.
+    total: usize,
+    /// The whole, reserved once at its length: no growth, one block.
+    body: Vec<u8>,
 }
 
 /// What an applied answer did.
@@ -203,6 +315,17 @@ pub enum Applied {
     /// An answer to the watch of a held answer: the validator still serves
     /// it unchanged. Nothing was written but the time of the sync.
     StillHeld,
+    /// A page of an answer that came in pages: nothing applied yet, the next
+    /// page is asked for at once.
+    Page {
+        /// Bytes of the answer received so far.
+        received: u64,
+        /// The whole answer's length.
+        total: u64,
+    },
+    /// The validator refused `page_bytes` (a release before pages): whole
+    /// answers are asked for from now on ([`WHOLE_AFTER_REFUSAL_MS`]).
+    PagesRefused,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,6 +377,15 @@ pub struct Poller {
     seed_max_age_ms: u64,
     /// What the last seeding found, until taken.
     seeded: Option<Seeded>,
+    /// The paged answer being put back together, if one is.
+    paged: Option<Reassembly>,
+    /// The request in flight asked for pages.
+    asked_pages: bool,
+    /// Whole answers until then: the validator refused pages.
+    whole_until_ms: u64,
+    /// The length of the last answer put together from pages, until the
+    /// next request.
+    paged_bytes: Option<u64>,
 }
 
 impl Poller {
@@ -275,6 +407,10 @@ impl Poller {
             gains_written: false,
             seed_max_age_ms: crate::config::default_max_staleness_ms(),
             seeded: None,
+            paged: None,
+            asked_pages: false,
+            whole_until_ms: 0,
+            paged_bytes: None,
         }
     }
 
@@ -332,6 +468,21 @@ impl Poller {
         if self.in_flight.is_some() || now_ms < self.next_at_ms {
             return None;
         }
+        self.paged_bytes = None;
+        if let Some(paged) = &self.paged {
+            // The next page at once: the least interval spaces out answers,
+            // and this is one answer.
+            let request = Request::Page {
+                id: paged.id.clone(),
+                offset: paged.body.len() as u64,
+                page_bytes: self.config.page_bytes.unwrap_or(page::MIN_PAGE_BYTES),
+            };
+            self.asked_pages = false;
+            self.in_flight = Some(request.clone());
+            self.deadline_ms = now_ms.saturating_add(self.config.watchdog_ms(&request));
+            self.last_sent_ms = Some(now_ms);
+            return Some(request);
+        }
         if let Some(last) = self.last_sent_ms {
             if now_ms < last.saturating_add(self.config.min_interval_ms) {
                 return None;
@@ -365,10 +516,36 @@ impl Poller {
             },
         };
         self.watching = self.held.is_some();
-        self.in_flight = Some(request);
+        self.asked_pages = self.config.page_bytes.is_some() && now_ms >= self.whole_until_ms;
+        self.in_flight = Some(request.clone());
         self.deadline_ms = now_ms.saturating_add(self.config.watchdog_ms(&request));
         self.last_sent_ms = Some(now_ms);
         Some(request)
+    }
+
+    /// The path and query to send `request` (just returned by
+    /// [`Poller::next_request`]) with: its own, and the page size when
+    /// this poller asks for pages.
+    pub fn path(&self, request: &Request) -> String {
+        let path = request.path();
+        match self.config.page_bytes {
+            Some(page_bytes) if self.asked_pages && !matches!(request, Request::Page { .. }) => {
+                format!("{path}&page_bytes={page_bytes}")
+            }
+            _ => path,
+        }
+    }
+
+    /// The length of the answer just applied when it came in pages (its
+    /// last page's is not the answer's).
+    pub fn paged_bytes(&self) -> Option<u64> {
+        self.paged_bytes
+    }
+
+    /// True when answers may come in pages: the caller then hands
+    /// [`Poller::on_answer`] the answer's [`PageHeaders`].
+    pub fn pages(&self) -> bool {
+        self.config.page_bytes.is_some()
     }
 
     /// The knobs this poller runs with.
@@ -390,6 +567,9 @@ impl Poller {
         if self.in_flight.is_some() {
             return self.deadline_ms;
         }
+        if self.paged.is_some() {
+            return self.next_at_ms;
+        }
         let interval = self
             .last_sent_ms
             .map_or(0, |last| last.saturating_add(self.config.min_interval_ms));
@@ -401,13 +581,13 @@ impl Poller {
     /// be ignored by the caller) and schedules the next attempt like any
     /// failure. Returns the error to count.
     pub fn watchdog(&mut self, now_ms: u64) -> Option<SyncError> {
-        let request = self.in_flight?;
+        let request = self.in_flight.as_ref()?;
         if now_ms < self.deadline_ms {
             return None;
         }
         let out_for = now_ms.saturating_sub(
             self.deadline_ms
-                .saturating_sub(self.config.watchdog_ms(&request)),
+                .saturating_sub(self.config.watchdog_ms(request)),
         );
         let error = SyncError::Timeout(out_for);
         self.on_failure(now_ms, &error);
@@ -428,6 +608,8 @@ impl Poller {
         self.watching = false;
         self.gains_written = false;
         self.seeded = None;
+        self.paged = None;
+        self.asked_pages = false;
     }
 
     /// The generation applied last, if any.
@@ -450,24 +632,49 @@ impl Poller {
     ) -> Result<Applied, SyncError> {
         let mut answer = WithBody {
             store,
-            open: in_memory(Rc::from(body)),
+            open: in_memory(Rc::new(body.to_vec())),
         };
-        self.on_answer(now_ms, status, &mut answer)
+        self.on_answer(now_ms, status, &PageHeaders::default(), &mut answer)
     }
 
     /// Like [`Poller::on_response`], reading the body from `answer` as the
     /// decoder goes, as often as it needs: the root reads a large answer
     /// from the host in chunks instead of copying all of it into the VM.
+    /// `page` is what the answer's headers say of the whole it may be a
+    /// page of (the default when [`Poller::pages`] is false).
     pub fn on_answer(
         &mut self,
         now_ms: u64,
         status: u32,
+        page: &PageHeaders,
         answer: &mut dyn Answered,
     ) -> Result<Applied, SyncError> {
         let request = self.in_flight.take();
-        let watching = std::mem::take(&mut self.watching);
-        let result = self.apply(now_ms, request, watching, status, answer);
+        let asked_pages = std::mem::take(&mut self.asked_pages);
+        let result = match request {
+            Some(Request::Page { offset, .. }) => {
+                self.next_page(now_ms, status, offset, page, answer)
+            }
+            // A validator before pages refuses a parameter it does not know.
+            _ if asked_pages && status == 400 => {
+                self.whole_until_ms = now_ms.saturating_add(WHOLE_AFTER_REFUSAL_MS);
+                self.watching = false;
+                Ok(Applied::PagesRefused)
+            }
+            request => {
+                let watching = std::mem::take(&mut self.watching);
+                match self.first_page(status, page, answer, &request, watching) {
+                    Ok(None) => self.apply(now_ms, request, watching, status, answer),
+                    Ok(Some(paged)) => self.received(now_ms, paged, answer),
+                    Err(e) => Err(e),
+                }
+            }
+        };
         match &result {
+            // The next page, or the whole answer after a refusal, at once.
+            Ok(Applied::Page { .. } | Applied::PagesRefused) => {
+                self.next_at_ms = now_ms;
+            }
             // Ask again soon: the answer may be corrected, replaced by another
             // validator's, or persist until the guard confirms it. The next
             // request watches the held answer, which the validator holds
@@ -492,19 +699,141 @@ impl Poller {
     /// Records that the request in flight failed without an answer.
     pub fn on_failure(&mut self, now_ms: u64, error: &SyncError) {
         self.in_flight = None;
+        self.asked_pages = false;
         self.fail(now_ms, error);
     }
 
     fn fail(&mut self, now_ms: u64, error: &SyncError) {
+        // A paged answer is dropped with any failure: the sync starts over.
+        self.paged = None;
         if matches!(
             error,
-            SyncError::Sequence { .. } | SyncError::Decode(_) | SyncError::DecodePacked(_)
+            SyncError::Sequence { .. }
+                | SyncError::Decode(_)
+                | SyncError::DecodePacked(_)
+                | SyncError::Page(PageError::TooLong(_))
         ) {
             // We may be out of step: the next attempt starts over.
             self.cursor = None;
             self.held = None;
         }
         self.next_at_ms = now_ms.saturating_add(self.backoff.fail());
+    }
+
+    /// The first page of a paged answer to `request`, if the answer is one
+    /// (its headers name a longer whole): the reassembly it starts.
+    fn first_page(
+        &mut self,
+        status: u32,
+        page: &PageHeaders,
+        answer: &mut dyn Answered,
+        request: &Option<Request>,
+        watching: bool,
+    ) -> Result<Option<Reassembly>, SyncError> {
+        let (Some(first), Some(length)) = (request, &page.length) else {
+            return Ok(None);
+        };
+        if status != 200 || self.config.page_bytes.is_none() {
+            return Ok(None);
+        }
+        let total: u64 = length
+            .trim()
+            .parse()
+            .map_err(|_| mismatch(format!("length {length:?} is not a number")))?;
+        if total > MAX_ANSWER_BYTES {
+            return Err(SyncError::Page(PageError::TooLong(total)));
+        }
+        let id = page
+            .id
+            .clone()
+            .filter(|id| !id.is_empty())
+            .ok_or_else(|| mismatch("the first page names no answer id".to_owned()))?;
+        if page.offset.as_deref().is_some_and(|o| o.trim() != "0") {
+            return Err(mismatch(format!(
+                "the first page starts at {:?}",
+                page.offset
+            )));
+        }
+        let mut body = Vec::new();
+        // One block of the whole's size: the native module's allocator maps
+        // a block that large on its own and gives it back when it is freed.
+        body.try_reserve_exact(total as usize)
+            .map_err(|_| SyncError::Page(PageError::TooLong(total)))?;
+        let mut paged = Reassembly {
+            first: first.clone(),
+            watching,
+            id,
+            total: total as usize,
+            body,
+        };
+        read_page(&mut paged, answer)?;
+        Ok(Some(paged))
+    }
+
+    /// A page after the first, asked for at `offset`.
+    fn next_page(
+        &mut self,
+        now_ms: u64,
+        status: u32,
+        offset: u64,
+        page: &PageHeaders,
+        answer: &mut dyn Answered,
+    ) -> Result<Applied, SyncError> {
+        let Some(mut paged) = self.paged.take() else {
+            return Err(mismatch(
+                "a page of no answer being put together".to_owned(),
+            ));
+        };
+        match status {
+            200 => {}
+            410 => return Err(SyncError::Page(PageError::Gone)),
+            other => return Err(SyncError::Status(other)),
+        }
+        let total = paged.total.to_string();
+        let offset = offset.to_string();
+        let checks = [
+            ("id", page.id.as_deref(), paged.id.as_str()),
+            ("length", page.length.as_deref(), total.as_str()),
+            ("offset", page.offset.as_deref(), offset.as_str()),
+        ];
+        for (what, got, want) in checks {
+            if got.map(str::trim) != Some(want) {
+                return Err(mismatch(format!("{what} {got:?}, expected {want:?}")));
+            }
+        }
+        read_page(&mut paged, answer)?;
+        self.received(now_ms, paged, answer)
+    }
+
+    /// After a page: the next one to ask for, or the whole to apply.
+    fn received(
+        &mut self,
+        now_ms: u64,
+        paged: Reassembly,
+        answer: &mut dyn Answered,
+    ) -> Result<Applied, SyncError> {
+        if paged.body.len() < paged.total {
+            let progress = Applied::Page {
+                received: paged.body.len() as u64,
+                total: paged.total as u64,
+            };
+            self.paged = Some(paged);
+            return Ok(progress);
+        }
+        let Reassembly {
+            first,
+            watching,
+            id: _,
+            total: _,
+            body,
+        } = paged;
+        self.paged_bytes = Some(body.len() as u64);
+        // The whole, as if it had come in one answer.
+        let mut whole = WithBody {
+            store: answer,
+            open: in_memory(Rc::new(body)),
+        };
+        self.apply(now_ms, Some(first), watching, 200, &mut whole)
     }
 
     fn apply(
@@ -528,14 +857,16 @@ impl Poller {
             Ok(start) => (packed::starts_packed(start), packed::is_whole(start)),
             Err(_) => (false, None),
         };
+        // A page is never applied alone (its whole goes as the request it
+        // answers): should one come here, it is taken as a snapshot.
         let changes = match (request, is_packed) {
-            (Some(Request::Snapshot) | None, true) => {
+            (Some(Request::Snapshot | Request::Page { .. }) | None, true) => {
                 return self.load_snapshot(now_ms, &Records::Packed, answer);
             }
             (Some(Request::Changes { .. }), true) if whole == Some(true) => {
                 return self.load_snapshot(now_ms, &Records::Packed, answer);
             }
-            (Some(Request::Snapshot) | None, false) => {
+            (Some(Request::Snapshot | Request::Page { .. }) | None, false) => {
                 Changes::Reset(Snapshot::decode_from(body).map_err(SyncError::Decode)?)
             }
             (Some(Request::Changes { .. }), true) => {
@@ -679,8 +1010,57 @@ impl<S: SharedData + ?Sized, F: Fn(&S) -> Box<dyn Read>> Answered for WithBody<'
 }
 
 /// Opens `body`, held in memory, for any store.
-fn in_memory<S: ?Sized>(body: Rc<[u8]>) -> impl Fn(&S) -> Box<dyn Read> {
-    move |_| Box::new(std::io::Cursor::new(Rc::clone(&body)))
+fn in_memory<S: ?Sized>(body: Rc<Vec<u8>>) -> impl Fn(&S) -> Box<dyn Read> {
+    move |_| Box::new(std::io::Cursor::new(Lent(Rc::clone(&body))))
+}
+
+/// A body held in memory, lent to each reader of it.
+struct Lent(Rc<Vec<u8>>);
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn mismatch(what: String) -> SyncError {
+    SyncError::Page(PageError::Mismatch(what))
+}
+
+/// Appends the page `answer` carries to `paged`: never past the whole's
+/// length (the buffer never grows), and never an empty page.
+fn read_page(paged: &mut Reassembly, answer: &dyn Answered) -> Result<(), SyncError> {
+    let start = paged.body.len();
+    // Within the capacity reserved at the whole's length: never moved.
+    paged.body.resize(paged.total, 0);
+    let mut reader = answer.body();
+    let mut filled = start;
+    let mut failed = None;
+    while filled < paged.total {
+        match reader.read(&mut paged.body[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    paged.body.truncate(filled);
+    if let Some(e) = failed {
+        return Err(mismatch(format!("unreadable page: {e}")));
+    }
+    let mut more = [0u8; 1];
+    if reader.read(&mut more).unwrap_or(0) > 0 {
+        return Err(mismatch(
+            "the page runs past the answer's length".to_owned(),
+        ));
+    }
+    if filled == start {
+        return Err(mismatch("an empty page before the end".to_owned()));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -194,6 +194,7 @@ fn feed(input: &[u8], rng: &mut Rng) {
             backoff_initial_ms: 1,
             backoff_max_ms: 10,
             min_interval_ms: 0,
+            page_bytes: None,
         },
         rng.next(),
     );

@@ -9,7 +9,11 @@
 //! real one. Every request is recorded, with how many were open at once. A
 //! request whose `Accept` names the packed form gets its answer packed, in
 //! the encoding the real validator would choose (binary records, or text
-//! for a gateway of the last release).
+//! for a gateway of the last release). A request with `page_bytes` gets a
+//! longer answer in pages as the real validator serves them
+//! ([`staleguard_core::page`]: the first page, then `/v1/answer`), from
+//! this release only: an older one refuses the parameter, as the real ones
+//! refuse any query parameter they do not take.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -21,6 +25,9 @@ use staleguard_core::wire::{Delta, WIRE_VERSION};
 use staleguard_core::{Changes, Freshness, IpRecord, ServiceKey, Snapshot};
 
 use crate::blocking::{Answer, Request, Server};
+
+/// Answers served in pages that the fake still holds (the oldest go).
+const HELD_ANSWERS: usize = 8;
 
 /// How the fake answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,9 +51,10 @@ pub enum Release {
     /// This one: binary records, the text packed form, JSON.
     Current,
     /// The last release: the text packed form to an `Accept` naming it
-    /// exactly, else JSON.
+    /// exactly, else JSON; no pages (`page_bytes` refused with 400).
     Last,
-    /// A release before the packed form: JSON whatever the `Accept`.
+    /// A release before the packed form: JSON whatever the `Accept`; no
+    /// pages.
     BeforePacked,
 }
 
@@ -67,6 +75,9 @@ struct State {
     log: Vec<String>,
     open: u32,
     max_open: u32,
+    /// Answers served in pages: (id, content type, body), oldest first.
+    held: Vec<(String, String, Arc<Vec<u8>>)>,
+    next_id: u64,
 }
 
 type Shared = Arc<(Mutex<State>, Condvar)>;
@@ -100,6 +111,8 @@ impl FakeValidator {
                 log: vec![],
                 open: 0,
                 max_open: 0,
+                held: vec![],
+                next_id: 0,
             }),
             Condvar::new(),
         ));
@@ -324,8 +337,83 @@ fn handle(shared: &Shared, req: &Request) -> Answer {
     s.open += 1;
     s.max_open = s.max_open.max(s.open);
     let answer = answer(shared, s, req);
-    lock(shared).open -= 1;
-    answer
+    let mut s = lock(shared);
+    s.open -= 1;
+    in_pages(&mut s, req, answer)
+}
+
+/// `answer` to `req` in pages, if it asked for them and is longer than a
+/// page: its first page, the rest held for `/v1/answer`.
+fn in_pages(s: &mut State, req: &Request, answer: Answer) -> Answer {
+    use staleguard_core::page;
+    let Some(len) = req.query("page_bytes").and_then(|l| l.parse::<u32>().ok()) else {
+        return answer;
+    };
+    let len = page::page_len(len) as usize;
+    let Answer::Respond {
+        status: 200,
+        headers,
+        body,
+    } = &answer
+    else {
+        return answer;
+    };
+    if body.len() <= len || s.release != Release::Current {
+        return answer;
+    }
+    s.next_id += 1;
+    let id = format!("{:x}-{}", s.epoch, s.next_id);
+    let content_type = headers
+        .iter()
+        .find(|(k, _)| k == "content-type")
+        .map_or_else(String::new, |(_, v)| v.clone());
+    let body = Arc::new(body.clone());
+    s.held
+        .push((id.clone(), content_type.clone(), body.clone()));
+    if s.held.len() > HELD_ANSWERS {
+        s.held.remove(0);
+    }
+    page_of(&id, &content_type, &body, 0, len)
+}
+
+fn page_of(id: &str, content_type: &str, body: &[u8], offset: usize, len: usize) -> Answer {
+    use staleguard_core::page;
+    let end = offset.saturating_add(len).min(body.len());
+    Answer::Respond {
+        status: 200,
+        headers: vec![
+            ("content-type".into(), content_type.into()),
+            (page::LENGTH_HEADER.into(), body.len().to_string()),
+            (page::ID_HEADER.into(), id.into()),
+            (page::OFFSET_HEADER.into(), offset.to_string()),
+        ],
+        body: body[offset.min(end)..end].to_vec(),
+    }
+}
+
+/// `GET /v1/answer`: a page of a held answer.
+fn page(s: &State, req: &Request) -> Answer {
+    let (Some(id), Some(offset)) = (
+        req.query("id"),
+        req.query("offset").and_then(|o| o.parse::<usize>().ok()),
+    ) else {
+        return Answer::status(400, "need id and offset");
+    };
+    let Some((_, content_type, body)) = s.held.iter().find(|(held, _, _)| held == id) else {
+        return Answer::Respond {
+            status: 410,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: br#"{"error":{"code":"gone","message":"no longer held"}}"#.to_vec(),
+        };
+    };
+    if offset > body.len() {
+        return Answer::status(400, "offset past the end");
+    }
+    let len = req
+        .query("page_bytes")
+        .and_then(|l| l.parse::<u32>().ok())
+        .map_or(usize::MAX, |l| staleguard_core::page::page_len(l) as usize);
+    page_of(id, content_type, body, offset, len)
 }
 
 fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answer {
@@ -355,7 +443,12 @@ fn answer(shared: &Shared, mut s: MutexGuard<'_, State>, req: &Request) -> Answe
             return Answer::status(401, "unauthorized");
         }
     }
+    if s.release != Release::Current && req.query("page_bytes").is_some() {
+        // Strict query parameters, as the real releases before pages.
+        return Answer::status(400, "unknown field `page_bytes`");
+    }
     match req.path() {
+        staleguard_core::page::ANSWER_PATH if s.release == Release::Current => page(&s, req),
         "/v1/snapshot" => match packed(s.release, req) {
             Some(encoding) => packed_answer(
                 encoding,

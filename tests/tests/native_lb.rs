@@ -341,3 +341,114 @@ fn the_istio_lb_envoyfilter_keeps_istios_cluster_settings_and_envoy_accepts_it()
     );
     Ok(())
 }
+
+/// 100,000 pods of `shop/other` on 10.0.0.0 and up (their binary snapshot is
+/// over 1 MB: several pages of the shipped `sync_page_bytes`), then
+/// `cart` and `recycled` on loopback, which sort last: the last page holds
+/// them.
+fn many_and_then(
+    live: SocketAddr,
+    recycled: SocketAddr,
+) -> (
+    Vec<staleguard_core::ServiceKey>,
+    Vec<staleguard_core::IpRecord>,
+) {
+    let (cart, other) = (incident::cart(), incident::other());
+    let mut records: Vec<_> = (0..100_000u32)
+        .map(|i| {
+            let ip = format!("10.0.{}.{}", i / 250, i % 250 + 1);
+            pod(&ip, &format!("other-{i}"), &[&other], false)
+        })
+        .collect();
+    records.push(pod(&live.ip().to_string(), "cart-0", &[&cart], false));
+    records.push(pod(&recycled.ip().to_string(), "other-x", &[&other], false));
+    (vec![cart, other], records)
+}
+
+/// Sends ten requests through `envoy`: each must reach the live pod.
+fn all_to_the_live_pod(envoy: &Envoy, recycled: &Server) -> Result<()> {
+    for _ in 0..10 {
+        let r = envoy.send("-", "GET", "/cart/a", None)?;
+        if (r.status, r.body.as_str()) != (200, "host=cart-0") {
+            bail!("{} {:?} {}", r.status, r.headers, r.body);
+        }
+    }
+    assert_eq!(recycled.hits(), 0, "the recycled pod was reached");
+    Ok(())
+}
+
+/// The shipped `sync_page_bytes` (256 KiB): the bootstrap extension asks for
+/// the snapshot in pages, one callout each, puts them together, and judges
+/// hosts only the last page names.
+#[test]
+fn with_the_shipped_sync_page_bytes_a_snapshot_of_several_pages_is_put_together_and_judged_to_its_last_page(
+) -> Result<()> {
+    let live = named_host("127.0.29.1", "cart-0")?;
+    let recycled = Server::start(
+        SocketAddr::from(([127, 0, 29, 2], live.addr().port())),
+        |_| Answer::status(200, "other"),
+    )?;
+    let validator = FakeValidator::start(2900)?;
+    let (services, records) = many_and_then(live.addr(), recycled.addr());
+    validator.set_index(services, records);
+    let Some(envoy) = start(
+        "native-lb-pages",
+        &[live.addr(), recycled.addr()],
+        &validator,
+    )?
+    else {
+        return Ok(());
+    };
+    all_to_the_live_pod(&envoy, &recycled)?;
+    let requests = validator.requests();
+    let pages = requests
+        .iter()
+        .filter(|r| r.starts_with(staleguard_core::page::ANSWER_PATH))
+        .count();
+    println!("requests: {:?}", &requests[..requests.len().min(6)]);
+    assert!(
+        requests[0].starts_with("/v1/snapshot") && requests[0].contains("page_bytes=262144"),
+        "{requests:?}"
+    );
+    assert!(
+        pages >= 2,
+        "the snapshot came in {} pages: {requests:?}",
+        pages + 1
+    );
+    Ok(())
+}
+
+/// A validator of the last release refuses `page_bytes` (its query
+/// parameters are strict): the bootstrap extension asks for whole answers
+/// and syncs all the same.
+#[test]
+fn a_validator_of_the_last_release_without_pages_still_syncs_the_shipped_module() -> Result<()> {
+    let live = named_host("127.0.30.1", "cart-0")?;
+    let recycled = Server::start(
+        SocketAddr::from(([127, 0, 30, 2], live.addr().port())),
+        |_| Answer::status(200, "other"),
+    )?;
+    let validator = FakeValidator::start(3000)?;
+    validator.set_release(staleguard_tests::fake_validator::Release::Last);
+    let (services, records) = many_and_then(live.addr(), recycled.addr());
+    validator.set_index(services, records);
+    let Some(envoy) = start(
+        "native-lb-last",
+        &[live.addr(), recycled.addr()],
+        &validator,
+    )?
+    else {
+        return Ok(());
+    };
+    all_to_the_live_pod(&envoy, &recycled)?;
+    let requests = validator.requests();
+    assert!(requests[0].contains("page_bytes="), "{requests:?}");
+    assert_eq!(requests[1], "/v1/snapshot?v=1&view=verdict", "{requests:?}");
+    assert!(
+        !requests
+            .iter()
+            .any(|r| r.starts_with(staleguard_core::page::ANSWER_PATH)),
+        "{requests:?}"
+    );
+    Ok(())
+}

@@ -168,6 +168,7 @@ pub struct Metrics {
     answer_build_time: Histogram,
     answer_build_reasons: Family<BuildReasonLabels, Counter>,
     answer_builds_running: Gauge<i64, std::sync::atomic::AtomicI64>,
+    answer_pages_dropped: Family<BuildReasonLabels, Counter>,
     long_polls_refused: Family<ClientReasonLabels, Counter>,
     token_reload_failures: Counter,
     token_file_refused: Gauge,
@@ -208,6 +209,7 @@ impl Metrics {
             ),
             answer_build_reasons: Family::default(),
             answer_builds_running: Gauge::default(),
+            answer_pages_dropped: Family::default(),
             long_polls_refused: Family::default(),
             token_reload_failures: Counter::default(),
             token_file_refused: Gauge::default(),
@@ -313,6 +315,22 @@ impl Metrics {
             .get()
     }
 
+    /// Counts an answer held for its pages that was let go before its
+    /// client asked for it again: `expired` (no page asked for a while),
+    /// `evicted` (too many held).
+    pub fn answer_pages_dropped(&self, reason: &'static str) {
+        self.answer_pages_dropped
+            .get_or_create(&BuildReasonLabels { reason })
+            .inc();
+    }
+
+    /// Held answers let go so far for `reason`.
+    pub fn answer_pages_dropped_count(&self, reason: &'static str) -> u64 {
+        self.answer_pages_dropped
+            .get_or_create(&BuildReasonLabels { reason })
+            .get()
+    }
+
     /// Builds running now.
     pub fn answer_builds_running(&self) -> i64 {
         self.answer_builds_running.get()
@@ -386,6 +404,12 @@ impl Metrics {
             "answer_builds_running",
             "Answer builds running now (at most --max-builds)",
             self.answer_builds_running.clone(),
+        );
+        registry.register(
+            "answer_pages_dropped",
+            "Answers held for their pages that were let go, by reason \
+             (expired: no page asked for 30 s; evicted: too many held)",
+            self.answer_pages_dropped.clone(),
         );
         self.connections.register(&mut registry);
         register_index(&mut registry, index);

@@ -377,3 +377,60 @@ fn a_root_that_takes_the_lease_over_holds_what_its_predecessor_held() {
     assert_eq!(host.counter(metrics::GUARD_HELD_TOTAL), 2, "B holds it too");
     assert_eq!(host.gauges.get(metrics::GAUGE_ENTRIES), Some(&20));
 }
+
+#[test]
+fn with_sync_page_bytes_a_snapshot_is_asked_for_and_put_together_in_pages() {
+    let mut host = started_host();
+    let mut root = Root::new(1).with_sync_page_bytes(Some(16_384));
+    assert!(root.configure(&mut host, &shipped_config("{}")));
+    root.tick(&mut host);
+    fire(&mut root, &mut host);
+    assert_eq!(
+        host.calls[0].header(":path"),
+        Some("/v1/snapshot?v=1&view=verdict&page_bytes=16384")
+    );
+    let ips: Vec<String> = (1..=200)
+        .map(|i| format!("10.0.{}.{}", i / 100, i % 100 + 1))
+        .collect();
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    let whole = snapshot_body(&ips);
+    let page = whole.len() / 3 + 1;
+    let mut offset = 0;
+    while offset < whole.len() {
+        let end = (offset + page).min(whole.len());
+        host.answer_with(200, whole[offset..end].to_vec());
+        for (name, value) in [
+            (
+                staleguard_core::page::LENGTH_HEADER,
+                whole.len().to_string(),
+            ),
+            (staleguard_core::page::ID_HEADER, "9-1".to_owned()),
+            (staleguard_core::page::OFFSET_HEADER, offset.to_string()),
+        ] {
+            host.answer.headers.push((name.to_owned(), value));
+        }
+        let token = u32::try_from(host.calls.len()).unwrap();
+        root.call_response(&mut host, token, 4, end - offset);
+        offset = end;
+        if offset < whole.len() {
+            assert_eq!(
+                host.calls.last().unwrap().header(":path").unwrap(),
+                format!("/v1/answer?v=1&id=9-1&offset={offset}&page_bytes=16384"),
+                "the next page at once, from the answer's callback"
+            );
+        }
+    }
+    assert_eq!(host.calls.len(), 3);
+    assert_eq!(host.counter(metrics::SYNC_RESETS), 1);
+    assert_eq!(host.gauges.get(metrics::GAUGE_ENTRIES), Some(&200));
+    // The configuration's `sync_page_bytes: 0` turns pages off.
+    let mut host = started_host();
+    let mut root = Root::new(1).with_sync_page_bytes(Some(16_384));
+    assert!(root.configure(&mut host, &shipped_config(r#"{"sync_page_bytes": 0}"#)));
+    root.tick(&mut host);
+    fire(&mut root, &mut host);
+    assert_eq!(
+        host.calls[0].header(":path"),
+        Some("/v1/snapshot?v=1&view=verdict")
+    );
+}

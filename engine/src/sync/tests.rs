@@ -11,6 +11,7 @@ pub(crate) const CFG: SyncConfig = SyncConfig {
     backoff_initial_ms: 100,
     backoff_max_ms: 1_000,
     min_interval_ms: 0,
+    page_bytes: None,
 };
 
 /// What the root builds from the shipped plugin configuration.
@@ -19,6 +20,7 @@ const SHIPPED: SyncConfig = SyncConfig {
     backoff_initial_ms: 500,
     backoff_max_ms: 30_000,
     min_interval_ms: 50,
+    page_bytes: None,
 };
 
 pub(crate) fn cart() -> ServiceKey {
@@ -337,6 +339,7 @@ fn answers_that_come_at_once_do_not_make_a_busy_loop() {
     let mut p = Poller::new(
         SyncConfig {
             min_interval_ms: 100,
+            page_bytes: None,
             ..CFG
         },
         7,
@@ -841,4 +844,344 @@ fn a_reset_holding_one_record_at_a_time(encoding: packed::Encoding) {
         Applied::Held
     );
     assert!(present(&store, ips[1]));
+}
+
+// === answers in pages ===
+
+const PAGE: u32 = 100;
+
+fn paging() -> SyncConfig {
+    SyncConfig {
+        page_bytes: Some(PAGE),
+        ..CFG
+    }
+}
+
+/// `p`'s answer (`status`, `headers`, `body`) to its request in flight.
+fn answer(
+    p: &mut Poller,
+    store: &mut MemoryStore,
+    now: u64,
+    status: u32,
+    headers: &PageHeaders,
+    body: &[u8],
+) -> Result<Applied, SyncError> {
+    let mut answer = WithBody {
+        store,
+        open: in_memory(Rc::new(body.to_vec())),
+    };
+    p.on_answer(now, status, headers, &mut answer)
+}
+
+/// The headers of the page of `whole` (answer id `a-1`) from `offset`.
+fn page_headers(whole: &[u8], offset: usize) -> PageHeaders {
+    PageHeaders {
+        length: Some(whole.len().to_string()),
+        id: Some("a-1".to_owned()),
+        offset: Some(offset.to_string()),
+    }
+}
+
+/// Serves `whole` to `p` in pages of [`PAGE`] bytes as the validator does,
+/// checking each request for the next page; what the last page did.
+fn serve_in_pages(
+    p: &mut Poller,
+    store: &mut MemoryStore,
+    now: u64,
+    whole: &[u8],
+) -> Result<Applied, SyncError> {
+    let mut offset = 0;
+    loop {
+        let end = (offset + PAGE as usize).min(whole.len());
+        let headers = page_headers(whole, offset);
+        match answer(p, store, now, 200, &headers, &whole[offset..end])? {
+            Applied::Page { received, total } => {
+                assert_eq!((received, total), (end as u64, whole.len() as u64));
+                offset = end;
+                let next = p.next_request(now, store).expect("the next page at once");
+                assert_eq!(
+                    next,
+                    Request::Page {
+                        id: "a-1".to_owned(),
+                        offset: offset as u64,
+                        page_bytes: PAGE
+                    }
+                );
+                assert_eq!(
+                    p.path(&next),
+                    format!("/v1/answer?v=1&id=a-1&offset={offset}&page_bytes={PAGE}")
+                );
+            }
+            other => return Ok(other),
+        }
+    }
+}
+
+fn packed_snapshot(epoch: u64, generation: u64, ips: &[String]) -> Vec<u8> {
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    packed::encode_snapshot_as(packed::Encoding::Binary, &snapshot(epoch, generation, &ips))
+}
+
+#[test]
+fn an_answer_in_pages_applies_exactly_as_the_same_answer_whole() {
+    let whole = packed_snapshot(9, 3, &twenty_ips());
+    assert!(whole.len() > 3 * PAGE as usize, "{}", whole.len());
+    let mut unpaged_store = MemoryStore::default();
+    let mut unpaged = Poller::new(CFG, 7);
+    unpaged.next_request(0, &unpaged_store);
+    let applied = unpaged.on_response(10, 200, &whole, &mut unpaged_store);
+
+    let mut store = MemoryStore::default();
+    let mut p = Poller::new(paging(), 7);
+    let first = p.next_request(0, &store).unwrap();
+    assert_eq!(first, Request::Snapshot);
+    assert_eq!(
+        p.path(&first),
+        format!("/v1/snapshot?v=1&view=verdict&page_bytes={PAGE}")
+    );
+    assert_eq!(
+        serve_in_pages(&mut p, &mut store, 10, &whole).unwrap(),
+        applied.unwrap()
+    );
+    assert_eq!(p.paged_bytes(), Some(whole.len() as u64), "for the log");
+    assert_eq!(
+        store.values(),
+        unpaged_store.values(),
+        "the same index, byte for byte"
+    );
+    assert!(present(&store, "10.0.0.20"), "the last page's IP is judged");
+    // Then long polls, asking for pages again; a short answer comes whole.
+    let next = p.next_request(10, &store).unwrap();
+    assert!(p
+        .path(&next)
+        .ends_with(&format!("&wait=5&page_bytes={PAGE}")));
+    let empty = json(&Changes::Delta(delta(9, 3, 3)));
+    let applied = answer(&mut p, &mut store, 20, 200, &PageHeaders::default(), &empty);
+    assert_eq!(applied.unwrap(), Applied::Delta { changed: 0 });
+}
+
+#[test]
+fn a_reset_answering_a_long_poll_in_pages_replaces_the_index() {
+    let (mut p, mut store) = loaded(&["10.0.0.99"]);
+    p.config.page_bytes = Some(PAGE);
+    let poll = p.next_request(10, &store).unwrap();
+    assert!(matches!(poll, Request::Changes { .. }));
+    let ips = twenty_ips();
+    let snapshot = snapshot(11, 1, &ips.iter().map(String::as_str).collect::<Vec<_>>());
+    let whole = packed::encode_changes_as(packed::Encoding::Binary, &Changes::Reset(snapshot));
+    let applied = serve_in_pages(&mut p, &mut store, 20, &whole).unwrap();
+    assert_eq!(applied, Applied::Reset { entries: 20 });
+    assert!(present(&store, "10.0.0.20") && !present(&store, "10.0.0.99"));
+}
+
+/// A poller that received the first page of `whole` (a snapshot) and asked
+/// for the second.
+fn first_page_in(whole: &[u8]) -> (Poller, MemoryStore) {
+    let mut store = MemoryStore::default();
+    let mut p = Poller::new(paging(), 7);
+    p.next_request(0, &store);
+    let applied = answer(
+        &mut p,
+        &mut store,
+        10,
+        200,
+        &page_headers(whole, 0),
+        &whole[..PAGE as usize],
+    );
+    assert!(matches!(applied, Ok(Applied::Page { .. })), "{applied:?}");
+    assert!(matches!(
+        p.next_request(10, &store),
+        Some(Request::Page { .. })
+    ));
+    (p, store)
+}
+
+/// After a failed page: nothing was written, the poller waits out a
+/// backoff, then starts over with a snapshot (never another page).
+fn starts_over(p: &mut Poller, store: &MemoryStore) {
+    assert!(IndexReader::new(store).meta().is_none());
+    assert_eq!(p.next_request(10, store), None, "backoff");
+    assert_eq!(p.next_request(10 + 2_000, store), Some(Request::Snapshot));
+}
+
+#[test]
+fn a_page_that_does_not_continue_the_answer_drops_it_and_the_sync_starts_over() {
+    let whole = packed_snapshot(9, 3, &twenty_ips());
+    let second = &whole[PAGE as usize..2 * PAGE as usize];
+    let wrong: [(&str, PageHeaders, &[u8]); 5] = [
+        ("offset", page_headers(&whole, 0), second),
+        (
+            "id",
+            PageHeaders {
+                id: Some("a-2".to_owned()),
+                ..page_headers(&whole, PAGE as usize)
+            },
+            second,
+        ),
+        (
+            "length",
+            PageHeaders {
+                length: Some((whole.len() + 1).to_string()),
+                ..page_headers(&whole, PAGE as usize)
+            },
+            second,
+        ),
+        (
+            "past the length",
+            page_headers(&whole, PAGE as usize),
+            &whole[..],
+        ),
+        ("empty", page_headers(&whole, PAGE as usize), &[]),
+    ];
+    for (what, headers, body) in wrong {
+        let (mut p, mut store) = first_page_in(&whole);
+        let error = answer(&mut p, &mut store, 10, 200, &headers, body).unwrap_err();
+        assert!(
+            matches!(error, SyncError::Page(PageError::Mismatch(_))),
+            "{what}: {error}"
+        );
+        assert_eq!(error.kind(), "page");
+        starts_over(&mut p, &store);
+    }
+}
+
+#[test]
+fn an_answer_the_validator_no_longer_holds_starts_the_sync_over() {
+    let whole = packed_snapshot(9, 3, &twenty_ips());
+    let (mut p, mut store) = first_page_in(&whole);
+    let gone = br#"{"error":{"code":"gone","message":"answer no longer held"}}"#;
+    let error = answer(&mut p, &mut store, 10, 410, &PageHeaders::default(), gone).unwrap_err();
+    assert!(matches!(error, SyncError::Page(PageError::Gone)), "{error}");
+    starts_over(&mut p, &store);
+    // And it does: the snapshot in pages again.
+    assert!(matches!(
+        serve_in_pages(&mut p, &mut store, 3_000, &whole),
+        Ok(Applied::Reset { entries: 20 })
+    ));
+}
+
+#[test]
+fn a_page_lost_to_the_watchdog_drops_the_answer() {
+    let whole = packed_snapshot(9, 3, &twenty_ips());
+    let (mut p, store) = first_page_in(&whole);
+    let late = 10 + SNAPSHOT_TIMEOUT_MS + WATCHDOG_SLACK_MS;
+    assert!(matches!(p.watchdog(late), Some(SyncError::Timeout(_))));
+    assert_eq!(
+        p.next_request(late + 2_000, &store),
+        Some(Request::Snapshot)
+    );
+}
+
+#[test]
+fn a_claimed_length_no_answer_can_have_is_refused_before_anything_is_reserved() {
+    let whole = packed_snapshot(9, 3, &twenty_ips());
+    let mut store = MemoryStore::default();
+    let mut p = Poller::new(paging(), 7);
+    p.next_request(0, &store);
+    let lying = PageHeaders {
+        length: Some((MAX_ANSWER_BYTES + 1).to_string()),
+        ..page_headers(&whole, 0)
+    };
+    let error = answer(&mut p, &mut store, 10, 200, &lying, &whole[..PAGE as usize]).unwrap_err();
+    assert!(
+        matches!(error, SyncError::Page(PageError::TooLong(_))),
+        "{error}"
+    );
+    assert_eq!(error.kind(), "decode");
+    starts_over(&mut p, &store);
+    let unreadable = PageHeaders {
+        length: Some("many".to_owned()),
+        ..page_headers(&whole, 0)
+    };
+    p.next_request(10 + 2_000, &store);
+    let error = answer(
+        &mut p,
+        &mut store,
+        10,
+        200,
+        &unreadable,
+        &whole[..PAGE as usize],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(error, SyncError::Page(PageError::Mismatch(_))),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_validator_that_refuses_page_bytes_is_asked_for_whole_answers_at_once() {
+    let mut store = MemoryStore::default();
+    let mut p = Poller::new(paging(), 7);
+    let first = p.next_request(0, &store).unwrap();
+    assert!(p.path(&first).contains("page_bytes="));
+    let refusal = br#"{"error":{"code":"bad_request","message":"unknown field `page_bytes`"}}"#;
+    let applied = answer(
+        &mut p,
+        &mut store,
+        10,
+        400,
+        &PageHeaders::default(),
+        refusal,
+    );
+    assert_eq!(applied.unwrap(), Applied::PagesRefused);
+    let again = p.next_request(10, &store).expect("at once, no backoff");
+    assert_eq!(p.path(&again), "/v1/snapshot?v=1&view=verdict");
+    let whole = packed_snapshot(9, 3, &twenty_ips());
+    let applied = answer(&mut p, &mut store, 20, 200, &PageHeaders::default(), &whole);
+    assert_eq!(applied.unwrap(), Applied::Reset { entries: 20 });
+    let poll = p.next_request(20, &store).unwrap();
+    assert!(!p.path(&poll).contains("page_bytes"));
+    // A 400 to a request without pages is an error as ever.
+    let error = answer(
+        &mut p,
+        &mut store,
+        30,
+        400,
+        &PageHeaders::default(),
+        refusal,
+    );
+    assert!(matches!(error, Err(SyncError::Status(400))));
+    // Pages are tried again after a while: the validator may be upgraded.
+    let later = p.next_request(30 + WHOLE_AFTER_REFUSAL_MS, &store).unwrap();
+    assert!(p.path(&later).contains("page_bytes="));
+}
+
+#[test]
+fn without_a_page_size_nothing_changes() {
+    let mut store = MemoryStore::default();
+    let mut p = Poller::new(CFG, 7);
+    let first = p.next_request(0, &store).unwrap();
+    assert!(!p.pages());
+    assert_eq!(p.path(&first), "/v1/snapshot?v=1&view=verdict");
+    // Page headers on an answer to a poller that asked for none: ignored,
+    // the body is the answer.
+    let whole = packed_snapshot(9, 3, &twenty_ips());
+    let applied = answer(
+        &mut p,
+        &mut store,
+        10,
+        200,
+        &page_headers(&whole, 0),
+        &whole,
+    );
+    assert_eq!(applied.unwrap(), Applied::Reset { entries: 20 });
+}
+
+#[test]
+fn page_headers_are_found_whatever_their_case() {
+    let headers = vec![
+        (":status".to_owned(), b"200".to_vec()),
+        ("Staleguard-Answer-Length".to_owned(), b"1234".to_vec()),
+        ("staleguard-answer-id".to_owned(), b"7-1".to_vec()),
+        ("staleguard-answer-offset".to_owned(), b"0".to_vec()),
+    ];
+    assert_eq!(
+        PageHeaders::of(&headers),
+        PageHeaders {
+            length: Some("1234".to_owned()),
+            id: Some("7-1".to_owned()),
+            offset: Some("0".to_owned()),
+        }
+    );
 }

@@ -28,6 +28,8 @@ pub(crate) struct ChangesQuery {
     wait: Option<f64>,
     #[serde(default)]
     view: View,
+    /// Answer in pages of this many bytes (docs/api.md, "Answers in pages").
+    page_bytes: Option<u32>,
 }
 
 /// Measures fan-out: the time from the first long poll woken by a generation
@@ -77,7 +79,7 @@ pub(crate) async fn changes(
         .get(&state.index, &state.metrics, position, form)
         .await?;
     if wait.is_zero() || !first.empty || *state.shutdown.borrow() {
-        return Ok(encoded(first));
+        return Ok(super::pages::respond(&state, first, q.page_bytes));
     }
 
     // One client (a source address) may hold only so many of the waiting
@@ -119,12 +121,12 @@ pub(crate) async fn changes(
                     .await?;
                 if !next.empty {
                     state.fan_out.observe(&state.metrics, next.generation);
-                    return Ok(encoded(next));
+                    return Ok(super::pages::respond(&state, next, q.page_bytes));
                 }
                 // Woken without a change: the index turned not fresh (a source
                 // stopped); say so now rather than at the next recheck.
                 if next.fresh != first.fresh {
-                    return Ok(encoded(next));
+                    return Ok(super::pages::respond(&state, next, q.page_bytes));
                 }
             }
             _ = recheck.tick() => {
@@ -136,12 +138,11 @@ pub(crate) async fn changes(
             _ = &mut deadline => break,
         }
     }
-    Ok(encoded(
-        state
-            .answers
-            .get(&state.index, &state.metrics, position, form)
-            .await?,
-    ))
+    let last = state
+        .answers
+        .get(&state.index, &state.metrics, position, form)
+        .await?;
+    Ok(super::pages::respond(&state, last, q.page_bytes))
 }
 
 /// An answer in the form it was built in; `Vary: Accept`, as the form

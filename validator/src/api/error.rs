@@ -17,6 +17,9 @@ pub enum ApiError {
     /// Nothing at that path, or no record for that IP.
     #[error("{0}")]
     NotFound(String),
+    /// A paged answer the validator no longer holds.
+    #[error("{0}")]
+    Gone(String),
     /// The request body is over its limit (named in the message).
     #[error("{0}")]
     TooLarge(String),
@@ -53,6 +56,7 @@ impl ApiError {
             ApiError::BadRequest(_) => "bad_request",
             ApiError::Unauthorized => "unauthorized",
             ApiError::NotFound(_) => "not_found",
+            ApiError::Gone(_) => "gone",
             ApiError::TooLarge(_) => "too_large",
             ApiError::TooManyLongPolls(_) => "too_many_long_polls",
             ApiError::Internal => "internal",
@@ -64,6 +68,7 @@ impl ApiError {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Gone(_) => StatusCode::GONE,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::TooManyLongPolls(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,

@@ -18,6 +18,7 @@ mod auth;
 mod changes;
 mod connections;
 mod error;
+mod pages;
 mod serve;
 mod tls;
 mod verdicts;
@@ -97,6 +98,7 @@ pub struct ApiState {
     long_poll_clients: Arc<connections::Sources>,
     fan_out: FanOut,
     answers: Arc<answers::Answers>,
+    pages: Arc<pages::SharedPages>,
     shutdown: tokio::sync::watch::Receiver<bool>,
 }
 
@@ -116,11 +118,12 @@ impl ApiState {
             verdict_batches: Arc::new(Semaphore::new(
                 limits.max_verdict_batches.clamp(1, Semaphore::MAX_PERMITS),
             )),
-            index,
             metrics,
             limits,
             fan_out,
             answers: Arc::new(answers::Answers::new(limits.max_builds)),
+            pages: Arc::new(std::sync::Mutex::new(pages::Pages::new(index.epoch()))),
+            index,
             shutdown,
         }
     }
@@ -132,6 +135,7 @@ pub fn router(state: ApiState, token: Option<Token>) -> Router {
     let mut v1 = Router::new()
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/changes", get(changes::changes))
+        .route(staleguard_core::page::ANSWER_PATH, get(pages::answer))
         .route("/v1/ips/{ip}", get(ip_record))
         .route("/v1/verdict", get(verdict))
         .route("/v1/verdicts", post(verdicts::verdicts));
@@ -179,7 +183,7 @@ async fn snapshot(
             answers::Form::asked(q.view, &headers),
         )
         .await?;
-    Ok(changes::encoded(answer))
+    Ok(pages::respond(&state, answer, q.page_bytes))
 }
 
 async fn ip_record(
@@ -333,6 +337,7 @@ fn route_label(path: &str) -> &'static str {
     match path {
         "/v1/snapshot" => "snapshot",
         "/v1/changes" => "changes",
+        "/v1/answer" => "answer",
         "/v1/ips/{ip}" => "ips",
         "/v1/verdict" => "verdict",
         "/v1/verdicts" => "verdicts",
@@ -381,6 +386,8 @@ struct VersionQuery {
     v: Option<u32>,
     #[serde(default)]
     view: answers::View,
+    /// Answer in pages of this many bytes (docs/api.md, "Answers in pages").
+    page_bytes: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -1219,3 +1219,124 @@ async fn max_verdict_batches_holds_further_bodies_unread_and_judging_leaves_the_
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
     assert!(pulled.load(std::sync::atomic::Ordering::SeqCst) > 0);
 }
+
+/// A `GET` of `uri` with `accept`: status, the headers, the body.
+async fn get_headers(
+    app: &Router,
+    uri: &str,
+    accept: &str,
+) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+    let request = Request::get(uri)
+        .header("accept", accept)
+        .body(Body::empty())
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let (status, headers) = (response.status(), response.headers().clone());
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, headers, bytes.to_vec())
+}
+
+fn header_of<'a>(headers: &'a axum::http::HeaderMap, name: &str) -> &'a str {
+    headers
+        .get(name)
+        .map_or("", |v| v.to_str().unwrap_or_default())
+}
+
+#[tokio::test]
+async fn an_answer_asked_in_pages_comes_back_whole_from_its_pages_in_any_form() {
+    use staleguard_core::page::{ID_HEADER, LENGTH_HEADER, MIN_PAGE_BYTES, OFFSET_HEADER};
+    let f = fixture_with(
+        crate::synth::indexed(crate::synth::cluster(50, 100)),
+        Limits::default(),
+        None,
+    );
+    let epoch = f.index.epoch();
+    for (accept, uri) in [
+        ("application/json", "/v1/snapshot?v=1".to_owned()),
+        (
+            staleguard_core::packed::BINARY_MEDIA_TYPE,
+            "/v1/snapshot?v=1&view=verdict".to_owned(),
+        ),
+        (
+            PACKED,
+            format!("/v1/changes?v=1&epoch={}&since=0", epoch + 1),
+        ),
+    ] {
+        let (status, _, whole) = get_headers(&f.app, &uri, accept).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(whole.len() > 2 * MIN_PAGE_BYTES as usize, "{}", whole.len());
+        // A page size under the floor is raised to it.
+        let (status, first_headers, first) =
+            get_headers(&f.app, &format!("{uri}&page_bytes=100"), accept).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(first.len(), MIN_PAGE_BYTES as usize);
+        assert_eq!(
+            header_of(&first_headers, LENGTH_HEADER),
+            whole.len().to_string()
+        );
+        let content_type = header_of(&first_headers, "content-type").to_owned();
+        let id = header_of(&first_headers, ID_HEADER).to_owned();
+        assert!(!id.is_empty());
+        // Another client of the same answer gets the same id.
+        let (_, again, _) = get_headers(&f.app, &format!("{uri}&page_bytes=100"), accept).await;
+        assert_eq!(header_of(&again, ID_HEADER), id);
+        let mut body = first;
+        while body.len() < whole.len() {
+            let page_uri = format!(
+                "/v1/answer?v=1&id={id}&offset={}&page_bytes=20000",
+                body.len()
+            );
+            let (status, headers, page) = get_headers(&f.app, &page_uri, accept).await;
+            assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&page));
+            assert_eq!(header_of(&headers, OFFSET_HEADER), body.len().to_string());
+            assert_eq!(header_of(&headers, ID_HEADER), id);
+            assert_eq!(header_of(&headers, "content-type"), content_type);
+            assert!(!page.is_empty() && page.len() <= 20_000);
+            body.extend_from_slice(&page);
+        }
+        assert_eq!(body, whole, "{accept}: the pages are the unpaged answer");
+        // An offset past the end is refused; the end itself is an empty page.
+        let past = format!("/v1/answer?v=1&id={id}&offset={}", whole.len() + 1);
+        let (status, _) = get(&f.app, &past).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let end = format!("/v1/answer?v=1&id={id}&offset={}", whole.len());
+        let (status, _, page) = get_headers(&f.app, &end, accept).await;
+        assert_eq!((status, page.len()), (StatusCode::OK, 0));
+    }
+    // An answer that fits a page comes whole, without the headers.
+    let (status, headers, _) = get_headers(
+        &f.app,
+        &format!(
+            "/v1/changes?v=1&epoch={epoch}&since={}&page_bytes=65536",
+            f.index.generation()
+        ),
+        PACKED,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers.get(LENGTH_HEADER).is_none());
+}
+
+#[tokio::test]
+async fn a_page_of_an_answer_no_longer_held_is_gone_and_the_route_takes_no_other_parameter() {
+    let f = fixture();
+    let (status, body) = get(&f.app, "/v1/answer?v=1&id=7-99&offset=0").await;
+    assert_eq!(status, StatusCode::GONE);
+    assert_eq!(body["error"]["code"], "gone");
+    let (status, _) = get(&f.app, "/v1/answer?v=1&id=7-99&offset=0&wait=1").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _) = get(&f.app, "/v1/answer?v=1&offset=0").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn the_answer_route_is_behind_the_token_too() {
+    let dir = std::env::temp_dir().join(format!("sg-api-pages-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("token");
+    std::fs::write(&path, "open-sesame-open-sesame-open-sesame\n").unwrap();
+    let token = Token::from_file(&path).unwrap();
+    let f = fixture_with(synced_index(1000), Limits::default(), Some(token));
+    let (status, _) = get(&f.app, "/v1/answer?v=1&id=7-1&offset=0").await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
