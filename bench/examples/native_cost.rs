@@ -68,7 +68,9 @@
 //! (`0,2,5`: three lines each); `TCMALLOC=<dir>` writes each gateway's
 //! `/memory/tcmalloc` report there at each measure. `VALGRIND` (`all`) names the
 //! gateways whose instructions are counted (`none,lb`), or `none` for no
-//! count. `ONLY=memory` measures the memory alone (no valgrind, no CPU).
+//! count; `VALGRIND_ARGS` adds options to callgrind's (`--cache-sim=yes`
+//! counts each function's cache misses too), and each gateway's dump is
+//! named on stderr for `callgrind_annotate`. `ONLY=memory` measures the memory alone (no valgrind, no CPU).
 //! `VARIANTS` (all) names the gateways to run besides `none`
 //! (`native_noop,native_filter`), for a short paired run; the idle CPU of
 //! each gateway (no request for a second) is printed first, once none
@@ -371,7 +373,8 @@ fn valgrind_wrapper(envoy: &Path, out: &Path) -> Result<PathBuf> {
     std::fs::write(
         &script,
         format!(
-            "#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file={} {} \"$@\"\n",
+            "#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no {} --callgrind-out-file={} {} \"$@\"\n",
+            std::env::var("VALGRIND_ARGS").unwrap_or_default(),
             out.display(),
             real.display()
         ),
@@ -411,6 +414,7 @@ fn dumped_total(out: &Path) -> Result<u64> {
         }
     }
     let (_, path) = newest.context("no callgrind dump")?;
+    eprintln!("callgrind dump: {}", path.display());
     let text = std::fs::read_to_string(&path)?;
     text.lines()
         .find_map(|l| l.strip_prefix("totals:"))

@@ -26,13 +26,21 @@
 //!
 //! Undecodable entries are not cached (they are stale data, and may be a
 //! passing state).
+//!
+//! Over the two entry maps, the allowing verdicts themselves, by service id
+//! and IP ([`Cache::allowed`]): a request to a host allowed before looks up
+//! one map instead of two (three with the record's double lookup) and runs
+//! no rule. A verdict depends on the configuration's policy and on the two
+//! entries, so it is forgotten with the entries (a new `meta` write) and with
+//! the clusters (a new configuration, every tick). Only allowing verdicts on
+//! readable entries are kept: a rejection is never served from a cache.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::IpAddr;
 use std::rc::Rc;
 
-use staleguard_core::{IpRecord, ServiceKey};
+use staleguard_core::{Action, IpRecord, ServiceKey, Verdict};
 
 use crate::buckets;
 use crate::entry::Entry;
@@ -53,14 +61,23 @@ type Stamp = (Meta, u32);
 #[derive(Debug)]
 pub struct Cache {
     limit: usize,
-    clusters: FastMap<String, Option<Rc<Resolved>>>,
+    clusters: FastMap<Rc<str>, Option<Rc<Resolved>>>,
+    /// The cluster a request named last and its service: a gateway's
+    /// requests come in runs to one cluster, and comparing its name costs
+    /// less than hashing it.
+    last_cluster: Option<(Rc<str>, Option<Rc<Resolved>>)>,
     stamp: Option<Stamp>,
     /// The store's write count ([`SharedData::writes`]) `read` was read at,
     /// and what it read: `meta` and its token.
     read: Option<(u64, Option<Stamp>)>,
+    /// The write count at which [`Cache::current`] last aligned the
+    /// entries with what it read: at the same count, nothing to compare.
+    aligned_at: Option<u64>,
     /// Whether a service is known, by its id ([`Resolved::id`]).
     services: FastMap<u64, bool>,
     records: FastMap<IpAddr, Option<IpRecord>>,
+    /// Allowing verdicts by service id and IP (see the module docs).
+    allowed: FastMap<(u64, IpAddr), Verdict>,
 }
 
 /// A cluster's service, resolved once per cluster name while the cache
@@ -116,10 +133,13 @@ impl Cache {
         Self {
             limit: limit.max(1),
             clusters: FastMap::default(),
+            last_cluster: None,
             stamp: None,
             read: None,
+            aligned_at: None,
             services: FastMap::default(),
             records: FastMap::default(),
+            allowed: FastMap::default(),
         }
     }
 
@@ -130,22 +150,49 @@ impl Cache {
         cluster: &str,
         resolve: impl FnOnce() -> Option<ServiceKey>,
     ) -> Option<Rc<Resolved>> {
-        if let Some(service) = self.clusters.get(cluster) {
-            return service.clone();
+        if let Some((name, service)) = &self.last_cluster {
+            if **name == *cluster {
+                return service.clone();
+            }
         }
-        let service = resolve().map(|key| Rc::new(Resolved::new(key)));
-        bounded_insert(
-            &mut self.clusters,
-            self.limit,
-            cluster.to_owned(),
-            service.clone(),
-        );
+        let (name, service) = match self.clusters.get_key_value(cluster) {
+            Some((name, service)) => (name.clone(), service.clone()),
+            None => {
+                let service = resolve().map(|key| Rc::new(Resolved::new(key)));
+                let name: Rc<str> = Rc::from(cluster);
+                bounded_insert(
+                    &mut self.clusters,
+                    self.limit,
+                    name.clone(),
+                    service.clone(),
+                );
+                (name, service)
+            }
+        };
+        self.last_cluster = Some((name, service.clone()));
         service
     }
 
-    /// Forgets the cluster resolutions (on every root tick).
+    /// Forgets the cluster resolutions (on every root tick, and with a new
+    /// configuration), and the verdicts, which depend on the configuration.
     pub fn clear_clusters(&mut self) {
         self.clusters.clear();
+        self.last_cluster = None;
+        self.allowed.clear();
+    }
+
+    /// The allowing verdict kept for `service`'s host `ip` under the
+    /// current `meta` write, if any.
+    pub fn allowed(&self, service: u64, ip: &IpAddr) -> Option<Verdict> {
+        self.allowed.get(&(service, *ip)).copied()
+    }
+
+    /// Keeps `verdict` for `service`'s host `ip` when it allows; the caller
+    /// derived it from readable entries under the current `meta` write.
+    pub fn keep(&mut self, service: u64, ip: IpAddr, verdict: Verdict) {
+        if verdict.action == Action::Allow {
+            bounded_insert(&mut self.allowed, self.limit, (service, ip), verdict);
+        }
     }
 
     /// `meta` and its cas token from `store` (see
@@ -167,12 +214,29 @@ impl Cache {
         stamp
     }
 
+    /// [`Cache::stamp`] then [`Cache::align`], as a request does them; at
+    /// the write count it last aligned at, neither `meta` nor the entries'
+    /// stamp is looked at again.
+    pub fn current(&mut self, store: &dyn SharedData) -> Option<(Meta, u32)> {
+        if let Some(writes) = store.writes() {
+            if self.aligned_at == Some(writes) {
+                return self.stamp;
+            }
+        }
+        let stamp = self.stamp(store);
+        self.align(stamp);
+        self.aligned_at = self.read.map(|(at, _)| at);
+        stamp
+    }
+
     /// Keeps the entries if they were filled under exactly this `meta` write,
     /// else forgets them and files new ones under it.
     pub fn align(&mut self, meta: Option<(Meta, u32)>) {
         if self.stamp != meta {
+            self.aligned_at = None;
             self.services.clear();
             self.records.clear();
+            self.allowed.clear();
             self.stamp = meta;
         }
     }
@@ -460,6 +524,30 @@ mod tests {
     }
 
     #[test]
+    fn current_aligns_once_per_write_count() {
+        let mut vm = serving_a();
+        let meta = vm.meta();
+        vm.store.writes = Some(1);
+        let first = vm.cache.current(&vm.store);
+        assert_eq!(first.map(|(m, _)| m), Some(meta));
+        vm.store.reads.set(0);
+        assert_eq!(vm.cache.current(&vm.store), first);
+        assert_eq!(vm.store.reads.get(), 0, "same count: nothing read");
+        // Entries aligned elsewhere under another stamp: current files them
+        // under what the store holds again.
+        vm.cache.align(None);
+        assert_eq!(vm.cache.current(&vm.store), first);
+        assert_eq!(vm.cache.stamp, first);
+        // A write moves the count: meta is read again, the entries go.
+        vm.store
+            .set(crate::store::META_KEY, &meta.encode(), None)
+            .unwrap();
+        let second = vm.cache.current(&vm.store);
+        assert_ne!(second, first, "a new cas token");
+        assert_eq!(vm.cache.stamp, second);
+    }
+
+    #[test]
     fn a_new_generation_or_a_rewrite_of_the_same_ip_invalidates() {
         let mut vm = serving_a();
         assert_eq!(vm.pod_of("10.0.0.2"), None);
@@ -549,6 +637,14 @@ mod tests {
         assert_eq!(vm.cache.sizes().0, 1, "full: cleared before the insert");
         vm.cache.clear_clusters();
         assert_eq!(vm.cache.sizes().0, 0);
+        // The last cluster named resolves again too, to what it maps to now.
+        let now = vm.cache.service_of("d", || Some(cart()));
+        assert_eq!(now.map(|r| r.key.clone()), Some(cart()));
+        assert_eq!(
+            vm.cache.service_of("d", || None).map(|r| r.key.clone()),
+            Some(cart()),
+            "and once only"
+        );
         // Before any sync there is nothing to file entries under.
         assert_eq!(vm.pod_of("10.0.0.1"), None);
         assert_eq!(vm.cache.sizes().2, 0);

@@ -68,6 +68,13 @@ pub trait Clock {
         self.now_us() / 1000
     }
 
+    /// The wall clock as a request's freshness check reads it, ms since the
+    /// Unix epoch: a host with a cheaper clock that lags by a few ms (a
+    /// scheduler tick) may serve it; by default [`Clock::now_ms`].
+    fn coarse_now_ms(&self) -> u64 {
+        self.now_ms()
+    }
+
     /// A random number: owner ids and jitter seeds.
     fn random_u64(&self) -> u64;
 }
@@ -101,6 +108,16 @@ pub trait Stream {
     /// the copy `property` makes.
     fn property_text(&self, path: &[&str]) -> Option<Cow<'_, str>> {
         self.property(path).map(Cow::Owned)
+    }
+
+    /// The two properties every judged request reads, `xds.cluster_name`
+    /// and `upstream.address`, as [`Stream::property_text`] reads them; a
+    /// host with a call for each (a native module) skips matching the paths.
+    fn upstream_texts(&self) -> (Option<Cow<'_, str>>, Option<Cow<'_, str>>) {
+        (
+            self.property_text(&["xds", "cluster_name"]),
+            self.property_text(&["upstream", "address"]),
+        )
     }
 
     /// One request header.

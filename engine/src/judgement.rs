@@ -11,6 +11,7 @@ use crate::cache::{Cache, Resolved};
 use crate::config::{Config, Mode};
 use crate::entry::Entry;
 use crate::host::SharedData;
+use crate::store::Meta;
 
 /// What the host told us about the upstream request: the two properties
 /// every request reads.
@@ -125,6 +126,14 @@ pub fn parse_ip(address: &str) -> Option<IpAddr> {
     if let Some(ip) = ipv4_with_port(address) {
         return Some(IpAddr::V4(ip));
     }
+    parse_ip_general(address)
+}
+
+/// What [`ipv4_with_port`] does not read, by the general parsers; out of
+/// line, so that the common case's code stays together.
+#[cold]
+#[inline(never)]
+fn parse_ip_general(address: &str) -> Option<IpAddr> {
     address
         .parse::<SocketAddr>()
         .map(|a| a.ip())
@@ -175,8 +184,10 @@ fn ipv4_with_port(address: &str) -> Option<Ipv4Addr> {
 
 /// Judges one request against the shared-data index, through the VM's
 /// `cache`: one read of `meta` when nothing changed (see `crate::cache`),
-/// the clock only when `meta` says the data was fresh, and never a rejection
-/// on a cached record (a rejecting verdict re-reads the IP's bucket).
+/// the clock only when `meta` says the data was fresh, an allowing verdict
+/// kept for the same service and IP ([`Cache::allowed`]), and never a
+/// rejection on a cached record (a rejecting verdict re-reads the IP's
+/// bucket).
 pub fn judge<'u>(
     config: &Config,
     cache: &mut Cache,
@@ -203,25 +214,17 @@ pub fn judge<'u>(
     if !config.in_scope(ip) {
         return Ruling::OutOfScope;
     }
-    let stamp = cache.stamp(store);
-    cache.align(stamp);
+    let stamp = cache.current(store);
     let meta = stamp
         .map(|(meta, _)| meta)
         .filter(|m| m.fresh && m.is_fresh(lazy.now_ms(), config.max_staleness_ms));
     let verdict = match meta {
         // Stale whatever the entries say: none is read.
         None => decide(&config.policy, false, &service.key, false, None),
-        Some(meta) => {
-            let known = cache.service(store, &meta, &service);
-            let (record, cached) = cache.record(store, &meta, &ip);
-            let verdict = verdict_of(config, &service, &known, record);
-            if verdict.action == Action::Reject && cached {
-                let record = cache.reread(store, &meta, &ip);
-                verdict_of(config, &service, &known, record)
-            } else {
-                verdict
-            }
-        }
+        Some(meta) => match cache.allowed(service.id, &ip) {
+            Some(verdict) => verdict,
+            None => verdict_from_entries(config, cache, store, &meta, &service, ip),
+        },
     };
     let effect = match (verdict.action, config.mode) {
         (Action::Allow, _) => Effect::Allow,
@@ -235,6 +238,35 @@ pub fn judge<'u>(
         ip,
         verdict,
         effect,
+    }
+}
+
+/// The verdict when none is kept for the service and IP: from the cached or
+/// read entries, kept when it allows. Out of line: a request to a host
+/// judged before neither runs nor loads this code.
+#[inline(never)]
+fn verdict_from_entries(
+    config: &Config,
+    cache: &mut Cache,
+    store: &dyn SharedData,
+    meta: &Meta,
+    service: &Resolved,
+    ip: IpAddr,
+) -> Verdict {
+    let known = cache.service(store, meta, service);
+    let (record, cached) = cache.record(store, meta, &ip);
+    // An entry read as corrupt counts as stale data: its verdict is the
+    // failure policy's, not the entries', and is not kept.
+    let readable = !matches!(known, Entry::Corrupt) && !matches!(record, Entry::Corrupt);
+    let verdict = verdict_of(config, service, &known, record);
+    if verdict.action == Action::Reject && cached {
+        let record = cache.reread(store, meta, &ip);
+        verdict_of(config, service, &known, record)
+    } else {
+        if readable {
+            cache.keep(service.id, ip, verdict);
+        }
+        verdict
     }
 }
 
@@ -724,6 +756,62 @@ mod tests {
         assert_eq!(
             effect(&judge(&c, &mut cache, &s, &up, &at(1_500))),
             (Reason::Recycled, Effect::Reject { status: 503 })
+        );
+    }
+
+    #[test]
+    fn a_kept_allowance_is_forgotten_with_the_configuration() {
+        // A terminating pod: allowed by the default policy, rejected by one
+        // that says so. The root clears the clusters on a new configuration.
+        let s = store(&[record("10.0.0.1", vec![pod(&[cart()], true)])]);
+        let counted = Counting(&s, Default::default());
+        let allowing = config("");
+        let rejecting = config(r#","policy":{"terminating":"reject"}"#);
+        let mut cache = Cache::default();
+        let up = upstream(CART, "10.0.0.1:8080");
+        for _ in 0..2 {
+            assert_eq!(
+                effect(&judge(&allowing, &mut cache, &counted, &up, &at(1_500))),
+                (Reason::Terminating, Effect::Allow)
+            );
+        }
+        assert_eq!(counted.1.get(), 2 + 2, "meta each time, entries once");
+        cache.clear_clusters();
+        assert_eq!(
+            effect(&judge(&rejecting, &mut cache, &counted, &up, &at(1_500))),
+            (Reason::Terminating, Effect::Reject { status: 503 })
+        );
+    }
+
+    #[test]
+    fn an_allowance_on_a_corrupt_entry_is_not_kept() {
+        // Fail open on a bucket that does not decode; once it is rewritten
+        // (without a new meta), the next request reads it.
+        let mut s = store(&[]);
+        let ip = "10.0.0.7".parse().unwrap();
+        s.set(
+            &buckets::key_of(&ip, MIN_BUCKETS),
+            &[0xb4, 1, 0x14, 10, 0, 0, 7, 0x01],
+            None,
+        )
+        .unwrap();
+        let c = config("");
+        let mut cache = Cache::default();
+        let up = upstream(CART, "10.0.0.7:1");
+        assert_eq!(
+            effect(&judge(&c, &mut cache, &s, &up, &at(1_000))),
+            (Reason::Stale, Effect::Allow)
+        );
+        buckets::put(
+            &mut s,
+            1,
+            MIN_BUCKETS,
+            &record("10.0.0.7", vec![pod(&[cart()], false)]),
+        )
+        .unwrap();
+        assert_eq!(
+            effect(&judge(&c, &mut cache, &s, &up, &at(1_000))),
+            (Reason::Member, Effect::Allow)
         );
     }
 

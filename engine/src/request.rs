@@ -77,14 +77,14 @@ impl<H: Host + ?Sized> Lazy for LazyReads<'_, H> {
     }
 
     fn now_ms(&self) -> u64 {
-        self.0.now_ms()
+        self.0.coarse_now_ms()
     }
 }
 
 /// The HTTP context of one request.
 pub struct Filter {
     id: u32,
-    vm: VmState,
+    vm: Rc<VmState>,
     /// Set in a twin cluster's VM: this instance only checks its pick.
     twin: Option<Rc<TwinConfig>>,
     /// Set on the body path's hop: this instance only names live members.
@@ -124,7 +124,7 @@ impl Filter {
     /// A request's context over its VM's shared state (see `Root::filter`).
     pub(crate) fn new(
         id: u32,
-        vm: VmState,
+        vm: Rc<VmState>,
         twin: Option<Rc<TwinConfig>>,
         steer: Option<Rc<SteerConfig>>,
     ) -> Self {
@@ -165,8 +165,7 @@ impl Filter {
         // The host's texts are read lent, not copied; a replay, the one
         // path that needs them afterwards, copies what it needs here.
         let (ruling, replay_target) = {
-            let cluster = host.property_text(&["xds", "cluster_name"]);
-            let address = host.property_text(&["upstream", "address"]);
+            let (cluster, address) = host.upstream_texts();
             let upstream = UpstreamRef {
                 cluster: cluster.as_deref(),
                 address: address.as_deref(),
@@ -212,6 +211,25 @@ impl Filter {
             } => (service, ip, verdict, effect),
         };
         let label = m.services.id(&service);
+        // Most requests: allowed, and nothing to do but count them (the
+        // rest of this hook is what any other verdict does).
+        if effect == Effect::Allow
+            && !matches!(verdict.reason, Reason::Destroyed | Reason::Recycled)
+        {
+            m.count(
+                host,
+                Count::Request {
+                    label,
+                    reason: verdict.reason,
+                    action: Counted::Effect(effect),
+                },
+            );
+            drop(m);
+            if !end_of_stream {
+                self.strip_answer = Some(config.reject_header.clone());
+            }
+            return Next::Continue;
+        }
         let service = &service.key;
         drop(m);
         // The body path steers while stale picks are seen (`crate::steer`).

@@ -34,7 +34,11 @@ pub const MIN_POLL_INTERVAL_MS: u64 = 50;
 /// The root context: one per VM.
 pub struct Root {
     id: u32,
-    vm: VmState,
+    /// Shared with every request's [`Filter`] as one `Rc`: making a
+    /// request's filter moves one count, not one per field. Changed through
+    /// [`Root::vm_mut`]: a filter alive then keeps the state it was made
+    /// with, as it kept each field's before.
+    vm: Rc<VmState>,
     lease: Option<Lease>,
     poller: Option<Poller>,
     in_flight: Option<u32>,
@@ -66,13 +70,13 @@ impl Root {
     pub fn new(id: u32) -> Self {
         Self {
             id,
-            vm: VmState {
+            vm: Rc::new(VmState {
                 config: None,
                 fallback: None,
                 metrics: Rc::new(RefCell::new(VmMetrics::default())),
                 cache: Rc::new(RefCell::new(Cache::default())),
                 log_budget: Rc::new(RefCell::new(LogBudget::new(1_000, VERDICT_LOGS_PER_SECOND))),
-            },
+            }),
             lease: None,
             poller: None,
             in_flight: None,
@@ -82,6 +86,12 @@ impl Root {
             steer: None,
             default_page_bytes: None,
         }
+    }
+
+    /// The VM's state to change (a copy of its handles when a request's
+    /// filter still holds the current one).
+    fn vm_mut(&mut self) -> &mut VmState {
+        Rc::make_mut(&mut self.vm)
     }
 
     /// Asks for validator answers in pages of `page_bytes` when the
@@ -142,7 +152,7 @@ impl Root {
                     twin.endpoint_header
                 );
                 self.twin = Some(Rc::new(twin));
-                self.vm.fallback = None;
+                self.vm_mut().fallback = None;
                 return true;
             }
             Ok(None) => {}
@@ -162,7 +172,7 @@ impl Root {
                 return true;
             }
         };
-        self.vm.fallback = None;
+        self.vm_mut().fallback = None;
         let sync = SyncConfig {
             wait_s: config.poll_wait_s,
             backoff_initial_ms: config.backoff_initial_ms,
@@ -212,7 +222,7 @@ impl Root {
                 retry.attempts
             );
         }
-        self.vm.config = Some(Rc::new(config));
+        self.vm_mut().config = Some(Rc::new(config));
         // Cluster resolutions follow the configuration.
         self.vm.cache.borrow_mut().clear_clusters();
         true
@@ -251,8 +261,8 @@ impl Root {
         self.poller = None;
         self.in_flight = None;
         self.twin = None;
-        self.vm.config = None;
-        self.vm.fallback = Some(Rc::new(fallback));
+        self.vm_mut().config = None;
+        self.vm_mut().fallback = Some(Rc::new(fallback));
     }
 
     /// True for the first VM of the process to refuse this configuration

@@ -19,7 +19,7 @@
 //! unmangled names, and nothing in Rust may call them.
 
 use std::ffi::{c_void, CStr};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -131,7 +131,6 @@ struct FilterConfig {
     vm: Mutex<Vm>,
     scheduler: *mut c_void,
     ticker: Option<Ticker>,
-    next_context: AtomicU32,
 }
 
 /// What the lock guards: everything that holds the engine's single-threaded
@@ -139,6 +138,10 @@ struct FilterConfig {
 struct Vm {
     root: Root,
     metrics: Metrics,
+    /// The context id of the next request's [`Filter`] (the engine's, for
+    /// its log lines), counted under the lock rather than by an atomic
+    /// operation a request.
+    next_context: u32,
 }
 
 impl FilterConfig {
@@ -250,10 +253,13 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         };
         let config = FilterConfig {
             envoy: config_envoy,
-            vm: Mutex::new(Vm { root, metrics }),
+            vm: Mutex::new(Vm {
+                root,
+                metrics,
+                next_context: 2,
+            }),
             scheduler,
             ticker,
-            next_context: AtomicU32::new(2),
         };
         Box::into_raw(Box::new(Config::Guard(Box::new(config))))
             .cast_const()
@@ -277,7 +283,7 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const 
             }
             {
                 let mut vm = config.lock();
-                let Vm { root, metrics } = &mut *vm;
+                let Vm { root, metrics, .. } = &mut *vm;
                 let mut host = EnvoyHost::new(config.envoy, None, metrics);
                 root.done(&mut host);
             }
@@ -307,7 +313,7 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
             return;
         };
         let mut vm = config.lock();
-        let Vm { root, metrics } = &mut *vm;
+        let Vm { root, metrics, .. } = &mut *vm;
         let mut host = EnvoyHost::new(config.envoy, None, metrics);
         root.tick(&mut host);
     })
@@ -335,7 +341,7 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
         let header_count = answer.headers.len();
         let body_size = answer.body.len();
         let mut vm = config.lock();
-        let Vm { root, metrics } = &mut *vm;
+        let Vm { root, metrics, .. } = &mut *vm;
         let mut host = EnvoyHost::new(config.envoy, None, metrics);
         host.answer = Some(&answer);
         root.call_response(&mut host, callout_id as u32, header_count, body_size);
@@ -345,8 +351,6 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
 /// One request's filter: the root's [`Filter`], used only under the lock.
 struct RequestFilter {
     config: *const FilterConfig,
-    /// The request's context id (the engine's, for its log lines).
-    id: u32,
     /// Made by the request's headers, and dropped (under the lock) as soon
     /// as it has nothing left to do ([`Filter::done`]): a request the filter
     /// lets through takes the lock once, in its headers' hook, and its later
@@ -363,16 +367,12 @@ extern "C" fn envoy_dynamic_module_on_http_filter_new(
     contain("http_filter_new", std::ptr::null(), || {
         // SAFETY: Envoy passes the config this module made, alive.
         match unsafe { config_of(config) } {
-            Some(Config::Guard(config)) => {
-                let id = config.next_context.fetch_add(1, Ordering::Relaxed);
-                Box::into_raw(Box::new(RequestFilter {
-                    config: &**config,
-                    id,
-                    filter: None,
-                }))
-                .cast_const()
-                .cast()
-            }
+            Some(Config::Guard(config)) => Box::into_raw(Box::new(RequestFilter {
+                config: &**config,
+                filter: None,
+            }))
+            .cast_const()
+            .cast(),
             // A no-op filter has no state; Envoy needs a non-null handle.
             Some(Config::Noop) => std::ptr::NonNull::<u8>::dangling()
                 .as_ptr()
@@ -415,10 +415,16 @@ fn with_request(
     let config = unsafe { request.config.as_ref() }?;
     let reply = {
         let mut vm = config.lock();
-        let Vm { root, metrics } = &mut *vm;
-        let filter = request
-            .filter
-            .get_or_insert_with(|| root.filter(request.id));
+        let Vm {
+            root,
+            metrics,
+            next_context,
+        } = &mut *vm;
+        let filter = request.filter.get_or_insert_with(|| {
+            let id = *next_context;
+            *next_context = id.wrapping_add(1);
+            root.filter(id)
+        });
         if !metrics.pending.is_empty() {
             metrics.flush_pending(filter_envoy);
         }
