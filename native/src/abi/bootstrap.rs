@@ -92,7 +92,8 @@ pub(crate) const CALLBACKS: &[&CStr] = &[
     c"envoy_dynamic_module_callback_bootstrap_extension_config_signal_init_complete",
 ];
 
-/// The page size of validator answers when `sync_page_bytes` is not set:
+/// The page size of validator answers when `sync_page_bytes` is not set (for
+/// this extension and for a filter config polling without it):
 /// Envoy holds each callout's answer whole, in 16 KiB slices its allocator
 /// keeps cached after the answer is handed over; a page of 256 KiB keeps
 /// that at 16 slices (a 150k-IP snapshot, 1.9 MB, takes 8 callouts), and is

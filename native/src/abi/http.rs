@@ -28,6 +28,7 @@ use staleguard_engine::host::Next;
 use staleguard_engine::request::Filter;
 use staleguard_engine::root::Root;
 
+use super::bootstrap::PAGE_BYTES;
 use super::host::{received_answer, send, Answer, EnvoyHeader, EnvoyHost, Metrics, Surface};
 use super::{contain, EnvoyBuffer, ModuleBuffer};
 
@@ -234,7 +235,10 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
             return Box::into_raw(Box::new(Config::Noop)).cast_const().cast();
         }
         let mut metrics = Metrics::define(config_envoy, &SURFACE);
-        let mut root = Root::new(1);
+        // Its poller (without the bootstrap extension) pages as the
+        // extension's does: Envoy buffers a filter config's callout answer
+        // whole just the same.
+        let mut root = Root::new(1).with_sync_page_bytes(Some(PAGE_BYTES));
         root.configure(&mut EnvoyHost::new(config_envoy, None, &mut metrics), bytes);
         // SAFETY: the config handle is valid during config_new.
         let scheduler =
