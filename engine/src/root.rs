@@ -173,6 +173,12 @@ impl Root {
             }
         };
         self.vm_mut().fallback = None;
+        if !cfg!(feature = "pages") && config.sync_page_bytes.is_some_and(|b| b > 0) {
+            log::warn!(
+                "[ctx {}] staleguard: `sync_page_bytes` is not served by this build (the Wasm filter asks for whole answers): ignored",
+                self.id
+            );
+        }
         let sync = SyncConfig {
             wait_s: config.poll_wait_s,
             backoff_initial_ms: config.backoff_initial_ms,

@@ -516,7 +516,7 @@ impl Poller {
             },
         };
         self.watching = self.held.is_some();
-        self.asked_pages = self.config.page_bytes.is_some() && now_ms >= self.whole_until_ms;
+        self.asked_pages = self.pages() && now_ms >= self.whole_until_ms;
         self.in_flight = Some(request.clone());
         self.deadline_ms = now_ms.saturating_add(self.config.watchdog_ms(&request));
         self.last_sent_ms = Some(now_ms);
@@ -545,7 +545,7 @@ impl Poller {
     /// True when answers may come in pages: the caller then hands
     /// [`Poller::on_answer`] the answer's [`PageHeaders`].
     pub fn pages(&self) -> bool {
-        self.config.page_bytes.is_some()
+        cfg!(feature = "pages") && self.config.page_bytes.is_some()
     }
 
     /// The knobs this poller runs with.
@@ -652,7 +652,7 @@ impl Poller {
         let request = self.in_flight.take();
         let asked_pages = std::mem::take(&mut self.asked_pages);
         let result = match request {
-            Some(Request::Page { offset, .. }) => {
+            Some(Request::Page { offset, .. }) if cfg!(feature = "pages") => {
                 self.next_page(now_ms, status, offset, page, answer)
             }
             // A validator before pages refuses a parameter it does not know.
@@ -730,6 +730,10 @@ impl Poller {
         request: &Option<Request>,
         watching: bool,
     ) -> Result<Option<Reassembly>, SyncError> {
+        if !cfg!(feature = "pages") {
+            // A build without pages never asks for them.
+            return Ok(None);
+        }
         let (Some(first), Some(length)) = (request, &page.length) else {
             return Ok(None);
         };
