@@ -607,17 +607,23 @@ mod tests {
         );
     }
 
-    #[test]
-    fn corrupt_entries_count_as_stale_not_as_destroyed() {
+    /// An index whose bucket of 10.0.0.7 does not decode: load 1, then a
+    /// line cut inside its holders.
+    fn with_a_corrupt_line_for_10_0_0_7() -> MemoryStore {
         let mut s = store(&[]);
         let ip = "10.0.0.7".parse().unwrap();
         s.set(
             &buckets::key_of(&ip, MIN_BUCKETS),
-            // Load 1, then a line cut inside its holders.
             &[0xb4, 1, 0x14, 10, 0, 0, 7, 0x01],
             None,
         )
         .unwrap();
+        s
+    }
+
+    #[test]
+    fn corrupt_entries_count_as_stale_not_as_destroyed() {
+        let s = with_a_corrupt_line_for_10_0_0_7();
         let c = config("");
         assert_eq!(
             effect(&judge_at(&c, &s, &upstream(CART, "10.0.0.7:1"), 1_000)),
@@ -787,14 +793,7 @@ mod tests {
     fn an_allowance_on_a_corrupt_entry_is_not_kept() {
         // Fail open on a bucket that does not decode; once it is rewritten
         // (without a new meta), the next request reads it.
-        let mut s = store(&[]);
-        let ip = "10.0.0.7".parse().unwrap();
-        s.set(
-            &buckets::key_of(&ip, MIN_BUCKETS),
-            &[0xb4, 1, 0x14, 10, 0, 0, 7, 0x01],
-            None,
-        )
-        .unwrap();
+        let mut s = with_a_corrupt_line_for_10_0_0_7();
         let c = config("");
         let mut cache = Cache::default();
         let up = upstream(CART, "10.0.0.7:1");

@@ -197,16 +197,46 @@ fn the_shipped_lb_policy_answers_every_incident_request_from_a_live_pod_and_neve
     Ok(())
 }
 
+/// The live `cart-0` on 127.0.`net`.1 and, on the same port of .2, the pod
+/// of another app that took over a stale member's IP.
+fn cart_and_its_recycled_ip(net: u8) -> Result<(Server, Server)> {
+    let live = named_host(&format!("127.0.{net}.1"), "cart-0")?;
+    let recycled = Server::start(
+        SocketAddr::from(([127, 0, net, 2], live.addr().port())),
+        |_| Answer::status(200, "other"),
+    )?;
+    Ok((live, recycled))
+}
+
+/// The shipped gateway synced from a validator at `epoch` (of `release`, or
+/// this one) serving [`many_and_then`], every request answered by the live pod: the
+/// requests the validator was asked (`None` when Envoy is not here).
+fn synced_from_many(
+    name: &str,
+    live: &Server,
+    recycled: &Server,
+    epoch: u64,
+    release: Option<staleguard_tests::fake_validator::Release>,
+) -> Result<Option<Vec<String>>> {
+    let validator = FakeValidator::start(epoch)?;
+    if let Some(release) = release {
+        validator.set_release(release);
+    }
+    let (services, records) = many_and_then(live.addr(), recycled.addr());
+    validator.set_index(services, records);
+    let Some(envoy) = start(name, &[live.addr(), recycled.addr()], &validator)? else {
+        return Ok(None);
+    };
+    all_to_the_live_pod(&envoy, recycled)?;
+    Ok(Some(validator.requests()))
+}
+
 /// When the index says every healthy host is stale, the policy picks none:
 /// the client gets Envoy's 503 "no healthy upstream", counted, and the
 /// recycled pod is never reached.
 #[test]
 fn with_every_host_stale_the_lb_policy_picks_none_and_counts_it() -> Result<()> {
-    let live = named_host("127.0.28.1", "cart-0")?;
-    let recycled = Server::start(
-        SocketAddr::from(([127, 0, 28, 2], live.addr().port())),
-        |_| Answer::status(200, "other"),
-    )?;
+    let (live, recycled) = cart_and_its_recycled_ip(28)?;
     let validator = FakeValidator::start(2800)?;
     let (cart, other) = (incident::cart(), incident::other());
     validator.set_index(
@@ -383,24 +413,10 @@ fn all_to_the_live_pod(envoy: &Envoy, recycled: &Server) -> Result<()> {
 #[test]
 fn with_the_shipped_sync_page_bytes_a_snapshot_of_several_pages_is_put_together_and_judged_to_its_last_page(
 ) -> Result<()> {
-    let live = named_host("127.0.29.1", "cart-0")?;
-    let recycled = Server::start(
-        SocketAddr::from(([127, 0, 29, 2], live.addr().port())),
-        |_| Answer::status(200, "other"),
-    )?;
-    let validator = FakeValidator::start(2900)?;
-    let (services, records) = many_and_then(live.addr(), recycled.addr());
-    validator.set_index(services, records);
-    let Some(envoy) = start(
-        "native-lb-pages",
-        &[live.addr(), recycled.addr()],
-        &validator,
-    )?
-    else {
+    let (live, recycled) = cart_and_its_recycled_ip(29)?;
+    let Some(requests) = synced_from_many("native-lb-pages", &live, &recycled, 2900, None)? else {
         return Ok(());
     };
-    all_to_the_live_pod(&envoy, &recycled)?;
-    let requests = validator.requests();
     let pages = requests
         .iter()
         .filter(|r| r.starts_with(staleguard_core::page::ANSWER_PATH))
@@ -423,25 +439,11 @@ fn with_the_shipped_sync_page_bytes_a_snapshot_of_several_pages_is_put_together_
 /// and syncs all the same.
 #[test]
 fn a_validator_of_the_last_release_without_pages_still_syncs_the_shipped_module() -> Result<()> {
-    let live = named_host("127.0.30.1", "cart-0")?;
-    let recycled = Server::start(
-        SocketAddr::from(([127, 0, 30, 2], live.addr().port())),
-        |_| Answer::status(200, "other"),
-    )?;
-    let validator = FakeValidator::start(3000)?;
-    validator.set_release(staleguard_tests::fake_validator::Release::Last);
-    let (services, records) = many_and_then(live.addr(), recycled.addr());
-    validator.set_index(services, records);
-    let Some(envoy) = start(
-        "native-lb-last",
-        &[live.addr(), recycled.addr()],
-        &validator,
-    )?
-    else {
+    let (live, recycled) = cart_and_its_recycled_ip(30)?;
+    let last = Some(staleguard_tests::fake_validator::Release::Last);
+    let Some(requests) = synced_from_many("native-lb-last", &live, &recycled, 3000, last)? else {
         return Ok(());
     };
-    all_to_the_live_pod(&envoy, &recycled)?;
-    let requests = validator.requests();
     assert!(requests[0].contains("page_bytes="), "{requests:?}");
     assert_eq!(requests[1], "/v1/snapshot?v=1&view=verdict", "{requests:?}");
     assert!(
