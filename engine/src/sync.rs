@@ -478,10 +478,7 @@ impl Poller {
                 page_bytes: self.config.page_bytes.unwrap_or(page::MIN_PAGE_BYTES),
             };
             self.asked_pages = false;
-            self.in_flight = Some(request.clone());
-            self.deadline_ms = now_ms.saturating_add(self.config.watchdog_ms(&request));
-            self.last_sent_ms = Some(now_ms);
-            return Some(request);
+            return Some(self.send(now_ms, request));
         }
         if let Some(last) = self.last_sent_ms {
             if now_ms < last.saturating_add(self.config.min_interval_ms) {
@@ -517,10 +514,15 @@ impl Poller {
         };
         self.watching = self.held.is_some();
         self.asked_pages = self.pages() && now_ms >= self.whole_until_ms;
+        Some(self.send(now_ms, request))
+    }
+
+    /// Puts `request` in flight now, under the watchdog.
+    fn send(&mut self, now_ms: u64, request: Request) -> Request {
         self.in_flight = Some(request.clone());
         self.deadline_ms = now_ms.saturating_add(self.config.watchdog_ms(&request));
         self.last_sent_ms = Some(now_ms);
-        Some(request)
+        request
     }
 
     /// The path and query to send `request` (just returned by
@@ -730,16 +732,14 @@ impl Poller {
         request: &Option<Request>,
         watching: bool,
     ) -> Result<Option<Reassembly>, SyncError> {
-        if !cfg!(feature = "pages") {
-            // A build without pages never asks for them.
+        // A poller without pages (or a build without them) never asks for
+        // them.
+        if !self.pages() || status != 200 {
             return Ok(None);
         }
         let (Some(first), Some(length)) = (request, &page.length) else {
             return Ok(None);
         };
-        if status != 200 || self.config.page_bytes.is_none() {
-            return Ok(None);
-        }
         let total: u64 = length
             .trim()
             .parse()
