@@ -98,6 +98,28 @@ pub fn cpu_ns(pid: u32) -> Result<u64> {
     Ok(total)
 }
 
+/// Puts every live thread of `pid` on CPU `cpu` alone (util-linux's
+/// `taskset`, as the workspace has no unsafe code). A thread made later
+/// inherits its maker's CPUs, so a process pinned once it has started stays
+/// pinned. Pinning Envoy away from the load generator keeps them from taking
+/// turns on one core and from moving between cores mid-window: on a shared
+/// two-core machine that is most of the spread between two equal gateways'
+/// CPU per request.
+pub fn pin_threads(pid: u32, cpu: usize) -> Result<()> {
+    let out = Command::new("taskset")
+        .args(["--all-tasks", "--cpu-list", "--pid", &cpu.to_string()])
+        .arg(pid.to_string())
+        .output()
+        .context("running taskset (util-linux) to pin a process to a CPU; PIN=0 runs unpinned")?;
+    if !out.status.success() {
+        bail!(
+            "taskset could not pin process {pid} to CPU {cpu}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
 /// Clock ticks ([`cpu_ticks`]) in microseconds.
 pub fn ticks_us(ticks: u64) -> f64 {
     // USER_HZ is 100 on Linux for every architecture this runs on.
@@ -312,6 +334,32 @@ mod tests {
             "no latencies"
         );
         assert!(duration_us("3fortnights").is_err());
+    }
+
+    #[test]
+    fn pin_threads_leaves_a_process_one_cpu() {
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let last = cpus - 1;
+        let pinned = pin_threads(pid, last);
+        let allowed = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("Cpus_allowed_list:")
+                    .map(|v| v.trim().to_owned())
+            });
+        let past_the_last = pin_threads(pid, cpus + 64);
+        let _ = child.kill();
+        let _ = child.wait();
+        pinned.unwrap();
+        assert_eq!(allowed.as_deref(), Some(last.to_string().as_str()));
+        let error = format!("{:#}", past_the_last.unwrap_err());
+        assert!(error.contains("could not pin"), "{error}");
     }
 
     #[test]
