@@ -34,13 +34,22 @@
 //! entries, so it is forgotten with the entries (a new `meta` write) and with
 //! the clusters (a new configuration, every tick). Only allowing verdicts on
 //! readable entries are kept: a rejection is never served from a cache.
+//!
+//! A host that asks for them ([`Cache::keep_passes`], the native module) also
+//! gets the requests allowed before by the texts Envoy named them with
+//! ([`Cache::pass`]): the upstream address and the cluster, the store's write
+//! count they were judged at and until when the data they were judged on is
+//! fresh. A request that matches all four is counted as the one before it
+//! was, without parsing its address or resolving its cluster
+//! ([`crate::root::Root::pass_known`]). Passes go with the allowing verdicts
+//! and with any write to the store.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::IpAddr;
 use std::rc::Rc;
 
-use staleguard_core::{Action, IpRecord, ServiceKey, Verdict};
+use staleguard_core::{Action, IpRecord, Reason, ServiceKey, Verdict};
 
 use crate::buckets;
 use crate::entry::Entry;
@@ -78,6 +87,23 @@ pub struct Cache {
     records: FastMap<IpAddr, Option<IpRecord>>,
     /// Allowing verdicts by service id and IP (see the module docs).
     allowed: FastMap<(u64, IpAddr), Verdict>,
+    /// Requests allowed before, by upstream address text; `None` unless the
+    /// host asked for them (see the module docs).
+    passes: Option<FastMap<Box<str>, Pass>>,
+}
+
+/// A request allowed before (see [`Cache::pass`]).
+#[derive(Debug)]
+struct Pass {
+    /// The cluster it was sent to: the same address in another cluster is
+    /// another service's host.
+    cluster: Rc<str>,
+    service: Rc<Resolved>,
+    reason: Reason,
+    /// The store's write count ([`SharedData::writes`]) it was judged at.
+    writes: u64,
+    /// The last instant (ms) the data it was judged on is fresh at.
+    fresh_until_ms: u64,
 }
 
 /// A cluster's service, resolved once per cluster name while the cache
@@ -140,6 +166,76 @@ impl Cache {
             services: FastMap::default(),
             records: FastMap::default(),
             allowed: FastMap::default(),
+            passes: None,
+        }
+    }
+
+    /// Keeps the requests allowed before by their texts from now on (see
+    /// the module docs): for a host whose texts are lent, not copied, and
+    /// whose store counts its writes.
+    pub fn keep_passes(&mut self) {
+        self.passes.get_or_insert_with(FastMap::default);
+    }
+
+    /// Whether [`Cache::keep_passes`] was asked for.
+    pub fn keeps_passes(&self) -> bool {
+        self.passes.is_some()
+    }
+
+    /// The service and reason of the request allowed before to `address`
+    /// in `cluster`, if it was judged at the store's write count `writes`
+    /// on data still fresh at `now_ms`.
+    pub fn pass(
+        &self,
+        cluster: &str,
+        address: &str,
+        writes: u64,
+        now_ms: u64,
+    ) -> Option<(&Rc<Resolved>, Reason)> {
+        let pass = self.passes.as_ref()?.get(address)?;
+        (pass.writes == writes && now_ms <= pass.fresh_until_ms && *pass.cluster == *cluster)
+            .then_some((&pass.service, pass.reason))
+    }
+
+    /// Keeps the request to `address` in `cluster`, allowed as `service`'s
+    /// host for `reason` on data fresh until `fresh_until_ms`. The caller
+    /// judged it on readable entries under the `meta` of the last
+    /// [`Cache::current`]; the pass holds at the write count that read
+    /// `meta` at, which was taken before: a write that landed since has
+    /// moved the count past it. Nothing is kept for a store that does not
+    /// count its writes.
+    pub fn keep_pass(
+        &mut self,
+        cluster: &str,
+        address: &str,
+        service: &Rc<Resolved>,
+        reason: Reason,
+        fresh_until_ms: u64,
+    ) {
+        let Some(writes) = self.aligned_at else {
+            return;
+        };
+        let limit = self.limit;
+        let cluster = match &self.last_cluster {
+            Some((name, _)) if **name == *cluster => name.clone(),
+            _ => Rc::from(cluster),
+        };
+        if let Some(passes) = &mut self.passes {
+            let pass = Pass {
+                cluster,
+                service: service.clone(),
+                reason,
+                writes,
+                fresh_until_ms,
+            };
+            bounded_insert(passes, limit, Box::from(address), pass);
+        }
+    }
+
+    /// Forgets every pass, keeping them from now on if they were kept.
+    fn clear_passes(&mut self) {
+        if let Some(passes) = &mut self.passes {
+            passes.clear();
         }
     }
 
@@ -179,6 +275,7 @@ impl Cache {
         self.clusters.clear();
         self.last_cluster = None;
         self.allowed.clear();
+        self.clear_passes();
     }
 
     /// The allowing verdict kept for `service`'s host `ip` under the
@@ -237,6 +334,7 @@ impl Cache {
             self.services.clear();
             self.records.clear();
             self.allowed.clear();
+            self.clear_passes();
             self.stamp = meta;
         }
     }

@@ -91,6 +91,9 @@ pub(crate) struct FakeHost {
     /// Mixed into what `random_u64` returns: two roots on one host take
     /// different lease owner ids when a test changes it between them.
     pub(crate) random: u64,
+    /// Set: the store counts its writes, as the native module's does
+    /// (`SharedData::writes`); every `set` moves it.
+    pub(crate) writes: Option<u64>,
 }
 
 impl FakeHost {
@@ -119,7 +122,15 @@ impl SharedData for FakeHost {
     }
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        self.store.set(key, value, cas)
+        self.store.set(key, value, cas)?;
+        if let Some(writes) = &mut self.writes {
+            *writes += 1;
+        }
+        Ok(())
+    }
+
+    fn writes(&self) -> Option<u64> {
+        self.writes
     }
 }
 

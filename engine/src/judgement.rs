@@ -221,10 +221,16 @@ pub fn judge<'u>(
     let verdict = match meta {
         // Stale whatever the entries say: none is read.
         None => decide(&config.policy, false, &service.key, false, None),
-        Some(meta) => match cache.allowed(service.id, &ip) {
-            Some(verdict) => verdict,
-            None => verdict_from_entries(config, cache, store, &meta, &service, ip),
-        },
+        Some(meta) => {
+            let verdict = match cache.allowed(service.id, &ip) {
+                Some(verdict) => verdict,
+                None => verdict_from_entries(config, cache, store, &meta, &service, ip),
+            };
+            if cache.keeps_passes() {
+                keep_pass(config, cache, upstream, &meta, &service, ip);
+            }
+            verdict
+        }
     };
     let effect = match (verdict.action, config.mode) {
         (Action::Allow, _) => Effect::Allow,
@@ -239,6 +245,33 @@ pub fn judge<'u>(
         verdict,
         effect,
     }
+}
+
+/// Keeps the request as a pass ([`Cache::keep_pass`]) when its verdict is
+/// the one kept for the service and IP (an allowing verdict on readable
+/// entries) and is not a stale pick's: the body path steers by those, so
+/// each must be seen. Out of line: only a host that keeps passes runs it,
+/// and only for a request that was not one.
+#[inline(never)]
+fn keep_pass(
+    config: &Config,
+    cache: &mut Cache,
+    upstream: UpstreamRef<'_>,
+    meta: &Meta,
+    service: &Rc<Resolved>,
+    ip: IpAddr,
+) {
+    let (Some(cluster), Some(address)) = (upstream.cluster, upstream.address) else {
+        return;
+    };
+    let Some(verdict) = cache.allowed(service.id, &ip) else {
+        return;
+    };
+    if matches!(verdict.reason, Reason::Destroyed | Reason::Recycled) {
+        return;
+    }
+    let fresh_until_ms = meta.synced_ms.saturating_add(config.max_staleness_ms);
+    cache.keep_pass(cluster, address, service, verdict.reason, fresh_until_ms);
 }
 
 /// The verdict when none is kept for the service and IP: from the cached or

@@ -13,9 +13,10 @@ use crate::cache::Cache;
 use crate::config::{Config, ConfigError, Fallback};
 use crate::guard::{Guard, GuardEvent};
 use crate::host::Host;
+use crate::judgement::Effect;
 use crate::lease::{Lease, LeaseState};
 use crate::log_budget::LogBudget;
-use crate::metrics::{self, VmMetrics};
+use crate::metrics::{self, Count, Counted, VmMetrics};
 use crate::replay::TwinConfig;
 use crate::request::{Filter, VmState};
 use crate::steer::SteerConfig;
@@ -101,6 +102,51 @@ impl Root {
     pub fn with_sync_page_bytes(mut self, page_bytes: Option<u32>) -> Self {
         self.default_page_bytes = page_bytes;
         self
+    }
+
+    /// Keeps the requests allowed before by their upstream texts, for
+    /// [`Root::pass_known`]: for a host that lends those texts and whose
+    /// store counts its writes (the native module; a Wasm VM copies each
+    /// text out of the host, and has no count).
+    pub fn with_known_passes(self) -> Self {
+        self.vm.cache.borrow_mut().keep_passes();
+        self
+    }
+
+    /// A request whose headers end it, to a host allowed before: counted
+    /// as that request was, and true, when its cluster and upstream address
+    /// are those of a pass ([`crate::cache::Cache::pass`]) judged at the
+    /// store's current write count on data still fresh. False for anything
+    /// else: the request then needs its [`Filter`], which judges it in
+    /// full. No `Filter` is made for a pass: an allowed request without a
+    /// body has nothing left to do after its headers.
+    pub fn pass_known<H: Host>(&self, host: &mut H) -> bool {
+        if self.twin.is_some() || self.steer.is_some() || self.vm.config.is_none() {
+            return false;
+        }
+        let Some(writes) = host.writes() else {
+            return false;
+        };
+        let now_ms = host.coarse_now_ms();
+        let counted = {
+            let (cluster, address) = host.upstream_texts();
+            let (Some(cluster), Some(address)) = (cluster, address) else {
+                return false;
+            };
+            let cache = self.vm.cache.borrow();
+            let Some((service, reason)) = cache.pass(&cluster, &address, writes, now_ms) else {
+                return false;
+            };
+            let mut m = self.vm.metrics.borrow_mut();
+            let label = m.services.id(service);
+            Count::Request {
+                label,
+                reason,
+                action: Counted::Effect(Effect::Allow),
+            }
+        };
+        self.vm.metrics.borrow_mut().count(host, counted);
+        true
     }
 
     /// The HTTP context of a request, sharing this VM's state.

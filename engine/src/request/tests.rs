@@ -316,3 +316,102 @@ fn steer_while_stale_ms_steers_only_after_a_stale_pick_and_for_that_long() {
     always.filter(6).request_headers(&mut host, false);
     assert!(named(&host), "while_stale_ms 0 steers always");
 }
+
+/// `loaded`'s root and host with passes kept and a store that counts its
+/// writes (what the native module runs), and one GET to the member
+/// 10.0.0.1 judged in full: the pass it leaves.
+fn passing() -> (Root, FakeHost) {
+    let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+    let root = root.with_known_passes();
+    host.writes = Some(1);
+    get_to(&mut host, "10.0.0.1");
+    assert!(!root.pass_known(&mut host), "not judged yet");
+    assert_eq!(
+        root.filter(2).request_headers(&mut host, true),
+        Next::Continue
+    );
+    (root, host)
+}
+
+#[test]
+fn a_known_pass_is_counted_as_the_request_judged_in_full_was() {
+    let (mut root, mut host) = passing();
+    let allowed = metrics::requests(CART, Reason::Member, Effect::Allow);
+    for _ in 0..3 {
+        assert!(root.pass_known(&mut host));
+    }
+    assert!(host.replies.is_empty());
+    root.tick(&mut host);
+    assert_eq!(
+        host.counter(&allowed),
+        4,
+        "one judged in full, three passes"
+    );
+}
+
+#[test]
+fn a_pass_goes_with_any_write_to_the_store() {
+    let (root, mut host) = passing();
+    assert!(root.pass_known(&mut host));
+    crate::host::SharedData::set(&mut host, "unrelated", b"x", None).unwrap();
+    assert!(!root.pass_known(&mut host));
+    // Judged in full again, it is a pass again.
+    root.filter(3).request_headers(&mut host, true);
+    assert!(root.pass_known(&mut host));
+}
+
+#[test]
+fn a_pass_goes_when_its_data_is_no_longer_fresh_and_the_failure_policy_decides() {
+    let (mut root, mut host) = passing();
+    let max = Config::parse(&crate::fake::shipped_config("{}"))
+        .unwrap()
+        .max_staleness_ms;
+    host.now_ms += max + 1;
+    assert!(!root.pass_known(&mut host));
+    assert_eq!(
+        root.filter(3).request_headers(&mut host, true),
+        Next::Continue
+    );
+    root.tick(&mut host);
+    let stale = metrics::requests(CART, Reason::Stale, Effect::Allow);
+    assert_eq!(host.counter(&stale), 1, "fail-open, counted as stale");
+}
+
+#[test]
+fn a_pass_is_for_its_cluster_only() {
+    let (root, mut host) = passing();
+    host.properties
+        .insert("xds.cluster_name".into(), "shop-cart-canary".into());
+    assert!(!root.pass_known(&mut host));
+}
+
+#[test]
+fn a_rejected_or_unknown_host_is_never_a_pass() {
+    let (root, mut host) = passing();
+    get_to(&mut host, "10.0.0.9");
+    assert!(!root.pass_known(&mut host));
+    root.filter(3).request_headers(&mut host, true);
+    assert!(!root.pass_known(&mut host), "a rejection is not kept");
+    host.properties.remove("upstream.address");
+    assert!(!root.pass_known(&mut host));
+}
+
+#[test]
+fn no_pass_without_asking_or_without_a_write_count() {
+    let (root, mut host) = loaded("{}", &["10.0.0.1"]);
+    host.writes = Some(1);
+    get_to(&mut host, "10.0.0.1");
+    root.filter(2).request_headers(&mut host, true);
+    assert!(!root.pass_known(&mut host), "passes not asked for");
+    let (root, mut host) = passing();
+    host.writes = None;
+    assert!(!root.pass_known(&mut host), "no write count");
+}
+
+#[test]
+fn a_new_configuration_forgets_the_passes() {
+    let (mut root, mut host) = passing();
+    assert!(root.pass_known(&mut host));
+    assert!(root.configure(&mut host, &crate::fake::shipped_config("{}")));
+    assert!(!root.pass_known(&mut host));
+}

@@ -238,7 +238,9 @@ extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         // Its poller (without the bootstrap extension) pages as the
         // extension's does: Envoy buffers a filter config's callout answer
         // whole just the same.
-        let mut root = Root::new(1).with_sync_page_bytes(Some(PAGE_BYTES));
+        let mut root = Root::new(1)
+            .with_sync_page_bytes(Some(PAGE_BYTES))
+            .with_known_passes();
         root.configure(&mut EnvoyHost::new(config_envoy, None, &mut metrics), bytes);
         // SAFETY: the config handle is valid during config_new.
         let scheduler =
@@ -488,6 +490,33 @@ fn status_of(action: Option<Next>) -> u32 {
     }
 }
 
+/// A request that ends with its headers, to a host allowed before
+/// ([`Root::pass_known`]): counted, under the lock, with no [`Filter`] made.
+fn passed_known(filter_envoy: *mut c_void, request: *const c_void) -> bool {
+    if is_noop(request) {
+        return false;
+    }
+    // SAFETY: as in `with_request`: a RequestFilter made by filter_new and
+    // alive until filter_destroy.
+    let Some(request) = (unsafe { request.cast::<RequestFilter>().as_ref() }) else {
+        return false;
+    };
+    if request.filter.is_some() {
+        return false;
+    }
+    // SAFETY: a filter's config outlives it.
+    let Some(config) = (unsafe { request.config.as_ref() }) else {
+        return false;
+    };
+    let mut vm = config.lock();
+    let Vm { root, metrics, .. } = &mut *vm;
+    if !metrics.pending.is_empty() {
+        metrics.flush_pending(filter_envoy);
+    }
+    let mut host = EnvoyHost::new(config.envoy, Some(filter_envoy), metrics);
+    root.pass_known(&mut host)
+}
+
 /// The request's headers: the verdict on the host Envoy picked.
 #[no_mangle]
 extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
@@ -496,6 +525,9 @@ extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     contain("http_filter_request_headers", CONTINUE, || {
+        if end_of_stream && passed_known(filter_envoy, request) {
+            return CONTINUE;
+        }
         status_of(with_request(
             filter_envoy,
             request,
