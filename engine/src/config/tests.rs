@@ -680,3 +680,22 @@ fn every_field_written_is_read() {
     );
     assert_eq!(c.pod_cidrs.len(), 1);
 }
+
+/// serde read a struct from an array of its fields in order, and an enum
+/// from a one-entry object; no operator writes either, and a typo that
+/// became one was taken silently.
+#[test]
+fn an_array_is_not_a_nested_object_nor_an_object_an_enum() {
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","guard":[false]}"#),
+        ["guard: invalid type: sequence, expected struct GuardConfig"]
+    );
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","policy":[]}"#),
+        ["policy: invalid type: sequence, expected struct Policy"]
+    );
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","mode":{"audit":null}}"#),
+        ["mode: invalid type: map, expected `enforce` or `audit`"]
+    );
+}

@@ -1,0 +1,196 @@
+//! Typed readers of a JSON document's fields, for the plugin configuration.
+//!
+//! Each reader takes a field's path and value and gives the value, or names
+//! what is wrong (`path: invalid type: string "30", expected u32`: what was
+//! found and what is accepted) and gives nothing, so the field keeps its
+//! default and the rest of the document is still read: every problem is
+//! reported at once. The words are serde's, which operators and tests know.
+//! Read by hand rather than derived: serde's derived deserializers for the
+//! configuration were about 65 KB of the Wasm module's code, and every VM of
+//! every worker compiles the module (docs/benchmarks.md, "A smaller module").
+
+use serde_json::{Map, Value};
+
+/// The path of `key` in the object at `path` (`key` itself at the top).
+pub(super) fn at(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+/// `value`, unless it is null: an optional field given null is absent.
+pub(super) fn unless_null(value: &Value) -> Option<&Value> {
+    (!value.is_null()).then_some(value)
+}
+
+/// Puts `value` in `slot` if there is one (a field that was refused keeps
+/// its default).
+pub(super) fn set<T>(slot: &mut T, value: Option<T>) {
+    if let Some(value) = value {
+        *slot = value;
+    }
+}
+
+/// An object (`what` names it in a refusal: `struct Policy`).
+pub(super) fn object<'v>(
+    path: &str,
+    value: &'v Value,
+    what: &str,
+    problems: &mut Vec<String>,
+) -> Option<&'v Map<String, Value>> {
+    match value {
+        Value::Object(fields) => Some(fields),
+        _ => wrong_type(path, value, what, problems),
+    }
+}
+
+/// An array's items.
+pub(super) fn array<'v>(
+    path: &str,
+    value: &'v Value,
+    problems: &mut Vec<String>,
+) -> Option<&'v [Value]> {
+    match value {
+        Value::Array(items) => Some(items),
+        _ => wrong_type(path, value, "a sequence", problems),
+    }
+}
+
+/// A string.
+pub(super) fn string(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<String> {
+    match value {
+        Value::String(s) => Some(s.clone()),
+        _ => wrong_type(path, value, "a string", problems),
+    }
+}
+
+/// An array of strings; an item that is not one is named and left out.
+pub(super) fn strings(
+    path: &str,
+    value: &Value,
+    problems: &mut Vec<String>,
+) -> Option<Vec<String>> {
+    let items = array(path, value, problems)?;
+    let mut kept = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        kept.extend(string(&format!("{path}[{i}]"), item, problems));
+    }
+    Some(kept)
+}
+
+/// `true` or `false`.
+pub(super) fn boolean(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<bool> {
+    match value {
+        Value::Bool(b) => Some(*b),
+        _ => wrong_type(path, value, "a boolean", problems),
+    }
+}
+
+/// A whole number that fits a `u32`.
+pub(super) fn u32(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u32> {
+    unsigned(path, value, u64::from(u32::MAX), "u32", problems).and_then(|n| u32::try_from(n).ok())
+}
+
+/// A whole number that fits a `u64`.
+pub(super) fn u64(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u64> {
+    unsigned(path, value, u64::MAX, "u64", problems)
+}
+
+/// A whole number in `0..=max`; `type_name` names the range in a refusal.
+fn unsigned(
+    path: &str,
+    value: &Value,
+    max: u64,
+    type_name: &str,
+    problems: &mut Vec<String>,
+) -> Option<u64> {
+    let Value::Number(n) = value else {
+        return wrong_type(path, value, type_name, problems);
+    };
+    match (n.as_u64(), n.as_i64()) {
+        (Some(n), _) if n <= max => Some(n),
+        // Negative or too large: of the right type, out of its range.
+        (Some(_), _) | (None, Some(_)) => {
+            problems.push(format!(
+                "{path}: invalid value: {}, expected {type_name}",
+                found(value)
+            ));
+            None
+        }
+        (None, None) => wrong_type(path, value, type_name, problems),
+    }
+}
+
+/// One of `variants`, by name.
+pub(super) fn variant<T: Copy>(
+    path: &str,
+    value: &Value,
+    variants: &[(&str, T)],
+    problems: &mut Vec<String>,
+) -> Option<T> {
+    let names: Vec<&str> = variants.iter().map(|(name, _)| *name).collect();
+    let Value::String(given) = value else {
+        return wrong_type(path, value, &one_of(&names), problems);
+    };
+    let found = variants.iter().find(|(name, _)| name == given);
+    if found.is_none() {
+        problems.push(format!(
+            "{path}: unknown variant `{given}`, expected {}",
+            one_of(&names)
+        ));
+    }
+    found.map(|(_, v)| *v)
+}
+
+/// Names the field `key` (at `path`) that the object does not have, with
+/// the ones it has (`fields`).
+pub(super) fn unknown(path: &str, key: &str, fields: &[&str], problems: &mut Vec<String>) {
+    problems.push(format!(
+        "{path}: unknown field `{key}`, expected {}",
+        one_of(fields)
+    ));
+}
+
+/// Names the required `field` the object at `path` lacks.
+pub(super) fn missing(path: &str, field: &str, problems: &mut Vec<String>) {
+    problems.push(format!("{path}: missing field `{field}`"));
+}
+
+/// A value of the wrong type: names it and what is accepted.
+fn wrong_type<T>(
+    path: &str,
+    value: &Value,
+    expected: &str,
+    problems: &mut Vec<String>,
+) -> Option<T> {
+    problems.push(format!(
+        "{path}: invalid type: {}, expected {expected}",
+        found(value)
+    ));
+    None
+}
+
+/// What a value is, as a refusal shows it.
+fn found(value: &Value) -> String {
+    match value {
+        Value::Null => "null".to_owned(),
+        Value::Bool(b) => format!("boolean `{b}`"),
+        Value::Number(n) if n.is_f64() => format!("floating point `{n}`"),
+        Value::Number(n) => format!("integer `{n}`"),
+        Value::String(s) => format!("string {s:?}"),
+        Value::Array(_) => "sequence".to_owned(),
+        Value::Object(_) => "map".to_owned(),
+    }
+}
+
+/// `` `a` ``, `` `a` or `b` ``, or `` one of `a`, `b`, `c` ``.
+fn one_of(names: &[&str]) -> String {
+    let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+    match quoted.as_slice() {
+        [one] => one.clone(),
+        [a, b] => format!("{a} or {b}"),
+        _ => format!("one of {}", quoted.join(", ")),
+    }
+}
