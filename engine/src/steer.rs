@@ -201,6 +201,46 @@ mod tests {
         assert!(SteerConfig::parse(br#"{"steer":{"service":"a/b","port":1,"x":1}}"#).is_err());
     }
 
+    /// What each kind of mistake in the steering role's document is called.
+    #[test]
+    fn a_steering_configuration_that_does_not_read_says_what_is_wrong() {
+        for (doc, says) in [
+            (
+                r#"{"steer":{"service":"a/b","port":1,"x":1}}"#,
+                "unknown field `x`, expected one of `service`, `port`, `endpoint_header`, \
+                 `hosts`, `reject_header`, `max_staleness_ms`, `while_stale_ms`",
+            ),
+            (r#"{"steer":{"service":"a/b"}}"#, "missing field `port`"),
+            (
+                r#"{"steer":{"service":"a/b","port":65536}}"#,
+                "invalid value: integer `65536`, expected u16",
+            ),
+            (
+                r#"{"steer":{"service":"a/b","port":"1"}}"#,
+                r#"invalid type: string "1", expected u16"#,
+            ),
+            (
+                r#"{"steer":{"service":"a/b","port":1},"validator_cluster":"x"}"#,
+                "unknown field `validator_cluster`, expected `steer`",
+            ),
+            (
+                r#"{"steer":1}"#,
+                "invalid type: integer `1`, expected struct SteerConfig",
+            ),
+            (
+                r#"{"steer":{"service":"a/b","port":1,"hosts":-1}}"#,
+                "invalid value: integer `-1`, expected u32",
+            ),
+        ] {
+            let refusal = SteerConfig::parse(doc.as_bytes()).unwrap_err();
+            assert!(
+                refusal.starts_with("plugin configuration of the steering role refused: ")
+                    && refusal.contains(says),
+                "{doc}: {refusal}"
+            );
+        }
+    }
+
     #[test]
     fn live_members_are_named_on_the_port_spread_by_the_seed() {
         let steer =
