@@ -20,7 +20,7 @@ use staleguard_core::{Policy, ServiceKey};
 use crate::guard::GuardConfig;
 use crate::secret::Secret;
 
-mod read;
+pub(crate) mod read;
 
 /// Why a plugin configuration was refused.
 #[derive(Debug, thiserror::Error)]

@@ -12,7 +12,7 @@
 use serde_json::{Map, Value};
 
 /// The path of `key` in the object at `path` (`key` itself at the top).
-pub(super) fn at(path: &str, key: &str) -> String {
+pub(crate) fn at(path: &str, key: &str) -> String {
     if path.is_empty() {
         key.to_owned()
     } else {
@@ -21,20 +21,20 @@ pub(super) fn at(path: &str, key: &str) -> String {
 }
 
 /// `value`, unless it is null: an optional field given null is absent.
-pub(super) fn unless_null(value: &Value) -> Option<&Value> {
+pub(crate) fn unless_null(value: &Value) -> Option<&Value> {
     (!value.is_null()).then_some(value)
 }
 
 /// Puts `value` in `slot` if there is one (a field that was refused keeps
 /// its default).
-pub(super) fn set<T>(slot: &mut T, value: Option<T>) {
+pub(crate) fn set<T>(slot: &mut T, value: Option<T>) {
     if let Some(value) = value {
         *slot = value;
     }
 }
 
 /// An object (`what` names it in a refusal: `struct Policy`).
-pub(super) fn object<'v>(
+pub(crate) fn object<'v>(
     path: &str,
     value: &'v Value,
     what: &str,
@@ -47,7 +47,7 @@ pub(super) fn object<'v>(
 }
 
 /// An array's items.
-pub(super) fn array<'v>(
+pub(crate) fn array<'v>(
     path: &str,
     value: &'v Value,
     problems: &mut Vec<String>,
@@ -59,7 +59,7 @@ pub(super) fn array<'v>(
 }
 
 /// A string.
-pub(super) fn string(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<String> {
+pub(crate) fn string(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<String> {
     match value {
         Value::String(s) => Some(s.clone()),
         _ => wrong_type(path, value, "a string", problems),
@@ -67,7 +67,7 @@ pub(super) fn string(path: &str, value: &Value, problems: &mut Vec<String>) -> O
 }
 
 /// An array of strings; an item that is not one is named and left out.
-pub(super) fn strings(
+pub(crate) fn strings(
     path: &str,
     value: &Value,
     problems: &mut Vec<String>,
@@ -81,7 +81,7 @@ pub(super) fn strings(
 }
 
 /// `true` or `false`.
-pub(super) fn boolean(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<bool> {
+pub(crate) fn boolean(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<bool> {
     match value {
         Value::Bool(b) => Some(*b),
         _ => wrong_type(path, value, "a boolean", problems),
@@ -89,12 +89,17 @@ pub(super) fn boolean(path: &str, value: &Value, problems: &mut Vec<String>) -> 
 }
 
 /// A whole number that fits a `u32`.
-pub(super) fn u32(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u32> {
+pub(crate) fn u32(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u32> {
     unsigned(path, value, u64::from(u32::MAX), "u32", problems).and_then(|n| u32::try_from(n).ok())
 }
 
+/// A whole number that fits a `u16`.
+pub(crate) fn u16(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u16> {
+    unsigned(path, value, u64::from(u16::MAX), "u16", problems).and_then(|n| u16::try_from(n).ok())
+}
+
 /// A whole number that fits a `u64`.
-pub(super) fn u64(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u64> {
+pub(crate) fn u64(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u64> {
     unsigned(path, value, u64::MAX, "u64", problems)
 }
 
@@ -124,7 +129,7 @@ fn unsigned(
 }
 
 /// One of `variants`, by name.
-pub(super) fn variant<T: Copy>(
+pub(crate) fn variant<T: Copy>(
     path: &str,
     value: &Value,
     variants: &[(&str, T)],
@@ -146,7 +151,7 @@ pub(super) fn variant<T: Copy>(
 
 /// Names the field `key` (at `path`) that the object does not have, with
 /// the ones it has (`fields`).
-pub(super) fn unknown(path: &str, key: &str, fields: &[&str], problems: &mut Vec<String>) {
+pub(crate) fn unknown(path: &str, key: &str, fields: &[&str], problems: &mut Vec<String>) {
     problems.push(format!(
         "{path}: unknown field `{key}`, expected {}",
         one_of(fields)
@@ -154,7 +159,7 @@ pub(super) fn unknown(path: &str, key: &str, fields: &[&str], problems: &mut Vec
 }
 
 /// Names the required `field` the object at `path` lacks.
-pub(super) fn missing(path: &str, field: &str, problems: &mut Vec<String>) {
+pub(crate) fn missing(path: &str, field: &str, problems: &mut Vec<String>) {
     problems.push(format!("{path}: missing field `{field}`"));
 }
 
