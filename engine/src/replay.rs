@@ -31,7 +31,7 @@ use std::net::SocketAddr;
 
 use staleguard_core::ip::canonical;
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::config::{header_problem, read, RetryConfig};
 use crate::members::Member;
@@ -508,23 +508,42 @@ pub(crate) fn role<T>(
     what: &str,
     read_role: impl FnOnce(&str, &Value, &mut Vec<String>) -> Option<T>,
 ) -> Result<Option<T>, String> {
+    let Some((doc, mut problems)) = role_document(bytes, key) else {
+        return Ok(None);
+    };
+    let read = doc
+        .get(key)
+        .and_then(|value| read_role(key, value, &mut problems));
+    match refusal(what, &problems) {
+        Some(refused) => Err(refused),
+        None => Ok(read),
+    }
+}
+
+/// The document `bytes`, if it has the field `key`, with a problem for
+/// each other field: a role's document has no other.
+fn role_document(bytes: &[u8], key: &str) -> Option<(Map<String, Value>, Vec<String>)> {
     let Ok(Value::Object(doc)) = crate::config::json_value(bytes) else {
-        return Ok(None);
+        return None;
     };
-    let Some(value) = doc.get(key) else {
-        return Ok(None);
-    };
+    if !doc.contains_key(key) {
+        return None;
+    }
     let mut problems = Vec::new();
     for other in doc.keys().filter(|k| *k != key) {
         read::unknown(other, other, &[key], &mut problems);
     }
-    match read_role(key, value, &mut problems) {
-        Some(config) if problems.is_empty() => Ok(Some(config)),
-        _ => Err(format!(
+    Some((doc, problems))
+}
+
+/// The refusal of a role's document with `problems`, if it has any.
+fn refusal(what: &str, problems: &[String]) -> Option<String> {
+    (!problems.is_empty()).then(|| {
+        format!(
             "plugin configuration of {what} refused: {}",
             problems.join("; ")
-        )),
-    }
+        )
+    })
 }
 
 /// The twin's check: is the host its load balancer picked (`address`, as

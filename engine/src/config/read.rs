@@ -34,6 +34,7 @@ pub(crate) fn set<T>(slot: &mut T, value: Option<T>) {
 }
 
 /// An object (`what` names it in a refusal: `struct Policy`).
+#[inline(never)]
 pub(crate) fn object<'v>(
     path: &str,
     value: &'v Value,
@@ -47,6 +48,7 @@ pub(crate) fn object<'v>(
 }
 
 /// An array's items.
+#[inline(never)]
 pub(crate) fn array<'v>(
     path: &str,
     value: &'v Value,
@@ -59,6 +61,7 @@ pub(crate) fn array<'v>(
 }
 
 /// A string.
+#[inline(never)]
 pub(crate) fn string(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<String> {
     match value {
         Value::String(s) => Some(s.clone()),
@@ -67,6 +70,7 @@ pub(crate) fn string(path: &str, value: &Value, problems: &mut Vec<String>) -> O
 }
 
 /// An array of strings; an item that is not one is named and left out.
+#[inline(never)]
 pub(crate) fn strings(
     path: &str,
     value: &Value,
@@ -81,6 +85,7 @@ pub(crate) fn strings(
 }
 
 /// `true` or `false`.
+#[inline(never)]
 pub(crate) fn boolean(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<bool> {
     match value {
         Value::Bool(b) => Some(*b),
@@ -89,21 +94,25 @@ pub(crate) fn boolean(path: &str, value: &Value, problems: &mut Vec<String>) -> 
 }
 
 /// A whole number that fits a `u32`.
+#[inline(never)]
 pub(crate) fn u32(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u32> {
     unsigned(path, value, u64::from(u32::MAX), "u32", problems).and_then(|n| u32::try_from(n).ok())
 }
 
 /// A whole number that fits a `u16`.
+#[inline(never)]
 pub(crate) fn u16(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u16> {
     unsigned(path, value, u64::from(u16::MAX), "u16", problems).and_then(|n| u16::try_from(n).ok())
 }
 
 /// A whole number that fits a `u64`.
+#[inline(never)]
 pub(crate) fn u64(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<u64> {
     unsigned(path, value, u64::MAX, "u64", problems)
 }
 
 /// A whole number in `0..=max`; `type_name` names the range in a refusal.
+#[inline(never)]
 fn unsigned(
     path: &str,
     value: &Value,
@@ -136,21 +145,29 @@ pub(crate) fn variant<T: Copy>(
     problems: &mut Vec<String>,
 ) -> Option<T> {
     let names: Vec<&str> = variants.iter().map(|(name, _)| *name).collect();
+    let chosen = choose(path, value, &names, problems)?;
+    variants.get(chosen).map(|(_, v)| *v)
+}
+
+/// Which of `names` the value is (one copy of the work for every enum).
+#[inline(never)]
+fn choose(path: &str, value: &Value, names: &[&str], problems: &mut Vec<String>) -> Option<usize> {
     let Value::String(given) = value else {
-        return wrong_type(path, value, &one_of(&names), problems);
+        return wrong_type(path, value, &one_of(names), problems);
     };
-    let found = variants.iter().find(|(name, _)| name == given);
-    if found.is_none() {
+    let chosen = names.iter().position(|name| name == given);
+    if chosen.is_none() {
         problems.push(format!(
             "{path}: unknown variant `{given}`, expected {}",
-            one_of(&names)
+            one_of(names)
         ));
     }
-    found.map(|(_, v)| *v)
+    chosen
 }
 
 /// Names the field `key` (at `path`) that the object does not have, with
 /// the ones it has (`fields`).
+#[inline(never)]
 pub(crate) fn unknown(path: &str, key: &str, fields: &[&str], problems: &mut Vec<String>) {
     problems.push(format!(
         "{path}: unknown field `{key}`, expected {}",
@@ -159,6 +176,7 @@ pub(crate) fn unknown(path: &str, key: &str, fields: &[&str], problems: &mut Vec
 }
 
 /// Names the required `field` the object at `path` lacks.
+#[inline(never)]
 pub(crate) fn missing(path: &str, field: &str, problems: &mut Vec<String>) {
     problems.push(format!("{path}: missing field `{field}`"));
 }
@@ -170,14 +188,20 @@ fn wrong_type<T>(
     expected: &str,
     problems: &mut Vec<String>,
 ) -> Option<T> {
-    problems.push(format!(
-        "{path}: invalid type: {}, expected {expected}",
-        found(value)
-    ));
+    problems.push(invalid_type(path, value, expected));
     None
 }
 
+#[inline(never)]
+fn invalid_type(path: &str, value: &Value, expected: &str) -> String {
+    format!(
+        "{path}: invalid type: {}, expected {expected}",
+        found(value)
+    )
+}
+
 /// What a value is, as a refusal shows it.
+#[inline(never)]
 fn found(value: &Value) -> String {
     match value {
         Value::Null => "null".to_owned(),
@@ -191,6 +215,7 @@ fn found(value: &Value) -> String {
 }
 
 /// `` `a` ``, `` `a` or `b` ``, or `` one of `a`, `b`, `c` ``.
+#[inline(never)]
 fn one_of(names: &[&str]) -> String {
     let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
     match quoted.as_slice() {
