@@ -646,10 +646,13 @@ impl RawConfig {
             );
         }
         let mut raw = Self::default();
-        for (key, value) in fields {
-            let path = key.as_str();
-            let p = &mut *problems;
-            match path {
+        read::fields(
+            "",
+            doc,
+            "",
+            RAW_FIELDS,
+            problems,
+            &mut |key, path, value, p| match key {
                 "validator_cluster" => {
                     read::set(&mut raw.validator_cluster, read::string(path, value, p))
                 }
@@ -709,9 +712,10 @@ impl RawConfig {
                     raw.retry = read::unless_null(value).and_then(|v| RetryConfig::read(path, v, p))
                 }
                 "pod_cidrs" => read::set(&mut raw.pod_cidrs, read::strings(path, value, p)),
-                _ => read::unknown(path, key, RAW_FIELDS, p),
-            }
-        }
+                // Not in RAW_FIELDS: named by `read::fields`.
+                _ => {}
+            },
+        )?;
         Some(raw)
     }
 }
@@ -730,12 +734,14 @@ const RETRY_FIELDS: &[&str] = &[
 impl RetryConfig {
     /// The replay path at `path`: [`RawConfig::read`]'s rules.
     fn read(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Self> {
-        let fields = read::object(path, value, "struct RetryConfig", problems)?;
         let mut retry = Self::default();
-        for (key, value) in fields {
-            let at = read::at(path, key);
-            let (at, p) = (at.as_str(), &mut *problems);
-            match key.as_str() {
+        read::fields(
+            path,
+            value,
+            "struct RetryConfig",
+            RETRY_FIELDS,
+            problems,
+            &mut |key, at, value, p| match key {
                 "twin_suffix" => read::set(&mut retry.twin_suffix, read::string(at, value, p)),
                 "methods" => read::set(&mut retry.methods, read::strings(at, value, p)),
                 "attempts" => read::set(&mut retry.attempts, read::u32(at, value, p)),
@@ -749,9 +755,10 @@ impl RetryConfig {
                 "max_answer_bytes" => {
                     read::set(&mut retry.max_answer_bytes, read::u64(at, value, p))
                 }
-                _ => read::unknown(at, key, RETRY_FIELDS, p),
-            }
-        }
+                // Not in RETRY_FIELDS: named by `read::fields`.
+                _ => {}
+            },
+        )?;
         Some(retry)
     }
 }
@@ -768,12 +775,14 @@ const GUARD_FIELDS: &[&str] = &[
 impl GuardConfig {
     /// The guard's knobs at `path`: [`RawConfig::read`]'s rules.
     fn read(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Self> {
-        let fields = read::object(path, value, "struct GuardConfig", problems)?;
         let mut guard = Self::default();
-        for (key, value) in fields {
-            let at = read::at(path, key);
-            let (at, p) = (at.as_str(), &mut *problems);
-            match key.as_str() {
+        read::fields(
+            path,
+            value,
+            "struct GuardConfig",
+            GUARD_FIELDS,
+            problems,
+            &mut |key, at, value, p| match key {
                 "enabled" => read::set(&mut guard.enabled, read::boolean(at, value, p)),
                 "max_loss_percent" => {
                     read::set(&mut guard.max_loss_percent, read::u32(at, value, p))
@@ -781,9 +790,10 @@ impl GuardConfig {
                 "min_ips" => read::set(&mut guard.min_ips, read::u64(at, value, p)),
                 "min_service_ips" => read::set(&mut guard.min_service_ips, read::u64(at, value, p)),
                 "confirm_ms" => read::set(&mut guard.confirm_ms, read::u64(at, value, p)),
-                _ => read::unknown(at, key, GUARD_FIELDS, p),
-            }
-        }
+                // Not in GUARD_FIELDS: named by `read::fields`.
+                _ => {}
+            },
+        )?;
         Some(guard)
     }
 }
@@ -793,12 +803,14 @@ const POLICY_FIELDS: &[&str] = &["failure_policy", "terminating", "unknown_servi
 
 /// The verdict policy at `path`: [`RawConfig::read`]'s rules.
 fn read_policy(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Policy> {
-    let fields = read::object(path, value, "struct Policy", problems)?;
     let mut policy = Policy::default();
-    for (key, value) in fields {
-        let at = read::at(path, key);
-        let (at, p) = (at.as_str(), &mut *problems);
-        match key.as_str() {
+    read::fields(
+        path,
+        value,
+        "struct Policy",
+        POLICY_FIELDS,
+        problems,
+        &mut |key, at, value, p| match key {
             "failure_policy" => read::set(
                 &mut policy.failure_policy,
                 read::variant(at, value, FAILURE_POLICIES, p),
@@ -811,9 +823,10 @@ fn read_policy(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<
                 &mut policy.unknown_service,
                 read::variant(at, value, ACTIONS, p),
             ),
-            _ => read::unknown(at, key, POLICY_FIELDS, p),
-        }
-    }
+            // Not in POLICY_FIELDS: named by `read::fields`.
+            _ => {}
+        },
+    )?;
     Some(policy)
 }
 
@@ -823,12 +836,14 @@ const CLUSTER_RULE_FIELDS: &[&str] = &["name", "prefix", "service"];
 /// The cluster rule at `path`: [`RawConfig::read`]'s rules; a rule without
 /// a valid `service` is left out.
 fn read_cluster_rule(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<ClusterRule> {
-    let fields = read::object(path, value, "struct ClusterRule", problems)?;
     let (mut name, mut prefix, mut service) = (None, None, None);
-    for (key, value) in fields {
-        let at = read::at(path, key);
-        let (at, p) = (at.as_str(), &mut *problems);
-        match key.as_str() {
+    read::fields(
+        path,
+        value,
+        "struct ClusterRule",
+        CLUSTER_RULE_FIELDS,
+        problems,
+        &mut |key, at, value, p| match key {
             "name" => name = read::unless_null(value).and_then(|v| read::string(at, v, p)),
             "prefix" => prefix = read::unless_null(value).and_then(|v| read::string(at, v, p)),
             "service" => {
@@ -840,9 +855,10 @@ fn read_cluster_rule(path: &str, value: &Value, problems: &mut Vec<String>) -> O
                     }
                 });
             }
-            _ => read::unknown(at, key, CLUSTER_RULE_FIELDS, p),
-        }
-    }
+            // Not in CLUSTER_RULE_FIELDS: named by `read::fields`.
+            _ => {}
+        },
+    )?;
     let Some(service) = service else {
         read::missing(path, "service", problems);
         return None;

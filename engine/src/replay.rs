@@ -480,20 +480,21 @@ impl TwinConfig {
 
     /// The twin's fields at `path`, as the guard's configuration is read.
     fn read(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Self> {
-        let fields = read::object(path, value, "struct TwinConfig", problems)?;
         let mut twin = Self {
             endpoint_header: crate::config::default_endpoint_header(),
         };
-        for (key, value) in fields {
-            let at = read::at(path, key);
-            match key.as_str() {
-                "endpoint_header" => read::set(
-                    &mut twin.endpoint_header,
-                    read::string(&at, value, problems),
-                ),
-                _ => read::unknown(&at, key, &["endpoint_header"], problems),
-            }
-        }
+        read::fields(
+            path,
+            value,
+            "struct TwinConfig",
+            &["endpoint_header"],
+            problems,
+            &mut |key, at, value, p| {
+                if key == "endpoint_header" {
+                    read::set(&mut twin.endpoint_header, read::string(at, value, p));
+                }
+            },
+        )?;
         Some(twin)
     }
 }

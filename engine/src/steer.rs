@@ -116,7 +116,6 @@ impl SteerConfig {
     /// The steering role's fields at `path`, as the guard's configuration
     /// is read.
     fn read(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Self> {
-        let fields = read::object(path, value, "struct SteerConfig", problems)?;
         let (mut service, mut port) = (None, None);
         let mut steer = Self {
             service: String::new(),
@@ -127,10 +126,13 @@ impl SteerConfig {
             max_staleness_ms: crate::config::default_max_staleness_ms(),
             while_stale_ms: default_while_stale_ms(),
         };
-        for (key, value) in fields {
-            let at = read::at(path, key);
-            let (at, p) = (at.as_str(), &mut *problems);
-            match key.as_str() {
+        read::fields(
+            path,
+            value,
+            "struct SteerConfig",
+            STEER_FIELDS,
+            problems,
+            &mut |key, at, value, p| match key {
                 "service" => service = read::string(at, value, p).or(Some(String::new())),
                 "port" => port = read::u16(at, value, p).or(Some(0)),
                 "endpoint_header" => {
@@ -142,9 +144,10 @@ impl SteerConfig {
                     read::set(&mut steer.max_staleness_ms, read::u64(at, value, p))
                 }
                 "while_stale_ms" => read::set(&mut steer.while_stale_ms, read::u64(at, value, p)),
-                _ => read::unknown(at, key, STEER_FIELDS, p),
-            }
-        }
+                // Not in STEER_FIELDS: named by `read::fields`.
+                _ => {}
+            },
+        )?;
         for (field, given) in [("service", service.is_some()), ("port", port.is_some())] {
             if !given {
                 read::missing(path, field, problems);

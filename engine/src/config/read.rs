@@ -12,6 +12,7 @@
 use serde_json::{Map, Value};
 
 /// The path of `key` in the object at `path` (`key` itself at the top).
+#[inline(never)]
 pub(crate) fn at(path: &str, key: &str) -> String {
     if path.is_empty() {
         key.to_owned()
@@ -31,6 +32,36 @@ pub(crate) fn set<T>(slot: &mut T, value: Option<T>) {
     if let Some(value) = value {
         *slot = value;
     }
+}
+
+/// What reads one field of an object: given its key, its path, its value
+/// and the problems so far.
+pub(crate) type ReadField<'a> = &'a mut dyn FnMut(&str, &str, &Value, &mut Vec<String>);
+
+/// Reads the object at `path` a field at a time: `read_field(key, its
+/// path, its value, problems)` for each field in `known`; each other field
+/// is named as unknown. `None` when `value` is not an object (`what` names
+/// what is expected: `struct Policy`). One copy of this loop for every
+/// struct: the closure holds only what is the struct's own.
+#[inline(never)]
+pub(crate) fn fields(
+    path: &str,
+    value: &Value,
+    what: &str,
+    known: &[&str],
+    problems: &mut Vec<String>,
+    read_field: ReadField<'_>,
+) -> Option<()> {
+    let fields = object(path, value, what, problems)?;
+    for (key, value) in fields {
+        let at = at(path, key);
+        if known.contains(&key.as_str()) {
+            read_field(key, &at, value, problems);
+        } else {
+            unknown(&at, key, known, problems);
+        }
+    }
+    Some(())
 }
 
 /// An object (`what` names it in a refusal: `struct Policy`).
