@@ -10,20 +10,17 @@ use std::fmt;
 use std::io::{BufReader, Read};
 use std::ops::RangeInclusive;
 
-use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
 use staleguard_core::cluster::ClusterMap;
 pub use staleguard_core::cluster::ClusterRule;
 use staleguard_core::ip::Cidr;
-use staleguard_core::verdict::FailurePolicy;
-use staleguard_core::Policy;
+use staleguard_core::verdict::{Action, FailurePolicy};
+use staleguard_core::{Policy, ServiceKey};
 
 use crate::guard::GuardConfig;
 use crate::secret::Secret;
 
-use self::narrow::{kind, narrow_object, refusal};
-
-mod narrow;
+pub(crate) mod read;
 
 /// Why a plugin configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -48,8 +45,7 @@ impl ConfigError {
 }
 
 /// Enforce verdicts, or only count and log them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Mode {
     /// Reject what the verdict rejects.
     #[default]
@@ -59,8 +55,7 @@ pub enum Mode {
 }
 
 /// What happens to a request the verdict rejects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnReject {
     /// Answer locally with `reject_status` and the reason header.
     Reject,
@@ -70,35 +65,27 @@ pub enum OnReject {
 }
 
 /// The replay path: how a rejected request reaches a live member instead.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryConfig {
     /// The twin of a guarded cluster is named `<cluster><twin_suffix>`: same
     /// endpoints, the override-host load balancer, and the filter in its twin
     /// role (docs/filter.md).
-    #[serde(default = "default_twin_suffix")]
     pub twin_suffix: String,
     /// Methods that may be replayed (requests without a body only).
-    #[serde(default = "default_retry_methods")]
     pub methods: Vec<String>,
     /// Calls to the twin at most, each naming a fresh batch of members.
-    #[serde(default = "default_retry_attempts")]
     pub attempts: u32,
     /// Members named per call (the twin takes the first that is one of its
     /// endpoints).
-    #[serde(default = "default_hosts_per_attempt")]
     pub hosts_per_attempt: u32,
     /// Timeout of the whole replay when the route's is not readable
     /// (`x-envoy-expected-rq-timeout-ms`).
-    #[serde(default = "default_retry_timeout_ms")]
     pub timeout_ms: u64,
     /// The header the twin's load balancer reads the members from.
-    #[serde(default = "default_endpoint_header")]
     pub endpoint_header: String,
     /// The largest answer a replay gives the client: the live host's answer
     /// is copied into the VM (whose memory never shrinks) to be sent on. A
     /// larger one is never copied; the client gets the rejection.
-    #[serde(default = "default_max_answer_bytes")]
     pub max_answer_bytes: u64,
 }
 
@@ -151,78 +138,57 @@ fn default_max_answer_bytes() -> u64 {
 const MAX_ANSWER_BYTES: u64 = 64 << 20;
 
 /// The plugin configuration as written (JSON in the Wasm filter's `configuration`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone)]
 pub struct RawConfig {
     /// The Envoy cluster that reaches the validator.
     pub validator_cluster: String,
     /// `:authority` of validator requests (default: the cluster name).
-    #[serde(default)]
     pub validator_authority: Option<String>,
     /// Bearer token sent to the validator (never shown by `Debug`).
-    #[serde(default)]
     pub token: Option<Secret>,
     /// The Wasm VM environment variable that holds the token instead (set
     /// through `vm_config.environment_variables`, from a Kubernetes Secret),
     /// so the token never appears in the plugin configuration or a config dump.
-    #[serde(default)]
     pub token_env: Option<String>,
     /// Long-poll wait in seconds (1..=60).
-    #[serde(default = "default_wait_s")]
     pub poll_wait_s: u32,
     /// No successful sync for longer than this makes the data stale.
-    #[serde(default = "default_max_staleness_ms")]
     pub max_staleness_ms: u64,
     /// Root-context tick period: lease renewal and poll scheduling.
-    #[serde(default = "default_tick_ms")]
     pub tick_ms: u64,
     /// How long a poller's lease lives without renewal.
-    #[serde(default = "default_lease_ttl_ms")]
     pub lease_ttl_ms: u64,
     /// First retry delay after a sync error.
-    #[serde(default = "default_backoff_initial_ms")]
     pub backoff_initial_ms: u64,
     /// Largest retry delay after sync errors.
-    #[serde(default = "default_backoff_max_ms")]
     pub backoff_max_ms: u64,
     /// Ask for large answers in pages of this many bytes (0: whole
     /// answers; absent: the host's default, whole answers in the Wasm
     /// filter, see [`crate::root::Root::with_sync_page_bytes`]).
-    #[serde(default)]
     pub sync_page_bytes: Option<u32>,
     /// `enforce` (default) or `audit`.
-    #[serde(default)]
     pub mode: Mode,
     /// HTTP status of a rejection (default 503).
-    #[serde(default = "default_reject_status")]
     pub reject_status: u32,
     /// Response header carrying the reason code (default `x-staleguard`).
-    #[serde(default = "default_reject_header")]
     pub reject_header: String,
     /// The verdict policy (failure policy, terminating, unknown services).
-    #[serde(default)]
     pub policy: Policy,
     /// Derive services from Istio cluster metadata and `outbound|...` names.
-    #[serde(default = "staleguard_core::cluster::default_istio")]
     pub istio: bool,
     /// Mapping rules for plain Envoy, tried first, in order.
-    #[serde(default)]
     pub clusters: Vec<ClusterRule>,
     /// The blast-radius guard (see [`crate::guard`]); on by default.
-    #[serde(default)]
     pub guard: GuardConfig,
     /// `reject` or `retry`; default `retry` when `retry` (the replay path)
     /// is configured, else `reject`.
-    #[serde(default)]
     pub on_reject: Option<OnReject>,
     /// The replay path; its presence makes `retry` the default.
-    #[serde(default)]
     pub retry: Option<RetryConfig>,
     /// This cluster's pod networks (CIDRs); when set, an upstream IP outside
     /// all of them (a remote cluster's pod, an east-west gateway) is not
     /// judged: passed and counted as out of scope. Empty (the default):
     /// every IP is judged.
-    #[serde(default)]
     pub pod_cidrs: Vec<String>,
 }
 
@@ -368,7 +334,7 @@ impl Config {
     ) -> Result<Self, ConfigError> {
         let doc = json_value(bytes).map_err(ConfigError::Malformed)?;
         let mut problems = Vec::new();
-        let Some(mut raw) = shape(&doc, &mut problems) else {
+        let Some(mut raw) = RawConfig::read(&doc, &mut problems) else {
             return Err(ConfigError::Invalid(problems));
         };
         // A missing or mistyped validator_cluster is reported once, above.
@@ -575,7 +541,7 @@ impl Fallback {
         let failure_policy = doc
             .get("policy")
             .and_then(|p| p.get("failure_policy"))
-            .and_then(|v| FailurePolicy::deserialize(v).ok())
+            .and_then(|v| read::variant("", v, FAILURE_POLICIES, &mut Vec::new()))
             .unwrap_or_default();
         let reject_status = doc
             .get("reject_status")
@@ -623,42 +589,296 @@ pub(crate) fn json_value(bytes: &[u8]) -> serde_json::Result<Value> {
 
 // === the shape of a document, field by field ===
 
-/// The [`RawConfig`] in `doc`, checked field by field so that every unknown
-/// field and every value of the wrong type is reported (serde alone stops at
-/// the first), each with its path: the fields that fail are left out (their
-/// defaults apply) and the rest is parsed. `None` when nothing usable is left.
-fn shape(doc: &Value, problems: &mut Vec<String>) -> Option<RawConfig> {
-    let Value::Object(fields) = doc else {
-        problems.push(format!(
-            "the plugin configuration must be a JSON object, not {}",
-            kind(doc)
-        ));
-        return None;
-    };
-    // The one required field is put in first, a stand-in if it is missing or
-    // not a string, so that every other field is tried against a complete
-    // document: a `missing field` error met later is then the nested
-    // object's own.
-    let mut seed = Map::new();
-    match fields.get("validator_cluster") {
-        Some(Value::String(s)) => seed.insert("validator_cluster".into(), Value::String(s.clone())),
-        Some(_) => seed.insert("validator_cluster".into(), Value::String(String::new())),
-        None => {
+/// The names `mode` accepts.
+const MODES: &[(&str, Mode)] = &[("enforce", Mode::Enforce), ("audit", Mode::Audit)];
+/// The names `on_reject` accepts.
+const ON_REJECTS: &[(&str, OnReject)] = &[("reject", OnReject::Reject), ("retry", OnReject::Retry)];
+/// The names `policy.failure_policy` accepts.
+const FAILURE_POLICIES: &[(&str, FailurePolicy)] = &[
+    ("open", FailurePolicy::Open),
+    ("closed", FailurePolicy::Closed),
+];
+/// The names `policy.terminating` and `policy.unknown_service` accept.
+const ACTIONS: &[(&str, Action)] = &[("allow", Action::Allow), ("reject", Action::Reject)];
+
+/// The fields of the plugin configuration, as a refusal lists them.
+const RAW_FIELDS: &[&str] = &[
+    "validator_cluster",
+    "validator_authority",
+    "token",
+    "token_env",
+    "poll_wait_s",
+    "max_staleness_ms",
+    "tick_ms",
+    "lease_ttl_ms",
+    "backoff_initial_ms",
+    "backoff_max_ms",
+    "sync_page_bytes",
+    "mode",
+    "reject_status",
+    "reject_header",
+    "policy",
+    "istio",
+    "clusters",
+    "guard",
+    "on_reject",
+    "retry",
+    "pod_cidrs",
+];
+
+impl RawConfig {
+    /// The configuration in `doc`, read field by field so that every unknown
+    /// field and every value of the wrong type is reported, each with its
+    /// path: a field that is refused keeps its default and the rest is read.
+    /// `None` when `doc` is not an object.
+    fn read(doc: &Value, problems: &mut Vec<String>) -> Option<Self> {
+        let Value::Object(fields) = doc else {
+            problems.push(format!(
+                "the plugin configuration must be a JSON object, not {}",
+                kind(doc)
+            ));
+            return None;
+        };
+        if !fields.contains_key("validator_cluster") {
             problems.push(
                 "validator_cluster is missing: name the Envoy cluster that reaches the validator"
                     .to_owned(),
             );
-            seed.insert("validator_cluster".into(), Value::String(String::new()))
         }
+        let mut raw = Self::default();
+        read::fields(
+            "",
+            doc,
+            "",
+            RAW_FIELDS,
+            problems,
+            &mut |key, path, value, p| match key {
+                "validator_cluster" => {
+                    read::set(&mut raw.validator_cluster, read::string(path, value, p))
+                }
+                "validator_authority" => {
+                    raw.validator_authority =
+                        read::unless_null(value).and_then(|v| read::string(path, v, p));
+                }
+                "token" => {
+                    raw.token = read::unless_null(value).and_then(|v| match v {
+                        Value::String(token) => Some(Secret::new(token.as_str())),
+                        // Never the value: it may be the token, misquoted.
+                        _ => {
+                            p.push("token: must be a string (value not shown)".to_owned());
+                            None
+                        }
+                    })
+                }
+                "token_env" => {
+                    raw.token_env = read::unless_null(value).and_then(|v| read::string(path, v, p))
+                }
+                "poll_wait_s" => read::set(&mut raw.poll_wait_s, read::u32(path, value, p)),
+                "max_staleness_ms" => {
+                    read::set(&mut raw.max_staleness_ms, read::u64(path, value, p))
+                }
+                "tick_ms" => read::set(&mut raw.tick_ms, read::u64(path, value, p)),
+                "lease_ttl_ms" => read::set(&mut raw.lease_ttl_ms, read::u64(path, value, p)),
+                "backoff_initial_ms" => {
+                    read::set(&mut raw.backoff_initial_ms, read::u64(path, value, p))
+                }
+                "backoff_max_ms" => read::set(&mut raw.backoff_max_ms, read::u64(path, value, p)),
+                "sync_page_bytes" => {
+                    raw.sync_page_bytes =
+                        read::unless_null(value).and_then(|v| read::u32(path, v, p))
+                }
+                "mode" => read::set(&mut raw.mode, read::variant(path, value, MODES, p)),
+                "reject_status" => read::set(&mut raw.reject_status, read::u32(path, value, p)),
+                "reject_header" => read::set(&mut raw.reject_header, read::string(path, value, p)),
+                "policy" => read::set(&mut raw.policy, read_policy(path, value, p)),
+                "istio" => read::set(&mut raw.istio, read::boolean(path, value, p)),
+                "clusters" => {
+                    if let Some(items) = read::array(path, value, p) {
+                        raw.clusters = items
+                            .iter()
+                            .enumerate()
+                            .filter_map(|(i, item)| {
+                                read_cluster_rule(&format!("{path}[{i}]"), item, p)
+                            })
+                            .collect();
+                    }
+                }
+                "guard" => read::set(&mut raw.guard, GuardConfig::read(path, value, p)),
+                "on_reject" => {
+                    raw.on_reject =
+                        read::unless_null(value).and_then(|v| read::variant(path, v, ON_REJECTS, p))
+                }
+                "retry" => {
+                    raw.retry = read::unless_null(value).and_then(|v| RetryConfig::read(path, v, p))
+                }
+                "pod_cidrs" => read::set(&mut raw.pod_cidrs, read::strings(path, value, p)),
+                // Not in RAW_FIELDS: named by `read::fields`.
+                _ => {}
+            },
+        )?;
+        Some(raw)
+    }
+}
+
+/// The fields of `retry`, as a refusal lists them.
+const RETRY_FIELDS: &[&str] = &[
+    "twin_suffix",
+    "methods",
+    "attempts",
+    "hosts_per_attempt",
+    "timeout_ms",
+    "endpoint_header",
+    "max_answer_bytes",
+];
+
+impl RetryConfig {
+    /// The replay path at `path`: [`RawConfig::read`]'s rules.
+    fn read(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Self> {
+        let mut retry = Self::default();
+        read::fields(
+            path,
+            value,
+            "struct RetryConfig",
+            RETRY_FIELDS,
+            problems,
+            &mut |key, at, value, p| match key {
+                "twin_suffix" => read::set(&mut retry.twin_suffix, read::string(at, value, p)),
+                "methods" => read::set(&mut retry.methods, read::strings(at, value, p)),
+                "attempts" => read::set(&mut retry.attempts, read::u32(at, value, p)),
+                "hosts_per_attempt" => {
+                    read::set(&mut retry.hosts_per_attempt, read::u32(at, value, p))
+                }
+                "timeout_ms" => read::set(&mut retry.timeout_ms, read::u64(at, value, p)),
+                "endpoint_header" => {
+                    read::set(&mut retry.endpoint_header, read::string(at, value, p))
+                }
+                "max_answer_bytes" => {
+                    read::set(&mut retry.max_answer_bytes, read::u64(at, value, p))
+                }
+                // Not in RETRY_FIELDS: named by `read::fields`.
+                _ => {}
+            },
+        )?;
+        Some(retry)
+    }
+}
+
+/// The fields of `guard`, as a refusal lists them.
+const GUARD_FIELDS: &[&str] = &[
+    "enabled",
+    "max_loss_percent",
+    "min_ips",
+    "min_service_ips",
+    "confirm_ms",
+];
+
+impl GuardConfig {
+    /// The guard's knobs at `path`: [`RawConfig::read`]'s rules.
+    fn read(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Self> {
+        let mut guard = Self::default();
+        read::fields(
+            path,
+            value,
+            "struct GuardConfig",
+            GUARD_FIELDS,
+            problems,
+            &mut |key, at, value, p| match key {
+                "enabled" => read::set(&mut guard.enabled, read::boolean(at, value, p)),
+                "max_loss_percent" => {
+                    read::set(&mut guard.max_loss_percent, read::u32(at, value, p))
+                }
+                "min_ips" => read::set(&mut guard.min_ips, read::u64(at, value, p)),
+                "min_service_ips" => read::set(&mut guard.min_service_ips, read::u64(at, value, p)),
+                "confirm_ms" => read::set(&mut guard.confirm_ms, read::u64(at, value, p)),
+                // Not in GUARD_FIELDS: named by `read::fields`.
+                _ => {}
+            },
+        )?;
+        Some(guard)
+    }
+}
+
+/// The fields of `policy`, as a refusal lists them.
+const POLICY_FIELDS: &[&str] = &["failure_policy", "terminating", "unknown_service"];
+
+/// The verdict policy at `path`: [`RawConfig::read`]'s rules.
+fn read_policy(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Policy> {
+    let mut policy = Policy::default();
+    read::fields(
+        path,
+        value,
+        "struct Policy",
+        POLICY_FIELDS,
+        problems,
+        &mut |key, at, value, p| match key {
+            "failure_policy" => read::set(
+                &mut policy.failure_policy,
+                read::variant(at, value, FAILURE_POLICIES, p),
+            ),
+            "terminating" => read::set(
+                &mut policy.terminating,
+                read::variant(at, value, ACTIONS, p),
+            ),
+            "unknown_service" => read::set(
+                &mut policy.unknown_service,
+                read::variant(at, value, ACTIONS, p),
+            ),
+            // Not in POLICY_FIELDS: named by `read::fields`.
+            _ => {}
+        },
+    )?;
+    Some(policy)
+}
+
+/// The fields of a `clusters` rule, as a refusal lists them.
+const CLUSTER_RULE_FIELDS: &[&str] = &["name", "prefix", "service"];
+
+/// The cluster rule at `path`: [`RawConfig::read`]'s rules; a rule without
+/// a valid `service` is left out.
+fn read_cluster_rule(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<ClusterRule> {
+    let (mut name, mut prefix, mut service) = (None, None, None);
+    read::fields(
+        path,
+        value,
+        "struct ClusterRule",
+        CLUSTER_RULE_FIELDS,
+        problems,
+        &mut |key, at, value, p| match key {
+            "name" => name = read::unless_null(value).and_then(|v| read::string(at, v, p)),
+            "prefix" => prefix = read::unless_null(value).and_then(|v| read::string(at, v, p)),
+            "service" => {
+                service = read::string(at, value, p).and_then(|s| match s.parse::<ServiceKey>() {
+                    Ok(key) => Some(key),
+                    Err(e) => {
+                        p.push(format!("{at}: {e}"));
+                        None
+                    }
+                });
+            }
+            // Not in CLUSTER_RULE_FIELDS: named by `read::fields`.
+            _ => {}
+        },
+    )?;
+    let Some(service) = service else {
+        read::missing(path, "service", problems);
+        return None;
     };
-    let probe = |candidate: &Value| refusal::<RawConfig>(candidate);
-    let accepted = narrow_object("", fields, seed, &probe, problems)?;
-    match RawConfig::deserialize(&accepted) {
-        Ok(raw) => Some(raw),
-        Err(e) => {
-            problems.push(e.to_string());
-            None
-        }
+    Some(ClusterRule {
+        name,
+        prefix,
+        service,
+    })
+}
+
+/// A JSON value's kind, for messages.
+fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 

@@ -52,7 +52,6 @@
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 
-use serde::Deserialize;
 use staleguard_core::wire::Delta;
 use staleguard_core::{Policy, ServiceKey, Snapshot};
 
@@ -68,8 +67,7 @@ use judged::Judged;
 pub use seed::Seeded;
 
 /// The guard's knobs (`guard` in the plugin configuration).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GuardConfig {
     /// Hold answers that trip a threshold (default true).
     pub enabled: bool,

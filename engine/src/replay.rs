@@ -29,10 +29,11 @@
 
 use std::net::SocketAddr;
 
-use serde::Deserialize;
 use staleguard_core::ip::canonical;
 
-use crate::config::{header_problem, RetryConfig};
+use serde_json::{Map, Value};
+
+use crate::config::{header_problem, read, RetryConfig};
 use crate::members::Member;
 
 /// The twin's answer header that says "my pick was not one of the named
@@ -457,55 +458,93 @@ impl Replay {
 /// The plugin configuration of the filter in a twin cluster:
 /// `{"replay_twin": {"endpoint_header": "..."}}`. The twin needs no index: it
 /// only checks that its load balancer picked a host the origin named.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TwinConfig {
     /// The header carrying the named hosts (as `retry.endpoint_header`).
-    #[serde(default = "crate::config::default_endpoint_header")]
     pub endpoint_header: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TwinDocument {
-    replay_twin: TwinConfig,
 }
 
 impl TwinConfig {
     /// The twin configuration, if `bytes` is one (`Ok(None)`: it is not a
     /// twin configuration, parse it as the guard's).
     pub fn parse(bytes: &[u8]) -> Result<Option<Self>, String> {
-        let Some(twin) = role::<TwinDocument>(bytes, "replay_twin", "a replay twin")? else {
+        let Some(twin) = role(bytes, "replay_twin", "a replay twin", Self::read)? else {
             return Ok(None);
         };
-        let twin = twin.replay_twin;
         if let Some(problem) = header_problem("replay_twin.endpoint_header", &twin.endpoint_header)
         {
             return Err(problem);
         }
         Ok(Some(twin))
     }
+
+    /// The twin's fields at `path`, as the guard's configuration is read.
+    fn read(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Self> {
+        let mut twin = Self {
+            endpoint_header: crate::config::default_endpoint_header(),
+        };
+        read::fields(
+            path,
+            value,
+            "struct TwinConfig",
+            &["endpoint_header"],
+            problems,
+            &mut |key, at, value, p| {
+                if key == "endpoint_header" {
+                    read::set(&mut twin.endpoint_header, read::string(at, value, p));
+                }
+            },
+        )?;
+        Some(twin)
+    }
 }
 
-/// A role's plugin configuration (`{"<key>": {...}}`, parsed as `D`), if
-/// `bytes` is one: `Ok(None)` when it is not (parse it as another role's),
-/// an error naming `what` when it is but does not parse.
-pub(crate) fn role<D: serde::de::DeserializeOwned>(
+/// A role's plugin configuration (`{"<key>": {...}}`, its value read by
+/// `read_role`), if `bytes` is one: `Ok(None)` when it is not (parse it as
+/// another role's), every problem naming `what` when it is but does not
+/// read.
+pub(crate) fn role<T>(
     bytes: &[u8],
     key: &str,
     what: &str,
-) -> Result<Option<D>, String> {
-    let Ok(value) = crate::config::json_value(bytes) else {
+    read_role: impl FnOnce(&str, &Value, &mut Vec<String>) -> Option<T>,
+) -> Result<Option<T>, String> {
+    let Some((doc, mut problems)) = role_document(bytes, key) else {
         return Ok(None);
     };
-    if value.get(key).is_none() {
-        return Ok(None);
+    let read = doc
+        .get(key)
+        .and_then(|value| read_role(key, value, &mut problems));
+    match refusal(what, &problems) {
+        Some(refused) => Err(refused),
+        None => Ok(read),
     }
-    // From `&Value`, as the guard's configuration is read (`crate::config`):
-    // one instantiation of serde_json's value deserializer in the module.
-    D::deserialize(&value)
-        .map(Some)
-        .map_err(|e| format!("plugin configuration of {what} refused: {e}"))
+}
+
+/// The document `bytes`, if it has the field `key`, with a problem for
+/// each other field: a role's document has no other.
+fn role_document(bytes: &[u8], key: &str) -> Option<(Map<String, Value>, Vec<String>)> {
+    let Ok(Value::Object(doc)) = crate::config::json_value(bytes) else {
+        return None;
+    };
+    if !doc.contains_key(key) {
+        return None;
+    }
+    let mut problems = Vec::new();
+    for other in doc.keys().filter(|k| *k != key) {
+        read::unknown(other, other, &[key], &mut problems);
+    }
+    Some((doc, problems))
+}
+
+/// The refusal of a role's document with `problems`, if it has any.
+fn refusal(what: &str, problems: &[String]) -> Option<String> {
+    (!problems.is_empty()).then(|| {
+        format!(
+            "plugin configuration of {what} refused: {}",
+            problems.join("; ")
+        )
+    })
 }
 
 /// The twin's check: is the host its load balancer picked (`address`, as

@@ -4,11 +4,8 @@
 //! debugging); the token inside it prints as a placeholder. The only way to the
 //! text is [`Secret::expose`], used where the `Authorization` header is built.
 
-use serde::Deserialize;
-
 /// A string that `Debug` never shows.
-#[derive(Clone, PartialEq, Eq, Deserialize)]
-#[serde(transparent)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
 
 impl Secret {

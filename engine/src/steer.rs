@@ -19,10 +19,11 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use serde::Deserialize;
 use staleguard_core::ServiceKey;
 
-use crate::config::{header_problem, range_problem, RetryConfig, HOSTS_PER_CALL};
+use serde_json::Value;
+
+use crate::config::{header_problem, range_problem, read, RetryConfig, HOSTS_PER_CALL};
 use crate::host::SharedData;
 use crate::members::Member;
 use crate::replay;
@@ -30,32 +31,26 @@ use crate::replay;
 /// The plugin configuration of the steering role:
 /// `{"steer": {"service": "ns/name", "port": 8080}}`; it steers only while
 /// stale picks of the service were seen recently (`while_stale_ms`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SteerConfig {
     /// The service whose live members are named (`namespace/name`).
     pub service: String,
     /// The members' port, when the index does not list their ports.
     pub port: u16,
     /// The header the twin's load balancer reads (as `retry.endpoint_header`).
-    #[serde(default = "crate::config::default_endpoint_header")]
     pub endpoint_header: String,
     /// Members named per request (the twin takes the first that is one of
     /// its endpoints).
-    #[serde(default = "crate::config::default_hosts_per_attempt")]
     pub hosts: u32,
     /// The guard's `reject_header`: taken out of the answers to steered
     /// requests, since the body path's route retries an answer carrying it.
-    #[serde(default = "crate::config::default_reject_header")]
     pub reject_header: String,
     /// No successful sync for longer than this: the index names no one (as
     /// the guard's `max_staleness_ms`; its members may have died since).
-    #[serde(default = "crate::config::default_max_staleness_ms")]
     pub max_staleness_ms: u64,
     /// Steer only while the guard judged a pick of the service stale
     /// (destroyed or recycled) within this long; otherwise the request keeps
     /// the guarded cluster and its own load balancing. `0`: always steer.
-    #[serde(default = "default_while_stale_ms")]
     pub while_stale_ms: u64,
 }
 
@@ -78,19 +73,22 @@ pub fn record_stale_pick(store: &mut dyn SharedData, service: &ServiceKey, now_m
     let _ = store.set(&stale_seen_key(service), &now_ms.to_le_bytes(), None);
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SteerDocument {
-    steer: SteerConfig,
-}
+/// The fields of `steer`, as a refusal lists them.
+const STEER_FIELDS: &[&str] = &[
+    "service",
+    "port",
+    "endpoint_header",
+    "hosts",
+    "reject_header",
+    "max_staleness_ms",
+    "while_stale_ms",
+];
 
 impl SteerConfig {
     /// The steering configuration, if `bytes` is one (`Ok(None)`: it is
     /// not; parse it as another role's).
     pub fn parse(bytes: &[u8]) -> Result<Option<Self>, String> {
-        let Some(SteerDocument { steer }) =
-            replay::role::<SteerDocument>(bytes, "steer", "the steering role")?
-        else {
+        let Some(steer) = replay::role(bytes, "steer", "the steering role", Self::read)? else {
             return Ok(None);
         };
         let mut problems = Vec::new();
@@ -113,6 +111,51 @@ impl SteerConfig {
         } else {
             Err(problems.join("; "))
         }
+    }
+
+    /// The steering role's fields at `path`, as the guard's configuration
+    /// is read.
+    fn read(path: &str, value: &Value, problems: &mut Vec<String>) -> Option<Self> {
+        let (mut service, mut port) = (None, None);
+        let mut steer = Self {
+            service: String::new(),
+            port: 0,
+            endpoint_header: crate::config::default_endpoint_header(),
+            hosts: crate::config::default_hosts_per_attempt(),
+            reject_header: crate::config::default_reject_header(),
+            max_staleness_ms: crate::config::default_max_staleness_ms(),
+            while_stale_ms: default_while_stale_ms(),
+        };
+        read::fields(
+            path,
+            value,
+            "struct SteerConfig",
+            STEER_FIELDS,
+            problems,
+            &mut |key, at, value, p| match key {
+                "service" => service = read::string(at, value, p).or(Some(String::new())),
+                "port" => port = read::u16(at, value, p).or(Some(0)),
+                "endpoint_header" => {
+                    read::set(&mut steer.endpoint_header, read::string(at, value, p))
+                }
+                "hosts" => read::set(&mut steer.hosts, read::u32(at, value, p)),
+                "reject_header" => read::set(&mut steer.reject_header, read::string(at, value, p)),
+                "max_staleness_ms" => {
+                    read::set(&mut steer.max_staleness_ms, read::u64(at, value, p))
+                }
+                "while_stale_ms" => read::set(&mut steer.while_stale_ms, read::u64(at, value, p)),
+                // Not in STEER_FIELDS: named by `read::fields`.
+                _ => {}
+            },
+        )?;
+        for (field, given) in [("service", service.is_some()), ("port", port.is_some())] {
+            if !given {
+                read::missing(path, field, problems);
+            }
+        }
+        steer.service = service?;
+        steer.port = port?;
+        Some(steer)
     }
 
     /// The service, as the index keys it.
@@ -199,6 +242,46 @@ mod tests {
         }
         assert!(bad.contains("steer.hosts 0 not in 1..=64"), "{bad}");
         assert!(SteerConfig::parse(br#"{"steer":{"service":"a/b","port":1,"x":1}}"#).is_err());
+    }
+
+    /// What each kind of mistake in the steering role's document is called.
+    #[test]
+    fn a_steering_configuration_that_does_not_read_says_what_is_wrong() {
+        for (doc, says) in [
+            (
+                r#"{"steer":{"service":"a/b","port":1,"x":1}}"#,
+                "unknown field `x`, expected one of `service`, `port`, `endpoint_header`, \
+                 `hosts`, `reject_header`, `max_staleness_ms`, `while_stale_ms`",
+            ),
+            (r#"{"steer":{"service":"a/b"}}"#, "missing field `port`"),
+            (
+                r#"{"steer":{"service":"a/b","port":65536}}"#,
+                "invalid value: integer `65536`, expected u16",
+            ),
+            (
+                r#"{"steer":{"service":"a/b","port":"1"}}"#,
+                r#"invalid type: string "1", expected u16"#,
+            ),
+            (
+                r#"{"steer":{"service":"a/b","port":1},"validator_cluster":"x"}"#,
+                "unknown field `validator_cluster`, expected `steer`",
+            ),
+            (
+                r#"{"steer":1}"#,
+                "invalid type: integer `1`, expected struct SteerConfig",
+            ),
+            (
+                r#"{"steer":{"service":"a/b","port":1,"hosts":-1}}"#,
+                "invalid value: integer `-1`, expected u32",
+            ),
+        ] {
+            let refusal = SteerConfig::parse(doc.as_bytes()).unwrap_err();
+            assert!(
+                refusal.starts_with("plugin configuration of the steering role refused: ")
+                    && refusal.contains(says),
+                "{doc}: {refusal}"
+            );
+        }
     }
 
     #[test]

@@ -351,3 +351,351 @@ fn garbage_is_refused() {
         assert!(Config::parse(bad).is_err());
     }
 }
+
+/// The problems of a document that has some.
+fn problems_of(doc: &str) -> Vec<String> {
+    match Config::parse(doc.as_bytes()) {
+        Ok(c) => panic!("{doc} was accepted: {c:?}"),
+        Err(e) => e.problems(),
+    }
+}
+
+/// The message of every kind of field (string, integers in and out of their
+/// type's range, boolean, enum, nested object, array and its items), pinned
+/// so that how the document is read can change without the operator seeing
+/// a different refusal.
+#[test]
+fn each_kind_of_field_names_its_path_what_was_found_and_what_is_accepted() {
+    for (field_and_value, expected) in [
+        // Strings.
+        (
+            r#""validator_authority":1"#,
+            "validator_authority: invalid type: integer `1`, expected a string",
+        ),
+        (
+            r#""token_env":true"#,
+            "token_env: invalid type: boolean `true`, expected a string",
+        ),
+        (
+            r#""reject_header":5"#,
+            "reject_header: invalid type: integer `5`, expected a string",
+        ),
+        // Integers: negative, too large for u32, not whole, null, other types.
+        (
+            r#""poll_wait_s":-1"#,
+            "poll_wait_s: invalid value: integer `-1`, expected u32",
+        ),
+        (
+            r#""poll_wait_s":4294967296"#,
+            "poll_wait_s: invalid value: integer `4294967296`, expected u32",
+        ),
+        (
+            r#""poll_wait_s":1.5"#,
+            "poll_wait_s: invalid type: floating point `1.5`, expected u32",
+        ),
+        (
+            r#""poll_wait_s":null"#,
+            "poll_wait_s: invalid type: null, expected u32",
+        ),
+        (
+            r#""poll_wait_s":true"#,
+            "poll_wait_s: invalid type: boolean `true`, expected u32",
+        ),
+        (
+            r#""reject_status":"503""#,
+            r#"reject_status: invalid type: string "503", expected u32"#,
+        ),
+        (
+            r#""max_staleness_ms":"1""#,
+            r#"max_staleness_ms: invalid type: string "1", expected u64"#,
+        ),
+        (
+            r#""sync_page_bytes":-5"#,
+            "sync_page_bytes: invalid value: integer `-5`, expected u32",
+        ),
+        (
+            r#""sync_page_bytes":{}"#,
+            "sync_page_bytes: invalid type: map, expected u32",
+        ),
+        // Booleans.
+        (
+            r#""istio":"yes""#,
+            r#"istio: invalid type: string "yes", expected a boolean"#,
+        ),
+        (
+            r#""istio":null"#,
+            "istio: invalid type: null, expected a boolean",
+        ),
+        // Enums: an unknown variant.
+        (
+            r#""mode":"Audit""#,
+            "mode: unknown variant `Audit`, expected `enforce` or `audit`",
+        ),
+        (
+            r#""on_reject":"replay""#,
+            "on_reject: unknown variant `replay`, expected `reject` or `retry`",
+        ),
+        // Nested objects.
+        (
+            r#""policy":1"#,
+            "policy: invalid type: integer `1`, expected struct Policy",
+        ),
+        (
+            r#""policy":null"#,
+            "policy: invalid type: null, expected struct Policy",
+        ),
+        (
+            r#""guard":1"#,
+            "guard: invalid type: integer `1`, expected struct GuardConfig",
+        ),
+        (
+            r#""retry":1"#,
+            "retry: invalid type: integer `1`, expected struct RetryConfig",
+        ),
+        (
+            r#""guard":{"max_loss_percent":4294967296}"#,
+            "guard.max_loss_percent: invalid value: integer `4294967296`, expected u32",
+        ),
+        // Arrays and their items.
+        (
+            r#""clusters":{}"#,
+            "clusters: invalid type: map, expected a sequence",
+        ),
+        (
+            r#""clusters":["a"]"#,
+            r#"clusters[0]: invalid type: string "a", expected struct ClusterRule"#,
+        ),
+        (
+            r#""clusters":[{"name":"a","service":"shop/a","x":1}]"#,
+            "clusters[0].x: unknown field `x`, expected one of `name`, `prefix`, `service`",
+        ),
+        (
+            r#""pod_cidrs":"10.0.0.0/8""#,
+            r#"pod_cidrs: invalid type: string "10.0.0.0/8", expected a sequence"#,
+        ),
+    ] {
+        let doc = format!(r#"{{"validator_cluster":"sg",{field_and_value}}}"#);
+        assert_eq!(problems_of(&doc), [expected], "{doc}");
+    }
+}
+
+#[test]
+fn an_enum_of_the_wrong_type_is_named_with_its_field() {
+    for (field_and_value, start) in [
+        (r#""mode":null"#, "mode: invalid type: null, expected "),
+        (
+            r#""mode":["audit"]"#,
+            "mode: invalid type: sequence, expected ",
+        ),
+        (
+            r#""on_reject":2"#,
+            "on_reject: invalid type: integer `2`, expected ",
+        ),
+        (
+            r#""policy":{"failure_policy":null}"#,
+            "policy.failure_policy: invalid type: null, expected ",
+        ),
+    ] {
+        let doc = format!(r#"{{"validator_cluster":"sg",{field_and_value}}}"#);
+        let problems = problems_of(&doc);
+        assert_eq!(problems.len(), 1, "{doc}: {problems:?}");
+        assert!(problems[0].starts_with(start), "{doc}: {problems:?}");
+    }
+}
+
+#[test]
+fn every_wrong_field_of_a_nested_object_is_named() {
+    assert_eq!(
+        problems_of(
+            r#"{"validator_cluster":"sg","guard":{"enabled":"no","max_loss_percent":-1,
+            "min_ips":1.5,"min_service_ips":"2","confirm_ms":null}}"#
+        ),
+        [
+            "guard.confirm_ms: invalid type: null, expected u64",
+            r#"guard.enabled: invalid type: string "no", expected a boolean"#,
+            "guard.max_loss_percent: invalid value: integer `-1`, expected u32",
+            "guard.min_ips: invalid type: floating point `1.5`, expected u64",
+            r#"guard.min_service_ips: invalid type: string "2", expected u64"#,
+        ]
+    );
+    assert_eq!(
+        problems_of(
+            r#"{"validator_cluster":"sg","retry":{"twin_suffix":1,"methods":"GET","attempts":-2,
+            "hosts_per_attempt":"8","timeout_ms":true,"endpoint_header":[],"max_answer_bytes":-1}}"#
+        ),
+        [
+            "retry.attempts: invalid value: integer `-2`, expected u32",
+            "retry.endpoint_header: invalid type: sequence, expected a string",
+            r#"retry.hosts_per_attempt: invalid type: string "8", expected u32"#,
+            "retry.max_answer_bytes: invalid value: integer `-1`, expected u64",
+            r#"retry.methods: invalid type: string "GET", expected a sequence"#,
+            "retry.timeout_ms: invalid type: boolean `true`, expected u64",
+            "retry.twin_suffix: invalid type: integer `1`, expected a string",
+        ]
+    );
+    assert_eq!(
+        problems_of(
+            r#"{"validator_cluster":"sg","policy":{"terminating":"drop","unknown_service":"allow"}}"#
+        ),
+        ["policy.terminating: unknown variant `drop`, expected `allow` or `reject`"]
+    );
+}
+
+#[test]
+fn a_cluster_rule_without_a_valid_service_is_named_and_left_out() {
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","clusters":[{"name":"a","service":"nope"}]}"#),
+        [
+            r#"clusters[0].service: service "nope" is not of the form NAMESPACE/NAME"#,
+            "clusters[0]: missing field `service`",
+        ]
+    );
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","clusters":[{"prefix":3,"service":5}]}"#),
+        [
+            "clusters[0].prefix: invalid type: integer `3`, expected a string",
+            "clusters[0].service: invalid type: integer `5`, expected a string",
+            "clusters[0]: missing field `service`",
+        ]
+    );
+}
+
+#[test]
+fn each_unknown_field_is_named_with_the_fields_accepted() {
+    let accepted = "expected one of `validator_cluster`, `validator_authority`, `token`, \
+        `token_env`, `poll_wait_s`, `max_staleness_ms`, `tick_ms`, `lease_ttl_ms`, \
+        `backoff_initial_ms`, `backoff_max_ms`, `sync_page_bytes`, `mode`, `reject_status`, \
+        `reject_header`, `policy`, `istio`, `clusters`, `guard`, `on_reject`, `retry`, `pod_cidrs`";
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","a":1,"b":2}"#),
+        [
+            format!("a: unknown field `a`, {accepted}"),
+            format!("b: unknown field `b`, {accepted}"),
+        ]
+    );
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","guard":{"enable":true}}"#),
+        [
+            "guard.enable: unknown field `enable`, expected one of `enabled`, `max_loss_percent`, \
+          `min_ips`, `min_service_ips`, `confirm_ms`"
+        ]
+    );
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","retry":{"atempts":2}}"#),
+        [
+            "retry.atempts: unknown field `atempts`, expected one of `twin_suffix`, `methods`, \
+          `attempts`, `hosts_per_attempt`, `timeout_ms`, `endpoint_header`, `max_answer_bytes`"
+        ]
+    );
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","policy":{"fail":1}}"#),
+        [
+            "policy.fail: unknown field `fail`, expected one of `failure_policy`, `terminating`, \
+          `unknown_service`"
+        ]
+    );
+}
+
+#[test]
+fn null_is_the_default_of_an_optional_field() {
+    let c = Config::parse(
+        br#"{"validator_cluster":"sg","validator_authority":null,"token":null,"token_env":null,
+        "sync_page_bytes":null,"on_reject":null,"retry":null}"#,
+    )
+    .unwrap();
+    assert_eq!(c.authority, "sg");
+    assert_eq!(
+        (c.token, c.token_env, c.sync_page_bytes),
+        (None, None, None)
+    );
+    assert!(c.retry.is_none());
+}
+
+#[test]
+fn every_field_written_is_read() {
+    let c = Config::parse_outside_gateway(
+        br#"{"validator_cluster":"sg","validator_authority":"v","token_env":"T","poll_wait_s":2,"max_staleness_ms":9000,
+        "tick_ms":20,"lease_ttl_ms":40,"backoff_initial_ms":7,"backoff_max_ms":70,
+        "sync_page_bytes":4096,"mode":"audit","reject_status":429,"reject_header":"x-h",
+        "policy":{"failure_policy":"closed","terminating":"reject","unknown_service":"reject"},
+        "istio":false,"clusters":[{"prefix":"p-","service":"a/b"}],
+        "guard":{"enabled":false,"max_loss_percent":9,"min_ips":3,"min_service_ips":4,"confirm_ms":5},
+        "on_reject":"reject",
+        "retry":{"twin_suffix":"-t","methods":["PUT"],"attempts":2,"hosts_per_attempt":3,
+        "timeout_ms":4,"endpoint_header":"x-e","max_answer_bytes":5},
+        "pod_cidrs":["10.0.0.0/8"]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (c.authority.as_str(), c.token_env.as_deref()),
+        ("v", Some("T"))
+    );
+    assert_eq!(
+        (c.poll_wait_s, c.max_staleness_ms, c.tick_ms, c.lease_ttl_ms),
+        (2, 9000, 20, 40)
+    );
+    assert_eq!((c.backoff_initial_ms, c.backoff_max_ms), (7, 70));
+    assert_eq!(c.sync_page_bytes, Some(4096));
+    assert_eq!(c.mode, Mode::Audit);
+    assert_eq!((c.reject_status, c.reject_header.as_str()), (429, "x-h"));
+    assert_eq!(
+        c.policy,
+        Policy {
+            failure_policy: FailurePolicy::Closed,
+            terminating: staleguard_core::verdict::Action::Reject,
+            unknown_service: staleguard_core::verdict::Action::Reject,
+        }
+    );
+    assert!(!c.istio);
+    assert_eq!(
+        c.clusters,
+        [ClusterRule {
+            name: None,
+            prefix: Some("p-".to_owned()),
+            service: staleguard_core::ServiceKey::new("a", "b"),
+        }]
+    );
+    assert_eq!(
+        c.guard,
+        GuardConfig {
+            enabled: false,
+            max_loss_percent: 9,
+            min_ips: 3,
+            min_service_ips: 4,
+            confirm_ms: 5,
+        }
+    );
+    assert!(c.replay().is_none(), "on_reject: reject");
+    assert_eq!(
+        c.retry,
+        Some(RetryConfig {
+            twin_suffix: "-t".to_owned(),
+            methods: vec!["PUT".to_owned()],
+            attempts: 2,
+            hosts_per_attempt: 3,
+            timeout_ms: 4,
+            endpoint_header: "x-e".to_owned(),
+            max_answer_bytes: 5,
+        })
+    );
+    assert_eq!(c.pod_cidrs.len(), 1);
+}
+
+/// serde read a struct from an array of its fields in order, and an enum
+/// from a one-entry object; no operator writes either, and a typo that
+/// became one was taken silently.
+#[test]
+fn an_array_is_not_a_nested_object_nor_an_object_an_enum() {
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","guard":[false]}"#),
+        ["guard: invalid type: sequence, expected struct GuardConfig"]
+    );
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","policy":[]}"#),
+        ["policy: invalid type: sequence, expected struct Policy"]
+    );
+    assert_eq!(
+        problems_of(r#"{"validator_cluster":"sg","mode":{"audit":null}}"#),
+        ["mode: invalid type: map, expected `enforce` or `audit`"]
+    );
+}

@@ -313,3 +313,33 @@ fn twin_configurations_are_recognised_and_checked() {
     assert!(TwinConfig::parse(br#"{"replay_twin":{},"validator_cluster":"sg"}"#).is_err());
     assert!(TwinConfig::parse(br#"{"replay_twin":{"endpoint_header":"X Y"}}"#).is_err());
 }
+
+/// What each kind of mistake in a twin's document is called.
+#[test]
+fn a_twin_configuration_that_does_not_read_says_what_is_wrong() {
+    for (doc, says) in [
+        (
+            r#"{"replay_twin":{"endpint_header":"x"}}"#,
+            "unknown field `endpint_header`, expected `endpoint_header`",
+        ),
+        (
+            r#"{"replay_twin":{},"validator_cluster":"sg"}"#,
+            "unknown field `validator_cluster`, expected `replay_twin`",
+        ),
+        (
+            r#"{"replay_twin":{"endpoint_header":1}}"#,
+            "invalid type: integer `1`, expected a string",
+        ),
+        (
+            r#"{"replay_twin":null}"#,
+            "invalid type: null, expected struct TwinConfig",
+        ),
+    ] {
+        let refusal = TwinConfig::parse(doc.as_bytes()).unwrap_err();
+        assert!(
+            refusal.starts_with("plugin configuration of a replay twin refused: ")
+                && refusal.contains(says),
+            "{doc}: {refusal}"
+        );
+    }
+}
