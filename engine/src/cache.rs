@@ -36,7 +36,8 @@
 //! readable entries are kept: a rejection is never served from a cache.
 //!
 //! A host that asks for them ([`Cache::keep_passes`], the native module) also
-//! gets the requests allowed before by the texts Envoy named them with
+//! (and built with the engine's `passes` feature) gets the requests allowed
+//! before by the texts Envoy named them with
 //! ([`Cache::pass`]): the upstream address and the cluster, the store's write
 //! count they were judged at and until when the data they were judged on is
 //! fresh. A request that matches all four is counted as the one before it
@@ -174,12 +175,14 @@ impl Cache {
     /// the module docs): for a host whose texts are lent, not copied, and
     /// whose store counts its writes.
     pub fn keep_passes(&mut self) {
-        self.passes.get_or_insert_with(FastMap::default);
+        if cfg!(feature = "passes") {
+            self.passes.get_or_insert_with(FastMap::default);
+        }
     }
 
     /// Whether [`Cache::keep_passes`] was asked for.
     pub fn keeps_passes(&self) -> bool {
-        self.passes.is_some()
+        cfg!(feature = "passes") && self.passes.is_some()
     }
 
     /// The service and reason of the request allowed before to `address`
@@ -192,6 +195,9 @@ impl Cache {
         writes: u64,
         now_ms: u64,
     ) -> Option<(&Rc<Resolved>, Reason)> {
+        if !self.keeps_passes() {
+            return None;
+        }
         let pass = self.passes.as_ref()?.get(address)?;
         (pass.writes == writes && now_ms <= pass.fresh_until_ms && *pass.cluster == *cluster)
             .then_some((&pass.service, pass.reason))

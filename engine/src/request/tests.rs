@@ -320,6 +320,7 @@ fn steer_while_stale_ms_steers_only_after_a_stale_pick_and_for_that_long() {
 /// `loaded`'s root and host with passes kept and a store that counts its
 /// writes (what the native module runs), and one GET to the member
 /// 10.0.0.1 judged in full: the pass it leaves.
+#[cfg(feature = "passes")]
 fn passing() -> (Root, FakeHost) {
     let (root, mut host) = loaded("{}", &["10.0.0.1"]);
     let root = root.with_known_passes();
@@ -334,6 +335,7 @@ fn passing() -> (Root, FakeHost) {
 }
 
 #[test]
+#[cfg(feature = "passes")]
 fn a_known_pass_is_counted_as_the_request_judged_in_full_was() {
     let (mut root, mut host) = passing();
     let allowed = metrics::requests(CART, Reason::Member, Effect::Allow);
@@ -350,6 +352,7 @@ fn a_known_pass_is_counted_as_the_request_judged_in_full_was() {
 }
 
 #[test]
+#[cfg(feature = "passes")]
 fn a_pass_goes_with_any_write_to_the_store() {
     let (root, mut host) = passing();
     assert!(root.pass_known(&mut host));
@@ -361,6 +364,7 @@ fn a_pass_goes_with_any_write_to_the_store() {
 }
 
 #[test]
+#[cfg(feature = "passes")]
 fn a_pass_goes_when_its_data_is_no_longer_fresh_and_the_failure_policy_decides() {
     let (mut root, mut host) = passing();
     let max = Config::parse(&crate::fake::shipped_config("{}"))
@@ -378,6 +382,7 @@ fn a_pass_goes_when_its_data_is_no_longer_fresh_and_the_failure_policy_decides()
 }
 
 #[test]
+#[cfg(feature = "passes")]
 fn a_pass_is_for_its_cluster_only() {
     let (root, mut host) = passing();
     host.properties
@@ -386,6 +391,7 @@ fn a_pass_is_for_its_cluster_only() {
 }
 
 #[test]
+#[cfg(feature = "passes")]
 fn a_rejected_or_unknown_host_is_never_a_pass() {
     let (root, mut host) = passing();
     get_to(&mut host, "10.0.0.9");
@@ -397,6 +403,7 @@ fn a_rejected_or_unknown_host_is_never_a_pass() {
 }
 
 #[test]
+#[cfg(feature = "passes")]
 fn no_pass_without_asking_or_without_a_write_count() {
     let (root, mut host) = loaded("{}", &["10.0.0.1"]);
     host.writes = Some(1);
@@ -409,6 +416,7 @@ fn no_pass_without_asking_or_without_a_write_count() {
 }
 
 #[test]
+#[cfg(feature = "passes")]
 fn a_new_configuration_forgets_the_passes() {
     let (mut root, mut host) = passing();
     assert!(root.pass_known(&mut host));
