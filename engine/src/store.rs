@@ -41,8 +41,9 @@ pub struct MemoryStore {
 }
 
 impl MemoryStore {
-    /// Every key's value, to compare two stores.
-    #[cfg(test)]
+    /// Every key's value, to compare two stores (answers in pages against
+    /// the same answer whole).
+    #[cfg(all(test, feature = "pages"))]
     pub(crate) fn values(&self) -> std::collections::BTreeMap<String, Vec<u8>> {
         self.entries
             .iter()

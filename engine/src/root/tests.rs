@@ -379,6 +379,7 @@ fn a_root_that_takes_the_lease_over_holds_what_its_predecessor_held() {
 }
 
 #[test]
+#[cfg(feature = "pages")]
 fn with_sync_page_bytes_a_snapshot_is_asked_for_and_put_together_in_pages() {
     let mut host = started_host();
     let mut root = Root::new(1).with_sync_page_bytes(Some(16_384));

@@ -848,8 +848,10 @@ fn a_reset_holding_one_record_at_a_time(encoding: packed::Encoding) {
 
 // === answers in pages ===
 
+#[cfg(feature = "pages")]
 const PAGE: u32 = 100;
 
+#[cfg(feature = "pages")]
 fn paging() -> SyncConfig {
     SyncConfig {
         page_bytes: Some(PAGE),
@@ -884,6 +886,7 @@ fn page_headers(whole: &[u8], offset: usize) -> PageHeaders {
 
 /// Serves `whole` to `p` in pages of [`PAGE`] bytes as the validator does,
 /// checking each request for the next page; what the last page did.
+#[cfg(feature = "pages")]
 fn serve_in_pages(
     p: &mut Poller,
     store: &mut MemoryStore,
@@ -923,6 +926,7 @@ fn packed_snapshot(epoch: u64, generation: u64, ips: &[String]) -> Vec<u8> {
 }
 
 #[test]
+#[cfg(feature = "pages")]
 fn an_answer_in_pages_applies_exactly_as_the_same_answer_whole() {
     let whole = packed_snapshot(9, 3, &twenty_ips());
     assert!(whole.len() > 3 * PAGE as usize, "{}", whole.len());
@@ -961,6 +965,7 @@ fn an_answer_in_pages_applies_exactly_as_the_same_answer_whole() {
 }
 
 #[test]
+#[cfg(feature = "pages")]
 fn a_reset_answering_a_long_poll_in_pages_replaces_the_index() {
     let (mut p, mut store) = loaded(&["10.0.0.99"]);
     p.config.page_bytes = Some(PAGE);
@@ -976,6 +981,7 @@ fn a_reset_answering_a_long_poll_in_pages_replaces_the_index() {
 
 /// A poller that received the first page of `whole` (a snapshot) and asked
 /// for the second.
+#[cfg(feature = "pages")]
 fn first_page_in(whole: &[u8]) -> (Poller, MemoryStore) {
     let mut store = MemoryStore::default();
     let mut p = Poller::new(paging(), 7);
@@ -998,6 +1004,7 @@ fn first_page_in(whole: &[u8]) -> (Poller, MemoryStore) {
 
 /// After a failed page: nothing was written, the poller waits out a
 /// backoff, then starts over with a snapshot (never another page).
+#[cfg(feature = "pages")]
 fn starts_over(p: &mut Poller, store: &MemoryStore) {
     assert!(IndexReader::new(store).meta().is_none());
     assert_eq!(p.next_request(10, store), None, "backoff");
@@ -1005,6 +1012,7 @@ fn starts_over(p: &mut Poller, store: &MemoryStore) {
 }
 
 #[test]
+#[cfg(feature = "pages")]
 fn a_page_that_does_not_continue_the_answer_drops_it_and_the_sync_starts_over() {
     let whole = packed_snapshot(9, 3, &twenty_ips());
     let second = &whole[PAGE as usize..2 * PAGE as usize];
@@ -1046,6 +1054,7 @@ fn a_page_that_does_not_continue_the_answer_drops_it_and_the_sync_starts_over() 
 }
 
 #[test]
+#[cfg(feature = "pages")]
 fn an_answer_the_validator_no_longer_holds_starts_the_sync_over() {
     let whole = packed_snapshot(9, 3, &twenty_ips());
     let (mut p, mut store) = first_page_in(&whole);
@@ -1061,6 +1070,7 @@ fn an_answer_the_validator_no_longer_holds_starts_the_sync_over() {
 }
 
 #[test]
+#[cfg(feature = "pages")]
 fn a_page_lost_to_the_watchdog_drops_the_answer() {
     let whole = packed_snapshot(9, 3, &twenty_ips());
     let (mut p, store) = first_page_in(&whole);
@@ -1073,6 +1083,7 @@ fn a_page_lost_to_the_watchdog_drops_the_answer() {
 }
 
 #[test]
+#[cfg(feature = "pages")]
 fn a_claimed_length_no_answer_can_have_is_refused_before_anything_is_reserved() {
     let whole = packed_snapshot(9, 3, &twenty_ips());
     let mut store = MemoryStore::default();
@@ -1110,6 +1121,7 @@ fn a_claimed_length_no_answer_can_have_is_refused_before_anything_is_reserved() 
 }
 
 #[test]
+#[cfg(feature = "pages")]
 fn a_validator_that_refuses_page_bytes_is_asked_for_whole_answers_at_once() {
     let mut store = MemoryStore::default();
     let mut p = Poller::new(paging(), 7);
