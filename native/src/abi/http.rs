@@ -392,6 +392,9 @@ extern "C" fn envoy_dynamic_module_on_http_filter_new(
 /// Whether a hook makes the request's [`Filter`] when it has none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Making {
+    /// The request's headers when they end it: counted as a pass if they
+    /// are one ([`Root::pass_known`]), with no filter made; else as `Make`.
+    PassOrMake,
     /// The request's headers: the filter's first hook.
     Make,
     /// Any later hook: without a filter (done, or never made), nothing to do.
@@ -426,14 +429,20 @@ fn with_request(
             metrics,
             next_context,
         } = &mut *vm;
+        if !metrics.pending.is_empty() {
+            metrics.flush_pending(filter_envoy);
+        }
+        if making == Making::PassOrMake && request.filter.is_none() {
+            let mut host = EnvoyHost::new(config.envoy, Some(filter_envoy), metrics);
+            if root.pass_known(&mut host) {
+                return Some(Next::Continue);
+            }
+        }
         let filter = request.filter.get_or_insert_with(|| {
             let id = *next_context;
             *next_context = id.wrapping_add(1);
             root.filter(id)
         });
-        if !metrics.pending.is_empty() {
-            metrics.flush_pending(filter_envoy);
-        }
         let mut host = EnvoyHost::new(config.envoy, Some(filter_envoy), metrics);
         host.answer = answer;
         let action = step(filter, &mut host);
@@ -490,33 +499,6 @@ fn status_of(action: Option<Next>) -> u32 {
     }
 }
 
-/// A request that ends with its headers, to a host allowed before
-/// ([`Root::pass_known`]): counted, under the lock, with no [`Filter`] made.
-fn passed_known(filter_envoy: *mut c_void, request: *const c_void) -> bool {
-    if is_noop(request) {
-        return false;
-    }
-    // SAFETY: as in `with_request`: a RequestFilter made by filter_new and
-    // alive until filter_destroy.
-    let Some(request) = (unsafe { request.cast::<RequestFilter>().as_ref() }) else {
-        return false;
-    };
-    if request.filter.is_some() {
-        return false;
-    }
-    // SAFETY: a filter's config outlives it.
-    let Some(config) = (unsafe { request.config.as_ref() }) else {
-        return false;
-    };
-    let mut vm = config.lock();
-    let Vm { root, metrics, .. } = &mut *vm;
-    if !metrics.pending.is_empty() {
-        metrics.flush_pending(filter_envoy);
-    }
-    let mut host = EnvoyHost::new(config.envoy, Some(filter_envoy), metrics);
-    root.pass_known(&mut host)
-}
-
 /// The request's headers: the verdict on the host Envoy picked.
 #[no_mangle]
 extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
@@ -525,14 +507,16 @@ extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     contain("http_filter_request_headers", CONTINUE, || {
-        if end_of_stream && passed_known(filter_envoy, request) {
-            return CONTINUE;
-        }
+        let making = if end_of_stream {
+            Making::PassOrMake
+        } else {
+            Making::Make
+        };
         status_of(with_request(
             filter_envoy,
             request,
             None,
-            Making::Make,
+            making,
             |f, host| f.request_headers(host, end_of_stream),
         ))
     })
