@@ -35,12 +35,11 @@
 //! the clusters (a new configuration, every tick). Only allowing verdicts on
 //! readable entries are kept: a rejection is never served from a cache.
 //!
-//! A host that asks for them ([`Cache::keep_passes`], the native module) also
-//! (and built with the engine's `passes` feature) gets the requests allowed
-//! before by the texts Envoy named them with
-//! ([`Cache::pass`]): the upstream address and the cluster, the store's write
-//! count they were judged at and until when the data they were judged on is
-//! fresh. A request that matches all four is counted as the one before it
+//! A host that asks for them ([`Cache::keep_passes`]: the native module, with
+//! the engine's `passes` feature) also gets the requests allowed before, by
+//! the texts Envoy named them with ([`Cache::pass`]): the upstream address and
+//! the cluster, with the store's write count they were judged at and until
+//! when the data they were judged on is fresh. A request that matches all four is counted as the one before it
 //! was, without parsing its address or resolving its cluster
 //! ([`crate::root::Root::pass_known`]). Passes go with the allowing verdicts
 //! and with any write to the store.

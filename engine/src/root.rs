@@ -132,6 +132,7 @@ impl Root {
             return false;
         };
         let now_ms = host.coarse_now_ms();
+        let mut m = self.vm.metrics.borrow_mut();
         let counted = {
             let (cluster, address) = host.upstream_texts();
             let (Some(cluster), Some(address)) = (cluster, address) else {
@@ -141,15 +142,13 @@ impl Root {
             let Some((service, reason)) = cache.pass(&cluster, &address, writes, now_ms) else {
                 return false;
             };
-            let mut m = self.vm.metrics.borrow_mut();
-            let label = m.services.id(service);
             Count::Request {
-                label,
+                label: m.services.id(service),
                 reason,
                 action: Counted::Effect(Effect::Allow),
             }
         };
-        self.vm.metrics.borrow_mut().count(host, counted);
+        m.count(host, counted);
         true
     }
 
